@@ -1,0 +1,83 @@
+"""The staged driver: source -> AST -> IR (checked) -> per-specialization KernelSpec -> WGSL.
+
+Each stage is a separate call so every intermediate can be inspected or dumped.
+"""
+from __future__ import annotations
+
+from .codegen.render import render
+from .dsl.parser import parse
+from .ir.build import build_kernel
+from .ir.nodes import KernelIR, format_ir
+from .schedule import KernelSpec, specialize
+
+
+class Kernel:
+    """One checked kernel; specializations are made per (sizes, bucket) and memoised."""
+
+    def __init__(self, ir: KernelIR):
+        self.ir = ir
+        self._specs: dict[tuple, KernelSpec] = {}
+
+    @property
+    def name(self) -> str:
+        return self.ir.name
+
+    def __repr__(self) -> str:
+        ins = ", ".join(f"{t.name}: {t.dtype}[{', '.join(t.shape)}]" for t in self.ir.inputs)
+        ins += "".join(f", {s}: f32" for s in self.ir.scalars)
+        outs = ", ".join(f"{t.name}: {t.dtype}[{', '.join(t.shape)}]" for t in self.ir.outputs)
+        return f"kernel {self.name}({ins}) -> ({outs})"
+
+    def specialize(self, dims: dict[str, int], bucket: int = 1) -> KernelSpec:
+        key = (tuple(sorted(dims.items())), bucket)
+        spec = self._specs.get(key)
+        if spec is None:
+            spec = self._specs[key] = specialize(self.ir, dims, bucket)
+        return spec
+
+    def wgsl(self, dims: dict[str, int], bucket: int = 1) -> str:
+        return render(self.specialize(dims, bucket))
+
+    def format_ir(self) -> str:
+        return format_ir(self.ir)
+
+
+class Module:
+    """The kernels of one source, by name (``module.rmsnorm`` or ``module["rmsnorm"]``)."""
+
+    def __init__(self, kernels: dict[str, Kernel], filename: str):
+        self.kernels = kernels
+        self.filename = filename
+
+    def __getitem__(self, name: str) -> Kernel:
+        try:
+            return self.kernels[name]
+        except KeyError:
+            raise KeyError(f"no kernel {name!r} in {self.filename}; it has: {', '.join(self.kernels)}") from None
+
+    def __getattr__(self, name: str) -> Kernel:
+        if name.startswith("_") or name in ("kernels", "filename"):
+            raise AttributeError(name)
+        try:
+            return self[name]
+        except KeyError as e:
+            raise AttributeError(str(e)) from None
+
+    def __iter__(self):
+        return iter(self.kernels.values())
+
+    def __len__(self) -> int:
+        return len(self.kernels)
+
+
+def compile_source(text: str, filename: str = "<source>") -> Module:
+    """Parse and check every kernel in ``text``; raises DslError with file:line:col on any problem."""
+    src = parse(text, filename)
+    kernels: dict[str, Kernel] = {}
+    for kdef in src.kernels:
+        if kdef.name in kernels:
+            from .dsl.errors import DslError
+            raise DslError(f"kernel {kdef.name!r} is defined twice", filename=filename, line=kdef.loc.line,
+                           column=kdef.loc.column, source=text, expected="unique kernel names")
+        kernels[kdef.name] = Kernel(build_kernel(kdef, src))
+    return Module(kernels, filename)

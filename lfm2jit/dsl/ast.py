@@ -1,0 +1,114 @@
+"""Typed, frozen AST nodes for the kernel language; every node carries its source line and column."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Loc:
+    line: int
+    column: int
+
+
+@dataclass(frozen=True)
+class TypeSpec:
+    """``f32[T, D]``; ``dims`` is empty for a scalar. A dim is an axis name or an integer size."""
+    dtype: str
+    dims: tuple[str | int, ...]
+    loc: Loc
+
+
+@dataclass(frozen=True)
+class Param:
+    name: str
+    type: TypeSpec
+    loc: Loc
+
+
+@dataclass(frozen=True)
+class Number:
+    value: float
+    text: str
+    loc: Loc
+
+
+@dataclass(frozen=True)
+class Var:
+    name: str
+    loc: Loc
+
+
+@dataclass(frozen=True)
+class BinOp:
+    op: str          # add sub mul div pow lt gt
+    lhs: "Expr"
+    rhs: "Expr"
+    loc: Loc
+
+
+@dataclass(frozen=True)
+class Neg:
+    operand: "Expr"
+    loc: Loc
+
+
+@dataclass(frozen=True)
+class Call:
+    func: str
+    args: tuple["Expr", ...]
+    loc: Loc
+
+
+Expr = Number | Var | BinOp | Neg | Call
+
+
+@dataclass(frozen=True)
+class Assign:
+    target: str
+    value: Expr
+    loc: Loc
+
+
+@dataclass(frozen=True)
+class KernelDef:
+    name: str
+    inputs: tuple[Param, ...]
+    outputs: tuple[Param, ...]
+    body: tuple[Assign, ...]
+    loc: Loc
+
+
+@dataclass(frozen=True)
+class SourceFile:
+    filename: str
+    text: str
+    kernels: tuple[KernelDef, ...]
+
+
+def unparse_expr(e: Expr) -> str:
+    """Source text for an expression, fully parenthesised: parse(unparse(x)) == x up to locations."""
+    if isinstance(e, Number):
+        return e.text
+    if isinstance(e, Var):
+        return e.name
+    if isinstance(e, Neg):
+        return f"(-{unparse_expr(e.operand)})"
+    if isinstance(e, BinOp):
+        sym = {"add": "+", "sub": "-", "mul": "*", "div": "/", "pow": "**", "lt": "<", "gt": ">"}[e.op]
+        return f"({unparse_expr(e.lhs)} {sym} {unparse_expr(e.rhs)})"
+    return f"{e.func}({', '.join(unparse_expr(a) for a in e.args)})"
+
+
+def unparse(src: SourceFile) -> str:
+    """Source text for a whole file, used by the round-trip tests and by ``dump --ast``."""
+    def typ(t: TypeSpec) -> str:
+        return t.dtype + (f"[{', '.join(str(d) for d in t.dims)}]" if t.dims else "")
+
+    out = []
+    for k in src.kernels:
+        ins = ", ".join(f"{p.name}: {typ(p.type)}" for p in k.inputs)
+        outs = ", ".join(f"{p.name}: {typ(p.type)}" for p in k.outputs)
+        out.append(f"kernel {k.name}({ins}) -> ({outs}) {{")
+        out.extend(f"    {s.target} = {unparse_expr(s.value)}" for s in k.body)
+        out.append("}")
+    return "\n".join(out) + "\n"

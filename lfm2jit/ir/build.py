@@ -1,0 +1,218 @@
+"""AST -> typed IR: resolves names, checks dtypes and shapes, broadcasts by axis name."""
+from __future__ import annotations
+
+import math
+
+from ..dsl import ast
+from ..dsl.errors import DslError
+from .nodes import SEQ_AXIS, KernelIR, Node, TensorArg
+from .ops import (BINARY_FUNCS, BINOP_NAMES, DTYPES, FLOAT_DTYPES, FLOAT_ONLY, REDUCE_FUNCS,
+                  UNARY_FUNCS, Op)
+
+ABSTRACT = "float"   # the dtype of a literal until it meets a typed operand
+
+
+def _fmt(dtype: str, shape: tuple[str, ...]) -> str:
+    return dtype + (f"[{', '.join(shape)}]" if shape else " scalar")
+
+
+class _Builder:
+    def __init__(self, kdef: ast.KernelDef, src: ast.SourceFile):
+        self.kdef = kdef
+        self.src = src
+        self.env: dict[str, Node] = {}
+        self.interned: dict[tuple, Node] = {}
+        self.fixed_dims: dict[str, int] = {}
+
+    def error(self, loc: ast.Loc, message: str, expected: str | None = None) -> DslError:
+        return DslError(message, filename=self.src.filename, line=loc.line, column=loc.column,
+                        source=self.src.text, expected=expected)
+
+    def node(self, op: Op, srcs: tuple[Node, ...], shape, dtype: str, arg=None) -> Node:
+        key = (op, tuple(id(s) for s in srcs), tuple(shape), dtype, arg)
+        if key not in self.interned:
+            self.interned[key] = Node(op, srcs, tuple(shape), dtype, arg)
+        return self.interned[key]
+
+    # ---- signature ----
+    def shape_of(self, p: ast.Param) -> tuple[str, ...]:
+        t = p.type
+        if t.dtype not in DTYPES:
+            raise self.error(t.loc, f"unknown dtype {t.dtype!r}", expected=", ".join(DTYPES))
+        shape: list[str] = []
+        for d in t.dims:
+            name = str(d)
+            if isinstance(d, int):
+                if d < 1:
+                    raise self.error(t.loc, f"axis size {d} of {p.name!r} is not positive", "a size >= 1")
+                self.fixed_dims[name] = d
+            if name in shape:
+                raise self.error(t.loc, f"axis {name} appears twice in the type of {p.name!r}",
+                                 "each axis name once per tensor")
+            shape.append(name)
+        if SEQ_AXIS in shape and shape[0] != SEQ_AXIS:
+            raise self.error(t.loc, f"axis {SEQ_AXIS} of {p.name!r} is not the leading axis",
+                             f"{SEQ_AXIS} first, so that padding a sequence pads a suffix")
+        return tuple(shape)
+
+    def signature(self):
+        names: set[str] = set()
+        inputs, scalars, outputs = [], [], []
+        for p in self.kdef.inputs + self.kdef.outputs:
+            if p.name in names:
+                raise self.error(p.loc, f"parameter {p.name!r} is declared twice", "unique parameter names")
+            names.add(p.name)
+        for p in self.kdef.inputs:
+            shape = self.shape_of(p)
+            if shape:
+                inputs.append(TensorArg(p.name, p.type.dtype, shape))
+                self.env[p.name] = self.node(Op.INPUT, (), shape, p.type.dtype, p.name)
+            else:
+                if p.type.dtype != "f32":
+                    raise self.error(p.type.loc, f"scalar parameter {p.name!r} has dtype {p.type.dtype}",
+                                     "f32 (runtime scalars live in one f32 uniform block)")
+                scalars.append(p.name)
+                self.env[p.name] = self.node(Op.SCALAR, (), (), "f32", p.name)
+        for p in self.kdef.outputs:
+            shape = self.shape_of(p)
+            if not shape:
+                raise self.error(p.type.loc, f"output {p.name!r} is a scalar", "outputs are tensors, e.g. f32[T]")
+            outputs.append(TensorArg(p.name, p.type.dtype, shape))
+        return tuple(inputs), tuple(scalars), tuple(outputs)
+
+    # ---- expressions ----
+    def unify_dtype(self, loc, what: str, a: Node, b: Node) -> str:
+        if a.dtype == ABSTRACT:
+            return b.dtype
+        if b.dtype == ABSTRACT or a.dtype == b.dtype:
+            return a.dtype
+        raise self.error(loc, f"dtype mismatch in {what}: {a.dtype} and {b.dtype}",
+                         "operands of one dtype (cast with f32(...) or f16(...))")
+
+    def broadcast(self, loc, what: str, *xs: Node) -> tuple[str, ...]:
+        out: tuple[str, ...] = ()
+        for x in xs:
+            if _is_subsequence(x.shape, out):
+                continue
+            if _is_subsequence(out, x.shape):
+                out = x.shape
+                continue
+            raise self.error(loc, f"cannot broadcast {what}: shapes [{', '.join(out)}] and [{', '.join(x.shape)}]",
+                             "one operand's axes to be a subsequence, in order, of the other's")
+        return out
+
+    def expr(self, e: ast.Expr) -> Node:
+        if isinstance(e, ast.Number):
+            if not math.isfinite(e.value) or abs(e.value) > 3.4028234e38:
+                raise self.error(e.loc, f"number {e.text} is out of range", "a finite f32 value")
+            return self.node(Op.CONST, (), (), ABSTRACT, e.value)
+        if isinstance(e, ast.Var):
+            if e.name not in self.env:
+                raise self.error(e.loc, f"unknown name {e.name!r}", self._known())
+            return self.env[e.name]
+        if isinstance(e, ast.Neg):
+            x = self.expr(e.operand)
+            if x.dtype == "u32":
+                raise self.error(e.loc, "cannot negate a u32 value", "a signed or float operand")
+            return self.node(Op.NEG, (x,), x.shape, x.dtype)
+        if isinstance(e, ast.BinOp):
+            return self.binary(e.loc, BINOP_NAMES[e.op], e.op, self.expr(e.lhs), self.expr(e.rhs))
+        return self.call(e)
+
+    def binary(self, loc, op: Op, what: str, a: Node, b: Node) -> Node:
+        dtype = self.unify_dtype(loc, what, a, b)
+        if op in FLOAT_ONLY and dtype not in FLOAT_DTYPES + (ABSTRACT,):
+            raise self.error(loc, f"{what} needs float operands, got {dtype}", "f32 or f16 operands")
+        # comparisons give 0 or 1 in the operands' dtype, so they compose with arithmetic
+        return self.node(op, (a, b), self.broadcast(loc, what, a, b), dtype)
+
+    def call(self, e: ast.Call) -> Node:
+        f, args = e.func, e.args
+        if f in REDUCE_FUNCS and len(args) == 2 and isinstance(args[1], ast.Var) and args[1].name not in self.env:
+            return self.reduce(e)
+        if f in UNARY_FUNCS:
+            self.arity(e, 1)
+            x = self.expr(args[0])
+            if x.dtype not in FLOAT_DTYPES + (ABSTRACT,) and UNARY_FUNCS[f] in FLOAT_ONLY:
+                raise self.error(e.loc, f"{f} needs a float operand, got {x.dtype}", "an f32 or f16 operand")
+            return self.node(UNARY_FUNCS[f], (x,), x.shape, x.dtype)
+        if f in BINARY_FUNCS:
+            self.arity(e, 2)
+            return self.binary(e.loc, BINARY_FUNCS[f], f, self.expr(args[0]), self.expr(args[1]))
+        if f == "where":
+            self.arity(e, 3)
+            c, a, b = (self.expr(a) for a in args)
+            dtype = self.unify_dtype(e.loc, "where", a, b)
+            return self.node(Op.WHERE, (c, a, b), self.broadcast(e.loc, "where", c, a, b), dtype)
+        if f in DTYPES:
+            self.arity(e, 1)
+            x = self.expr(args[0])
+            return x if x.dtype == f else self.node(Op.CAST, (x,), x.shape, f, f)
+        if f in REDUCE_FUNCS:
+            raise self.error(e.loc, f"{f}() needs a value and an axis name", f"{f}(value, AXIS), e.g. {f}(x, D)")
+        known = sorted(set(UNARY_FUNCS) | set(BINARY_FUNCS) | set(REDUCE_FUNCS) | {"where"} | set(DTYPES))
+        raise self.error(e.loc, f"unknown function {f!r}", "one of " + ", ".join(known))
+
+    def reduce(self, e: ast.Call) -> Node:
+        x = self.expr(e.args[0])
+        axis = e.args[1].name
+        if axis not in x.shape:
+            raise self.error(e.args[1].loc, f"{e.func}() over axis {axis}, which {_fmt(x.dtype, x.shape)} does not have",
+                             "an axis of the value: " + (", ".join(x.shape) or "none (it is a scalar)"))
+        if x.dtype not in FLOAT_DTYPES:
+            raise self.error(e.loc, f"{e.func}() needs a float value, got {x.dtype}", "an f32 or f16 value")
+        shape = tuple(a for a in x.shape if a != axis)
+        out = self.node(REDUCE_FUNCS[e.func], (x,), shape, x.dtype, axis)
+        if e.func == "mean":
+            out = self.node(Op.DIV, (out, self.node(Op.DIMSIZE, (), (), ABSTRACT, axis)), shape, x.dtype)
+        return out
+
+    def arity(self, e: ast.Call, n: int):
+        if len(e.args) != n:
+            raise self.error(e.loc, f"{e.func}() takes {n} argument{'s' * (n != 1)}, got {len(e.args)}",
+                             f"{n} argument{'s' * (n != 1)}")
+
+    def _known(self) -> str:
+        return "a parameter or an earlier assignment: " + ", ".join(sorted(self.env)) if self.env else "a parameter"
+
+    # ---- body ----
+    def build(self) -> KernelIR:
+        inputs, scalars, outputs = self.signature()
+        declared = {o.name: o for o in outputs}
+        results: dict[str, Node] = {}
+        for st in self.kdef.body:
+            if st.target in self.env:
+                kind = "a parameter" if st.target in {p.name for p in self.kdef.inputs} else "already assigned"
+                raise self.error(st.loc, f"{st.target!r} is {kind}", "a new name (values are assigned once)")
+            value = self.expr(st.value)
+            if st.target in declared:
+                value = self.check_output(st, value, declared[st.target])
+                results[st.target] = value
+            self.env[st.target] = value
+        for o in outputs:
+            if o.name not in results:
+                p = next(p for p in self.kdef.outputs if p.name == o.name)
+                raise self.error(p.loc, f"output {o.name!r} is never assigned", f"an assignment '{o.name} = ...'")
+        return KernelIR(self.kdef.name, inputs, scalars, outputs, results, self.src.text, self.src.filename,
+                        self.kdef.loc.line, dict(self.fixed_dims))
+
+    def check_output(self, st: ast.Assign, value: Node, decl: TensorArg) -> Node:
+        if value.dtype not in (decl.dtype, ABSTRACT):
+            raise self.error(st.loc, f"output {decl.name!r} is declared {decl.dtype} but its value is {value.dtype}",
+                             f"a {decl.dtype} value (cast with {decl.dtype}(...))")
+        if value.shape != decl.shape and not _is_subsequence(value.shape, decl.shape):
+            raise self.error(st.loc, f"output {decl.name!r} is declared {_fmt(decl.dtype, decl.shape)} "
+                             f"but its value is {_fmt(value.dtype, value.shape)}", _fmt(decl.dtype, decl.shape))
+        if value.dtype == ABSTRACT:
+            value = self.node(Op.CAST, (value,), value.shape, decl.dtype, decl.dtype)
+        return value
+
+
+def _is_subsequence(small: tuple[str, ...], big: tuple[str, ...]) -> bool:
+    it = iter(big)
+    return all(a in it for a in small)
+
+
+def build_kernel(kdef: ast.KernelDef, src: ast.SourceFile) -> KernelIR:
+    """Check one parsed kernel and lower it to IR; raises DslError with the source location."""
+    return _Builder(kdef, src).build()

@@ -1,0 +1,86 @@
+"""Typed IR: a DAG of nodes with named symbolic axes (T is the sequence axis) and a dtype."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .ops import Op
+
+SEQ_AXIS = "T"
+
+
+@dataclass(frozen=True, eq=False)
+class Node:
+    """One value of the kernel. ``shape`` is a tuple of axis names (an integer size is spelled "3")."""
+    op: Op
+    srcs: tuple["Node", ...]
+    shape: tuple[str, ...]
+    dtype: str
+    arg: object = None
+
+    def __repr__(self) -> str:
+        return f"{self.op.name}{list(self.shape)}:{self.dtype}" + (f"({self.arg})" if self.arg is not None else "")
+
+
+@dataclass(frozen=True)
+class TensorArg:
+    name: str
+    dtype: str
+    shape: tuple[str, ...]
+
+
+@dataclass
+class KernelIR:
+    """A checked kernel: its signature and, for each output, the node that computes it."""
+    name: str
+    inputs: tuple[TensorArg, ...]
+    scalars: tuple[str, ...]
+    outputs: tuple[TensorArg, ...]
+    results: dict[str, Node]
+    source: str = ""
+    filename: str = "<source>"
+    line: int = 0
+    fixed_dims: dict[str, int] = field(default_factory=dict)   # integer axes written in the source
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        """Every axis the signature names, in first-seen order."""
+        seen: dict[str, None] = {}
+        for t in self.inputs + self.outputs:
+            for a in t.shape:
+                seen.setdefault(a, None)
+        return tuple(seen)
+
+
+def toposort(roots, stop=frozenset()) -> list[Node]:
+    """All nodes reachable from roots, each after its sources, in a deterministic order.
+
+    Nodes whose id is in ``stop`` are neither returned nor walked into (already computed values).
+    """
+    order: list[Node] = []
+    seen: set[int] = set()
+    stack = [(r, False) for r in reversed(list(roots))]
+    while stack:
+        node, expanded = stack.pop()
+        if id(node) in seen or id(node) in stop:
+            continue
+        if expanded:
+            seen.add(id(node))
+            order.append(node)
+            continue
+        stack.append((node, True))
+        stack.extend((s, False) for s in reversed(node.srcs) if id(s) not in seen)
+    return order
+
+
+def format_ir(kernel: KernelIR) -> str:
+    """A readable listing of the IR, one node per line (``dump --ir``)."""
+    order = toposort(kernel.results.values())
+    names = {id(n): f"%{i}" for i, n in enumerate(order)}
+    lines = [f"kernel {kernel.name}"]
+    for n in order:
+        srcs = ", ".join(names[id(s)] for s in n.srcs)
+        arg = f" {n.arg!r}" if n.arg is not None else ""
+        lines.append(f"  {names[id(n)]} = {n.op.name.lower()}({srcs}){arg} : {n.dtype}[{', '.join(n.shape)}]")
+    for name, n in kernel.results.items():
+        lines.append(f"  out {name} = {names[id(n)]}")
+    return "\n".join(lines)

@@ -1,0 +1,43 @@
+"""The IR's one op enum and its groups, so passes ask "is this a reduce?" once."""
+from __future__ import annotations
+
+from enum import Enum, auto
+
+
+class Op(Enum):
+    INPUT = auto()      # a tensor argument; arg = name
+    SCALAR = auto()     # a runtime scalar argument (uniform buffer); arg = name
+    CONST = auto()      # a literal; arg = float
+    DIMSIZE = auto()    # the concrete size of an axis, known at specialization; arg = axis name
+    # unary
+    NEG = auto(); EXP = auto(); LOG = auto(); SQRT = auto(); RSQRT = auto(); ABS = auto()  # noqa: E702
+    SIGMOID = auto(); SILU = auto(); TANH = auto(); RECIP = auto()  # noqa: E702
+    CAST = auto()       # arg = target dtype
+    # binary
+    ADD = auto(); SUB = auto(); MUL = auto(); DIV = auto(); POW = auto()  # noqa: E702
+    MAX = auto(); MIN = auto(); LT = auto(); GT = auto()  # noqa: E702
+    # ternary
+    WHERE = auto()
+    # reductions over one axis; arg = axis name
+    SUM = auto(); RMAX = auto()  # noqa: E702
+
+
+LEAF = frozenset({Op.INPUT, Op.SCALAR, Op.CONST, Op.DIMSIZE})
+UNARY = frozenset({Op.NEG, Op.EXP, Op.LOG, Op.SQRT, Op.RSQRT, Op.ABS, Op.SIGMOID, Op.SILU, Op.TANH,
+                   Op.RECIP, Op.CAST})
+BINARY = frozenset({Op.ADD, Op.SUB, Op.MUL, Op.DIV, Op.POW, Op.MAX, Op.MIN, Op.LT, Op.GT})
+COMPARE = frozenset({Op.LT, Op.GT})
+REDUCE = frozenset({Op.SUM, Op.RMAX})
+FLOAT_ONLY = frozenset({Op.EXP, Op.LOG, Op.SQRT, Op.RSQRT, Op.SIGMOID, Op.SILU, Op.TANH, Op.RECIP, Op.POW})
+
+# DSL function names -> ops. Reductions are named here too; a call is a reduction when its second
+# argument names an axis of the first.
+UNARY_FUNCS = {"exp": Op.EXP, "log": Op.LOG, "sqrt": Op.SQRT, "rsqrt": Op.RSQRT, "abs": Op.ABS,
+               "sigmoid": Op.SIGMOID, "silu": Op.SILU, "tanh": Op.TANH, "recip": Op.RECIP}
+BINARY_FUNCS = {"max": Op.MAX, "min": Op.MIN}
+REDUCE_FUNCS = {"sum": Op.SUM, "max": Op.RMAX, "mean": Op.SUM}
+BINOP_NAMES = {"add": Op.ADD, "sub": Op.SUB, "mul": Op.MUL, "div": Op.DIV, "pow": Op.POW,
+               "lt": Op.LT, "gt": Op.GT}
+
+DTYPES = ("f32", "f16", "i32", "u32")
+FLOAT_DTYPES = ("f32", "f16")

@@ -1,0 +1,31 @@
+"""The kernels that ship with lfm2jit: every ``kernels/*.lk`` file in the package, by kernel name."""
+from __future__ import annotations
+
+from functools import lru_cache
+from importlib import resources
+
+from .compiler import Kernel, compile_source
+
+
+def sources() -> dict[str, str]:
+    """File name -> text of each shipped kernel source."""
+    root = resources.files("lfm2jit").joinpath("kernels")
+    return {p.name: p.read_text() for p in sorted(root.iterdir(), key=lambda p: p.name) if p.name.endswith(".lk")}
+
+
+@lru_cache(maxsize=1)
+def kernels() -> dict[str, Kernel]:
+    out: dict[str, Kernel] = {}
+    for fname, text in sources().items():
+        for k in compile_source(text, f"lfm2jit/kernels/{fname}"):
+            if k.name in out:
+                raise RuntimeError(f"kernel {k.name!r} is defined in two shipped files")
+            out[k.name] = k
+    return out
+
+
+def get(name: str) -> Kernel:
+    ks = kernels()
+    if name not in ks:
+        raise KeyError(f"no shipped kernel named {name!r}; available: {', '.join(sorted(ks))}")
+    return ks[name]

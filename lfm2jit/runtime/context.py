@@ -1,0 +1,91 @@
+"""WgpuContext: one adapter and device, chosen and configured for compute."""
+from __future__ import annotations
+
+import weakref
+
+import wgpu
+
+from ..settings import settings
+
+# Preference order: a discrete GPU beats an integrated one, which beats a CPU rasterizer.
+_TYPE_RANK = {"DiscreteGPU": 0, "IntegratedGPU": 1, "VirtualGPU": 2, "CPU": 3}
+_BACKEND_RANK = {"Vulkan": 0, "Metal": 0, "D3D12": 0, "OpenGL": 2}
+OPTIONAL_FEATURES = ("shader-f16", "subgroup", "timestamp-query")
+RAISED_LIMITS = ("max-storage-buffer-binding-size", "max-buffer-size", "max-compute-workgroup-storage-size",
+                 "max-storage-buffers-per-shader-stage", "max-compute-invocations-per-workgroup",
+                 "max-compute-workgroup-size-x", "max-compute-workgroup-size-y")
+NO_ADAPTER_HELP = ("wgpu found no adapter. Without a GPU, install Mesa's Vulkan CPU driver: "
+                   "apt-get install -y mesa-vulkan-drivers libvulkan1")
+
+
+class AdapterError(RuntimeError):
+    """No adapter, or none matching LFM2JIT_ADAPTER."""
+
+
+def describe(adapter) -> str:
+    info = adapter.info
+    return f"{info.get('device', '?')} ({info.get('adapter_type', '?')}, {info.get('backend_type', '?')})"
+
+
+def _rank(adapter) -> tuple[int, int]:
+    info = adapter.info
+    return (_TYPE_RANK.get(info.get("adapter_type"), 4), _BACKEND_RANK.get(info.get("backend_type"), 1))
+
+
+def choose_adapter(adapters, wanted: str | None):
+    """The best adapter, or the best one whose name/vendor/backend contains ``wanted``."""
+    if not adapters:
+        raise AdapterError(NO_ADAPTER_HELP)
+    pool = list(adapters)
+    if wanted:
+        def text(a):
+            i = a.info
+            return " ".join(str(i.get(k, "")) for k in ("device", "vendor", "description", "backend_type",
+                                                          "adapter_type")).lower()
+        pool = [a for a in pool if wanted.lower() in text(a)]
+        if not pool:
+            listing = "\n".join(f"  - {describe(a)}" for a in adapters)
+            raise AdapterError(f"LFM2JIT_ADAPTER={wanted!r} matches none of the adapters:\n{listing}")
+    return min(pool, key=_rank)
+
+
+class WgpuContext:
+    """The device everything runs on, with the optional features it offers and raised limits."""
+
+    def __init__(self, adapter, device, features: frozenset[str]):
+        self.adapter = adapter
+        self.device = device
+        self.queue = device.queue
+        self.features = features
+        self.limits = dict(device.limits)
+        self.info = dict(adapter.info)
+        self._engines: weakref.WeakSet = weakref.WeakSet()
+
+    @classmethod
+    def create(cls, adapter_substring: str | None = None) -> "WgpuContext":
+        wanted = adapter_substring if adapter_substring is not None else settings().adapter
+        adapter = choose_adapter(wgpu.gpu.enumerate_adapters_sync(), wanted)
+        features = frozenset(f for f in OPTIONAL_FEATURES if f in adapter.features)
+        limits = {k: adapter.limits[k] for k in RAISED_LIMITS if k in adapter.limits}
+        device = adapter.request_device_sync(required_features=sorted(features), required_limits=limits)
+        return cls(adapter, device, features)
+
+    @property
+    def name(self) -> str:
+        return describe(self.adapter)
+
+    @property
+    def has_f16(self) -> bool:
+        return "shader-f16" in self.features
+
+    @property
+    def has_timestamps(self) -> bool:
+        return "timestamp-query" in self.features
+
+    def register(self, engine) -> None:
+        self._engines.add(engine)
+
+    def flush(self) -> None:
+        """Submit every engine's recorded work, so reads and writes see it in order."""
+        for engine in list(self._engines):
+            engine.flush()

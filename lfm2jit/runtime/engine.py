@@ -1,0 +1,248 @@
+"""ComputeEngine: compiles specs into pipelines once, records dispatches, submits them together.
+
+Work is recorded, not run: ``run`` validates its arguments (before any GPU work), makes or reuses
+the pipeline, and appends one dispatch. Everything recorded goes into one command encoder when
+``flush`` is called, which reading a tensor does by itself.
+
+Kernels never read or write rows at or past ``t_valid`` (the real sequence length), so inputs need
+no padding copies and padded rows of outputs are never written.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+import wgpu
+
+from .. import library
+from ..cache import CacheStats, Timer, WgslDiskCache, generate_wgsl
+from ..compiler import Kernel
+from ..ir.nodes import SEQ_AXIS
+from ..schedule import KernelSpec
+from ..settings import settings
+from .pool import BufferPool
+from .tensor import ITEMSIZE, Tensor, buffer_bytes, infer_dtype
+
+MAX_GROUPS_PER_DIM = 65535
+MAX_QUERIES = 4096
+
+
+class ShaderCompileError(RuntimeError):
+    """The adapter's shader compiler rejected generated WGSL (a compiler bug, not a user error)."""
+
+
+@dataclass
+class Compiled:
+    spec: KernelSpec
+    wgsl: str
+    pipeline: object
+    layout: object
+
+
+def fold_workgroups(total: int) -> tuple[int, int]:
+    """Split a workgroup count over x and y so neither exceeds the per-dimension limit."""
+    if total <= MAX_GROUPS_PER_DIM:
+        return max(total, 1), 1
+    y = -(-total // MAX_GROUPS_PER_DIM)
+    if y > MAX_GROUPS_PER_DIM:
+        raise ValueError(f"{total} workgroups exceed {MAX_GROUPS_PER_DIM}**2, the most one dispatch can fold")
+    return -(-total // y), y
+
+
+class ComputeEngine:
+    def __init__(self, ctx, timing: bool | None = None):
+        self.ctx = ctx
+        self.device = ctx.device
+        self.pool = BufferPool(ctx.device)
+        self.stats = CacheStats()
+        opts = settings()
+        self.disk = WgslDiskCache(opts.cache_dir) if opts.cache_dir else None
+        self.dump_dir = opts.dump_dir
+        want_timing = opts.timing if timing is None else timing
+        self.timing = bool(want_timing and ctx.has_timestamps)
+        self.timings: list[tuple[str, float]] = []   # (kernel, GPU seconds) per timed dispatch
+        self._pipelines: dict[tuple[str, str], Compiled] = {}
+        self._commands: list[tuple[str, Compiled, object, tuple[int, int]]] = []
+        self._keepalive: list = []
+        self.dispatches = 0
+        ctx.register(self)
+
+    # ---- compilation ----
+    def compile(self, kernel: Kernel | str, dims: dict[str, int], bucket: int = 1) -> Compiled:
+        kernel = library.get(kernel) if isinstance(kernel, str) else kernel
+        spec = kernel.specialize(dims, bucket)
+        key = (spec.key, self.ctx.name)
+        compiled = self._pipelines.get(key)
+        if compiled is not None:
+            self.stats.hits += 1
+            return compiled
+        self.stats.misses += 1
+        with Timer() as t:
+            wgsl = generate_wgsl(spec, self.disk, self.stats)
+            compiled = self._build(spec, wgsl)
+        self.stats.compile_seconds += t.seconds
+        self._pipelines[key] = compiled
+        if self.dump_dir is not None:
+            self.dump_dir.mkdir(parents=True, exist_ok=True)
+            (self.dump_dir / f"{spec.kernel}-{spec.key}.wgsl").write_text(wgsl)
+        return compiled
+
+    def _build(self, spec: KernelSpec, wgsl: str) -> Compiled:
+        try:
+            module = self.device.create_shader_module(code=wgsl, label=spec.kernel)
+        except Exception as e:  # wgpu raises its own validation error types
+            raise ShaderCompileError(f"the shader compiler rejected kernel {spec.kernel!r} "
+                                     f"(spec {spec.key}):\n{e}\n--- WGSL ---\n{wgsl}") from None
+        compute = wgpu.ShaderStage.COMPUTE
+        entries = [{"binding": 0, "visibility": compute, "buffer": {"type": wgpu.BufferBindingType.uniform}}]
+        for b in spec.context["bindings"]:
+            kind = wgpu.BufferBindingType.read_only_storage if b["access"] == "read" else wgpu.BufferBindingType.storage
+            entries.append({"binding": b["binding"], "visibility": compute, "buffer": {"type": kind}})
+        layout = self.device.create_bind_group_layout(entries=entries)
+        pipeline = self.device.create_compute_pipeline(
+            layout=self.device.create_pipeline_layout(bind_group_layouts=[layout]),
+            compute={"module": module, "entry_point": "main"}, label=spec.kernel)
+        return Compiled(spec, wgsl, pipeline, layout)
+
+    # ---- tensors ----
+    def empty(self, shape, dtype: str = "f32", capacity: int | None = None) -> Tensor:
+        """A pooled tensor (contents undefined); ``capacity`` elements reserved, at least its size."""
+        n = max(math.prod(shape), capacity or 0)
+        buf = self.pool.acquire(buffer_bytes(n, dtype))
+        return Tensor(self.ctx, buf, shape, dtype, capacity=buf.size // ITEMSIZE[dtype], on_free=self.pool.release)
+
+    def tensor(self, array, dtype: str | None = None) -> Tensor:
+        """Upload a numpy array into a pooled tensor."""
+        arr = np.asarray(array)
+        t = self.empty(arr.shape, dtype or infer_dtype(arr))
+        t.write(arr)
+        return t
+
+    # ---- recording ----
+    def run(self, kernel: Kernel | str, *, bucket: int = 1, dims: dict[str, int] | None = None,
+            out: dict[str, Tensor] | None = None, **args) -> dict[str, Tensor]:
+        """Record one kernel call; returns its outputs by name. Bad arguments raise before GPU work."""
+        kernel = library.get(kernel) if isinstance(kernel, str) else kernel
+        ir = kernel.ir
+        sizes, t_valid = self._bind(ir, args, dims or {})
+        scalars = []
+        for name in ir.scalars:
+            v = args[name]
+            if not isinstance(v, numbers.Real) or isinstance(v, bool) or not math.isfinite(float(v)):
+                raise ValueError(f"{ir.name}: scalar {name!r} must be a finite number, got {v!r}")
+            scalars.append(float(v))
+        compiled = self.compile(kernel, sizes, bucket)
+        spec = compiled.spec
+        outputs = self._outputs(ir, spec, sizes, out or {})
+        info = struct.pack(f"<I{len(scalars)}f", t_valid, *scalars)
+        info += b"\0" * (-len(info) % 16)
+        info_buf = self.device.create_buffer_with_data(data=info, usage=wgpu.BufferUsage.UNIFORM)
+        tensors = [args[n] for n in spec.inputs] + [outputs[n] for n, _, _ in spec.outputs]
+        entries = [{"binding": 0, "resource": {"buffer": info_buf, "offset": 0, "size": info_buf.size}}]
+        entries += [{"binding": i + 1, "resource": {"buffer": t.buffer, "offset": 0, "size": t.buffer.size}}
+                    for i, t in enumerate(tensors)]
+        bind_group = self.device.create_bind_group(layout=compiled.layout, entries=entries)
+        self._commands.append(("dispatch", compiled, bind_group, fold_workgroups(spec.workgroups)))
+        self._keepalive.extend([info_buf, *tensors])
+        self.dispatches += 1
+        return outputs
+
+    def _bind(self, ir, args: dict, dims: dict[str, int]) -> tuple[dict[str, int], int]:
+        expected = [t.name for t in ir.inputs] + list(ir.scalars)
+        unknown = [k for k in args if k not in expected]
+        missing = [k for k in expected if k not in args]
+        if unknown or missing:
+            raise TypeError(f"{ir.name}: " + "; ".join(
+                part for part in (f"unknown arguments {unknown}" if unknown else "",
+                                  f"missing arguments {missing}" if missing else "") if part)
+                + f" (it takes {', '.join(expected)})")
+        sizes: dict[str, int] = {}
+        source: dict[str, str] = {}
+        for name, value in dims.items():
+            sizes[name], source[name] = value, "dims="
+        for t in ir.inputs:
+            x = args[t.name]
+            if not isinstance(x, Tensor):
+                raise TypeError(f"{ir.name}: input {t.name!r} must be a Tensor, got {type(x).__name__}")
+            if x.dtype != t.dtype:
+                raise ValueError(f"{ir.name}: input {t.name!r} has dtype {x.dtype}, expected {t.dtype}")
+            if len(x.shape) != len(t.shape):
+                raise ValueError(f"{ir.name}: input {t.name!r} has shape {list(x.shape)}, expected "
+                                 f"{len(t.shape)} axes [{', '.join(t.shape)}]")
+            for axis, size in zip(t.shape, x.shape):
+                fixed = ir.fixed_dims.get(axis)
+                if fixed is not None and fixed != size:
+                    raise ValueError(f"{ir.name}: input {t.name!r} has size {size} on axis {axis}, expected {fixed}")
+                if axis in sizes and sizes[axis] != size:
+                    raise ValueError(f"{ir.name}: input {t.name!r} has {axis}={size} but {source[axis]} "
+                                     f"says {axis}={sizes[axis]}")
+                sizes[axis], source[axis] = size, f"input {t.name!r}"
+        t_valid = sizes.get(SEQ_AXIS, 1)
+        if t_valid < 1:
+            raise ValueError(f"{ir.name}: sequence length T must be at least 1, got {t_valid}")
+        return sizes, t_valid
+
+    def _outputs(self, ir, spec: KernelSpec, sizes: dict[str, int], out: dict[str, Tensor]) -> dict[str, Tensor]:
+        result = {}
+        for (name, dtype, padded), decl in zip(spec.outputs, ir.outputs):
+            shape = tuple(sizes[a] for a in decl.shape)
+            given = out.get(name)
+            if given is None:
+                result[name] = self.empty(shape, dtype, capacity=math.prod(padded))
+            else:
+                if given.dtype != dtype or given.shape != shape:
+                    raise ValueError(f"{ir.name}: out[{name!r}] is {given.dtype}{list(given.shape)}, "
+                                     f"expected {dtype}{list(shape)}")
+                result[name] = given
+        extra = set(out) - set(result)
+        if extra:
+            raise ValueError(f"{ir.name}: out has unknown outputs {sorted(extra)}")
+        return result
+
+    # ---- submission ----
+    def flush(self) -> None:
+        """Encode every recorded dispatch into one command encoder and submit it."""
+        if not self._commands:
+            return
+        commands, self._commands = self._commands, []
+        step = MAX_QUERIES // 2 if self.timing else len(commands)
+        for start in range(0, len(commands), step):
+            self._submit(commands[start:start + step])
+        self._keepalive.clear()
+        self.pool.release_pending()
+
+    def _submit(self, commands) -> None:
+        encoder = self.device.create_command_encoder()
+        if not self.timing:
+            cpass = encoder.begin_compute_pass()
+            for _, compiled, bind_group, (x, y) in commands:
+                cpass.set_pipeline(compiled.pipeline)
+                cpass.set_bind_group(0, bind_group)
+                cpass.dispatch_workgroups(x, y, 1)
+            cpass.end()
+            self.device.queue.submit([encoder.finish()])
+            return
+        # Timed: one pass per dispatch, and resolve exactly the queries written in this submission.
+        n = 2 * len(commands)
+        qs = self.device.create_query_set(type=wgpu.QueryType.timestamp, count=n)
+        for i, (_, compiled, bind_group, (x, y)) in enumerate(commands):
+            cpass = encoder.begin_compute_pass(timestamp_writes={
+                "query_set": qs, "beginning_of_pass_write_index": 2 * i, "end_of_pass_write_index": 2 * i + 1})
+            cpass.set_pipeline(compiled.pipeline)
+            cpass.set_bind_group(0, bind_group)
+            cpass.dispatch_workgroups(x, y, 1)
+            cpass.end()
+        resolved = self.device.create_buffer(size=8 * n, usage=wgpu.BufferUsage.QUERY_RESOLVE | wgpu.BufferUsage.COPY_SRC)
+        encoder.resolve_query_set(qs, 0, n, resolved, 0)
+        self.device.queue.submit([encoder.finish()])
+        stamps = np.frombuffer(self.device.queue.read_buffer(resolved), dtype=np.uint64)
+        for i, (_, compiled, _, _) in enumerate(commands):
+            self.timings.append((compiled.spec.kernel, float(stamps[2 * i + 1] - stamps[2 * i]) * 1e-9))
+
+    def synchronize(self) -> None:
+        """Flush and wait until the GPU has finished everything submitted."""
+        self.flush()
+        self.device.queue.on_submitted_work_done_sync()

@@ -1,0 +1,35 @@
+"""Every knob lfm2jit reads from the environment, in one place.
+
+LFM2JIT_ADAPTER    substring of the adapter name/vendor/backend to use (default: the best adapter)
+LFM2JIT_CACHE_DIR  directory for the on-disk cache of generated WGSL (default: no disk cache)
+LFM2JIT_DUMP_DIR   directory where every WGSL the engine compiles is also written (default: none)
+LFM2JIT_TIMING     1 to time every dispatch with GPU timestamp queries (default: off)
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Settings:
+    adapter: str | None
+    cache_dir: Path | None
+    dump_dir: Path | None
+    timing: bool
+
+
+def _path(name: str) -> Path | None:
+    value = os.environ.get(name, "").strip()
+    return Path(value).expanduser() if value else None
+
+
+def settings() -> Settings:
+    """Read the environment now (not at import), so tests and tools can change it per run."""
+    return Settings(
+        adapter=os.environ.get("LFM2JIT_ADAPTER", "").strip() or None,
+        cache_dir=_path("LFM2JIT_CACHE_DIR"),
+        dump_dir=_path("LFM2JIT_DUMP_DIR"),
+        timing=os.environ.get("LFM2JIT_TIMING", "").strip() in ("1", "true", "yes"),
+    )
