@@ -121,7 +121,7 @@ def _common(ir: KernelIR, sizes: dict[str, int]) -> dict:
     tensors = [(t, "read") for t in ir.inputs] + [(t, "read_write") for t in ir.outputs]
     return {
         "kernel": ir.name,
-        "dims": [{"name": a, "size": s} for a, s in sizes.items()],
+        "dims": [{"name": ident(a), "size": s} for a, s in sizes.items()],
         "has_seq": SEQ_AXIS in sizes,
         "scalars": list(ir.scalars),
         "uses_f16": any(t.dtype == "f16" for t, _ in tensors),
@@ -130,15 +130,20 @@ def _common(ir: KernelIR, sizes: dict[str, int]) -> dict:
     }
 
 
+def ident(axis: str) -> str:
+    """A WGSL identifier for an axis; integer axes ("3") become "AX3"."""
+    return axis if axis[0].isalpha() or axis[0] == "_" else f"AX{axis}"
+
+
 def _index_names(space: tuple[str, ...]) -> dict[str, str]:
-    return {a: f"i_{a}" for a in space}
+    return {a: f"i_{ident(a)}" for a in space}
 
 
 def _unravel(axes: tuple[str, ...], sizes: dict[str, int], flat: str) -> list[dict]:
     """Index variables for ``axes`` from a flat row-major index, innermost first in the division."""
     out, strides = [], _strides(axes, sizes)
     for a in axes:
-        out.append({"var": f"i_{a}", "expr": f"({flat} / {strides[a]}u) % {sizes[a]}u"})
+        out.append({"var": f"i_{ident(a)}", "expr": f"({flat} / {strides[a]}u) % {sizes[a]}u"})
     return out
 
 
@@ -215,7 +220,7 @@ def _rowreduce(ir: KernelIR, sizes, space, order, reductions):
     final_lets = [vars(x) for x in emitter.emit([ir.results[o.name] for o in elem_outputs], final_scope)]
     wg = min(MAX_WORKGROUP, max(32, 1 << (sizes[col_axis] - 1).bit_length()))
     rows = math.prod(sizes[a] for a in row_axes)
-    row_index = {a: f"i_{a}" for a in row_axes}
+    row_index = _index_names(row_axes)
     ctx = {
         "workgroup_size": wg,
         "rows": rows,

@@ -1,0 +1,162 @@
+"""Runtime behaviour: adapter choice, argument checks, dispatch folding, pooling, timing, recording."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from lfm2jit import ComputeEngine, Tensor, compile_source
+from lfm2jit.runtime.context import AdapterError, choose_adapter
+from lfm2jit.runtime.engine import MAX_GROUPS_PER_DIM, fold_workgroups
+from lfm2jit.runtime.pool import size_class
+from conftest import rel_err
+
+
+class FakeAdapter:
+    def __init__(self, device, adapter_type, backend="Vulkan"):
+        self.info = {"device": device, "adapter_type": adapter_type, "backend_type": backend, "vendor": ""}
+
+
+ADAPTERS = [FakeAdapter("llvmpipe", "CPU"), FakeAdapter("Intel Iris", "IntegratedGPU"),
+            FakeAdapter("NVIDIA H200", "DiscreteGPU"), FakeAdapter("NVIDIA H200", "DiscreteGPU", "OpenGL")]
+
+
+def test_adapter_preference_discrete_then_integrated_then_cpu():
+    assert choose_adapter(ADAPTERS, None) is ADAPTERS[2]
+    assert choose_adapter(ADAPTERS[:2], None) is ADAPTERS[1]
+    assert choose_adapter(ADAPTERS[:1], None) is ADAPTERS[0]
+
+
+def test_adapter_substring_override_and_error_lists_adapters():
+    assert choose_adapter(ADAPTERS, "llvm") is ADAPTERS[0]
+    assert choose_adapter(ADAPTERS, "opengl") is ADAPTERS[3]
+    with pytest.raises(AdapterError) as e:
+        choose_adapter(ADAPTERS, "radeon")
+    assert "radeon" in str(e.value) and "Intel Iris" in str(e.value) and "llvmpipe" in str(e.value)
+    with pytest.raises(AdapterError, match="mesa-vulkan-drivers"):
+        choose_adapter([], None)
+
+
+def test_context_requests_offered_features(ctx):
+    for f in ("shader-f16", "subgroup", "timestamp-query"):
+        assert (f in ctx.features) == (f in ctx.adapter.features)
+    assert ctx.limits["max-storage-buffer-binding-size"] == ctx.adapter.limits["max-storage-buffer-binding-size"]
+
+
+@pytest.mark.parametrize("dtype,np_dtype", [("f32", np.float32), ("f16", np.float16), ("i32", np.int32),
+                                            ("u32", np.uint32)])
+@pytest.mark.parametrize("n", [1, 3, 1001])
+def test_tensor_round_trip(ctx, dtype, np_dtype, n):
+    arr = (np.arange(n) * 7 - 3).astype(np_dtype) if dtype != "u32" else np.arange(n, dtype=np_dtype) * 7
+    t = Tensor.from_numpy(ctx, arr)
+    assert t.dtype == dtype and t.shape == (n,) and t.grad is None
+    np.testing.assert_array_equal(t.numpy(), arr)
+
+
+def test_tensor_rejects_unsupported_dtype(ctx):
+    with pytest.raises(ValueError, match="complex128"):
+        Tensor.from_numpy(ctx, np.zeros(3, np.complex128))
+
+
+def test_fold_workgroups():
+    assert fold_workgroups(1) == (1, 1)
+    assert fold_workgroups(MAX_GROUPS_PER_DIM) == (MAX_GROUPS_PER_DIM, 1)
+    for total in (MAX_GROUPS_PER_DIM + 1, 10 ** 6, 3 * MAX_GROUPS_PER_DIM + 7):
+        x, y = fold_workgroups(total)
+        assert x <= MAX_GROUPS_PER_DIM and y <= MAX_GROUPS_PER_DIM and x * y >= total
+    with pytest.raises(ValueError):
+        fold_workgroups(MAX_GROUPS_PER_DIM ** 2 + 1)
+
+
+def test_dispatch_beyond_65535_workgroups(engine, rng):
+    """70000 rows: one workgroup per row needs a 2-D grid; every row must still be computed."""
+    x = rng.standard_normal((70000, 2)).astype(np.float32)
+    w = np.ones(2, np.float32)
+    y = engine.run("rmsnorm", x=engine.tensor(x), w=engine.tensor(w), eps=1e-6)["y"].numpy()
+    x64 = x.astype(np.float64)
+    assert rel_err(y, x64 / np.sqrt((x64 ** 2).mean(-1, keepdims=True) + 1e-6)) < 1e-5
+
+
+def test_bad_arguments_raise_before_gpu_work(engine, rng):
+    x = engine.tensor(rng.standard_normal((4, 8)).astype(np.float32))
+    w = engine.tensor(np.ones(8, np.float32))
+    before = engine.dispatches
+    with pytest.raises(TypeError, match=r"missing arguments \['eps'\]"):
+        engine.run("rmsnorm", x=x, w=w)
+    with pytest.raises(TypeError, match="unknown arguments"):
+        engine.run("rmsnorm", x=x, w=w, eps=1e-5, gamma=w)
+    with pytest.raises(ValueError, match=r"input 'w' has D=9 but input 'x' says D=8"):
+        engine.run("rmsnorm", x=x, w=engine.tensor(np.ones(9, np.float32)), eps=1e-5)
+    with pytest.raises(ValueError, match="dtype f16, expected f32"):
+        engine.run("rmsnorm", x=x, w=engine.tensor(np.ones(8, np.float16)), eps=1e-5)
+    with pytest.raises(ValueError, match="expected 2 axes"):
+        engine.run("rmsnorm", x=w, w=w, eps=1e-5)
+    with pytest.raises(ValueError, match="scalar 'eps' must be a finite number"):
+        engine.run("rmsnorm", x=x, w=w, eps=float("nan"))
+    with pytest.raises(TypeError, match="must be a Tensor"):
+        engine.run("rmsnorm", x=np.zeros((4, 8)), w=w, eps=1e-5)
+    with pytest.raises(KeyError, match="no shipped kernel named 'rmsnrom'"):
+        engine.run("rmsnrom", x=x)
+    assert engine.dispatches == before
+
+
+def test_dispatches_are_recorded_then_submitted_together(ctx, rng):
+    eng = ComputeEngine(ctx)
+    x = eng.tensor(rng.standard_normal((6, 5)).astype(np.float32))
+    y = x
+    for _ in range(10):
+        y = eng.run("scale", bucket=8, x=y, alpha=1.5)["y"]
+    assert len(eng._commands) == 10      # nothing submitted yet
+    got = y.numpy()                      # reading flushes everything, in order
+    assert not eng._commands
+    assert rel_err(got, x.numpy().astype(np.float64) * 1.5 ** 10) < 1e-5
+
+
+def test_out_argument_writes_in_place_and_is_checked(engine, rng):
+    x = engine.tensor(rng.standard_normal((3, 4)).astype(np.float32))
+    target = engine.empty((3, 4))
+    out = engine.run("scale", x=x, alpha=2.0, out={"y": target})
+    assert out["y"] is target
+    assert rel_err(target.numpy(), 2.0 * x.numpy()) < 1e-6
+    with pytest.raises(ValueError, match=r"out\['y'\] is f32\[3, 5\]"):
+        engine.run("scale", x=x, alpha=2.0, out={"y": engine.empty((3, 5))})
+
+
+def test_pool_reuses_freed_buffers(ctx, rng):
+    eng = ComputeEngine(ctx)
+    x = eng.tensor(rng.standard_normal((32, 64)).astype(np.float32))
+    for _ in range(5):
+        eng.run("scale", x=x, alpha=2.0)["y"].numpy()   # output freed after each read
+    assert eng.pool.reused >= 3
+    assert eng.pool.allocated_bytes <= 3 * size_class(32 * 64 * 4)
+
+
+def test_size_classes_bound_waste():
+    for n in (1, 255, 257, 1000, 4096, 10 ** 6 + 3, 3 * 2 ** 20):
+        c = size_class(n)
+        assert c >= n and (n <= 256 or c <= n * 1.125 + 16)
+
+
+def test_gpu_timing_records_each_dispatch(ctx, rng):
+    if not ctx.has_timestamps:
+        pytest.skip("adapter has no timestamp-query")
+    eng = ComputeEngine(ctx, timing=True)
+    x = eng.tensor(rng.standard_normal((64, 256)).astype(np.float32))
+    w = eng.tensor(np.ones(256, np.float32))
+    eng.run("rmsnorm", x=x, w=w, eps=1e-5)
+    eng.run("softmax", x=x)
+    eng.flush()
+    assert [k for k, _ in eng.timings] == ["rmsnorm", "softmax"]
+    assert all(s >= 0 for _, s in eng.timings)
+
+
+def test_kernel_with_fixed_and_integer_axes(engine, rng):
+    mod = compile_source("""
+kernel mix(x: f32[T, 3, D], w: f32[3, D]) -> (y: f32[T, 3, D]) {
+    y = x * w + 1
+}""")
+    x = rng.standard_normal((5, 3, 7)).astype(np.float32)
+    w = rng.standard_normal((3, 7)).astype(np.float32)
+    got = engine.run(mod.mix, bucket=4, x=engine.tensor(x), w=engine.tensor(w))["y"].numpy()
+    assert rel_err(got, x.astype(np.float64) * w + 1) < 1e-6
+    with pytest.raises(ValueError, match="size 4 on axis 3, expected 3"):
+        engine.run(mod.mix, x=engine.tensor(np.zeros((5, 4, 7), np.float32)), w=engine.tensor(w))
