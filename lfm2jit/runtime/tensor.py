@@ -7,6 +7,7 @@ used prefix, so ``numpy()`` reads exactly the real elements.
 from __future__ import annotations
 
 import math
+import weakref
 
 import numpy as np
 import wgpu
@@ -40,11 +41,10 @@ class Tensor:
         self.dtype = dtype
         self.capacity = capacity if capacity is not None else self.size
         self.grad: Tensor | None = None
-        self._on_free = on_free
-
-    def __del__(self):
-        if self._on_free is not None:
-            self._on_free(self.buffer)
+        if on_free is not None:
+            # A finalizer (not __del__) holds the buffer strongly, so a tensor collected as part of
+            # a reference cycle hands back a live buffer, never one the cycle collector released.
+            weakref.finalize(self, on_free, buffer)
 
     @property
     def size(self) -> int:
