@@ -1,0 +1,114 @@
+"""``python -m lfm2jit``: list the shipped kernels and dump the WGSL any of them generates.
+
+Dumping shows exactly what the engine would compile for the same sizes and bucket, so a kernel can
+be read, diffed or fed to another shader compiler without running anything on a GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from . import library
+from .compiler import Kernel
+from .ir.nodes import SEQ_AXIS
+
+DEFAULT_SIZE = 64
+
+
+class UsageError(Exception):
+    """A bad command line: reported on stderr with exit status 2, like argparse's own errors."""
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def axis_size(text: str) -> tuple[str, int]:
+    """``AXIS=SIZE`` -> (axis, size)."""
+    axis, sep, size = text.partition("=")
+    if not sep or not axis.strip().isidentifier():
+        raise argparse.ArgumentTypeError(f"{text!r} is not AXIS=SIZE (e.g. D=64)")
+    try:
+        return axis.strip(), positive_int(size)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"{text!r}: SIZE must be a positive integer") from None
+
+
+def lookup(name: str) -> Kernel:
+    kernels = library.kernels()
+    if name not in kernels:
+        raise UsageError(f"no shipped kernel named {name!r}; available: {', '.join(sorted(kernels))}")
+    return kernels[name]
+
+
+def sizes_for(kernel: Kernel, given: dict[str, int], bucket: int) -> dict[str, int]:
+    """A size for every symbolic axis: the given one, else T = the bucket and any other axis = 64."""
+    axes = [a for a in kernel.ir.axes if a not in kernel.ir.fixed_dims]
+    unknown = sorted(set(given) - set(axes))
+    if unknown:
+        raise UsageError(f"kernel {kernel.name!r} has no axis {', '.join(unknown)}; its axes are {', '.join(axes)}")
+    return {a: given.get(a, bucket if a == SEQ_AXIS else DEFAULT_SIZE) for a in axes}
+
+
+def describe_sizes(sizes: dict[str, int]) -> str:
+    return ", ".join(f"{a}={s}" for a, s in sizes.items())
+
+
+def cmd_list(args) -> None:
+    for kernel in library.kernels().values():
+        sizes = sizes_for(kernel, {}, DEFAULT_SIZE)
+        spec = kernel.specialize(sizes, DEFAULT_SIZE)
+        print(repr(kernel))
+        print(f"    schedule: {spec.template} (at {describe_sizes(sizes)}, bucket {DEFAULT_SIZE})")
+
+
+def cmd_dump(args) -> None:
+    kernel = lookup(args.name)
+    sizes = sizes_for(kernel, dict(args.dim), args.bucket)
+    wgsl = kernel.wgsl(sizes, args.bucket)
+    if args.ir:     # as WGSL comments, so the printed text stays one valid shader
+        print("".join(f"// {line}\n" for line in kernel.format_ir().splitlines()))
+    if args.out is None:
+        sys.stdout.write(wgsl)
+        return
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"{kernel.name}.wgsl"
+    path.write_text(wgsl)
+    print(f"wrote {path} ({describe_sizes(sizes)}, bucket {args.bucket})")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m lfm2jit",
+                                description="List lfm2jit's shipped kernels and dump the WGSL they generate.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    ls = sub.add_parser("list", help="each shipped kernel's signature and the template it schedules to")
+    ls.set_defaults(run=cmd_list)
+    dump = sub.add_parser("dump", help="print (or write) the WGSL generated for one kernel",
+                          description="Print the WGSL generated for one shipped kernel at concrete sizes. "
+                                      f"Axes not given with --dim default: T to the bucket, any other to {DEFAULT_SIZE}.")
+    dump.add_argument("name", metavar="NAME", help="kernel name (see `list`)")
+    dump.add_argument("--bucket", type=positive_int, default=1, metavar="N",
+                      help="length bucket: T is rounded up to a multiple of N (default 1)")
+    dump.add_argument("--dim", type=axis_size, action="append", default=[], metavar="AXIS=SIZE",
+                      help=f"size of one axis, repeatable (missing axes default: T=bucket, others {DEFAULT_SIZE})")
+    dump.add_argument("--out", type=Path, metavar="DIR", help="write DIR/NAME.wgsl instead of printing it")
+    dump.add_argument("--ir", action="store_true", help="also print the kernel's typed IR")
+    dump.set_defaults(run=cmd_dump)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        args.run(args)
+    except UsageError as e:
+        print(f"python -m lfm2jit {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,85 @@
+"""`python -m lfm2jit` in subprocesses, as a user runs it: exit codes, stdout, files written."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lfm2jit import library
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "lfm2jit", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_list_shows_every_shipped_kernel_with_its_schedule():
+    r = cli("list")
+    assert r.returncode == 0, r.stderr
+    for kernel in library.kernels().values():
+        assert repr(kernel) in r.stdout
+    assert "schedule: rowreduce" in r.stdout and "schedule: pointwise" in r.stdout
+
+
+def test_dump_bakes_the_given_size_into_the_wgsl():
+    r = cli("dump", "rmsnorm", "--dim", "D=97")
+    assert r.returncode == 0, r.stderr
+    assert "const D: u32 = 97u;" in r.stdout
+    assert "const T: u32 = 1u;" in r.stdout        # T defaults to the bucket, 1
+    assert "@compute" in r.stdout
+
+
+def test_dump_defaults_t_to_the_bucket_and_rounds_a_given_t_up():
+    r = cli("dump", "softmax", "--bucket", "64")
+    assert r.returncode == 0, r.stderr
+    assert "const T: u32 = 64u;" in r.stdout and "const D: u32 = 64u;" in r.stdout
+    r = cli("dump", "softmax", "--bucket", "64", "--dim", "T=65")
+    assert "const T: u32 = 128u;" in r.stdout
+
+
+def test_dump_matches_the_library():
+    r = cli("dump", "silu_mul", "--bucket", "32", "--dim", "T=5", "--dim", "F=48")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == library.get("silu_mul").wgsl({"T": 5, "F": 48}, 32)
+
+
+def test_dump_ir_prints_the_ir_as_wgsl_comments():
+    r = cli("dump", "rmsnorm", "--ir")
+    assert r.returncode == 0, r.stderr
+    ir = library.get("rmsnorm").format_ir()
+    assert all(f"// {line}" in r.stdout for line in ir.splitlines())
+    assert "@compute" in r.stdout
+
+
+def test_dump_out_writes_name_wgsl(tmp_path):
+    out = tmp_path / "kernels"
+    r = cli("dump", "add", "--dim", "D=33", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    text = (out / "add.wgsl").read_text()
+    assert "const D: u32 = 33u;" in text and "@compute" in text
+    assert "@compute" not in r.stdout
+
+
+def test_unknown_kernel_exits_2_listing_the_available_ones():
+    r = cli("dump", "no_such_kernel")
+    assert r.returncode == 2
+    assert "no_such_kernel" in r.stderr
+    for name in library.kernels():
+        assert name in r.stderr
+
+
+@pytest.mark.parametrize("bad", ["D", "D=", "D=x", "D=0", "=5", "D=-3"])
+def test_bad_dim_exits_2_naming_the_value(bad):
+    r = cli("dump", "add", "--dim", bad)
+    assert r.returncode == 2
+    assert repr(bad) in r.stderr
+
+
+def test_dim_for_an_axis_the_kernel_lacks_exits_2():
+    r = cli("dump", "add", "--dim", "Q=3")
+    assert r.returncode == 2
+    assert "Q" in r.stderr and "T, D" in r.stderr
