@@ -40,7 +40,8 @@ fi
 want="$(sha256sum pyproject.toml | cut -d' ' -f1)"
 if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ] || ! "$VENV_PY" -I -c "import lfm2jit" 2>/dev/null; then
     log "pip install -e .[test] (quiet; a first install takes a few minutes)"
-    "$VENV_PY" -m pip install -q -e ".[test]"
+    # Drop pip's per-package notes about configured local index folders that do not exist.
+    "$VENV_PY" -m pip install -q -e ".[test]" 2> >(grep -v "^WARNING: Location '.*' is ignored" >&2)
     echo "$want" > "$STAMP"
 fi
 
