@@ -3,9 +3,9 @@
 Follow the path by imports: dsl (parse) -> ir (check) -> schedule (choose a template) ->
 codegen (render WGSL) -> runtime (pipelines, dispatches).
 """
-from .compiler import Kernel, Module, compile_source
+from .compiler import Backward, Kernel, Module, compile_source, grad
 from .dsl.errors import DslError
 from .runtime import ComputeEngine, Tensor, WgpuContext
 
-__all__ = ["ComputeEngine", "DslError", "Kernel", "Module", "Tensor", "WgpuContext", "compile_source"]
+__all__ = ["Backward", "ComputeEngine", "DslError", "Kernel", "Module", "Tensor", "WgpuContext", "compile_source", "grad"]
 __version__ = "0.1.0"

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 from .codegen.render import render
 from .dsl.parser import parse
+from .ir.autodiff import grad_ir
 from .ir.build import build_kernel
 from .ir.nodes import KernelIR, format_ir
+from .ir.partition import partition
 from .schedule import KernelSpec, specialize
 
 
@@ -28,18 +30,57 @@ class Kernel:
         outs = ", ".join(f"{t.name}: {t.dtype}[{', '.join(t.shape)}]" for t in self.ir.outputs)
         return f"kernel {self.name}({ins}) -> ({outs})"
 
-    def specialize(self, dims: dict[str, int], bucket: int = 1) -> KernelSpec:
-        key = (tuple(sorted(dims.items())), bucket)
+    def specialize(self, dims: dict[str, int], bucket: int = 1,
+                   accumulate: frozenset[str] = frozenset()) -> KernelSpec:
+        key = (tuple(sorted(dims.items())), bucket, frozenset(accumulate))
         spec = self._specs.get(key)
         if spec is None:
-            spec = self._specs[key] = specialize(self.ir, dims, bucket)
+            spec = self._specs[key] = specialize(self.ir, dims, bucket, frozenset(accumulate))
         return spec
 
-    def wgsl(self, dims: dict[str, int], bucket: int = 1) -> str:
-        return render(self.specialize(dims, bucket))
+    def wgsl(self, dims: dict[str, int], bucket: int = 1, accumulate: frozenset[str] = frozenset()) -> str:
+        return render(self.specialize(dims, bucket, accumulate))
 
     def format_ir(self) -> str:
         return format_ir(self.ir)
+
+
+class Backward:
+    """The backward pass of a kernel: one or more kernels (autodiff output split by schedule).
+
+    Inputs are the forward inputs it reads, the forward outputs it reuses, and cotangents
+    ``d_<output>``; outputs are gradients ``d_<input>``.
+    """
+
+    def __init__(self, forward: Kernel, ir: KernelIR):
+        self.forward = forward
+        self.ir = ir
+        self.kernels = [Kernel(part) for part in partition(ir)]
+
+    @property
+    def name(self) -> str:
+        return self.ir.name
+
+    @property
+    def inputs(self) -> list[str]:
+        return [t.name for t in self.ir.inputs]
+
+    @property
+    def scalars(self) -> list[str]:
+        return list(self.ir.scalars)
+
+    @property
+    def outputs(self) -> list[str]:
+        return [t.name for t in self.ir.outputs]
+
+    def __repr__(self) -> str:
+        return f"backward of {self.forward.name}: " + "; ".join(repr(k) for k in self.kernels)
+
+
+def grad(kernel: Kernel, wrt: list[str] | None = None, cotangents: list[str] | None = None) -> Backward:
+    """Reverse-mode derivative of a kernel: gradients for ``wrt`` inputs (default all float inputs)
+    given cotangents for ``cotangents`` outputs (default all outputs)."""
+    return Backward(kernel, grad_ir(kernel.ir, wrt, cotangents))
 
 
 class Module:

@@ -19,7 +19,7 @@ import wgpu
 
 from .. import library
 from ..cache import CacheStats, Timer, WgslDiskCache, generate_wgsl
-from ..compiler import Kernel
+from ..compiler import Backward, Kernel
 from ..ir.nodes import SEQ_AXIS
 from ..schedule import KernelSpec
 from ..settings import settings
@@ -71,9 +71,10 @@ class ComputeEngine:
         ctx.register(self)
 
     # ---- compilation ----
-    def compile(self, kernel: Kernel | str, dims: dict[str, int], bucket: int = 1) -> Compiled:
+    def compile(self, kernel: Kernel | str, dims: dict[str, int], bucket: int = 1,
+                accumulate: frozenset[str] = frozenset()) -> Compiled:
         kernel = library.get(kernel) if isinstance(kernel, str) else kernel
-        spec = kernel.specialize(dims, bucket)
+        spec = kernel.specialize(dims, bucket, accumulate)
         key = (spec.key, self.ctx.name)
         compiled = self._pipelines.get(key)
         if compiled is not None:
@@ -122,11 +123,21 @@ class ComputeEngine:
         return t
 
     # ---- recording ----
-    def run(self, kernel: Kernel | str, *, bucket: int = 1, dims: dict[str, int] | None = None,
-            out: dict[str, Tensor] | None = None, **args) -> dict[str, Tensor]:
-        """Record one kernel call; returns its outputs by name. Bad arguments raise before GPU work."""
+    def run(self, kernel: Kernel | Backward | str, *, bucket: int = 1, dims: dict[str, int] | None = None,
+            out: dict[str, Tensor] | None = None, accumulate=(), **args) -> dict[str, Tensor]:
+        """Record one kernel call; returns its outputs by name. Bad arguments raise before GPU work.
+
+        ``out`` supplies output tensors to write into; outputs named in ``accumulate`` (which must
+        be in ``out``) are added to instead of overwritten.
+        """
         kernel = library.get(kernel) if isinstance(kernel, str) else kernel
+        if isinstance(kernel, Backward):
+            return self._run_backward(kernel, bucket, dims, out or {}, accumulate, args)
         ir = kernel.ir
+        accumulate = frozenset(accumulate)
+        missing_out = sorted(accumulate - set(out or {}))
+        if missing_out:
+            raise ValueError(f"{ir.name}: accumulating into {missing_out} needs those tensors in out=")
         sizes, t_valid = self._bind(ir, args, dims or {})
         scalars = []
         for name in ir.scalars:
@@ -134,7 +145,7 @@ class ComputeEngine:
             if not isinstance(v, numbers.Real) or isinstance(v, bool) or not math.isfinite(float(v)):
                 raise ValueError(f"{ir.name}: scalar {name!r} must be a finite number, got {v!r}")
             scalars.append(float(v))
-        compiled = self.compile(kernel, sizes, bucket)
+        compiled = self.compile(kernel, sizes, bucket, accumulate)
         spec = compiled.spec
         outputs = self._outputs(ir, spec, sizes, out or {})
         info = struct.pack(f"<I{len(scalars)}f", t_valid, *scalars)
@@ -145,10 +156,28 @@ class ComputeEngine:
         entries += [{"binding": i + 1, "resource": {"buffer": t.buffer, "offset": 0, "size": t.buffer.size}}
                     for i, t in enumerate(tensors)]
         bind_group = self.device.create_bind_group(layout=compiled.layout, entries=entries)
-        self._commands.append(("dispatch", compiled, bind_group, fold_workgroups(spec.workgroups)))
+        groups = spec.workgroups if isinstance(spec.workgroups, tuple) else fold_workgroups(spec.workgroups) + (1,)
+        if max(groups) > MAX_GROUPS_PER_DIM:
+            raise ValueError(f"{ir.name}: dispatch of {groups} workgroups exceeds {MAX_GROUPS_PER_DIM} per dimension")
+        self._commands.append(("dispatch", compiled, bind_group, groups))
         self._keepalive.extend([info_buf, *tensors])
         self.dispatches += 1
         return outputs
+
+    def _run_backward(self, bwd: Backward, bucket, dims, out, accumulate, args) -> dict[str, Tensor]:
+        """Run each kernel of a backward pass with the arguments it takes; gradients by name."""
+        known = set(bwd.inputs) | set(bwd.forward.ir.scalars)   # forward scalars are accepted even if unused
+        unknown = sorted(set(args) - known)
+        if unknown:
+            raise TypeError(f"{bwd.name}: unknown arguments {unknown} (it takes {', '.join(sorted(known))})")
+        grads: dict[str, Tensor] = {}
+        for k in bwd.kernels:
+            names = [t.name for t in k.ir.inputs] + list(k.ir.scalars)
+            own = {o.name for o in k.ir.outputs}
+            grads.update(self.run(k, bucket=bucket, dims=dims, out={n: t for n, t in out.items() if n in own},
+                                  accumulate=frozenset(accumulate) & own,
+                                  **{n: args[n] for n in names if n in args}))
+        return grads
 
     def _bind(self, ir, args: dict, dims: dict[str, int]) -> tuple[dict[str, int], int]:
         expected = [t.name for t in ir.inputs] + list(ir.scalars)
@@ -218,22 +247,22 @@ class ComputeEngine:
         encoder = self.device.create_command_encoder()
         if not self.timing:
             cpass = encoder.begin_compute_pass()
-            for _, compiled, bind_group, (x, y) in commands:
+            for _, compiled, bind_group, groups in commands:
                 cpass.set_pipeline(compiled.pipeline)
                 cpass.set_bind_group(0, bind_group)
-                cpass.dispatch_workgroups(x, y, 1)
+                cpass.dispatch_workgroups(*groups)
             cpass.end()
             self.device.queue.submit([encoder.finish()])
             return
         # Timed: one pass per dispatch, and resolve exactly the queries written in this submission.
         n = 2 * len(commands)
         qs = self.device.create_query_set(type=wgpu.QueryType.timestamp, count=n)
-        for i, (_, compiled, bind_group, (x, y)) in enumerate(commands):
+        for i, (_, compiled, bind_group, groups) in enumerate(commands):
             cpass = encoder.begin_compute_pass(timestamp_writes={
                 "query_set": qs, "beginning_of_pass_write_index": 2 * i, "end_of_pass_write_index": 2 * i + 1})
             cpass.set_pipeline(compiled.pipeline)
             cpass.set_bind_group(0, bind_group)
-            cpass.dispatch_workgroups(x, y, 1)
+            cpass.dispatch_workgroups(*groups)
             cpass.end()
         resolved = self.device.create_buffer(size=8 * n, usage=wgpu.BufferUsage.QUERY_RESOLVE | wgpu.BufferUsage.COPY_SRC)
         encoder.resolve_query_set(qs, 0, n, resolved, 0)

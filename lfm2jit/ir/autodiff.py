@@ -1,0 +1,205 @@
+"""Reverse-mode differentiation of kernel IR.
+
+``RULES`` is the table of local gradients: for an op, given the node and the adjoint flowing into
+it, the adjoint of each source (None where none flows). Adjoints that arrive broadcast over extra
+axes are summed back to the source's shape. The result is a backward KernelIR whose inputs are the
+forward inputs, the forward outputs it can reuse (saved values), and one cotangent ``d_<output>``
+per differentiated output; its outputs are ``d_<input>`` for each input asked for.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from .nodes import KernelIR, Node, TensorArg, toposort
+from .ops import FLOAT_DTYPES, REDUCE, Op
+from .shapes import merge
+
+ABSTRACT = "float"
+
+
+class GraphBuilder:
+    """Makes IR nodes with shapes and dtypes inferred by the DSL's rules, interning duplicates."""
+
+    def __init__(self):
+        self.interned: dict[tuple, Node] = {}
+
+    def node(self, op: Op, srcs: tuple[Node, ...], shape, dtype: str, arg=None) -> Node:
+        key = (op, tuple(id(s) for s in srcs), tuple(shape), dtype, arg)
+        if key not in self.interned:
+            self.interned[key] = Node(op, tuple(srcs), tuple(shape), dtype, arg)
+        return self.interned[key]
+
+    def const(self, value: float) -> Node:
+        return self.node(Op.CONST, (), (), ABSTRACT, float(value))
+
+    def unary(self, op: Op, x: Node) -> Node:
+        return self.node(op, (x,), x.shape, x.dtype)
+
+    def binary(self, op: Op, a: Node, b: Node) -> Node:
+        shape = merge(a.shape, b.shape)
+        assert shape is not None, f"autodiff built conflicting shapes {a} {b}"
+        dtype = b.dtype if a.dtype == ABSTRACT else a.dtype
+        return self.node(op, (a, b), shape, dtype)
+
+    def add(self, a, b):
+        return self.binary(Op.ADD, a, b)
+
+    def sub(self, a, b):
+        return self.binary(Op.SUB, a, b)
+
+    def mul(self, a, b):
+        return self.binary(Op.MUL, a, b)
+
+    def div(self, a, b):
+        return self.binary(Op.DIV, a, b)
+
+    def neg(self, a):
+        return self.unary(Op.NEG, a)
+
+    def where(self, c, a, b):
+        shape = merge(merge(c.shape, a.shape), b.shape)
+        dtype = b.dtype if a.dtype == ABSTRACT else a.dtype
+        return self.node(Op.WHERE, (c, a, b), shape, dtype)
+
+    def sum(self, x: Node, axis: str) -> Node:
+        return self.node(Op.SUM, (x,), tuple(a for a in x.shape if a != axis), x.dtype, axis)
+
+    def sum_to(self, x: Node, shape: tuple[str, ...]) -> Node:
+        """Undo broadcasting: sum ``x`` over every axis it has beyond ``shape``."""
+        for axis in [a for a in x.shape if a not in shape]:
+            x = self.sum(x, axis)
+        return x
+
+
+Rule = Callable[[GraphBuilder, Node, Node], list]
+
+
+def _sigmoid(b: GraphBuilder, x: Node) -> Node:
+    return b.unary(Op.SIGMOID, x)
+
+
+RULES: dict[Op, Rule] = {
+    Op.ADD: lambda b, n, g: [g, g],
+    Op.SUB: lambda b, n, g: [g, b.neg(g)],
+    Op.MUL: lambda b, n, g: [b.mul(g, n.srcs[1]), b.mul(g, n.srcs[0])],
+    Op.DIV: lambda b, n, g: [b.div(g, n.srcs[1]), b.neg(b.div(b.mul(g, n), n.srcs[1]))],
+    Op.POW: lambda b, n, g: [b.mul(g, b.mul(n.srcs[1], b.binary(Op.POW, n.srcs[0], b.sub(n.srcs[1], b.const(1))))),
+                             b.mul(g, b.mul(n, b.unary(Op.LOG, n.srcs[0])))],
+    Op.MAX: lambda b, n, g: [b.mul(g, b.sub(b.const(1), b.binary(Op.LT, n.srcs[0], n.srcs[1]))),
+                             b.mul(g, b.binary(Op.LT, n.srcs[0], n.srcs[1]))],
+    Op.MIN: lambda b, n, g: [b.mul(g, b.sub(b.const(1), b.binary(Op.GT, n.srcs[0], n.srcs[1]))),
+                             b.mul(g, b.binary(Op.GT, n.srcs[0], n.srcs[1]))],
+    Op.LT: lambda b, n, g: [None, None],
+    Op.GT: lambda b, n, g: [None, None],
+    Op.NEG: lambda b, n, g: [b.neg(g)],
+    Op.EXP: lambda b, n, g: [b.mul(g, n)],
+    Op.LOG: lambda b, n, g: [b.div(g, n.srcs[0])],
+    Op.SQRT: lambda b, n, g: [b.div(b.mul(g, b.const(0.5)), n)],
+    Op.RSQRT: lambda b, n, g: [b.mul(g, b.mul(b.const(-0.5), b.mul(n, b.mul(n, n))))],
+    Op.RECIP: lambda b, n, g: [b.neg(b.mul(g, b.mul(n, n)))],
+    Op.ABS: lambda b, n, g: [b.mul(g, b.sub(b.const(1), b.mul(b.const(2), b.binary(Op.LT, n.srcs[0], b.const(0)))))],
+    Op.SIGMOID: lambda b, n, g: [b.mul(g, b.mul(n, b.sub(b.const(1), n)))],
+    # silu(x) = x*s(x); silu'(x) = s + x*s*(1-s)
+    Op.SILU: lambda b, n, g: [b.mul(g, b.add(_sigmoid(b, n.srcs[0]),
+                                             b.mul(n.srcs[0], b.mul(_sigmoid(b, n.srcs[0]),
+                                                                    b.sub(b.const(1), _sigmoid(b, n.srcs[0]))))))],
+    Op.TANH: lambda b, n, g: [b.mul(g, b.sub(b.const(1), b.mul(n, n)))],
+    Op.CAST: lambda b, n, g: [b.node(Op.CAST, (g,), g.shape, n.srcs[0].dtype, n.srcs[0].dtype)
+                              if n.srcs[0].dtype in FLOAT_DTYPES else None],
+    Op.WHERE: lambda b, n, g: [None, b.where(n.srcs[0], g, b.const(0)), b.where(n.srcs[0], b.const(0), g)],
+    # a sum broadcasts its adjoint back over the reduced axis (named broadcasting does it)
+    Op.SUM: lambda b, n, g: [g],
+    # max: the adjoint goes to the entries equal to the maximum
+    Op.RMAX: lambda b, n, g: [b.mul(g, b.sub(b.const(1), b.binary(Op.LT, n.srcs[0], n)))],
+}
+
+
+class AutodiffError(ValueError):
+    pass
+
+
+def grad_ir(ir: KernelIR, wrt: list[str] | None = None, cotangents: list[str] | None = None) -> KernelIR:
+    """The backward kernel of ``ir``: d_<input> for each name in ``wrt`` (default: every float input),
+    given cotangents d_<output> for each name in ``cotangents`` (default: every output)."""
+    inputs = {t.name: t for t in ir.inputs}
+    outputs = {t.name: t for t in ir.outputs}
+    wrt = list(wrt) if wrt is not None else [t.name for t in ir.inputs if t.dtype in FLOAT_DTYPES]
+    cotangents = list(cotangents) if cotangents is not None else list(outputs)
+    for name in wrt:
+        if name not in inputs:
+            raise AutodiffError(f"{ir.name}: cannot differentiate with respect to {name!r}; "
+                                f"tensor inputs are {', '.join(inputs)}")
+        if inputs[name].dtype not in FLOAT_DTYPES:
+            raise AutodiffError(f"{ir.name}: input {name!r} is {inputs[name].dtype}; only float inputs have gradients")
+    for name in cotangents:
+        if name not in outputs:
+            raise AutodiffError(f"{ir.name}: no output {name!r} to take a cotangent for; outputs are {', '.join(outputs)}")
+
+    b = GraphBuilder()
+    adjoints: dict[int, list[Node]] = {}
+    seeds = []
+    for name in cotangents:
+        out = outputs[name]
+        seed = b.node(Op.INPUT, (), out.shape, out.dtype, f"d_{name}")
+        seeds.append(TensorArg(f"d_{name}", out.dtype, out.shape))
+        adjoints.setdefault(id(ir.results[name]), []).append(seed)
+
+    order = toposort(ir.results.values())
+    for node in reversed(order):
+        pending = adjoints.pop(id(node), None)
+        if not pending or node.op in (Op.INPUT, Op.SCALAR, Op.CONST, Op.DIMSIZE):
+            if pending:
+                adjoints[id(node)] = pending   # keep input adjoints for the end
+            continue
+        g = _total(b, pending, node.shape)
+        rule = RULES.get(node.op)
+        if rule is None:
+            raise AutodiffError(f"{ir.name}: no gradient rule for {node.op.name}")
+        for src, adj in zip(node.srcs, rule(b, node, g)):
+            if adj is not None and src.op not in (Op.CONST, Op.DIMSIZE, Op.SCALAR):
+                adjoints.setdefault(id(src), []).append(adj)
+
+    input_nodes = {n.arg: n for n in order if n.op == Op.INPUT}
+    results: dict[str, Node] = {}
+    grad_outputs = []
+    for name in wrt:
+        t = inputs[name]
+        node = input_nodes.get(name)
+        pending = adjoints.get(id(node)) if node is not None else None
+        value = _total(b, pending, t.shape) if pending else b.const(0)
+        value = b.node(Op.CAST, (value,), value.shape, t.dtype, t.dtype) if value.dtype != t.dtype else value
+        results[f"d_{name}"] = value
+        grad_outputs.append(TensorArg(f"d_{name}", t.dtype, t.shape))
+
+    # Reuse forward outputs the backward needs instead of recomputing them (saved values).
+    saved = {id(ir.results[o]): b.node(Op.INPUT, (), outputs[o].shape, outputs[o].dtype, o)
+             for o in outputs if ir.results[o].op not in (Op.INPUT, Op.CAST)}
+    results = substitute(results, saved)
+    used = {n.arg for n in toposort(results.values()) if n.op == Op.INPUT}
+    scalars_used = {n.arg for n in toposort(results.values()) if n.op == Op.SCALAR}
+    new_inputs = tuple(t for t in ir.inputs if t.name in used) \
+        + tuple(outputs[o] for o in outputs if o in used) \
+        + tuple(s for s in seeds if s.name in used)
+    return KernelIR(f"{ir.name}_bwd", new_inputs, tuple(s for s in ir.scalars if s in scalars_used),
+                    tuple(grad_outputs), results, ir.source, ir.filename, ir.line, dict(ir.fixed_dims))
+
+
+def _total(b: GraphBuilder, pending: list[Node], shape: tuple[str, ...]) -> Node:
+    total = None
+    for adj in pending:
+        adj = b.sum_to(adj, shape)
+        total = adj if total is None else b.add(total, adj)
+    return total
+
+
+def substitute(results: dict[str, Node], mapping: dict[int, Node]) -> dict[str, Node]:
+    """Rebuild the graph under ``results`` with the nodes whose ids are in ``mapping`` replaced."""
+    memo: dict[int, Node] = dict(mapping)
+    for n in toposort(results.values(), stop=mapping.keys()):
+        srcs = tuple(memo.get(id(s), s) for s in n.srcs)
+        memo[id(n)] = n if all(a is b for a, b in zip(srcs, n.srcs)) else Node(n.op, srcs, n.shape, n.dtype, n.arg)
+    return {k: memo.get(id(v), v) for k, v in results.items()}
+
+
+def reduces_in(node: Node) -> list[Node]:
+    return [n for n in toposort([node]) if n.op in REDUCE]

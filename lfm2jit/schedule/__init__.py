@@ -1,0 +1,75 @@
+"""IR + concrete sizes -> a KernelSpec: which template, with which parameters, launched how.
+
+Binding table (the same for every schedule; sizes derive from it):
+
+    group 0, binding 0        uniform Info { t_valid: u32, <each scalar>: f32 }   runtime values, no recompile
+    group 0, binding 1..n     the tensor inputs in signature order,  var<storage, read>
+    group 0, binding n+1..    the outputs in signature order,        var<storage, read_write>
+
+Specialization: every axis gets a concrete size baked into the WGSL as a `const`; the sequence
+axis T is rounded up to a multiple of the length bucket, and the real length is `info.t_valid`, so
+one pipeline serves every length in a bucket. No template reads or writes rows past `t_valid`.
+"""
+from __future__ import annotations
+
+from ..ir.nodes import SEQ_AXIS, KernelIR, Node, toposort
+from ..ir.ops import REDUCE
+from ..ir.partition import schedule_class
+from . import contraction, pointwise, reduce
+from .spec import KernelSpec, bind_dims, bucketed, ident, schedule_error
+
+__all__ = ["KernelSpec", "bind_dims", "bucketed", "specialize"]
+
+
+def _iteration_space(ir: KernelIR, order: list[Node]) -> tuple[str, ...]:
+    space: tuple[str, ...] = ()
+    for shape in [o.shape for o in ir.outputs] + [n.srcs[0].shape for n in order if n.op in REDUCE]:
+        if len(shape) > len(space):
+            space = shape
+    return space
+
+
+def specialize(ir: KernelIR, dims: dict[str, int], bucket: int = 1,
+               accumulate: frozenset[str] = frozenset()) -> KernelSpec:
+    """Choose the schedule for a kernel and fill in its template parameters.
+
+    ``accumulate`` names outputs whose existing contents the kernel adds to (gradient accumulation).
+    """
+    unknown = set(accumulate) - {o.name for o in ir.outputs}
+    if unknown:
+        raise ValueError(f"{ir.name}: cannot accumulate into {sorted(unknown)}: not outputs")
+    sizes = bind_dims(ir, dims, bucket)
+    order = toposort(ir.results.values())
+    space = _iteration_space(ir, order)
+    for n in order:
+        if n.shape and not all(a in space for a in n.shape):
+            raise schedule_error(ir, f"value {n} does not fit the iteration space [{', '.join(space)}]",
+                                 "every value's axes within the largest output's")
+    classes = {schedule_class(ir.results[o.name]) for o in ir.outputs}
+    reductions = [n for n in order if n.op in REDUCE]
+    acc = frozenset(accumulate)
+    if "contraction" in classes:
+        template, ctx, groups = contraction.plan(ir, sizes, acc)
+    elif "colreduce" in classes:
+        template, ctx, groups = reduce.plan_columns(ir, sizes, space, order, reductions, acc)
+    elif reductions:
+        template, ctx, groups = reduce.plan_rows(ir, sizes, space, order, reductions, acc)
+    else:
+        template, ctx, groups = pointwise.plan(ir, sizes, space, acc)
+    ctx.update(_common(ir, sizes))
+    ctx["template"] = template
+    outputs = tuple((o.name, o.dtype, tuple(sizes[a] for a in o.shape)) for o in ir.outputs)
+    return KernelSpec(ir.name, template, ctx, groups, tuple(t.name for t in ir.inputs), outputs, ir.scalars, sizes)
+
+
+def _common(ir: KernelIR, sizes: dict[str, int]) -> dict:
+    tensors = [(t, "read") for t in ir.inputs] + [(t, "read_write") for t in ir.outputs]
+    return {
+        "kernel": ir.name,
+        "dims": [{"name": ident(a), "size": s} for a, s in sizes.items()],
+        "has_seq": SEQ_AXIS in sizes,
+        "scalars": list(ir.scalars),
+        "uses_f16": any(t.dtype == "f16" for t, _ in tensors),
+        "bindings": [{"name": t.name, "binding": i + 1, "access": acc, "elem": t.dtype}
+                     for i, (t, acc) in enumerate(tensors)],
+    }

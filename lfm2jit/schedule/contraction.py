@@ -1,0 +1,76 @@
+"""Contraction schedule: ``out[.., m, n] = sum_k a[.., m, k] * b[.., n, k]`` as a tiled GEMM.
+
+The operands' axis order is free (x @ W^T, dY^T X and dY W are all the same template with other
+strides). One workgroup computes a BM x BN tile; each invocation a TM x TN micro-tile held in
+named accumulators; K advances BK at a time through workgroup memory. Edges are masked, and an
+axis that is T runs only to the real length, so padded rows never enter a sum.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from ..codegen.wgsl import COMPUTE_TYPE
+from ..ir.nodes import KernelIR
+from ..ir.ops import Op
+from ..ir.partition import is_contraction
+from .spec import extent, schedule_error, strides
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    bm: int = 64
+    bn: int = 64
+    bk: int = 16
+    tm: int = 4
+    tn: int = 4
+
+    @property
+    def threads(self) -> int:
+        return (self.bm // self.tm) * (self.bn // self.tn)
+
+
+DEFAULT_TILES = TileConfig()
+
+
+def plan(ir: KernelIR, sizes: dict[str, int], accumulate: frozenset[str], tiles: TileConfig = DEFAULT_TILES):
+    if len(ir.outputs) != 1:
+        raise schedule_error(ir, "a contraction kernel has several outputs", "one output per contraction kernel")
+    out = ir.outputs[0]
+    node = ir.results[out.name]
+    if node.op == Op.CAST and node.srcs[0].op == Op.SUM:
+        node = node.srcs[0]
+    if not is_contraction(node):
+        raise schedule_error(ir, f"output {out.name!r} is not a plain contraction",
+                             f"{out.name} = sum(a * b, K) with a and b kernel inputs")
+    a, b = node.srcs[0].srcs
+    if a.op != Op.INPUT or b.op != Op.INPUT:
+        raise schedule_error(ir, "contraction operands must be kernel inputs",
+                             "compute elementwise operands in a separate kernel")
+    k = node.arg
+    batch = [x for x in a.shape if x in b.shape and x != k]
+    if len(batch) > 1:
+        raise schedule_error(ir, f"contraction with batch axes {batch}", "at most one batch axis")
+    out_free = [x for x in out.shape if x not in batch]
+    if len(out_free) != 2 or set(out_free) != (set(a.shape) ^ set(b.shape)):
+        raise schedule_error(ir, f"contraction output [{', '.join(out.shape)}] does not match its operands",
+                             "one free axis from each operand")
+    n_axis = out_free[-1]
+    m_axis = out_free[0]
+    if n_axis in a.shape:                      # A is the operand that carries M
+        a, b = b, a
+    sa, sb, sc = strides(a.shape, sizes), strides(b.shape, sizes), strides(out.shape, sizes)
+    bt = batch[0] if batch else None
+    ctx = {
+        "tiles": asdict(tiles),
+        "threads": tiles.threads,
+        "m_ext": extent(m_axis, sizes), "n_ext": extent(n_axis, sizes), "k_ext": extent(k, sizes),
+        "a": {"name": a.arg, "ctype": COMPUTE_TYPE[a.dtype], "convert": COMPUTE_TYPE[a.dtype] != a.dtype,
+              "sm": sa[m_axis], "sk": sa[k], "sb": sa[bt] if bt else 0, "k_fast": sa[k] == 1},
+        "b": {"name": b.arg, "ctype": COMPUTE_TYPE[b.dtype], "convert": COMPUTE_TYPE[b.dtype] != b.dtype,
+              "sm": sb[n_axis], "sk": sb[k], "sb": sb[bt] if bt else 0, "k_fast": sb[k] == 1},
+        "c": {"name": out.name, "sm": sc[m_axis], "sn": sc[n_axis], "sb": sc[bt] if bt else 0,
+              "convert": out.dtype != "f32", "elem": out.dtype, "accumulate": out.name in accumulate},
+        "axes": {"m": m_axis, "n": n_axis, "k": k, "batch": bt},
+    }
+    groups = (-(-sizes[n_axis] // tiles.bn), -(-sizes[m_axis] // tiles.bm), sizes[bt] if bt else 1)
+    return "matmul", ctx, groups
