@@ -6,6 +6,7 @@ be read, diffed or fed to another shader compiler without running anything on a 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -111,4 +112,6 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         print(f"python -m lfm2jit {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:     # `dump ... | head`: the reader has all it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
