@@ -10,6 +10,7 @@ from .ir.autodiff import grad_ir
 from .ir.build import build_kernel
 from .ir.nodes import KernelIR, format_ir
 from .ir.partition import partition
+from .ir.retype import retype
 from .schedule import KernelSpec, specialize
 
 
@@ -19,6 +20,17 @@ class Kernel:
     def __init__(self, ir: KernelIR):
         self.ir = ir
         self._specs: dict[tuple, KernelSpec] = {}
+        self._variants: dict[str, Kernel] = {}
+
+    def variant(self, storage: str) -> "Kernel":
+        """This kernel with f32 tensors stored as ``storage`` ("f16"), computing in f32."""
+        if storage == "f32":
+            return self
+        if storage not in ("f16",):
+            raise ValueError(f"{self.name}: storage precision must be f32 or f16, got {storage!r}")
+        if storage not in self._variants:
+            self._variants[storage] = Kernel(retype(self.ir, storage))
+        return self._variants[storage]
 
     @property
     def name(self) -> str:

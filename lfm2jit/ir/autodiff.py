@@ -145,17 +145,28 @@ def grad_ir(ir: KernelIR, wrt: list[str] | None = None, cotangents: list[str] | 
         adjoints.setdefault(id(ir.results[name]), []).append(seed)
 
     order = toposort(ir.results.values())
+    projections: dict[int, dict[int, Node]] = {}     # intrinsic call -> its PROJ nodes by index
+    for n in order:
+        if n.op == Op.PROJ:
+            projections.setdefault(id(n.srcs[0]), {})[n.arg] = n
     for node in reversed(order):
-        pending = adjoints.pop(id(node), None)
-        if not pending or node.op in (Op.INPUT, Op.SCALAR, Op.CONST, Op.DIMSIZE):
-            if pending:
-                adjoints[id(node)] = pending   # keep input adjoints for the end
-            continue
-        g = _total(b, pending, node.shape)
-        rule = RULES.get(node.op)
-        if rule is None:
-            raise AutodiffError(f"{ir.name}: no gradient rule for {node.op.name}")
-        for src, adj in zip(node.srcs, rule(b, node, g)):
+        if node.op == Op.INTRINSIC:
+            src_adjoints = _intrinsic_rule(ir, b, node, projections.get(id(node), {}), adjoints)
+        else:
+            pending = adjoints.pop(id(node), None)
+            if not pending or node.op in (Op.INPUT, Op.SCALAR, Op.CONST, Op.DIMSIZE):
+                if pending:
+                    adjoints[id(node)] = pending   # keep input adjoints for the end
+                continue
+            g = _total(b, pending, node.shape)
+            if node.op == Op.PROJ:             # handed to the call when it is reached
+                adjoints.setdefault(("proj", id(node)), []).append(g)
+                continue
+            rule = RULES.get(node.op)
+            if rule is None:
+                raise AutodiffError(f"{ir.name}: no gradient rule for {node.op.name}")
+            src_adjoints = rule(b, node, g)
+        for src, adj in zip(node.srcs, src_adjoints):
             if adj is not None and src.op not in (Op.CONST, Op.DIMSIZE, Op.SCALAR):
                 adjoints.setdefault(id(src), []).append(adj)
 
@@ -182,6 +193,20 @@ def grad_ir(ir: KernelIR, wrt: list[str] | None = None, cotangents: list[str] | 
         + tuple(s for s in seeds if s.name in used)
     return KernelIR(f"{ir.name}_bwd", new_inputs, tuple(s for s in ir.scalars if s in scalars_used),
                     tuple(grad_outputs), results, ir.source, ir.filename, ir.line, dict(ir.fixed_dims))
+
+
+def _intrinsic_rule(ir: KernelIR, b: GraphBuilder, call: Node, projs: dict[int, Node], adjoints) -> list:
+    """Adjoints of an intrinsic call's operands, from its registered gradient rule."""
+    from ..intrinsics import get
+
+    intr = get(call.arg)
+    outs = [adjoints.pop(("proj", id(projs[i])), [None])[0] if i in projs else None
+            for i in range(len(intr.outputs))]
+    if all(g is None for g in outs):
+        return [None] * len(call.srcs)
+    if intr.grad is None:
+        raise AutodiffError(f"{ir.name}: intrinsic {call.arg} has no gradient rule")
+    return intr.grad(b, call, projs, outs)
 
 
 def _total(b: GraphBuilder, pending: list[Node], shape: tuple[str, ...]) -> Node:

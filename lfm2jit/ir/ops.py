@@ -20,6 +20,8 @@ class Op(Enum):
     WHERE = auto()
     # reductions over one axis; arg = axis name
     SUM = auto(); RMAX = auto()  # noqa: E702
+    # a hand-tuned template (attention, ...): arg = intrinsic name; PROJ picks output arg of it
+    INTRINSIC = auto(); PROJ = auto()  # noqa: E702
 
 
 LEAF = frozenset({Op.INPUT, Op.SCALAR, Op.CONST, Op.DIMSIZE})

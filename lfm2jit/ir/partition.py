@@ -20,7 +20,9 @@ def is_contraction(n: Node) -> bool:
 
 
 def schedule_class(node: Node) -> str:
-    """'contraction', 'colreduce', 'rowreduce' or 'pointwise' for the graph computing ``node``."""
+    """'intrinsic', 'contraction', 'colreduce', 'rowreduce' or 'pointwise' for the graph computing ``node``."""
+    if node.op == Op.PROJ:
+        return "intrinsic"
     reduces = [n for n in toposort([node]) if n.op in REDUCE]
     if any(is_contraction(r) for r in reduces):
         return "contraction"
@@ -36,7 +38,12 @@ def partition(ir: KernelIR) -> list[KernelIR]:
     for out in ir.outputs:
         node = ir.results[out.name]
         cls = schedule_class(node)
-        key = (cls, out.name) if cls in ("contraction", "colreduce") else ("fused", _space(node, out.shape))
+        if cls == "intrinsic":
+            key = (cls, id(node.srcs[0]))       # every output of one call in one kernel
+        elif cls in ("contraction", "colreduce"):
+            key = (cls, out.name)
+        else:
+            key = ("fused", _space(node, out.shape))
         groups.setdefault(key, []).append(out.name)
     if len(groups) == 1:
         return [ir]

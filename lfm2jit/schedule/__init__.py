@@ -15,7 +15,7 @@ from __future__ import annotations
 from ..ir.nodes import SEQ_AXIS, KernelIR, Node, toposort
 from ..ir.ops import REDUCE
 from ..ir.partition import schedule_class
-from . import contraction, pointwise, reduce
+from . import contraction, intrinsic, pointwise, reduce
 from .spec import KernelSpec, bind_dims, bucketed, ident, schedule_error
 
 __all__ = ["KernelSpec", "bind_dims", "bucketed", "specialize"]
@@ -48,7 +48,9 @@ def specialize(ir: KernelIR, dims: dict[str, int], bucket: int = 1,
     classes = {schedule_class(ir.results[o.name]) for o in ir.outputs}
     reductions = [n for n in order if n.op in REDUCE]
     acc = frozenset(accumulate)
-    if "contraction" in classes:
+    if "intrinsic" in classes:
+        template, ctx, groups = intrinsic.plan(ir, sizes, acc)
+    elif "contraction" in classes:
         template, ctx, groups = contraction.plan(ir, sizes, acc)
     elif "colreduce" in classes:
         template, ctx, groups = reduce.plan_columns(ir, sizes, space, order, reductions, acc)

@@ -1,0 +1,27 @@
+"""Intrinsic schedule: a kernel whose outputs are the results of one intrinsic call."""
+from __future__ import annotations
+
+from .. import intrinsics
+from ..ir.nodes import KernelIR, TensorArg
+from ..ir.ops import Op
+from .spec import schedule_error
+
+
+def plan(ir: KernelIR, sizes: dict[str, int], accumulate: frozenset[str]):
+    calls = {id(ir.results[o.name].srcs[0]): ir.results[o.name].srcs[0]
+             for o in ir.outputs if ir.results[o.name].op == Op.PROJ}
+    if len(calls) != 1 or any(ir.results[o.name].op != Op.PROJ for o in ir.outputs):
+        raise schedule_error(ir, "a kernel that calls an intrinsic must output only that call's results",
+                             "outputs assigned directly from one intrinsic call")
+    (call,) = calls.values()
+    intr = intrinsics.get(call.arg)
+    operands = []
+    for i, src in enumerate(call.srcs):
+        if src.op != Op.INPUT:
+            raise schedule_error(ir, f"operand {intr.params[i]!r} of {intr.name} is computed in the kernel",
+                                 "intrinsic operands that are kernel inputs")
+        operands.append(TensorArg(src.arg, src.dtype, src.shape))
+    by_index = {ir.results[o.name].arg: o for o in ir.outputs}
+    outputs = tuple(by_index.get(i) for i in range(len(intr.outputs)))
+    call_spec = intrinsics.IntrinsicCall(intr.name, tuple(operands), outputs, sizes, accumulate)
+    return intr.plan(call_spec)
