@@ -6,16 +6,24 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Loc:
+    """1-based line and column of the token a node is reported at (a BinOp: its operator)."""
     line: int
     column: int
 
 
 @dataclass(frozen=True)
 class TypeSpec:
-    """``f32[T, D]``; ``dims`` is empty for a scalar. A dim is an axis name or an integer size."""
+    """``f32[T, D]``; ``dims`` is empty for a scalar. A dim is an axis name or an integer size.
+
+    ``loc`` is the dtype's location; ``dim_locs`` (one per dim, when parsed) locate the dims.
+    """
     dtype: str
     dims: tuple[str | int, ...]
     loc: Loc
+    dim_locs: tuple[Loc, ...] = ()
+
+    def dim_loc(self, i: int) -> Loc:
+        return self.dim_locs[i] if i < len(self.dim_locs) else self.loc
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,8 @@
 """The one exception type for everything wrong with a kernel source: syntax, names, shapes, dtypes."""
 from __future__ import annotations
 
+_WIDTH = 100   # longest source excerpt shown under the message
+
 
 class DslError(Exception):
     """A located error in a DSL source.
@@ -22,11 +24,22 @@ class DslError(Exception):
     def _format(self) -> str:
         head = f"{self.filename}:{self.line}:{self.column}: {self.message}"
         parts = [head]
-        lines = self.source.splitlines() if self.source else []
+        # Lines are counted as the lexer counts them: only "\n" ends a line (str.splitlines would also
+        # split at \r, \f, \v, \x1c.. and show the wrong line). Every character shows as one: white
+        # space (tab, \r, \f) as a blank and other unprintable ones as U+FFFD, so the caret stays
+        # under the column and an offending control character is visible.
+        lines = self.source.split("\n") if self.source else []
         if 1 <= self.line <= len(lines):
-            text = lines[self.line - 1].expandtabs(1)
+            text = "".join(c if c.isprintable() else " " if c.isspace() else "\ufffd"
+                           for c in lines[self.line - 1]).rstrip()
+            caret = max(self.column - 1, 0)
+            if len(text) > _WIDTH:  # show a window of a very long line around the column
+                start = max(0, min(caret - _WIDTH // 2, len(text) - _WIDTH))
+                head = "..." if start else ""
+                text = head + text[start:start + _WIDTH] + ("..." if start + _WIDTH < len(text) else "")
+                caret += len(head) - start
             parts.append("    " + text)
-            parts.append("    " + " " * max(self.column - 1, 0) + "^")
+            parts.append("    " + " " * caret + "^")
         if self.expected:
             parts.append(f"expected: {self.expected}")
         return "\n".join(parts)

@@ -4,19 +4,28 @@ from __future__ import annotations
 from functools import lru_cache
 from importlib import resources
 
-from lark import Lark, Transformer, v_args
+from lark import Lark, Transformer_NonRecursive, v_args
 from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken, VisitError
+from lark.lexer import PatternStr
 
 from . import ast
 from .errors import DslError
 
+# How the pattern-defined terminals read in "expected ..." lists; punctuation and keywords are
+# spelled from the grammar itself (see _word), so anonymous terminal names never leak into messages.
 _TOKEN_WORDS = {
-    "LPAR": "'('", "RPAR": "')'", "LSQB": "'['", "RSQB": "']'", "LBRACE": "'{'", "RBRACE": "'}'",
-    "COMMA": "','", "COLON": "':'", "EQUAL": "'='", "PLUS": "'+'", "MINUS": "'-'", "STAR": "'*'",
-    "SLASH": "'/'", "MORETHAN": "'>'", "LESSTHAN": "'<'", "__ANON_0": "'->'", "__ANON_1": "'**'",
-    "KERNEL": "'kernel'", "NAME": "a name", "INT": "an integer", "NUMBER": "a number",
+    "NAME": "a name", "INT": "an integer", "NUMBER": "a number",
     "DTYPE": "a dtype (f32, f16, i32, u32)", "$END": "end of input",
 }
+# ...and how an unexpected token of those kinds is introduced: "unexpected name 'x'"
+_TOKEN_NOUNS = {"NAME": "name", "INT": "integer", "NUMBER": "number", "DTYPE": "dtype"}
+
+# Expressions nest at most this deep (parentheses alone do not count; operators, negations and calls
+# do). The checker and later passes walk expressions recursively, so a bound here turns a would-be
+# RecursionError on absurd input into a located DslError; real kernels stay far below it.
+MAX_EXPR_DEPTH = 200
+# Integer axis sizes are baked into WGSL as u32 constants; keep them, and their products' factors, sane.
+MAX_AXIS_SIZE = 2**31 - 1
 
 
 @lru_cache(maxsize=1)
@@ -29,8 +38,25 @@ def _loc(meta_or_token) -> ast.Loc:
     return ast.Loc(getattr(meta_or_token, "line", 0) or 0, getattr(meta_or_token, "column", 0) or 0)
 
 
+def _word(name: str) -> str:
+    """How terminal ``name`` reads in an error message."""
+    if name in _TOKEN_WORDS:
+        return _TOKEN_WORDS[name]
+    for t in _lark().terminals:
+        if t.name == name and isinstance(t.pattern, PatternStr):
+            return repr(t.pattern.value)
+    return name
+
+
 @v_args(meta=True)
-class _ToAst(Transformer):
+class _ToAst(Transformer_NonRecursive):
+    """Parse tree -> AST without recursion, so any nesting depth transforms (the depth is checked after)."""
+
+    def __init__(self, filename: str, text: str):
+        super().__init__()
+        self.filename = filename
+        self.text = text
+
     def start(self, meta, kernels):
         return tuple(kernels)
 
@@ -47,16 +73,24 @@ class _ToAst(Transformer):
 
     def type(self, meta, children):
         dtype, dims = children
-        return ast.TypeSpec(str(dtype), tuple(dims or ()), _loc(dtype))
+        dims = dims or ()
+        return ast.TypeSpec(str(dtype), tuple(d for d, _ in dims), _loc(dtype), tuple(loc for _, loc in dims))
 
     def shape(self, meta, dims):
         return tuple(dims)
 
+    # a dim is passed up as (name or size, location) and split by ``type``
     def dim_name(self, meta, children):
-        return str(children[0])
+        return str(children[0]), _loc(children[0])
 
     def dim_size(self, meta, children):
-        return int(children[0])
+        tok = children[0]
+        digits = str(tok).lstrip("0")
+        if len(digits) > len(str(MAX_AXIS_SIZE)) or int(digits or "0") > MAX_AXIS_SIZE:
+            raise DslError(f"axis size {str(tok)[:20]}{'...' * (len(tok) > 20)} is too large",
+                           filename=self.filename, line=tok.line, column=tok.column, source=self.text,
+                           expected=f"a size of at most {MAX_AXIS_SIZE}")
+        return int(tok), _loc(tok)
 
     def stmt(self, meta, children):
         name, value = children
@@ -82,8 +116,8 @@ class _ToAst(Transformer):
 
     def _binop(op):  # noqa: N805 - builds one method per binary rule
         def method(self, meta, children):
-            lhs, rhs = children
-            return ast.BinOp(op, lhs, rhs, _loc(meta))
+            lhs, sym, rhs = children
+            return ast.BinOp(op, lhs, rhs, _loc(sym))   # located at the operator
         return method
 
     add, sub, mul, div = _binop("add"), _binop("sub"), _binop("mul"), _binop("div")
@@ -91,9 +125,39 @@ class _ToAst(Transformer):
 
 
 def _expected(exc: UnexpectedInput) -> str:
-    names = sorted(getattr(exc, "expected", None) or getattr(exc, "allowed", None) or ())
-    words = sorted({_TOKEN_WORDS.get(n, n) for n in names})
+    names = None
+    if isinstance(exc, UnexpectedToken):
+        try:  # what the parser really accepts here; ``expected`` can hold extras of merged LALR states
+            names = exc.accepts
+        except Exception:  # noqa: BLE001 - only a nicer message is lost
+            names = None
+    names = sorted(names or getattr(exc, "expected", None) or getattr(exc, "allowed", None) or ())
+    words = sorted({_word(n) for n in names})
     return ", ".join(words) if words else "valid kernel syntax"
+
+
+def _children(e: ast.Expr) -> tuple[ast.Expr, ...]:
+    if isinstance(e, ast.BinOp):
+        return (e.lhs, e.rhs)
+    if isinstance(e, ast.Neg):
+        return (e.operand,)
+    if isinstance(e, ast.Call):
+        return e.args
+    return ()
+
+
+def _check_depth(kernels: tuple[ast.KernelDef, ...], filename: str, text: str) -> None:
+    """Reject expressions nested deeper than MAX_EXPR_DEPTH, located at the first node too deep."""
+    for k in kernels:
+        for st in k.body:
+            stack = [(st.value, 1)]
+            while stack:
+                e, depth = stack.pop()
+                if depth > MAX_EXPR_DEPTH:
+                    raise DslError(f"expression nested more than {MAX_EXPR_DEPTH} levels deep",
+                                   filename=filename, line=e.loc.line, column=e.loc.column, source=text,
+                                   expected="a shallower expression (split it into several assignments)")
+                stack.extend((c, depth + 1) for c in reversed(_children(e)))
 
 
 def parse(text: str, filename: str = "<source>") -> ast.SourceFile:
@@ -102,14 +166,14 @@ def parse(text: str, filename: str = "<source>") -> ast.SourceFile:
         raise TypeError(f"kernel source must be str, got {type(text).__name__}")
     try:
         tree = _lark().parse(text)
-        kernels = _ToAst().transform(tree)
+        kernels = _ToAst(filename, text).transform(tree)
     except UnexpectedToken as e:
         tok = e.token
         if tok.type == "$END":
             what, (line, col) = "end of input", _end(text)
         else:
-            word = _TOKEN_WORDS.get(tok.type)
-            what = f"{word} {str(tok)!r}" if tok.type in ("NAME", "INT", "NUMBER", "DTYPE") else (word or repr(str(tok)))
+            noun = _TOKEN_NOUNS.get(tok.type)
+            what = f"{noun} {str(tok)!r}" if noun else repr(str(tok))
             line, col = e.line, e.column
         raise DslError(f"unexpected {what}", filename=filename, line=line, column=col, source=text,
                        expected=_expected(e)) from None
@@ -121,11 +185,17 @@ def parse(text: str, filename: str = "<source>") -> ast.SourceFile:
         line, col = _end(text)
         raise DslError("unexpected end of input", filename=filename, line=line, column=col, source=text,
                        expected=_expected(e)) from None
-    except VisitError as e:  # a malformed literal that the grammar let through, e.g. a huge exponent
-        raise DslError(f"invalid literal: {e.orig_exc}", filename=filename, source=text) from None
+    except VisitError as e:  # a check made while building the AST (e.g. an axis size too large)
+        if isinstance(e.orig_exc, DslError):
+            raise e.orig_exc from None
+        meta = getattr(e.obj, "meta", None)
+        raise DslError(f"invalid source: {e.orig_exc}", filename=filename, line=getattr(meta, "line", 0),
+                       column=getattr(meta, "column", 0), source=text) from None
+    _check_depth(kernels, filename, text)
     return ast.SourceFile(filename, text, kernels)
 
 
 def _end(text: str) -> tuple[int, int]:
-    lines = text.split("\n")
+    """Where input ran out: just after the last thing written (trailing blank lines would hide it)."""
+    lines = text.rstrip(" \t\f\r\n").split("\n")
     return len(lines), len(lines[-1]) + 1

@@ -10,6 +10,8 @@ from .ops import (BINARY_FUNCS, BINOP_NAMES, DTYPES, FLOAT_DTYPES, FLOAT_ONLY, R
                   UNARY_FUNCS, Op)
 
 ABSTRACT = "float"   # the dtype of a literal until it meets a typed operand
+F32_OVERFLOW = 2.0**128 - 2.0**103   # the smallest magnitude that rounds to infinity in f32
+INT_RANGE = {"i32": (-2**31, 2**31 - 1), "u32": (0, 2**32 - 1)}
 
 
 def _fmt(dtype: str, shape: tuple[str, ...]) -> str:
@@ -40,18 +42,18 @@ class _Builder:
         if t.dtype not in DTYPES:
             raise self.error(t.loc, f"unknown dtype {t.dtype!r}", expected=", ".join(DTYPES))
         shape: list[str] = []
-        for d in t.dims:
+        for i, d in enumerate(t.dims):
             name = str(d)
             if isinstance(d, int):
                 if d < 1:
-                    raise self.error(t.loc, f"axis size {d} of {p.name!r} is not positive", "a size >= 1")
+                    raise self.error(t.dim_loc(i), f"axis size {d} of {p.name!r} is not positive", "a size >= 1")
                 self.fixed_dims[name] = d
             if name in shape:
-                raise self.error(t.loc, f"axis {name} appears twice in the type of {p.name!r}",
+                raise self.error(t.dim_loc(i), f"axis {name} appears twice in the type of {p.name!r}",
                                  "each axis name once per tensor")
             shape.append(name)
         if SEQ_AXIS in shape and shape[0] != SEQ_AXIS:
-            raise self.error(t.loc, f"axis {SEQ_AXIS} of {p.name!r} is not the leading axis",
+            raise self.error(t.dim_loc(shape.index(SEQ_AXIS)), f"axis {SEQ_AXIS} of {p.name!r} is not the leading axis",
                              f"{SEQ_AXIS} first, so that padding a sequence pads a suffix")
         return tuple(shape)
 
@@ -103,7 +105,7 @@ class _Builder:
 
     def expr(self, e: ast.Expr) -> Node:
         if isinstance(e, ast.Number):
-            if not math.isfinite(e.value) or abs(e.value) > 3.4028234e38:
+            if not math.isfinite(e.value) or abs(e.value) >= F32_OVERFLOW:
                 raise self.error(e.loc, f"number {e.text} is out of range", "a finite f32 value")
             return self.node(Op.CONST, (), (), ABSTRACT, e.value)
         if isinstance(e, ast.Var):
@@ -116,15 +118,42 @@ class _Builder:
                 raise self.error(e.loc, "cannot negate a u32 value", "a signed or float operand")
             return self.node(Op.NEG, (x,), x.shape, x.dtype)
         if isinstance(e, ast.BinOp):
-            return self.binary(e.loc, BINOP_NAMES[e.op], e.op, self.expr(e.lhs), self.expr(e.rhs))
+            return self.binary(e.loc, BINOP_NAMES[e.op], e.op, self.expr(e.lhs), self.expr(e.rhs),
+                               (e.lhs.loc, e.rhs.loc))
         return self.call(e)
 
-    def binary(self, loc, op: Op, what: str, a: Node, b: Node) -> Node:
+    def binary(self, loc, op: Op, what: str, a: Node, b: Node, locs=None) -> Node:
         dtype = self.unify_dtype(loc, what, a, b)
         if op in FLOAT_ONLY and dtype not in FLOAT_DTYPES + (ABSTRACT,):
             raise self.error(loc, f"{what} needs float operands, got {dtype}", "f32 or f16 operands")
+        la, lb = locs or (loc, loc)
+        shape = self.broadcast(loc, what, a, b)
+        a, b = self.adopt(la, a, dtype), self.adopt(lb, b, dtype)
         # comparisons give 0 or 1 in the operands' dtype, so they compose with arithmetic
-        return self.node(op, (a, b), self.broadcast(loc, what, a, b), dtype)
+        return self.node(op, (a, b), shape, dtype)
+
+    def adopt(self, loc, x: Node, dtype: str) -> Node:
+        """A literal operand takes the dtype of the value it meets; for an integer dtype it must be one.
+
+        Float contexts need nothing (literals are spelled in the consumer's compute type). In an
+        integer context a literal (or a negated one) must be a whole number in the dtype's range, and
+        a compound literal-only expression, which is computed in f32, is cast to the integer dtype.
+        """
+        if x.dtype != ABSTRACT or dtype not in INT_RANGE:
+            return x
+        value = None
+        if x.op == Op.CONST:
+            value = float(x.arg)
+        elif x.op == Op.NEG and x.srcs[0].op == Op.CONST:
+            value = -float(x.srcs[0].arg)
+        if value is None:
+            return self.node(Op.CAST, (x,), x.shape, dtype, dtype)
+        lo, hi = INT_RANGE[dtype]
+        if value != int(value) or not lo <= value <= hi:
+            shown = int(value) if value.is_integer() else value
+            raise self.error(loc, f"literal {shown} is not representable as {dtype}",
+                             f"a whole number in [{lo}, {hi}] (or cast with {dtype}(...))")
+        return self.node(Op.CONST, (), (), ABSTRACT, value)
 
     def call(self, e: ast.Call) -> Node:
         f, args = e.func, e.args
@@ -138,12 +167,15 @@ class _Builder:
             return self.node(UNARY_FUNCS[f], (x,), x.shape, x.dtype)
         if f in BINARY_FUNCS:
             self.arity(e, 2)
-            return self.binary(e.loc, BINARY_FUNCS[f], f, self.expr(args[0]), self.expr(args[1]))
+            return self.binary(e.loc, BINARY_FUNCS[f], f, self.expr(args[0]), self.expr(args[1]),
+                               (args[0].loc, args[1].loc))
         if f == "where":
             self.arity(e, 3)
             c, a, b = (self.expr(a) for a in args)
             dtype = self.unify_dtype(e.loc, "where", a, b)
-            return self.node(Op.WHERE, (c, a, b), self.broadcast(e.loc, "where", c, a, b), dtype)
+            shape = self.broadcast(e.loc, "where", c, a, b)
+            a, b = self.adopt(args[1].loc, a, dtype), self.adopt(args[2].loc, b, dtype)
+            return self.node(Op.WHERE, (c, a, b), shape, dtype)
         if f in DTYPES:
             self.arity(e, 1)
             x = self.expr(args[0])
@@ -203,6 +235,7 @@ class _Builder:
         if value.shape != decl.shape and not _is_subsequence(value.shape, decl.shape):
             raise self.error(st.loc, f"output {decl.name!r} is declared {_fmt(decl.dtype, decl.shape)} "
                              f"but its value is {_fmt(value.dtype, value.shape)}", _fmt(decl.dtype, decl.shape))
+        value = self.adopt(st.value.loc, value, decl.dtype)
         if value.dtype == ABSTRACT:
             value = self.node(Op.CAST, (value,), value.shape, decl.dtype, decl.dtype)
         return value
