@@ -29,16 +29,17 @@ def test_wheel_ships_templates_kernels_and_grammar(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     missing = [n for n in PACKAGE_DATA if n not in names]
     assert not missing, f"not in the wheel: {missing}"
-    kernels = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "lfm2jit" / "kernels").glob("*.lk"))
-    assert kernels and not set(kernels) - names, f"kernel sources missing from the wheel: {set(kernels) - names}"
+    kernels = {p.relative_to(ROOT).as_posix() for p in (ROOT / "lfm2jit" / "kernels").glob("*.lk")}
+    assert kernels, "no kernel sources in the checkout"
+    assert not kernels - names, f"kernel sources missing from the wheel: {sorted(kernels - names)}"
 
 
 def test_wheel_ships_every_module_of_the_checkout(wheel):
     """pyproject lists packages explicitly; a new subpackage left off that list fails here."""
     names = set(zipfile.ZipFile(wheel).namelist())
     modules = {p.relative_to(ROOT).as_posix() for p in (ROOT / "lfm2jit").rglob("*.py")}
-    assert not modules - names, f"modules missing from the wheel (add their package to pyproject.toml): " \
-                                f"{sorted(modules - names)}"
+    missing = sorted(modules - names)
+    assert not missing, f"modules missing from the wheel (add their package to pyproject.toml): {missing}"
 
 
 def test_installed_wheel_renders_a_kernel_without_the_checkout(wheel, tmp_path):
