@@ -15,7 +15,7 @@ def templates_dir() -> Path:
     checkout = Path(__file__).resolve().parents[2] / "templates"
     if checkout.is_dir() and (checkout / "pointwise.wgsl.j2").exists():
         return checkout
-    return Path(str(resources.files("lfm2jit.templates")))
+    return Path(str(resources.files("lfm2jit") / "templates"))
 
 
 @lru_cache(maxsize=1)
