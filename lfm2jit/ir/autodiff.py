@@ -182,9 +182,11 @@ def grad_ir(ir: KernelIR, wrt: list[str] | None = None, cotangents: list[str] | 
         results[f"d_{name}"] = value
         grad_outputs.append(TensorArg(f"d_{name}", t.dtype, t.shape))
 
-    # Reuse forward outputs the backward needs instead of recomputing them (saved values).
+    # Reuse forward outputs the backward needs instead of recomputing them (saved values). An output
+    # declared wider than its value (z = exp(w) stored as [T, D]) cannot stand in for the narrower node.
     saved = {id(ir.results[o]): b.node(Op.INPUT, (), outputs[o].shape, outputs[o].dtype, o)
-             for o in outputs if ir.results[o].op not in (Op.INPUT, Op.CAST)}
+             for o in outputs if ir.results[o].op not in (Op.INPUT, Op.CAST)
+             and ir.results[o].shape == outputs[o].shape}
     results = substitute(results, saved)
     used = {n.arg for n in toposort(results.values()) if n.op == Op.INPUT}
     scalars_used = {n.arg for n in toposort(results.values()) if n.op == Op.SCALAR}
@@ -210,10 +212,18 @@ def _intrinsic_rule(ir: KernelIR, b: GraphBuilder, call: Node, projs: dict[int, 
 
 
 def _total(b: GraphBuilder, pending: list[Node], shape: tuple[str, ...]) -> Node:
+    """The sum of a node's adjoints, each summed back to (a subset of) its ``shape``. Adjoints may
+    order their axes differently ([N, K] from a contraction, [K, N] from an elementwise use), so
+    the sum is laid out in ``shape``'s order rather than by merging the operands' orders."""
     total = None
     for adj in pending:
         adj = b.sum_to(adj, shape)
-        total = adj if total is None else b.add(total, adj)
+        if total is None:
+            total = adj
+        else:
+            axes = set(total.shape) | set(adj.shape)
+            dtype = adj.dtype if total.dtype == ABSTRACT else total.dtype
+            total = b.node(Op.ADD, (total, adj), tuple(a for a in shape if a in axes), dtype)
     return total
 
 
