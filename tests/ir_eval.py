@@ -1,0 +1,163 @@
+"""A float64 numpy interpreter of KernelIR: an independent reference for IR-level tests.
+
+Written from the op semantics in lfm2jit/ir/ops.py, not from the WGSL code generator. Every value
+is held as an array whose axes are exactly its node's ``shape`` (a tuple of axis names), in that
+order; operands are aligned to a node's shape by axis name (transposed, then given size-1 axes
+where they lack one, then broadcast). So a node's ``shape`` is authoritative for the order of its
+result, whatever order its operands use.
+
+Precision is not modelled: f32/f16 values are computed in float64 and float casts are exact;
+casts to i32/u32 truncate toward zero. LT/GT give 1.0 or 0.0, WHERE selects where its condition is
+nonzero, and integer DIV truncates toward zero, as WGSL does.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from lfm2jit.ir.nodes import KernelIR, Node, toposort
+from lfm2jit.ir.ops import Op
+
+INT_DTYPES = ("i32", "u32")
+
+
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    # exp of a non-positive argument only, so no overflow warnings at large |x|
+    e = np.exp(-np.abs(x))
+    return np.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+
+
+UNARY = {
+    Op.NEG: np.negative,
+    Op.EXP: np.exp,
+    Op.LOG: np.log,
+    Op.SQRT: np.sqrt,
+    Op.RSQRT: lambda x: 1.0 / np.sqrt(x),
+    Op.ABS: np.abs,
+    Op.SIGMOID: _sigmoid,
+    Op.SILU: lambda x: x * _sigmoid(x),
+    Op.TANH: np.tanh,
+    Op.RECIP: lambda x: 1.0 / x,
+}
+
+BINARY = {
+    Op.ADD: np.add,
+    Op.SUB: np.subtract,
+    Op.MUL: np.multiply,
+    Op.DIV: np.divide,
+    Op.POW: np.power,
+    Op.MAX: np.maximum,
+    Op.MIN: np.minimum,
+    Op.LT: lambda a, b: (a < b).astype(np.float64),
+    Op.GT: lambda a, b: (a > b).astype(np.float64),
+}
+
+
+class EvalError(ValueError):
+    pass
+
+
+def axis_size(axis: str, sizes: dict[str, int]) -> int:
+    if axis in sizes:
+        return int(sizes[axis])
+    if axis.isdigit():          # an integer axis is spelled by its size
+        return int(axis)
+    raise EvalError(f"no size for axis {axis}")
+
+
+def align(value: np.ndarray, axes: tuple[str, ...], target: tuple[str, ...], sizes: dict[str, int]) -> np.ndarray:
+    """``value`` (with axes ``axes``) laid out over ``target``: transposed into target's order,
+    size-1 axes inserted for the axes it lacks, broadcast to the full target sizes."""
+    missing = [a for a in axes if a not in target]
+    if missing:
+        raise EvalError(f"value over [{', '.join(axes)}] has axes {missing} that [{', '.join(target)}] lacks")
+    present = [a for a in target if a in axes]
+    value = np.transpose(value, [axes.index(a) for a in present])
+    shape = [value.shape[present.index(a)] if a in axes else 1 for a in target]
+    value = value.reshape(shape)
+    return np.broadcast_to(value, tuple(axis_size(a, sizes) for a in target))
+
+
+def _sizes(ir: KernelIR, inputs: dict[str, np.ndarray], sizes: dict[str, int]) -> dict[str, int]:
+    out = {a: int(n) for a, n in ir.fixed_dims.items()}
+    for t in ir.inputs:
+        if t.name not in inputs:
+            raise EvalError(f"{ir.name}: missing input {t.name!r}")
+        arr = np.asarray(inputs[t.name])
+        if arr.ndim != len(t.shape):
+            raise EvalError(f"{ir.name}: input {t.name!r} has {arr.ndim} axes, expected [{', '.join(t.shape)}]")
+        for a, n in zip(t.shape, arr.shape):
+            if a in out and out[a] != n:
+                raise EvalError(f"{ir.name}: input {t.name!r} has {a}={n}, but {a}={out[a]} elsewhere")
+            out[a] = n
+    for a, n in sizes.items():
+        if a in out and out[a] != n:
+            raise EvalError(f"{ir.name}: sizes say {a}={n}, but the inputs have {a}={out[a]}")
+        out[a] = int(n)
+    return out
+
+
+def evaluate(ir: KernelIR, inputs: dict[str, np.ndarray], scalars: dict[str, float] | None = None,
+             sizes: dict[str, int] | None = None) -> dict[str, np.ndarray]:
+    """Every output of ``ir`` in float64, each laid out over its declared shape.
+
+    ``inputs`` maps tensor argument names to arrays (in their declared axis order); ``scalars``
+    the runtime scalars; ``sizes`` axis sizes the inputs do not determine (checked where they do).
+    """
+    scalars = dict(scalars or {})
+    sizes = _sizes(ir, inputs, dict(sizes or {}))
+    values: dict[int, np.ndarray] = {}
+
+    def get(n: Node, target: tuple[str, ...]) -> np.ndarray:
+        return align(values[id(n)], n.shape, target, sizes)
+
+    for node in toposort(ir.results.values()):
+        op, shape = node.op, node.shape
+        if op == Op.INPUT:
+            if node.arg not in inputs:
+                raise EvalError(f"{ir.name}: missing input {node.arg!r}")
+            arr = np.asarray(inputs[node.arg], dtype=np.float64)
+            want = tuple(axis_size(a, sizes) for a in shape)
+            if arr.shape != want:
+                raise EvalError(f"{ir.name}: input {node.arg!r} has shape {arr.shape}, expected {want}")
+            v = arr
+        elif op == Op.SCALAR:
+            if node.arg not in scalars:
+                raise EvalError(f"{ir.name}: missing scalar {node.arg!r}")
+            v = np.float64(scalars[node.arg])
+        elif op == Op.CONST:
+            v = np.float64(node.arg)
+        elif op == Op.DIMSIZE:
+            v = np.float64(axis_size(node.arg, sizes))
+        elif op == Op.CAST:
+            v = get(node.srcs[0], shape)
+            if node.dtype in INT_DTYPES:
+                v = np.trunc(v)
+        elif op in UNARY:
+            v = UNARY[op](get(node.srcs[0], shape))
+        elif op in BINARY:
+            a, b = (get(s, shape) for s in node.srcs)
+            if op == Op.DIV and node.dtype in INT_DTYPES:
+                v = np.trunc(a / b)
+            else:
+                v = BINARY[op](a, b)
+        elif op == Op.WHERE:
+            c, a, b = (get(s, shape) for s in node.srcs)
+            v = np.where(c != 0, a, b)
+        elif op in (Op.SUM, Op.RMAX):
+            src = node.srcs[0]
+            if node.arg not in src.shape:
+                raise EvalError(f"{ir.name}: {op.name} over {node.arg}, which {src} lacks")
+            order = tuple(a for a in src.shape if a != node.arg) + (node.arg,)
+            x = align(values[id(src)], src.shape, order, sizes)
+            v = (np.sum if op == Op.SUM else np.max)(x, axis=-1)
+            v = align(v, order[:-1], shape, sizes)
+        else:
+            raise EvalError(f"{ir.name}: no semantics for op {op.name}")
+        v = np.asarray(v, dtype=np.float64)
+        want = tuple(axis_size(a, sizes) for a in shape)
+        if v.shape != want:
+            v = np.broadcast_to(v, want)
+        values[id(node)] = v
+
+    return {o.name: np.array(align(values[id(ir.results[o.name])], ir.results[o.name].shape, o.shape, sizes))
+            for o in ir.outputs}
