@@ -160,3 +160,20 @@ kernel mix(x: f32[T, 3, D], w: f32[3, D]) -> (y: f32[T, 3, D]) {
     assert rel_err(got, x.astype(np.float64) * w + 1) < 1e-6
     with pytest.raises(ValueError, match="size 4 on axis 3, expected 3"):
         engine.run(mod.mix, x=engine.tensor(np.zeros((5, 4, 7), np.float32)), w=engine.tensor(w))
+
+
+def test_views_share_the_buffer_and_run_kernels(engine, rng):
+    a = rng.standard_normal((128, 64)).astype(np.float32)
+    t = engine.tensor(a)
+    v = t.view(128, 2, 32)
+    np.testing.assert_array_equal(v.numpy(), a.reshape(128, 2, 32))
+    part = t.rows(64, 128)
+    np.testing.assert_array_equal(part.numpy(), a[64:])
+    out = engine.run("scale", x=part, alpha=2.0)["y"].numpy()
+    np.testing.assert_array_equal(out, 2.0 * a[64:])
+    engine.run("scale", x=t.rows(0, 64), alpha=0.5, out={"y": part})   # write into the second half
+    np.testing.assert_array_equal(t.numpy()[64:], 0.5 * a[:64])
+    with pytest.raises(ValueError, match="cannot view"):
+        t.view(3, 5)
+    with pytest.raises(ValueError, match="out of range"):
+        t.rows(10, 200)

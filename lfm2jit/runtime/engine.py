@@ -153,7 +153,7 @@ class ComputeEngine:
         info_buf = self.device.create_buffer_with_data(data=info, usage=wgpu.BufferUsage.UNIFORM)
         tensors = [args[n] for n in spec.inputs] + [outputs[n] for n, _, _ in spec.outputs]
         entries = [{"binding": 0, "resource": {"buffer": info_buf, "offset": 0, "size": info_buf.size}}]
-        entries += [{"binding": i + 1, "resource": {"buffer": t.buffer, "offset": 0, "size": t.buffer.size}}
+        entries += [{"binding": i + 1, "resource": {"buffer": t.buffer, "offset": t.offset, "size": t.binding_size}}
                     for i, t in enumerate(tensors)]
         bind_group = self.device.create_bind_group(layout=compiled.layout, entries=entries)
         groups = spec.workgroups if isinstance(spec.workgroups, tuple) else fold_workgroups(spec.workgroups) + (1,)

@@ -32,7 +32,8 @@ def buffer_bytes(elements: int, dtype: str) -> int:
 
 
 class Tensor:
-    def __init__(self, ctx, buffer, shape, dtype: str, capacity: int | None = None, on_free=None):
+    def __init__(self, ctx, buffer, shape, dtype: str, capacity: int | None = None, on_free=None,
+                 offset: int = 0, base: "Tensor | None" = None):
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
         self.ctx = ctx
@@ -40,6 +41,8 @@ class Tensor:
         self.shape = tuple(int(s) for s in shape)
         self.dtype = dtype
         self.capacity = capacity if capacity is not None else self.size
+        self.offset = offset          # bytes into the buffer where element 0 lives
+        self._base = base             # a view keeps the tensor that owns its buffer alive
         self.grad: Tensor | None = None
         if on_free is not None:
             # A finalizer (not __del__) holds the buffer strongly, so a tensor collected as part of
@@ -56,6 +59,33 @@ class Tensor:
 
     def __repr__(self) -> str:
         return f"Tensor({self.dtype}{list(self.shape)})"
+
+    @property
+    def binding_size(self) -> int:
+        """Bytes a kernel may see through this tensor: its capacity, rounded up to 4."""
+        return -(-self.capacity * ITEMSIZE[self.dtype] // 4) * 4
+
+    def view(self, *shape: int) -> "Tensor":
+        """The same elements under another shape of the same size (no copy)."""
+        shape = tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape
+        if math.prod(shape) != self.size:
+            raise ValueError(f"cannot view {self!r} ({self.size} elements) as {list(shape)}")
+        return Tensor(self.ctx, self.buffer, shape, self.dtype, capacity=self.capacity, offset=self.offset,
+                      base=self._base or self)
+
+    def rows(self, start: int, stop: int) -> "Tensor":
+        """Rows start:stop of the leading axis, as a view (the offset must meet the adapter's alignment)."""
+        if not 0 <= start < stop <= self.shape[0]:
+            raise ValueError(f"rows {start}:{stop} out of range for {self!r}")
+        row = math.prod(self.shape[1:]) if len(self.shape) > 1 else 1
+        offset = self.offset + start * row * ITEMSIZE[self.dtype]
+        align = self.ctx.limits.get("min-storage-buffer-offset-alignment", 256)
+        if offset % align:
+            raise ValueError(f"rows {start}:{stop} of {self!r} start at byte {offset}, "
+                             f"not a multiple of the adapter's {align}-byte binding alignment")
+        n = (stop - start) * row
+        return Tensor(self.ctx, self.buffer, (stop - start,) + self.shape[1:], self.dtype, capacity=n,
+                      offset=offset, base=self._base or self)
 
     @classmethod
     def from_numpy(cls, ctx, array, dtype: str | None = None) -> "Tensor":
@@ -81,7 +111,7 @@ class Tensor:
         if len(data) % 4:
             data += b"\0" * (4 - len(data) % 4)
         if data:
-            self.ctx.queue.write_buffer(self.buffer, 0, data)
+            self.ctx.queue.write_buffer(self.buffer, self.offset, data)
 
     def numpy(self) -> np.ndarray:
         """A copy of the contents (the real elements only), after all recorded work has run."""
@@ -89,5 +119,5 @@ class Tensor:
         nbytes = self.nbytes
         if nbytes == 0:
             return np.zeros(self.shape, DTYPES[self.dtype])
-        raw = self.ctx.queue.read_buffer(self.buffer, 0, -(-nbytes // 4) * 4)
+        raw = self.ctx.queue.read_buffer(self.buffer, self.offset, -(-nbytes // 4) * 4)
         return np.frombuffer(raw, dtype=DTYPES[self.dtype], count=self.size).reshape(self.shape).copy()
