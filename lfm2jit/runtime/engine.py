@@ -152,6 +152,11 @@ class ComputeEngine:
         info += b"\0" * (-len(info) % 16)
         info_buf = self.device.create_buffer_with_data(data=info, usage=wgpu.BufferUsage.UNIFORM)
         tensors = [args[n] for n in spec.inputs] + [outputs[n] for n, _, _ in spec.outputs]
+        written = {id(outputs[n].buffer): n for n, _, _ in spec.outputs}
+        for n in spec.inputs:
+            if id(args[n].buffer) in written:
+                raise ValueError(f"{ir.name}: output {written[id(args[n].buffer)]!r} shares a buffer with input "
+                                 f"{n!r}; WebGPU cannot read and write one buffer in a dispatch")
         entries = [{"binding": 0, "resource": {"buffer": info_buf, "offset": 0, "size": info_buf.size}}]
         entries += [{"binding": i + 1, "resource": {"buffer": t.buffer, "offset": t.offset, "size": t.binding_size}}
                     for i, t in enumerate(tensors)]
