@@ -6,6 +6,7 @@ import math
 from ..dsl import ast
 from ..dsl.errors import DslError
 from .nodes import SEQ_AXIS, KernelIR, Node, TensorArg
+from .shapes import merge
 from .ops import (BINARY_FUNCS, BINOP_NAMES, DTYPES, FLOAT_DTYPES, FLOAT_ONLY, REDUCE_FUNCS,
                   UNARY_FUNCS, Op)
 
@@ -94,13 +95,12 @@ class _Builder:
     def broadcast(self, loc, what: str, *xs: Node) -> tuple[str, ...]:
         out: tuple[str, ...] = ()
         for x in xs:
-            if _is_subsequence(x.shape, out):
-                continue
-            if _is_subsequence(out, x.shape):
-                out = x.shape
-                continue
-            raise self.error(loc, f"cannot broadcast {what}: shapes [{', '.join(out)}] and [{', '.join(x.shape)}]",
-                             "one operand's axes to be a subsequence, in order, of the other's")
+            merged = merge(out, x.shape)
+            if merged is None:
+                raise self.error(loc, f"cannot broadcast {what}: shapes [{', '.join(out)}] and "
+                                 f"[{', '.join(x.shape)}] order their shared axes differently",
+                                 "shared axes in the same order in both operands")
+            out = merged
         return out
 
     def expr(self, e: ast.Expr) -> Node:
