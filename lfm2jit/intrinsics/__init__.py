@@ -37,8 +37,8 @@ class Intrinsic:
     infer: Callable[[list[tuple[str, tuple[str, ...]]]], list[tuple[str, tuple[str, ...]]]]
     # -> (template name, template context, workgroups: int or (x, y, z))
     plan: Callable[[IntrinsicCall], tuple[str, dict, object]]
-    # (operand nodes, output nodes, adjoint per output or None) -> (intrinsic name, extra operands,
-    # which outputs of that call are the operands' adjoints); None when not differentiable
+    # (GraphBuilder, INTRINSIC node, its PROJ nodes by output index, adjoint per output or None)
+    # -> adjoint per operand or None, built from other intrinsic calls; None when not differentiable
     grad: Callable | None = None
     differentiable_outputs: tuple[str, ...] = field(default=())
 

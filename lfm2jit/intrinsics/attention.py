@@ -1,0 +1,222 @@
+"""Causal grouped-query attention as intrinsics: flash-style forward and backward kernels.
+
+    o, lse = causal_attention(q, k, v)        q: [T, H, E]   k, v: [T, G, E]   (G divides H)
+    o: [T, H, E] (q's dtype)   lse: [T, H] f32, log-sum-exp of each query's scaled scores
+
+Roles are positional; the axis names are the caller's. Query head h reads kv head h // (H/G);
+scores are q.k / sqrt(E); query t sees keys 0..t. No T x T matrix ever reaches device memory:
+the forward keeps a running max and sum per query (online softmax) and saves lse, and the two
+backward kernels (FlashAttention-2) recompute probabilities from lse:
+
+    P = exp(S - lse)   D_i = sum_e dO*O   dS = P * (dO V^T - D)
+    dQ = dS K / sqrt(E)      (causal_attention_bwd_dq:   a workgroup per query block and head)
+    dK = dS^T Q / sqrt(E), dV = P^T dO
+                             (causal_attention_bwd_dkdv: a workgroup per key block and kv head,
+                              summing over its group's query heads in a fixed order, no atomics)
+
+Thread layout (the same in all three kernels): a workgroup owns a block of rows (queries, or keys
+for dk/dv); each row is served by ``row_threads`` adjacent invocations. The row being dotted
+against the streamed tiles (q; q and dO; k and v) lives whole in named registers, and each of the
+row's invocations takes every row_threads-th row of the tile for its dot products, so the dots
+are straight-line code over E. Accumulators (o, dq, dk, dv) are split by interleaved columns:
+invocation ``part`` owns columns part, part + row_threads, ... (EPT = E / row_threads of them).
+Scores of one tile pass through workgroup memory; tiles read with a different row per lane have
+their rows padded by one word, so lanes hit different banks.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from ..codegen.wgsl import COMPUTE_TYPE
+from ..ir.autodiff import AutodiffError, GraphBuilder
+from ..ir.nodes import Node
+from ..ir.ops import FLOAT_DTYPES, Op
+from ..schedule.spec import extent, strides
+from . import Intrinsic, IntrinsicCall, IntrinsicError, register
+
+WORKGROUP_BYTES = 16384      # portable maxComputeWorkgroupStorageSize
+MAX_HEAD_DIM = 128
+TARGET_THREADS = 128         # invocations per workgroup to aim for
+SLICE_COLUMNS = 16           # accumulator columns per invocation to aim for (E / row_threads)
+
+FWD = "causal_attention"
+BWD_DQ = "causal_attention_bwd_dq"
+BWD_DKDV = "causal_attention_bwd_dkdv"
+
+
+# ---- shapes ----
+
+def _check(name: str, operands, params: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Validate q/k/v (and o, lse, do for the backward); returns q's and k's shapes."""
+    if len(operands) != len(params):
+        raise IntrinsicError(f"{name} takes {len(params)} operands ({', '.join(params)}), got {len(operands)}")
+    by = dict(zip(params, operands))
+    for p, (dtype, shape) in by.items():
+        if dtype not in FLOAT_DTYPES:
+            raise IntrinsicError(f"{name}: {p} must be a float tensor, got {dtype}")
+    (_, q), (_, k), (_, v) = by["q"], by["k"], by["v"]
+    if len(q) != 3:
+        raise IntrinsicError(f"{name}: q must be [T, H, E], got [{', '.join(q)}]")
+    if len(k) != 3 or len(v) != 3:
+        raise IntrinsicError(f"{name}: k and v must be [T, G, E], got [{', '.join(k)}] and [{', '.join(v)}]")
+    if k != v:
+        raise IntrinsicError(f"{name}: k and v must have the same shape, got [{', '.join(k)}] and [{', '.join(v)}]")
+    if k[0] != q[0]:
+        raise IntrinsicError(f"{name}: q and k must share the sequence axis, got {q[0]} and {k[0]}")
+    if k[2] != q[2]:
+        raise IntrinsicError(f"{name}: q and k must share the head-dim axis, got {q[2]} and {k[2]}")
+    for p, want in (("o", q), ("do", q), ("lse", q[:2])):
+        if p in by and by[p][1] != want:
+            raise IntrinsicError(f"{name}: {p} must be [{', '.join(want)}], got [{', '.join(by[p][1])}]")
+    return q, k
+
+
+def _infer_fwd(operands):
+    q, _ = _check(FWD, operands, ("q", "k", "v"))
+    return [(operands[0][0], q), ("f32", q[:2])]
+
+
+def _infer_dq(operands):
+    q, _ = _check(BWD_DQ, operands, BWD_PARAMS)
+    return [(operands[0][0], q)]
+
+
+def _infer_dkdv(operands):
+    _, k = _check(BWD_DKDV, operands, BWD_PARAMS)
+    return [(operands[1][0], k), (operands[2][0], k)]
+
+
+BWD_PARAMS = ("q", "k", "v", "o", "lse", "do")
+
+
+# ---- gradient rule ----
+
+def _grad(b: GraphBuilder, call: Node, projs: dict[int, Node], outs: list) -> list:
+    """Adjoints of (q, k, v): the dq and dkdv calls over the forward's saved o and lse."""
+    d_o, d_lse = outs
+    if d_lse is not None:
+        raise AutodiffError(f"{FWD}: lse is not differentiable (it is saved for the backward); "
+                            "take a cotangent for o only")
+    q, k, v = call.srcs
+    (o_type, o_shape), (l_type, l_shape) = _infer_fwd([(n.dtype, n.shape) for n in call.srcs])
+    o = projs.get(0) or b.node(Op.PROJ, (call,), o_shape, o_type, 0)
+    lse = projs.get(1) or b.node(Op.PROJ, (call,), l_shape, l_type, 1)
+    operands = (q, k, v, o, lse, d_o)
+    dq_call = b.node(Op.INTRINSIC, operands, (), "tuple", BWD_DQ)
+    dkdv_call = b.node(Op.INTRINSIC, operands, (), "tuple", BWD_DKDV)
+    dq = b.node(Op.PROJ, (dq_call,), q.shape, q.dtype, 0)
+    dk = b.node(Op.PROJ, (dkdv_call,), k.shape, k.dtype, 0)
+    dv = b.node(Op.PROJ, (dkdv_call,), v.shape, v.dtype, 1)
+    return [dq, dk, dv]
+
+
+# ---- tiling ----
+
+@dataclass(frozen=True)
+class AttentionTiles:
+    """Block sizes of one attention kernel (all powers of two).
+
+    rows: rows a workgroup owns (queries; keys for dkdv); tile: rows streamed per step (keys;
+    queries for dkdv); row_threads: invocations per owned row; threads = rows * row_threads.
+    """
+    rows: int
+    tile: int
+    row_threads: int
+
+    @property
+    def threads(self) -> int:
+        return self.rows * self.row_threads
+
+
+def _row_threads(e: int) -> int:
+    """Invocations per row: enough that each owns about SLICE_COLUMNS accumulator columns (at most 8)."""
+    s = 1
+    while s < 8 and e % (2 * s) == 0 and e // (2 * s) >= SLICE_COLUMNS:
+        s *= 2
+    return s
+
+
+def workgroup_words(mode: str, t: AttentionTiles, e: int) -> int:
+    """f32 words of workgroup memory the template declares for ``mode`` (fwd, dq, dkdv)."""
+    if mode == "fwd":      # k tile [tile][E+1], v tile [tile][E], scores [rows][tile+1]
+        return t.tile * (e + 1) + t.tile * e + t.rows * (t.tile + 1)
+    if mode == "dq":       # k, v tiles [tile][E+1], dS [rows][tile+1]
+        return 2 * t.tile * (e + 1) + t.rows * (t.tile + 1)
+    # q, dO tiles [tile][E+1], P and dS [rows][tile+1], lse [tile], D partial sums [threads]
+    return 2 * t.tile * (e + 1) + 2 * t.rows * (t.tile + 1) + t.tile + t.threads
+
+
+def choose_tiles(mode: str, e: int) -> AttentionTiles:
+    """Rows per workgroup for about TARGET_THREADS invocations, then the largest streamed tile
+    (at most 64) whose workgroup memory fits the portable 16 KiB."""
+    s = _row_threads(e)
+    rows = max(16, min(64, TARGET_THREADS // s))
+    tile = 64
+    while tile > 1:
+        t = AttentionTiles(rows, tile, s)
+        fits = 4 * workgroup_words(mode, t, e) <= WORKGROUP_BYTES
+        # every part of a row takes the same number of tile rows; dkdv's D sums need tile | threads
+        if fits and tile % s == 0 and (mode != "dkdv" or t.threads % tile == 0):
+            return t
+        tile //= 2
+    raise IntrinsicError(f"no attention tiling for head dim {e} fits {WORKGROUP_BYTES} bytes")
+
+
+# ---- plans ----
+
+def _tensor(arg, sizes: dict[str, int], roles: tuple[str, ...], accumulate=frozenset()) -> dict:
+    """A binding as the template sees it: name, storage type, strides by role, conversions."""
+    st = strides(arg.shape, sizes)
+    return {"name": arg.name, "elem": arg.dtype, "convert": COMPUTE_TYPE[arg.dtype] != arg.dtype,
+            "strides": {role: st[axis] for role, axis in zip(roles, arg.shape)},
+            "accumulate": arg.name in accumulate}
+
+
+def _sizes(call: IntrinsicCall) -> tuple[int, int, int, int, str]:
+    q, k = call.operands[0], call.operands[1]
+    t, h, e = (call.sizes[a] for a in q.shape)
+    g = call.sizes[k.shape[1]]
+    if h % g:
+        raise IntrinsicError(f"{call.name}: the {h} query heads ({q.shape[1]}) must split evenly over "
+                             f"the {g} kv heads ({k.shape[1]})")
+    if e > MAX_HEAD_DIM:
+        raise IntrinsicError(f"{call.name}: head dim {q.shape[2]}={e} is over the supported {MAX_HEAD_DIM}")
+    return t, h, g, e, extent(q.shape[0], call.sizes)
+
+
+def _context(call: IntrinsicCall, mode: str, params: tuple[str, ...], outputs: tuple[str, ...]):
+    t, h, g, e, t_ext = _sizes(call)
+    tiles = choose_tiles(mode, e)
+    roles = {"q": ("t", "h", "e"), "k": ("t", "h", "e"), "v": ("t", "h", "e"), "o": ("t", "h", "e"),
+             "do": ("t", "h", "e"), "lse": ("t", "h"), "dq": ("t", "h", "e"), "dk": ("t", "h", "e"),
+             "dv": ("t", "h", "e")}
+    tensors = {p: _tensor(a, call.sizes, roles[p]) for p, a in zip(params, call.operands)}
+    for p, a in zip(outputs, call.outputs):
+        tensors[p] = _tensor(a, call.sizes, roles[p], call.accumulate) if a is not None else None
+    ctx = {"mode": mode, "tiles": asdict(tiles), "threads": tiles.threads, "ept": e // tiles.row_threads,
+           "head_dim": e, "heads": h, "kv_heads": g, "group": h // g, "t_ext": t_ext,
+           "scale": repr(1.0 / math.sqrt(e)), "smem_bytes": 4 * workgroup_words(mode, tiles, e), **tensors}
+    blocks = -(-t // tiles.rows)
+    return ctx, (blocks, h if mode != "dkdv" else g, 1)
+
+
+def _plan_fwd(call: IntrinsicCall):
+    ctx, groups = _context(call, "fwd", ("q", "k", "v"), ("o", "lse"))
+    return "attention_fwd", ctx, groups
+
+
+def _plan_dq(call: IntrinsicCall):
+    ctx, groups = _context(call, "dq", BWD_PARAMS, ("dq",))
+    return "attention_bwd", ctx, groups
+
+
+def _plan_dkdv(call: IntrinsicCall):
+    ctx, groups = _context(call, "dkdv", BWD_PARAMS, ("dk", "dv"))
+    return "attention_bwd", ctx, groups
+
+
+register(Intrinsic(FWD, ("q", "k", "v"), ("o", "lse"), _infer_fwd, _plan_fwd, grad=_grad,
+                   differentiable_outputs=("o",)))
+register(Intrinsic(BWD_DQ, BWD_PARAMS, ("dq",), _infer_dq, _plan_dq))
+register(Intrinsic(BWD_DKDV, BWD_PARAMS, ("dk", "dv"), _infer_dkdv, _plan_dkdv))
