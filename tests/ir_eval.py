@@ -37,6 +37,8 @@ UNARY = {
     Op.SILU: lambda x: x * _sigmoid(x),
     Op.TANH: np.tanh,
     Op.RECIP: lambda x: 1.0 / x,
+    Op.COS: np.cos,
+    Op.SIN: np.sin,
 }
 
 BINARY = {
@@ -49,6 +51,7 @@ BINARY = {
     Op.MIN: np.minimum,
     Op.LT: lambda a, b: (a < b).astype(np.float64),
     Op.GT: lambda a, b: (a > b).astype(np.float64),
+    Op.EQ: lambda a, b: (a == b).astype(np.float64),
 }
 
 
@@ -151,6 +154,34 @@ def evaluate(ir: KernelIR, inputs: dict[str, np.ndarray], scalars: dict[str, flo
             x = align(values[id(src)], src.shape, order, sizes)
             v = (np.sum if op == Op.SUM else np.max)(x, axis=-1)
             v = align(v, order[:-1], shape, sizes)
+        elif op == Op.INDEX:
+            v = np.arange(axis_size(node.arg, sizes), dtype=np.float64)
+        elif op == Op.SHIFT:            # v[.., i, ..] = src[.., i + offset, ..], zero outside the axis
+            axis, off = node.arg
+            src = get(node.srcs[0], shape)
+            ax = shape.index(axis)
+            v = np.zeros_like(src)
+            n = src.shape[ax]
+            dst = [slice(None)] * src.ndim
+            srcsl = [slice(None)] * src.ndim
+            dst[ax] = slice(max(0, -off), min(n, n - off))
+            srcsl[ax] = slice(max(0, off), min(n, n + off))
+            v[tuple(dst)] = src[tuple(srcsl)]
+        elif op == Op.TAKE:             # fix one entry of an axis, dropping it
+            axis, at = node.arg
+            src = node.srcs[0]
+            v = align(np.take(values[id(src)], at, axis=src.shape.index(axis)),
+                      tuple(a for a in src.shape if a != axis), shape, sizes)
+        elif op == Op.EMBED:            # put the value at one entry of a new axis, zero elsewhere
+            axis, at = node.arg
+            v = np.zeros(tuple(axis_size(a, sizes) for a in shape))
+            sl = [slice(None)] * len(shape)
+            sl[shape.index(axis)] = at
+            v[tuple(sl)] = get(node.srcs[0], tuple(a for a in shape if a != axis))
+        elif op == Op.GATHER:           # rows of the table picked by integer ids
+            table, ids = node.srcs
+            rows = values[id(table)][values[id(ids)].astype(np.int64)]
+            v = align(rows, ids.shape + table.shape[1:], shape, sizes)
         else:
             raise EvalError(f"{ir.name}: no semantics for op {op.name}")
         v = np.asarray(v, dtype=np.float64)

@@ -75,7 +75,7 @@ def test_every_shipped_kernel_compiles_on_the_adapter(ctx, bucket):
     """wgpu's shader compiler (naga + the driver) accepts every generated WGSL."""
     eng = ComputeEngine(ctx)
     for name, kernel in library.kernels().items():
-        dims = {a: 48 for a in kernel.ir.axes}
+        dims = {a: 48 for a in kernel.ir.axes if a not in kernel.ir.fixed_dims}
         dims["T"] = bucket + 3
         eng.compile(kernel, dims, bucket)
     assert eng.stats.misses == len(library.kernels())

@@ -204,7 +204,7 @@ params = st.lists(st.builds(lambda n, t: ast.Param(n, t, NOLOC), st.sampled_from
 kernels = st.builds(
     lambda n, ins, outs, body: ast.KernelDef(n, tuple(ins), tuple(outs), tuple(body), NOLOC),
     st.sampled_from(["k", "rmsnorm", "f32", "kernel_2"]), params, params.filter(bool),
-    st.lists(st.builds(lambda t, v: ast.Assign(t, v, NOLOC), st.sampled_from(NAMES), exprs), max_size=4))
+    st.lists(st.builds(lambda t, v: ast.Assign((t,), v, NOLOC), st.sampled_from(NAMES), exprs), max_size=4))
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])

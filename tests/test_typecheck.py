@@ -375,10 +375,33 @@ SEMANTIC_ERRORS = [
         kernel k(x: f32[T, D], w: f32[D], x: f32) -> (y: f32[T, D]) {
             y = x
         }"""), 1, 35, "x", "parameter 'x' is declared twice", "unique parameter names"),
-    ("output_named_like_input", D("""
-        kernel k(x: f32[T, D]) -> (x: f32[T, D]) {
+    ("inout_with_other_type", D("""
+        kernel k(x: f32[T, D]) -> (x: f32[T]) {
             x = 1
-        }"""), 1, 28, "x", "parameter 'x' is declared twice", "unique parameter names"),
+        }"""), 1, 28, "x", "in-place output 'x' is declared with another type than input 'x'",
+     "the same dtype and shape for an updated parameter"),
+    ("inout_assigned_twice", D("""
+        kernel k(x: f32[T, D]) -> (x: f32[T, D]) {
+            x = x + 1
+            x = x * 2
+        }"""), 3, 5, "x", "'x' is a parameter", "a new name (values are assigned once)"),
+    ("shift_with_non_integer", D("""
+        kernel k(x: f32[T, D]) -> (y: f32[T, D]) {
+            y = x[T - 1.5, :]
+        }"""), 2, 13, "-", "cannot subscript axis T with this expression", "':', an integer index, or T - k / T + k with an integer k"),
+    ("subscript_wrong_arity", D("""
+        kernel k(x: f32[T, D]) -> (y: f32[T, D]) {
+            y = x[:]
+        }"""), 2, 9, "x", "subscript has 1 item but the value is f32[T, D]", "one item per axis: ':', an index, or AXIS - k"),
+    ("index_out_of_range", D("""
+        kernel k(x: f32[T, 3, D]) -> (y: f32[T, D]) {
+            y = x[:, 3, :]
+        }"""), 2, 14, "3", "index 3 is out of range for axis 3 of size 3", "an index below 3"),
+    ("intrinsic_result_count", D("""
+        kernel k(q: f32[T, H, E], k: f32[T, G, E], v: f32[T, G, E]) -> (o: f32[T, H, E]) {
+            o = causal_attention(q, k, v)
+        }"""), 2, 9, "causal_attention", "causal_attention() returns 2 values (o, lse)",
+     "an assignment of all of them: o, lse = causal_attention(...)"),
     ("seq_axis_not_leading", D("""
         kernel k(x: f32[T, D], w: f32[D, T]) -> (y: f32[T, D]) {
             y = x

@@ -67,14 +67,32 @@ class Call:
     loc: Loc
 
 
-Expr = Number | Var | BinOp | Neg | Call
+@dataclass(frozen=True)
+class Full:
+    """``:`` in a subscript: keep this axis whole."""
+    loc: Loc
+
+
+@dataclass(frozen=True)
+class Subscript:
+    """``x[:, 0]`` or ``x[T - 2]``: one item per axis of the value, positionally."""
+    value: "Expr"
+    items: tuple["Expr | Full", ...]
+    loc: Loc
+
+
+Expr = Number | Var | BinOp | Neg | Call | Subscript
 
 
 @dataclass(frozen=True)
 class Assign:
-    target: str
+    targets: tuple[str, ...]     # several only for an intrinsic that returns several values
     value: Expr
     loc: Loc
+
+    @property
+    def target(self) -> str:
+        return self.targets[0]
 
 
 @dataclass(frozen=True)
@@ -104,6 +122,9 @@ def unparse_expr(e: Expr) -> str:
     if isinstance(e, BinOp):
         sym = {"add": "+", "sub": "-", "mul": "*", "div": "/", "pow": "**", "lt": "<", "gt": ">"}[e.op]
         return f"({unparse_expr(e.lhs)} {sym} {unparse_expr(e.rhs)})"
+    if isinstance(e, Subscript):
+        items = ", ".join(":" if isinstance(i, Full) else unparse_expr(i) for i in e.items)
+        return f"{unparse_expr(e.value)}[{items}]"
     return f"{e.func}({', '.join(unparse_expr(a) for a in e.args)})"
 
 
@@ -117,6 +138,6 @@ def unparse(src: SourceFile) -> str:
         ins = ", ".join(f"{p.name}: {typ(p.type)}" for p in k.inputs)
         outs = ", ".join(f"{p.name}: {typ(p.type)}" for p in k.outputs)
         out.append(f"kernel {k.name}({ins}) -> ({outs}) {{")
-        out.extend(f"    {s.target} = {unparse_expr(s.value)}" for s in k.body)
+        out.extend(f"    {', '.join(s.targets)} = {unparse_expr(s.value)}" for s in k.body)
         out.append("}")
     return "\n".join(out) + "\n"

@@ -93,8 +93,18 @@ class _ToAst(Transformer_NonRecursive):
         return int(tok), _loc(tok)
 
     def stmt(self, meta, children):
-        name, value = children
-        return ast.Assign(str(name), value, _loc(name))
+        *names, value = children
+        return ast.Assign(tuple(str(n) for n in names), value, _loc(names[0]))
+
+    def subscript(self, meta, children):
+        value, items = children
+        return ast.Subscript(value, items, _loc(meta))
+
+    def subs(self, meta, items):
+        return tuple(items)
+
+    def full(self, meta, children):
+        return ast.Full(_loc(meta))
 
     def number(self, meta, children):
         tok = children[0]
@@ -143,6 +153,8 @@ def _children(e: ast.Expr) -> tuple[ast.Expr, ...]:
         return (e.operand,)
     if isinstance(e, ast.Call):
         return e.args
+    if isinstance(e, ast.Subscript):
+        return (e.value,) + tuple(i for i in e.items if not isinstance(i, ast.Full))
     return ()
 
 

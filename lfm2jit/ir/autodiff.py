@@ -107,6 +107,17 @@ RULES: dict[Op, Rule] = {
     Op.CAST: lambda b, n, g: [b.node(Op.CAST, (g,), g.shape, n.srcs[0].dtype, n.srcs[0].dtype)
                               if n.srcs[0].dtype in FLOAT_DTYPES else None],
     Op.WHERE: lambda b, n, g: [None, b.where(n.srcs[0], g, b.const(0)), b.where(n.srcs[0], b.const(0), g)],
+    Op.COS: lambda b, n, g: [b.neg(b.mul(g, b.unary(Op.SIN, n.srcs[0])))],
+    Op.SIN: lambda b, n, g: [b.mul(g, b.unary(Op.COS, n.srcs[0]))],
+    Op.EQ: lambda b, n, g: [None, None],
+    Op.INDEX: lambda b, n, g: [],
+    # ids are integers; a table's gradient is a scatter-add, which grad_ir refuses up front
+    Op.GATHER: lambda b, n, g: [None, None],
+    # reading at t + k sends the adjoint back to t - k (zero past either end)
+    Op.SHIFT: lambda b, n, g: [b.node(Op.SHIFT, (g,), g.shape, g.dtype, (n.arg[0], -n.arg[1]))],
+    # taking entry i of an axis puts the adjoint back at entry i, zero elsewhere, and vice versa
+    Op.TAKE: lambda b, n, g: [b.node(Op.EMBED, (g,), _with_axis(n.srcs[0].shape, g.shape, n.arg[0]), g.dtype, n.arg)],
+    Op.EMBED: lambda b, n, g: [b.node(Op.TAKE, (g,), tuple(a for a in g.shape if a != n.arg[0]), g.dtype, n.arg)],
     # a sum broadcasts its adjoint back over the reduced axis (named broadcasting does it)
     Op.SUM: lambda b, n, g: [g],
     # max: the adjoint goes to the entries equal to the maximum
@@ -118,9 +129,20 @@ class AutodiffError(ValueError):
     pass
 
 
+def _with_axis(src_shape: tuple[str, ...], adj_shape: tuple[str, ...], axis: str) -> tuple[str, ...]:
+    """The adjoint's shape with ``axis`` put back where the source had it (before its successor)."""
+    after = src_shape[src_shape.index(axis) + 1:]
+    for i, a in enumerate(adj_shape):
+        if a in after:
+            return adj_shape[:i] + (axis,) + adj_shape[i:]
+    return adj_shape + (axis,)
+
+
 def grad_ir(ir: KernelIR, wrt: list[str] | None = None, cotangents: list[str] | None = None) -> KernelIR:
     """The backward kernel of ``ir``: d_<input> for each name in ``wrt`` (default: every float input),
     given cotangents d_<output> for each name in ``cotangents`` (default: every output)."""
+    if ir.inouts:
+        raise AutodiffError(f"{ir.name}: kernels that update {list(ir.inouts)} in place have no backward")
     inputs = {t.name: t for t in ir.inputs}
     outputs = {t.name: t for t in ir.outputs}
     wrt = list(wrt) if wrt is not None else [t.name for t in ir.inputs if t.dtype in FLOAT_DTYPES]
@@ -134,6 +156,11 @@ def grad_ir(ir: KernelIR, wrt: list[str] | None = None, cotangents: list[str] | 
     for name in cotangents:
         if name not in outputs:
             raise AutodiffError(f"{ir.name}: no output {name!r} to take a cotangent for; outputs are {', '.join(outputs)}")
+
+    tables = {n.srcs[0].arg for n in toposort(ir.results.values()) if n.op == Op.GATHER}
+    if tables & set(wrt):
+        raise AutodiffError(f"{ir.name}: no gradient through gather() for {sorted(tables & set(wrt))}; "
+                            "an embedding table's gradient is a scatter-add (the embedding_grad kernel)")
 
     b = GraphBuilder()
     adjoints: dict[int, list[Node]] = {}

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 
+from .. import intrinsics
 from ..dsl import ast
 from ..dsl.errors import DslError
 from .nodes import SEQ_AXIS, KernelIR, Node, TensorArg
@@ -26,6 +27,7 @@ class _Builder:
         self.env: dict[str, Node] = {}
         self.interned: dict[tuple, Node] = {}
         self.fixed_dims: dict[str, int] = {}
+        self.inouts: set[str] = set()
 
     def error(self, loc: ast.Loc, message: str, expected: str | None = None) -> DslError:
         return DslError(message, filename=self.src.filename, line=loc.line, column=loc.column,
@@ -59,12 +61,23 @@ class _Builder:
         return tuple(shape)
 
     def signature(self):
-        names: set[str] = set()
         inputs, scalars, outputs = [], [], []
-        for p in self.kdef.inputs + self.kdef.outputs:
-            if p.name in names:
-                raise self.error(p.loc, f"parameter {p.name!r} is declared twice", "unique parameter names")
-            names.add(p.name)
+        in_types = {p.name: p.type for p in self.kdef.inputs}
+        for group in (self.kdef.inputs, self.kdef.outputs):
+            names = set()
+            for p in group:
+                if p.name in names:
+                    raise self.error(p.loc, f"parameter {p.name!r} is declared twice", "unique parameter names")
+                names.add(p.name)
+        for p in self.kdef.outputs:   # an output named like an input is updated in place
+            if p.name in in_types:
+                t = in_types[p.name]
+                if (t.dtype, t.dims) != (p.type.dtype, p.type.dims):
+                    raise self.error(p.loc, f"in-place output {p.name!r} is declared with another type than input "
+                                     f"{p.name!r}", "the same dtype and shape for an updated parameter")
+                if not t.dims:
+                    raise self.error(p.loc, f"output {p.name!r} is a scalar", "outputs are tensors, e.g. f32[T]")
+                self.inouts.add(p.name)
         for p in self.kdef.inputs:
             shape = self.shape_of(p)
             if shape:
@@ -120,7 +133,35 @@ class _Builder:
         if isinstance(e, ast.BinOp):
             return self.binary(e.loc, BINOP_NAMES[e.op], e.op, self.expr(e.lhs), self.expr(e.rhs),
                                (e.lhs.loc, e.rhs.loc))
+        if isinstance(e, ast.Subscript):
+            return self.subscript(e)
         return self.call(e)
+
+    def subscript(self, e: ast.Subscript) -> Node:
+        x = self.expr(e.value)
+        if len(e.items) != len(x.shape):
+            raise self.error(e.loc, f"subscript has {len(e.items)} item{'s' * (len(e.items) != 1)} but the value is "
+                             f"{_fmt(x.dtype, x.shape)}", "one item per axis: ':', an index, or AXIS - k")
+        takes = []
+        for axis, item in zip(x.shape, e.items):
+            if isinstance(item, ast.Full) or (isinstance(item, ast.Var) and item.name == axis):
+                continue
+            if _is_int(item):
+                index = int(item.value)
+                if axis in self.fixed_dims and index >= self.fixed_dims[axis]:
+                    raise self.error(item.loc, f"index {index} is out of range for axis {axis} of size "
+                                     f"{self.fixed_dims[axis]}", f"an index below {self.fixed_dims[axis]}")
+                takes.append((axis, index))
+            elif isinstance(item, ast.BinOp) and item.op in ("add", "sub") and isinstance(item.lhs, ast.Var) \
+                    and item.lhs.name == axis and _is_int(item.rhs):
+                k = int(item.rhs.value)
+                x = self.node(Op.SHIFT, (x,), x.shape, x.dtype, (axis, k if item.op == "add" else -k))
+            else:
+                raise self.error(item.loc, f"cannot subscript axis {axis} with this expression",
+                                 f"':', an integer index, or {axis} - k / {axis} + k with an integer k")
+        for axis, index in takes:
+            x = self.node(Op.TAKE, (x,), tuple(a for a in x.shape if a != axis), x.dtype, (axis, index))
+        return x
 
     def binary(self, loc, op: Op, what: str, a: Node, b: Node, locs=None) -> Node:
         dtype = self.unify_dtype(loc, what, a, b)
@@ -180,10 +221,79 @@ class _Builder:
             self.arity(e, 1)
             x = self.expr(args[0])
             return x if x.dtype == f else self.node(Op.CAST, (x,), x.shape, f, f)
+        if f == "index":
+            self.arity(e, 1)
+            axis = self.axis_name(args[0])
+            return self.node(Op.INDEX, (), (axis,), "i32", axis)
+        if f == "gather":
+            self.arity(e, 2)
+            table, ids = self.expr(args[0]), self.expr(args[1])
+            if table.op != Op.INPUT or not table.shape:
+                raise self.error(args[0].loc, "gather() reads from a tensor parameter", "a kernel input, e.g. E: f32[V, D]")
+            if ids.dtype not in ("i32", "u32"):
+                raise self.error(args[1].loc, f"gather() ids must be integers, got {ids.dtype}", "an i32 or u32 value")
+            shape = merge(ids.shape, table.shape[1:])
+            if shape is None or set(ids.shape) & set(table.shape[1:]):
+                raise self.error(e.loc, "gather() ids share an axis with the table's rows", "disjoint axes")
+            return self.node(Op.GATHER, (table, ids), ids.shape + table.shape[1:], table.dtype)
+        if f == "stack":
+            if len(args) < 3:
+                raise self.error(e.loc, "stack() needs at least two values and an axis", "stack(a, b, AXIS)")
+            values = [self.expr(a) for a in args[:-1]]
+            axis = self.axis_name(args[-1], count=len(values))
+            dtype = values[0].dtype
+            for v, a in zip(values[1:], args[1:-1]):
+                dtype = self.unify_dtype(a.loc, "stack", self.node(Op.CONST, (), (), dtype, 0.0), v) \
+                    if dtype == ABSTRACT else self.unify_dtype(a.loc, "stack", values[0], v)
+            base = self.broadcast(e.loc, "stack", *values)
+            if axis in base:
+                raise self.error(args[-1].loc, f"stack() axis {axis} is already an axis of the values", "a new axis")
+            shape = base[:-1] + (axis,) + base[-1:] if base else (axis,)
+            parts = [self.node(Op.EMBED, (v,), shape, dtype, (axis, i)) for i, v in enumerate(values)]
+            out = parts[0]
+            for p in parts[1:]:
+                out = self.node(Op.ADD, (out, p), shape, dtype)
+            return out
+        intr = intrinsics.get(f)
+        if intr is not None:
+            outs = self.intrinsic(e, intr)
+            if len(outs) != 1:
+                raise self.error(e.loc, f"{f}() returns {len(outs)} values ({', '.join(intr.outputs)})",
+                                 f"an assignment of all of them: {', '.join(intr.outputs)} = {f}(...)")
+            return outs[0]
         if f in REDUCE_FUNCS:
             raise self.error(e.loc, f"{f}() needs a value and an axis name", f"{f}(value, AXIS), e.g. {f}(x, D)")
-        known = sorted(set(UNARY_FUNCS) | set(BINARY_FUNCS) | set(REDUCE_FUNCS) | {"where"} | set(DTYPES))
+        known = sorted(set(UNARY_FUNCS) | set(BINARY_FUNCS) | set(REDUCE_FUNCS) | set(DTYPES)
+                       | {"where", "index", "gather", "stack"} | set(intrinsics.names()))
         raise self.error(e.loc, f"unknown function {f!r}", "one of " + ", ".join(known))
+
+    def axis_name(self, arg: ast.Expr, count: int | None = None) -> str:
+        """An axis written as a name (not a value) or, for stack(), an integer size."""
+        if isinstance(arg, ast.Var) and arg.name not in self.env:
+            return arg.name
+        if count is not None and _is_int(arg):
+            if int(arg.value) != count:
+                raise self.error(arg.loc, f"stack() of {count} values along an axis of size {int(arg.value)}",
+                                 f"an axis of size {count}")
+            self.fixed_dims[str(int(arg.value))] = count
+            return str(int(arg.value))
+        raise self.error(arg.loc, "expected an axis name here", "an axis name such as T or D")
+
+    def intrinsic(self, e: ast.Call, intr) -> list[Node]:
+        operands = []
+        for a in e.args:
+            x = self.expr(a)
+            if x.op != Op.INPUT:
+                raise self.error(a.loc, f"{intr.name}() takes kernel inputs as operands",
+                                 "a tensor parameter (compute other values in another kernel)")
+            operands.append(x)
+        if len(operands) != len(intr.params):
+            raise self.error(e.loc, f"{intr.name}() takes {len(intr.params)} operands ({', '.join(intr.params)}), "
+                             f"got {len(operands)}", ", ".join(intr.params))
+        try:
+            return intrinsics.call_nodes(intr, operands)
+        except intrinsics.IntrinsicError as err:
+            raise self.error(e.loc, f"{intr.name}(): {err}", ", ".join(intr.params)) from None
 
     def reduce(self, e: ast.Call) -> Node:
         x = self.expr(e.args[0])
@@ -212,21 +322,39 @@ class _Builder:
         inputs, scalars, outputs = self.signature()
         declared = {o.name: o for o in outputs}
         results: dict[str, Node] = {}
+        assigned: set[str] = set()
         for st in self.kdef.body:
-            if st.target in self.env:
-                kind = "a parameter" if st.target in {p.name for p in self.kdef.inputs} else "already assigned"
-                raise self.error(st.loc, f"{st.target!r} is {kind}", "a new name (values are assigned once)")
-            value = self.expr(st.value)
-            if st.target in declared:
-                value = self.check_output(st, value, declared[st.target])
-                results[st.target] = value
-            self.env[st.target] = value
+            for target in st.targets:
+                updatable = target in self.inouts and target not in assigned
+                if (target in self.env and not updatable) or st.targets.count(target) > 1:
+                    kind = "a parameter" if target in {p.name for p in self.kdef.inputs} else "already assigned"
+                    raise self.error(st.loc, f"{target!r} is {kind}", "a new name (values are assigned once)")
+            values = self.assigned_values(st)
+            for target, value in zip(st.targets, values):
+                if target in declared:
+                    value = self.check_output(st, value, declared[target])
+                    results[target] = value
+                self.env[target] = value
+                assigned.add(target)
         for o in outputs:
             if o.name not in results:
                 p = next(p for p in self.kdef.outputs if p.name == o.name)
                 raise self.error(p.loc, f"output {o.name!r} is never assigned", f"an assignment '{o.name} = ...'")
         return KernelIR(self.kdef.name, inputs, scalars, outputs, results, self.src.text, self.src.filename,
-                        self.kdef.loc.line, dict(self.fixed_dims))
+                        self.kdef.loc.line, dict(self.fixed_dims), tuple(sorted(self.inouts)))
+
+    def assigned_values(self, st: ast.Assign) -> list[Node]:
+        if len(st.targets) == 1:
+            return [self.expr(st.value)]
+        intr = intrinsics.get(st.value.func) if isinstance(st.value, ast.Call) else None
+        if intr is None:
+            raise self.error(st.loc, f"{len(st.targets)} names assigned from one value",
+                             "one name, or an intrinsic call that returns several values")
+        outs = self.intrinsic(st.value, intr)
+        if len(outs) != len(st.targets):
+            raise self.error(st.loc, f"{intr.name}() returns {len(outs)} values ({', '.join(intr.outputs)}), "
+                             f"assigned to {len(st.targets)} names", ", ".join(intr.outputs))
+        return outs
 
     def check_output(self, st: ast.Assign, value: Node, decl: TensorArg) -> Node:
         if value.dtype not in (decl.dtype, ABSTRACT):
@@ -239,6 +367,10 @@ class _Builder:
         if value.dtype == ABSTRACT:
             value = self.node(Op.CAST, (value,), value.shape, decl.dtype, decl.dtype)
         return value
+
+
+def _is_int(e) -> bool:
+    return isinstance(e, ast.Number) and e.value == int(e.value) and "." not in e.text and "e" not in e.text.lower()
 
 
 def _is_subsequence(small: tuple[str, ...], big: tuple[str, ...]) -> bool:

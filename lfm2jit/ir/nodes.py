@@ -40,6 +40,7 @@ class KernelIR:
     filename: str = "<source>"
     line: int = 0
     fixed_dims: dict[str, int] = field(default_factory=dict)   # integer axes written in the source
+    inouts: tuple[str, ...] = ()     # parameters that are both input and output: updated in place
 
     @property
     def axes(self) -> tuple[str, ...]:
@@ -51,10 +52,11 @@ class KernelIR:
         return tuple(seen)
 
 
-def toposort(roots, stop=frozenset()) -> list[Node]:
+def toposort(roots, stop=frozenset(), children=None) -> list[Node]:
     """All nodes reachable from roots, each after its sources, in a deterministic order.
 
-    Nodes whose id is in ``stop`` are neither returned nor walked into (already computed values).
+    Nodes whose id is in ``stop`` are neither returned nor walked into (already computed values);
+    ``children(node)`` overrides which sources are walked (default: all of them).
     """
     order: list[Node] = []
     seen: set[int] = set()
@@ -68,7 +70,8 @@ def toposort(roots, stop=frozenset()) -> list[Node]:
             order.append(node)
             continue
         stack.append((node, True))
-        stack.extend((s, False) for s in reversed(node.srcs) if id(s) not in seen)
+        srcs = node.srcs if children is None else children(node)
+        stack.extend((s, False) for s in reversed(srcs) if id(s) not in seen)
     return order
 
 

@@ -11,32 +11,39 @@ class Op(Enum):
     DIMSIZE = auto()    # the concrete size of an axis, known at specialization; arg = axis name
     # unary
     NEG = auto(); EXP = auto(); LOG = auto(); SQRT = auto(); RSQRT = auto(); ABS = auto()  # noqa: E702
-    SIGMOID = auto(); SILU = auto(); TANH = auto(); RECIP = auto()  # noqa: E702
+    SIGMOID = auto(); SILU = auto(); TANH = auto(); RECIP = auto(); COS = auto(); SIN = auto()  # noqa: E702
     CAST = auto()       # arg = target dtype
     # binary
     ADD = auto(); SUB = auto(); MUL = auto(); DIV = auto(); POW = auto()  # noqa: E702
-    MAX = auto(); MIN = auto(); LT = auto(); GT = auto()  # noqa: E702
+    MAX = auto(); MIN = auto(); LT = auto(); GT = auto(); EQ = auto()  # noqa: E702
     # ternary
     WHERE = auto()
     # reductions over one axis; arg = axis name
     SUM = auto(); RMAX = auto()  # noqa: E702
+    # indexing: SHIFT reads at index + offset along an axis, zero outside (arg = (axis, offset));
+    # TAKE fixes an axis to one entry, dropping it (arg = (axis, index)); EMBED is its inverse, zero
+    # at the other entries (arg = (axis, index)); INDEX is the index along an axis (arg = axis);
+    # GATHER reads rows of a table (srcs: table, ids) by integer ids
+    SHIFT = auto(); TAKE = auto(); EMBED = auto(); INDEX = auto(); GATHER = auto()  # noqa: E702
     # a hand-tuned template (attention, ...): arg = intrinsic name; PROJ picks output arg of it
     INTRINSIC = auto(); PROJ = auto()  # noqa: E702
 
 
-LEAF = frozenset({Op.INPUT, Op.SCALAR, Op.CONST, Op.DIMSIZE})
+LEAF = frozenset({Op.INPUT, Op.SCALAR, Op.CONST, Op.DIMSIZE, Op.INDEX})
 UNARY = frozenset({Op.NEG, Op.EXP, Op.LOG, Op.SQRT, Op.RSQRT, Op.ABS, Op.SIGMOID, Op.SILU, Op.TANH,
-                   Op.RECIP, Op.CAST})
-BINARY = frozenset({Op.ADD, Op.SUB, Op.MUL, Op.DIV, Op.POW, Op.MAX, Op.MIN, Op.LT, Op.GT})
-COMPARE = frozenset({Op.LT, Op.GT})
+                   Op.RECIP, Op.COS, Op.SIN, Op.CAST})
+BINARY = frozenset({Op.ADD, Op.SUB, Op.MUL, Op.DIV, Op.POW, Op.MAX, Op.MIN, Op.LT, Op.GT, Op.EQ})
+COMPARE = frozenset({Op.LT, Op.GT, Op.EQ})
 REDUCE = frozenset({Op.SUM, Op.RMAX})
-FLOAT_ONLY = frozenset({Op.EXP, Op.LOG, Op.SQRT, Op.RSQRT, Op.SIGMOID, Op.SILU, Op.TANH, Op.RECIP, Op.POW})
+FLOAT_ONLY = frozenset({Op.EXP, Op.LOG, Op.SQRT, Op.RSQRT, Op.SIGMOID, Op.SILU, Op.TANH, Op.RECIP, Op.POW,
+                        Op.COS, Op.SIN})
 
 # DSL function names -> ops. Reductions are named here too; a call is a reduction when its second
 # argument names an axis of the first.
 UNARY_FUNCS = {"exp": Op.EXP, "log": Op.LOG, "sqrt": Op.SQRT, "rsqrt": Op.RSQRT, "abs": Op.ABS,
-               "sigmoid": Op.SIGMOID, "silu": Op.SILU, "tanh": Op.TANH, "recip": Op.RECIP}
-BINARY_FUNCS = {"max": Op.MAX, "min": Op.MIN}
+               "sigmoid": Op.SIGMOID, "silu": Op.SILU, "tanh": Op.TANH, "recip": Op.RECIP,
+               "cos": Op.COS, "sin": Op.SIN}
+BINARY_FUNCS = {"max": Op.MAX, "min": Op.MIN, "eq": Op.EQ}
 REDUCE_FUNCS = {"sum": Op.SUM, "max": Op.RMAX, "mean": Op.SUM}
 BINOP_NAMES = {"add": Op.ADD, "sub": Op.SUB, "mul": Op.MUL, "div": Op.DIV, "pow": Op.POW,
                "lt": Op.LT, "gt": Op.GT}

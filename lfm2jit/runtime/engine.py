@@ -147,7 +147,7 @@ class ComputeEngine:
             scalars.append(float(v))
         compiled = self.compile(kernel, sizes, bucket, accumulate)
         spec = compiled.spec
-        outputs = self._outputs(ir, spec, sizes, out or {})
+        outputs = self._outputs(ir, spec, sizes, out or {}, args)
         info = struct.pack(f"<I{len(scalars)}f", t_valid, *scalars)
         info += b"\0" * (-len(info) % 16)
         info_buf = self.device.create_buffer_with_data(data=info, usage=wgpu.BufferUsage.UNIFORM)
@@ -219,10 +219,16 @@ class ComputeEngine:
             raise ValueError(f"{ir.name}: sequence length T must be at least 1, got {t_valid}")
         return sizes, t_valid
 
-    def _outputs(self, ir, spec: KernelSpec, sizes: dict[str, int], out: dict[str, Tensor]) -> dict[str, Tensor]:
+    def _outputs(self, ir, spec: KernelSpec, sizes: dict[str, int], out: dict[str, Tensor],
+                 args: dict) -> dict[str, Tensor]:
         result = {}
         for (name, dtype, padded), decl in zip(spec.outputs, ir.outputs):
             shape = tuple(sizes[a] for a in decl.shape)
+            if name in ir.inouts:
+                if name in out:
+                    raise ValueError(f"{ir.name}: {name!r} is updated in place; pass it as an input, not in out=")
+                result[name] = args[name]
+                continue
             given = out.get(name)
             if given is None:
                 result[name] = self.empty(shape, dtype, capacity=math.prod(padded))

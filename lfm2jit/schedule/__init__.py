@@ -13,8 +13,9 @@ one pipeline serves every length in a bucket. No template reads or writes rows p
 from __future__ import annotations
 
 from ..ir.nodes import SEQ_AXIS, KernelIR, Node, toposort
-from ..ir.ops import REDUCE
+from ..ir.ops import REDUCE, Op
 from ..ir.partition import schedule_class
+from ..ir.shapes import merge
 from . import contraction, intrinsic, pointwise, reduce
 from .spec import KernelSpec, bind_dims, bucketed, ident, schedule_error
 
@@ -22,11 +23,27 @@ __all__ = ["KernelSpec", "bind_dims", "bucketed", "specialize"]
 
 
 def _iteration_space(ir: KernelIR, order: list[Node]) -> tuple[str, ...]:
+    """The axes the kernel loops over: outputs' and reduced values' axes, merged by name."""
     space: tuple[str, ...] = ()
     for shape in [o.shape for o in ir.outputs] + [n.srcs[0].shape for n in order if n.op in REDUCE]:
-        if len(shape) > len(space):
-            space = shape
+        merged = merge(space, shape) if len(space) >= len(shape) else merge(shape, space)
+        if merged is None:
+            raise schedule_error(ir, f"axes [{', '.join(space)}] and [{', '.join(shape)}] are ordered differently",
+                                 "one axis order across outputs and reduced values")
+        space = merged
     return space
+
+
+def _reindexed_sources(order: list[Node]) -> set[int]:
+    """Values that may have axes the iteration space lacks: those read at a fixed or looked-up
+    index (under TAKE, a GATHER's table) and an intrinsic's operands (its template indexes them)."""
+    out: set[int] = set()
+    for n in order:
+        if n.op in (Op.TAKE, Op.INTRINSIC):
+            out.update(id(s) for s in n.srcs)
+        elif n.op == Op.GATHER:
+            out.add(id(n.srcs[0]))
+    return out
 
 
 def specialize(ir: KernelIR, dims: dict[str, int], bucket: int = 1,
@@ -40,32 +57,41 @@ def specialize(ir: KernelIR, dims: dict[str, int], bucket: int = 1,
         raise ValueError(f"{ir.name}: cannot accumulate into {sorted(unknown)}: not outputs")
     sizes = bind_dims(ir, dims, bucket)
     order = toposort(ir.results.values())
-    space = _iteration_space(ir, order)
     for n in order:
-        if n.shape and not all(a in space for a in n.shape):
-            raise schedule_error(ir, f"value {n} does not fit the iteration space [{', '.join(space)}]",
-                                 "every value's axes within the largest output's")
+        if n.op in (Op.TAKE, Op.EMBED) and n.arg[1] >= sizes[n.arg[0]]:
+            raise schedule_error(ir, f"index {n.arg[1]} is out of range for axis {n.arg[0]} of size "
+                                 f"{sizes[n.arg[0]]}", f"{n.arg[0]} larger than {n.arg[1]}")
     classes = {schedule_class(ir.results[o.name]) for o in ir.outputs}
-    reductions = [n for n in order if n.op in REDUCE]
     acc = frozenset(accumulate)
-    if "intrinsic" in classes:
+    if "intrinsic" in classes:             # templates with their own layouts
         template, ctx, groups = intrinsic.plan(ir, sizes, acc)
     elif "contraction" in classes:
         template, ctx, groups = contraction.plan(ir, sizes, acc)
-    elif "colreduce" in classes:
-        template, ctx, groups = reduce.plan_columns(ir, sizes, space, order, reductions, acc)
-    elif reductions:
-        template, ctx, groups = reduce.plan_rows(ir, sizes, space, order, reductions, acc)
-    else:
-        template, ctx, groups = pointwise.plan(ir, sizes, space, acc)
+    else:                                  # generated loops over one iteration space
+        space = _iteration_space(ir, order)
+        for n in toposort(ir.results.values(), stop=_reindexed_sources(order)):
+            if n.shape and not all(a in space for a in n.shape):
+                raise schedule_error(ir, f"value {n} does not fit the iteration space [{', '.join(space)}]",
+                                     "every value's axes within the largest output's")
+        reductions = [n for n in order if n.op in REDUCE]
+        if "colreduce" in classes:
+            template, ctx, groups = reduce.plan_columns(ir, sizes, space, order, reductions, acc)
+        elif reductions:
+            template, ctx, groups = reduce.plan_rows(ir, sizes, space, order, reductions, acc)
+        else:
+            template, ctx, groups = pointwise.plan(ir, sizes, space, acc)
+    if ir.inouts and template != "pointwise":
+        raise schedule_error(ir, f"in-place outputs {list(ir.inouts)} in a {template} kernel",
+                             "in-place updates only in elementwise kernels")
     ctx.update(_common(ir, sizes))
     ctx["template"] = template
     outputs = tuple((o.name, o.dtype, tuple(sizes[a] for a in o.shape)) for o in ir.outputs)
-    return KernelSpec(ir.name, template, ctx, groups, tuple(t.name for t in ir.inputs), outputs, ir.scalars, sizes)
+    inputs = tuple(t.name for t in ir.inputs if t.name not in ir.inouts)
+    return KernelSpec(ir.name, template, ctx, groups, inputs, outputs, ir.scalars, sizes)
 
 
 def _common(ir: KernelIR, sizes: dict[str, int]) -> dict:
-    tensors = [(t, "read") for t in ir.inputs] + [(t, "read_write") for t in ir.outputs]
+    tensors = [(t, "read") for t in ir.inputs if t.name not in ir.inouts] + [(t, "read_write") for t in ir.outputs]
     return {
         "kernel": ir.name,
         "dims": [{"name": ident(a), "size": s} for a, s in sizes.items()],

@@ -1,9 +1,9 @@
 """Elementwise schedule: one invocation per element of the iteration space."""
 from __future__ import annotations
 
-from ..codegen.wgsl import ExprEmitter, store
+from ..codegen.wgsl import store
 from ..ir.nodes import KernelIR
-from .spec import MAX_WORKGROUP, index_names, load, schedule_error, store_entry, total, unravel
+from .spec import MAX_WORKGROUP, index_names, make_emitter, schedule_error, store_entry, total, unravel
 
 
 def plan(ir: KernelIR, sizes: dict[str, int], space: tuple[str, ...], accumulate: frozenset[str]):
@@ -12,7 +12,7 @@ def plan(ir: KernelIR, sizes: dict[str, int], space: tuple[str, ...], accumulate
             raise schedule_error(ir, f"output {o.name!r} has shape [{', '.join(o.shape)}] but the kernel iterates "
                                  f"over [{', '.join(space)}]", "all outputs of an elementwise kernel share one shape")
     index_of = index_names(space)
-    emitter = ExprEmitter(lambda n: load(n, sizes, index_of), sizes)
+    emitter = make_emitter(sizes, index_of)
     bound: dict[int, str] = {}
     lets = emitter.emit(ir.results.values(), bound)
     n = total(space, sizes)

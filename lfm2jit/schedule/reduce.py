@@ -10,16 +10,16 @@ values with it inside each phase's loop, so the same planner serves both.
 """
 from __future__ import annotations
 
-from ..codegen.wgsl import REDUCE_COMBINE, REDUCE_INIT, ExprEmitter, store
+from ..codegen.wgsl import REDUCE_COMBINE, REDUCE_INIT, store
 from ..ir.nodes import SEQ_AXIS, KernelIR, Node
 from ..ir.ops import REDUCE, Op
-from .spec import MAX_WORKGROUP, extent, index_names, load, offset, schedule_error, store_entry, total, unravel
+from .spec import MAX_WORKGROUP, extent, index_names, make_emitter, offset, schedule_error, store_entry, total, unravel
 
 
 def _phases(ir: KernelIR, sizes, order: list[Node], reductions: list[Node], axis: str, index_of: dict,
             combine_tree: bool):
     """Lets before the first reduction, one phase per reduction, and the bound outer values."""
-    emitter = ExprEmitter(lambda n: load(n, sizes, index_of), sizes)
+    emitter = make_emitter(sizes, index_of)
     bound: dict[int, str] = {}
 
     def outer(n: Node) -> bool:      # computable once: no reduced axis, every reduction under it done
@@ -37,7 +37,7 @@ def _phases(ir: KernelIR, sizes, order: list[Node], reductions: list[Node], axis
         inner = [vars(x) for x in emitter.emit([r.srcs[0]], scoped)]
         arg = scoped[id(r.srcs[0])]
         name = f"r{len(phases)}"
-        bound[id(r)] = name
+        emitter.bind(bound, r, name)
         phase = {"result": name, "init": REDUCE_INIT[r.op], "lets": inner,
                  "combine": REDUCE_COMBINE[r.op].format(f"acc_{name}", arg)}
         if combine_tree:

@@ -6,7 +6,7 @@ import json
 import math
 from dataclasses import dataclass, field
 
-from ..codegen.wgsl import COMPUTE_TYPE
+from ..codegen.wgsl import COMPUTE_TYPE, ExprEmitter
 from ..dsl.errors import DslError
 from ..ir.nodes import SEQ_AXIS, KernelIR, Node
 
@@ -101,6 +101,11 @@ def unravel(axes: tuple[str, ...], sizes: dict[str, int], flat: str) -> list[dic
 def load(n: Node, sizes: dict[str, int], index_of: dict[str, str]) -> str:
     value = f"{n.arg}[{offset(n.shape, sizes, index_of)}]"
     return value if COMPUTE_TYPE[n.dtype] == n.dtype else f"{COMPUTE_TYPE[n.dtype]}({value})"
+
+
+def make_emitter(sizes: dict[str, int], index_of: dict[str, str]) -> ExprEmitter:
+    return ExprEmitter(sizes, index_of, lambda axis: extent(axis, sizes),
+                       lambda n, idx: load(n, sizes, idx))
 
 
 def store_entry(name: str, off: str, value: str, accumulate: bool) -> dict:
