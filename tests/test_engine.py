@@ -180,3 +180,12 @@ def test_views_share_the_buffer_and_run_kernels(engine, rng):
         t.view(3, 5)
     with pytest.raises(ValueError, match="out of range"):
         t.rows(10, 200)
+
+
+def test_synchronize_waits_for_recorded_work(ctx, rng):
+    eng = ComputeEngine(ctx)
+    x = eng.tensor(rng.standard_normal((8, 8)).astype(np.float32))
+    y = eng.run("scale", x=x, alpha=3.0)["y"]
+    eng.synchronize()
+    assert not eng._commands
+    assert rel_err(y.numpy(), 3.0 * x.numpy()) < 1e-6

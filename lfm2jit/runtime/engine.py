@@ -68,6 +68,7 @@ class ComputeEngine:
         self._commands: list[tuple[str, Compiled, object, tuple[int, int]]] = []
         self._keepalive: list = []
         self.dispatches = 0
+        self._fence = None
         ctx.register(self)
 
     # ---- compilation ----
@@ -285,4 +286,7 @@ class ComputeEngine:
     def synchronize(self) -> None:
         """Flush and wait until the GPU has finished everything submitted."""
         self.flush()
-        self.device.queue.on_submitted_work_done_sync()
+        # Reading a buffer back waits for the queue (wgpu 0.32's on_submitted_work_done_sync is broken).
+        if self._fence is None:
+            self._fence = self.device.create_buffer(size=16, usage=wgpu.BufferUsage.COPY_SRC)
+        self.device.queue.read_buffer(self._fence, 0, 4)
