@@ -93,4 +93,4 @@ def _load_all() -> None:
     global _loaded
     if not _loaded:
         _loaded = True
-        from . import attention  # noqa: F401
+        from . import attention, embedding  # noqa: F401

@@ -172,7 +172,8 @@ class ComputeEngine:
 
     def _run_backward(self, bwd: Backward, bucket, dims, out, accumulate, args) -> dict[str, Tensor]:
         """Run each kernel of a backward pass with the arguments it takes; gradients by name."""
-        known = set(bwd.inputs) | set(bwd.forward.ir.scalars)   # forward scalars are accepted even if unused
+        fwd = bwd.forward.ir     # the forward's arguments are accepted even where the backward needs none
+        known = set(bwd.inputs) | set(fwd.scalars) | {t.name for t in fwd.inputs + fwd.outputs}
         unknown = sorted(set(args) - known)
         if unknown:
             raise TypeError(f"{bwd.name}: unknown arguments {unknown} (it takes {', '.join(sorted(known))})")

@@ -10,20 +10,49 @@ values with it inside each phase's loop, so the same planner serves both.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from ..codegen.wgsl import REDUCE_COMBINE, REDUCE_INIT, store
 from ..ir.nodes import SEQ_AXIS, KernelIR, Node
 from ..ir.ops import REDUCE, Op
 from .spec import MAX_WORKGROUP, extent, index_names, make_emitter, offset, schedule_error, store_entry, total, unravel
 
 
-def _phases(ir: KernelIR, sizes, order: list[Node], reductions: list[Node], axis: str, index_of: dict,
+@dataclass(frozen=True)
+class Reduction:
+    """One accumulation loop: ``node``'s value is ``source`` reduced over ``axes`` (nested sums
+    over several axes, as undoing a broadcast produces, become one loop over all of them)."""
+    node: Node
+    axes: tuple[str, ...]
+    source: Node
+
+
+def merge_nested(reductions: list[Node], order: list[Node]) -> list[Reduction]:
+    """Fold SUM(SUM(x, a), b) into one reduction over (a, b) when the inner sum has no other use."""
+    users: dict[int, int] = {}
+    for n in order:
+        for s in n.srcs:
+            users[id(s)] = users.get(id(s), 0) + 1
+    inner = {id(r.srcs[0]) for r in reductions if r.srcs[0].op == r.op == Op.SUM and users[id(r.srcs[0])] == 1}
+    out = []
+    for r in reductions:
+        if id(r) in inner:
+            continue
+        axes, src = (r.arg,), r.srcs[0]
+        while id(src) in inner:
+            axes, src = (src.arg,) + axes, src.srcs[0]
+        out.append(Reduction(r, axes, src))
+    return out
+
+
+def _phases(sizes, order: list[Node], reductions: list[Reduction], axes: tuple[str, ...], index_of: dict,
             combine_tree: bool):
     """Lets before the first reduction, one phase per reduction, and the bound outer values."""
     emitter = make_emitter(sizes, index_of)
     bound: dict[int, str] = {}
 
     def outer(n: Node) -> bool:      # computable once: no reduced axis, every reduction under it done
-        return axis not in n.shape and n.op not in REDUCE and \
+        return not set(axes) & set(n.shape) and n.op not in REDUCE and \
             all(id(s) in bound or s.op in (Op.CONST, Op.DIMSIZE) or outer(s) for s in n.srcs)
 
     def outer_lets():
@@ -32,16 +61,16 @@ def _phases(ir: KernelIR, sizes, order: list[Node], reductions: list[Node], axis
 
     pre = outer_lets()
     phases = []
-    for r in reductions:
+    for red in reductions:
         scoped = dict(bound)    # inner lets live inside this phase's loop only
-        inner = [vars(x) for x in emitter.emit([r.srcs[0]], scoped)]
-        arg = scoped[id(r.srcs[0])]
+        inner = [vars(x) for x in emitter.emit([red.source], scoped)]
+        arg = scoped[id(red.source)]
         name = f"r{len(phases)}"
-        emitter.bind(bound, r, name)
-        phase = {"result": name, "init": REDUCE_INIT[r.op], "lets": inner,
-                 "combine": REDUCE_COMBINE[r.op].format(f"acc_{name}", arg)}
+        emitter.bind(bound, red.node, name)
+        phase = {"result": name, "init": REDUCE_INIT[red.node.op], "lets": inner,
+                 "combine": REDUCE_COMBINE[red.node.op].format(f"acc_{name}", arg)}
         if combine_tree:
-            phase["combine_tree"] = REDUCE_COMBINE[r.op].format("red[lid]", "red[lid + s]")
+            phase["combine_tree"] = REDUCE_COMBINE[red.node.op].format("red[lid]", "red[lid + s]")
         phase["after"] = outer_lets()
         phases.append(phase)
     return emitter, bound, pre, phases
@@ -56,7 +85,8 @@ def plan_rows(ir: KernelIR, sizes, space, order, reductions, accumulate: frozens
                                  f"[{', '.join(space)}] or one value per row [{', '.join(row_axes)}]")
     index_of = index_names(space)
     index_of[col_axis] = "c"
-    emitter, bound, pre, phases = _phases(ir, sizes, order, reductions, col_axis, index_of, combine_tree=True)
+    plan = [Reduction(r, (r.arg,), r.srcs[0]) for r in reductions]
+    emitter, bound, pre, phases = _phases(sizes, order, plan, (col_axis,), index_of, combine_tree=True)
     final_scope = dict(bound)
     elem_outputs = [o for o in ir.outputs if o.shape == space]
     row_outputs = [o for o in ir.outputs if o.shape != space]
@@ -85,24 +115,37 @@ def plan_rows(ir: KernelIR, sizes, space, order, reductions, accumulate: frozens
 
 
 def plan_columns(ir: KernelIR, sizes, space, order, reductions, accumulate: frozenset[str]):
-    axis = reductions[0].arg
-    if any(r.arg != axis for r in reductions):
+    plan = merge_nested(reductions, order)
+    axes = plan[0].axes
+    if any(set(r.axes) != set(axes) for r in plan):
         raise schedule_error(ir, "reductions over different axes in one kernel",
-                             "one reduced axis per kernel (split the kernel)")
-    out_axes = tuple(a for a in space if a != axis)
+                             "one set of reduced axes per kernel (split the kernel)")
+    axes = tuple(a for a in space if a in axes)          # loop in the space's order
+    plan = [Reduction(r.node, axes, r.source) for r in plan]
+    out_axes = tuple(a for a in space if a not in axes)
     for o in ir.outputs:
         if o.shape != out_axes:
             raise schedule_error(ir, f"output {o.name!r} has shape [{', '.join(o.shape)}]",
-                                 f"[{', '.join(out_axes)}], the iteration space without {axis}")
+                                 f"[{', '.join(out_axes)}], the iteration space without {', '.join(axes)}")
     index_of = index_names(space)
-    index_of[axis] = "r"
-    emitter, bound, pre, phases = _phases(ir, sizes, order, reductions, axis, index_of, combine_tree=False)
+    # one loop over the reduced axes together: r runs over their product, the first outermost
+    inner = [a for a in axes[1:]]
+    loop_indices = []
+    stride = 1
+    for a in reversed(inner):
+        loop_indices.insert(0, {"var": index_of[a], "expr": f"(r / {stride}u) % {sizes[a]}u" if stride > 1
+                                else f"r % {sizes[a]}u"})
+        stride *= sizes[a]
+    loop_indices.insert(0, {"var": index_of[axes[0]], "expr": f"r / {stride}u" if stride > 1 else "r"})
+    extent_expr = extent(axes[0], sizes) + (f" * {stride}u" if stride > 1 else "")
+    emitter, bound, pre, phases = _phases(sizes, order, plan, axes, index_of, combine_tree=False)
     final_lets = [vars(x) for x in emitter.emit([ir.results[o.name] for o in ir.outputs], bound)]
     n = total(out_axes, sizes)
     ctx = {
         "workgroup_size": 64,
         "total": n,
-        "extent": extent(axis, sizes),
+        "extent": extent_expr,
+        "loop_indices": loop_indices,
         "indices": unravel(out_axes, sizes, "gid"),
         "seq_in_outputs": SEQ_AXIS in out_axes,
         "pre": pre,
