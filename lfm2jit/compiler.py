@@ -9,6 +9,7 @@ from .dsl.parser import parse
 from .ir.autodiff import grad_ir
 from .ir.build import build_kernel
 from .ir.nodes import KernelIR, format_ir
+from .ir.ops import Op
 from .ir.partition import partition
 from .ir.retype import retype
 from .schedule import KernelSpec, specialize
@@ -21,6 +22,13 @@ class Kernel:
         self.ir = ir
         self._specs: dict[tuple, KernelSpec] = {}
         self._variants: dict[str, Kernel] = {}
+
+    @property
+    def add_only_outputs(self) -> frozenset[str]:
+        """Outputs only added into (scatters): they must be passed in out= and accumulated."""
+        from . import intrinsics
+        return frozenset(name for name, n in self.ir.results.items()
+                         if n.op == Op.PROJ and intrinsics.get(n.srcs[0].arg).adds_only)
 
     def variant(self, storage: str) -> "Kernel":
         """This kernel with f32 tensors stored as ``storage`` ("f16"), computing in f32."""

@@ -98,7 +98,7 @@ def test_embedding_and_its_scatter_add(engine, rng, T, bucket):
 
 
 def test_embedding_backward_requires_accumulate(engine):
-    with pytest.raises(ValueError, match="adds into its output"):
+    with pytest.raises(ValueError, match=r"adds into \['d_table'\]"):
         engine.run("embedding_backward", dims={"V": 4}, g=engine.tensor(np.zeros((2, 3), np.float32)),
                    order=engine.tensor(np.zeros(2, np.int32)), bounds=engine.tensor(np.zeros((2, 2), np.int32)),
                    rows=engine.tensor(np.zeros(2, np.int32)))

@@ -41,6 +41,8 @@ class Intrinsic:
     # -> adjoint per operand or None, built from other intrinsic calls; None when not differentiable
     grad: Callable | None = None
     differentiable_outputs: tuple[str, ...] = field(default=())
+    # outputs the template only adds into (a scatter): callers must pass them and accumulate
+    adds_only: bool = False
 
 
 REGISTRY: dict[str, Intrinsic] = {}

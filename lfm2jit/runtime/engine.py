@@ -139,6 +139,10 @@ class ComputeEngine:
         missing_out = sorted(accumulate - set(out or {}))
         if missing_out:
             raise ValueError(f"{ir.name}: accumulating into {missing_out} needs those tensors in out=")
+        scatter = sorted(kernel.add_only_outputs - accumulate)
+        if scatter:
+            raise ValueError(f"{ir.name}: the kernel adds into {scatter}; pass them in out= (zeroed, or holding "
+                             f"what to add to) with accumulate={set(scatter)}")
         sizes, t_valid = self._bind(ir, args, dims or {})
         scalars = []
         for name in ir.scalars:
