@@ -260,32 +260,61 @@ class ComputeEngine:
         self._keepalive.clear()
         self.pool.release_pending()
 
+    def zero_(self, tensor: Tensor) -> Tensor:
+        """Record clearing a tensor's elements to zero (in order with the recorded dispatches)."""
+        nbytes = -(-tensor.size * ITEMSIZE[tensor.dtype] // 4) * 4
+        self._commands.append(("clear", tensor.buffer, tensor.offset, nbytes))
+        self._keepalive.append(tensor)
+        return tensor
+
     def _submit(self, commands) -> None:
         encoder = self.device.create_command_encoder()
         if not self.timing:
-            cpass = encoder.begin_compute_pass()
-            for _, compiled, bind_group, groups in commands:
+            cpass = None
+            for command in commands:
+                if command[0] == "clear":      # clears run between compute passes
+                    if cpass is not None:
+                        cpass.end()
+                        cpass = None
+                    _, buffer, offset, nbytes = command
+                    encoder.clear_buffer(buffer, offset, nbytes)
+                    continue
+                _, compiled, bind_group, groups = command
+                if cpass is None:
+                    cpass = encoder.begin_compute_pass()
                 cpass.set_pipeline(compiled.pipeline)
                 cpass.set_bind_group(0, bind_group)
                 cpass.dispatch_workgroups(*groups)
-            cpass.end()
+            if cpass is not None:
+                cpass.end()
             self.device.queue.submit([encoder.finish()])
             return
         # Timed: one pass per dispatch, and resolve exactly the queries written in this submission.
-        n = 2 * len(commands)
-        qs = self.device.create_query_set(type=wgpu.QueryType.timestamp, count=n)
-        for i, (_, compiled, bind_group, groups) in enumerate(commands):
+        dispatches = [c for c in commands if c[0] == "dispatch"]
+        n = 2 * len(dispatches)
+        qs = self.device.create_query_set(type=wgpu.QueryType.timestamp, count=max(n, 2))
+        i = 0
+        for command in commands:
+            if command[0] == "clear":
+                _, buffer, offset, nbytes = command
+                encoder.clear_buffer(buffer, offset, nbytes)
+                continue
+            _, compiled, bind_group, groups = command
             cpass = encoder.begin_compute_pass(timestamp_writes={
                 "query_set": qs, "beginning_of_pass_write_index": 2 * i, "end_of_pass_write_index": 2 * i + 1})
             cpass.set_pipeline(compiled.pipeline)
             cpass.set_bind_group(0, bind_group)
             cpass.dispatch_workgroups(*groups)
             cpass.end()
+            i += 1
+        if n == 0:
+            self.device.queue.submit([encoder.finish()])
+            return
         resolved = self.device.create_buffer(size=8 * n, usage=wgpu.BufferUsage.QUERY_RESOLVE | wgpu.BufferUsage.COPY_SRC)
         encoder.resolve_query_set(qs, 0, n, resolved, 0)
         self.device.queue.submit([encoder.finish()])
         stamps = np.frombuffer(self.device.queue.read_buffer(resolved), dtype=np.uint64)
-        for i, (_, compiled, _, _) in enumerate(commands):
+        for i, (_, compiled, _, _) in enumerate(dispatches):
             self.timings.append((compiled.spec.kernel, float(stamps[2 * i + 1] - stamps[2 * i]) * 1e-9))
 
     def synchronize(self) -> None:

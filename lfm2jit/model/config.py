@@ -1,0 +1,189 @@
+"""Lfm2Config: the model's shape, read from Hugging Face LFM2 config.json files as published."""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+LAYER_TYPES = ("conv", "full_attention")
+
+
+class ConfigError(ValueError):
+    """A config value that is unknown, out of range or contradicts another; names the key."""
+
+
+@dataclass
+class Lfm2Config:
+    vocab_size: int = 65536
+    hidden_size: int = 1024
+    intermediate_size: int = 6656            # before the auto-adjust rule (HF's block_ff_dim)
+    num_hidden_layers: int = 16
+    num_attention_heads: int = 16
+    num_key_value_heads: int = 8
+    layer_types: list[str] = field(default_factory=lambda: ["conv"] * 16)
+    norm_eps: float = 1e-5
+    rope_theta: float = 1_000_000.0
+    conv_L_cache: int = 3
+    conv_bias: bool = False
+    tie_word_embeddings: bool = True
+    block_auto_adjust_ff_dim: bool = True
+    block_multiple_of: int = 256
+    block_ffn_dim_multiplier: float | None = 1.0
+    initializer_range: float = 0.02
+    max_position_embeddings: int = 128_000
+    pad_token_id: int | None = 0
+    bos_token_id: int | None = 1
+    eos_token_id: int | list[int] | None = 2
+
+    def __post_init__(self):
+        self.validate()
+
+    # ---- derived sizes ----
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def ff_dim(self) -> int:
+        """The MLP width transformers builds: int(2*ff/3), times the multiplier, rounded up to the
+        multiple (LFM2-350M: 6656 -> 4608)."""
+        ff = self.intermediate_size
+        if self.block_auto_adjust_ff_dim:
+            ff = int(2 * ff / 3)
+            if self.block_ffn_dim_multiplier is not None:
+                ff = int(self.block_ffn_dim_multiplier * ff)
+                ff = self.block_multiple_of * ((ff + self.block_multiple_of - 1) // self.block_multiple_of)
+        return ff
+
+    @property
+    def attention_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == "full_attention"]
+
+    def validate(self) -> None:
+        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                    "num_key_value_heads", "conv_L_cache", "block_multiple_of"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"{key} must be a positive integer, got {value!r}")
+        if self.hidden_size % self.num_attention_heads:
+            raise ConfigError(f"hidden_size {self.hidden_size} is not divisible by num_attention_heads "
+                              f"{self.num_attention_heads}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(f"num_attention_heads {self.num_attention_heads} is not a multiple of "
+                              f"num_key_value_heads {self.num_key_value_heads}")
+        if self.head_dim % 2:
+            raise ConfigError(f"head_dim {self.head_dim} (hidden_size / num_attention_heads) must be even for RoPE")
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ConfigError(f"layer_types has {len(self.layer_types)} entries but num_hidden_layers is "
+                              f"{self.num_hidden_layers}")
+        bad = [t for t in self.layer_types if t not in LAYER_TYPES]
+        if bad:
+            raise ConfigError(f"layer_types has unknown values {sorted(set(bad))}; expected {', '.join(LAYER_TYPES)}")
+        if self.conv_L_cache != 3:
+            raise ConfigError(f"conv_L_cache {self.conv_L_cache} is not supported: the fused conv kernel "
+                              "is written for kernel length 3 (every published LFM2)")
+        if not self.norm_eps > 0:
+            raise ConfigError(f"norm_eps must be positive, got {self.norm_eps!r}")
+        if not self.rope_theta > 0:
+            raise ConfigError(f"rope_theta must be positive, got {self.rope_theta!r}")
+
+    # ---- Hugging Face config.json ----
+    @classmethod
+    def from_dict(cls, d: dict) -> "Lfm2Config":
+        d = dict(d)
+        model_type = d.get("model_type", "lfm2")
+        if model_type != "lfm2":
+            raise ConfigError(f"model_type is {model_type!r}, expected 'lfm2'")
+        out: dict = {}
+
+        def alias(names: tuple[str, ...], target: str, convert=lambda v: v):
+            present = [(n, d[n]) for n in names if n in d and d[n] is not None]
+            values = {json.dumps(convert(v)) for _, v in present}
+            if len(values) > 1:
+                raise ConfigError(f"contradictory values for {target}: "
+                                  + ", ".join(f"{n}={v!r}" for n, v in present))
+            if present:
+                out[target] = convert(present[0][1])
+
+        alias(("intermediate_size", "block_ff_dim"), "intermediate_size")
+        alias(("tie_word_embeddings", "tie_embedding"), "tie_word_embeddings")
+        alias(("num_attention_heads", "num_heads"), "num_attention_heads")
+        alias(("hidden_size", "block_dim"), "hidden_size")
+        alias(("norm_eps", "block_norm_eps"), "norm_eps")
+        rope = d.get("rope_parameters") or d.get("rope_scaling")
+        if isinstance(rope, dict):
+            kind = rope.get("rope_type", rope.get("type", "default"))
+            if kind != "default":
+                raise ConfigError(f"rope_parameters.rope_type {kind!r} is not supported; expected 'default'")
+            if "rope_theta" in rope:
+                d.setdefault("rope_theta_from_parameters", rope["rope_theta"])
+        alias(("rope_theta", "theta", "rope_theta_from_parameters"), "rope_theta", float)
+        for f in fields(cls):
+            if f.name in d and f.name not in out and f.name != "layer_types":
+                out[f.name] = d[f.name]
+        layers = out.get("num_hidden_layers", cls.num_hidden_layers)
+        if d.get("layer_types") is not None:
+            out["layer_types"] = list(d["layer_types"])
+            if d.get("full_attn_idxs") is not None:
+                implied = [i for i, t in enumerate(out["layer_types"]) if t == "full_attention"]
+                if sorted(d["full_attn_idxs"]) != implied:
+                    raise ConfigError(f"contradictory values: full_attn_idxs={d['full_attn_idxs']} but layer_types "
+                                      f"puts attention at {implied}")
+        else:
+            idxs = d.get("full_attn_idxs")
+            idxs = list(range(layers)) if idxs is None else idxs
+            bad = [i for i in idxs if not isinstance(i, int) or not 0 <= i < layers]
+            if bad:
+                raise ConfigError(f"full_attn_idxs has entries {bad} outside 0..{layers - 1}")
+            out["layer_types"] = ["full_attention" if i in idxs else "conv" for i in range(layers)]
+        try:
+            return cls(**out)
+        except TypeError as e:
+            raise ConfigError(str(e)) from None
+
+    @classmethod
+    def from_json(cls, path) -> "Lfm2Config":
+        p = Path(path)
+        if p.is_dir():
+            p = p / "config.json"
+        try:
+            data = json.loads(p.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"no config file at {p}") from None
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{p} is not valid JSON: {e}") from None
+        return cls.from_dict(data)
+
+    def to_dict(self) -> dict:
+        """A config.json that transformers' Lfm2Config reads back to the same model."""
+        d = asdict(self)
+        d.update({"model_type": "lfm2", "architectures": ["Lfm2ForCausalLM"],
+                  "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta}})
+        return d
+
+    # ---- presets ----
+    @classmethod
+    def preset(cls, name: str) -> "Lfm2Config":
+        """Published LFM2 shapes ("350M", "700M", "1.2B") and tiny ones for tests ("tiny", "tiny-untied")."""
+        if name not in PRESETS:
+            raise ConfigError(f"unknown preset {name!r}; available: {', '.join(PRESETS)}")
+        return cls(**PRESETS[name])
+
+
+_PUBLISHED_LAYERS = ["conv", "conv", "full_attention", "conv", "conv", "full_attention", "conv", "conv",
+                     "full_attention", "conv", "full_attention", "conv", "full_attention", "conv",
+                     "full_attention", "conv"]
+PRESETS: dict[str, dict] = {
+    "350M": dict(hidden_size=1024, intermediate_size=6656, num_hidden_layers=16, num_attention_heads=16,
+                 num_key_value_heads=8, layer_types=_PUBLISHED_LAYERS),
+    "700M": dict(hidden_size=1536, intermediate_size=10240, num_hidden_layers=16, num_attention_heads=24,
+                 num_key_value_heads=8, layer_types=_PUBLISHED_LAYERS),
+    "1.2B": dict(hidden_size=2048, intermediate_size=12288, num_hidden_layers=16, num_attention_heads=32,
+                 num_key_value_heads=8, layer_types=_PUBLISHED_LAYERS),
+    "tiny": dict(vocab_size=256, hidden_size=64, intermediate_size=192, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, layer_types=["conv", "full_attention", "conv", "full_attention"],
+                 block_multiple_of=16),
+    "tiny-untied": dict(vocab_size=256, hidden_size=64, intermediate_size=192, num_hidden_layers=3,
+                        num_attention_heads=4, num_key_value_heads=4, layer_types=["full_attention", "conv", "conv"],
+                        block_multiple_of=16, tie_word_embeddings=False, conv_bias=True),
+}

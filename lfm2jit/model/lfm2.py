@@ -1,0 +1,340 @@
+"""Lfm2Model: LFM2 (short-conv + grouped-query-attention decoder) running on generated kernels.
+
+The forward pass is a straight list of kernel calls per layer; the backward pass is the same list
+reversed, each line quoting the forward line it differentiates. Every activation is commented
+with its shape. All work is recorded into the engine and submitted together.
+
+Shapes: T positions (padded to the length bucket inside kernels), D hidden, F MLP width,
+H query heads, G kv heads, E head dim (E = 2R for RoPE), V vocabulary.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .. import grad, library
+from ..intrinsics.embedding import slots
+from ..runtime import Tensor
+from ..schedule.spec import bucketed
+from .checkpoint import check_tensors, load_checkpoint, parameter_shapes, save_checkpoint
+from .config import Lfm2Config
+
+
+def _k(name: str):
+    return library.get(name)
+
+
+@dataclass
+class Trace:
+    """What the forward pass saved for the backward pass."""
+    ids: np.ndarray
+    bucket: int
+    h_in: Tensor                                  # (T, D) embeddings
+    layers: list[dict] = field(default_factory=list)
+    h_out: Tensor | None = None                   # (T, D) last layer's output
+    hn: Tensor | None = None                      # (T, D) after the final norm
+    inv: Tensor | None = None                     # (T,) final norm's 1/rms
+
+
+class Lfm2Model:
+    def __init__(self, cfg: Lfm2Config, ctx, engine, seed: int = 0, tensors: dict[str, np.ndarray] | None = None):
+        self.cfg = cfg
+        self.ctx = ctx
+        self.engine = engine
+        if tensors is None:
+            tensors = self._init_tensors(seed)
+        tensors = check_tensors(cfg, tensors)
+        self._params: dict[str, Tensor] = {n: Tensor.from_numpy(ctx, a.astype(np.float32)) for n, a in tensors.items()}
+        self._rope: dict[int, tuple[Tensor, Tensor]] = {}
+        self._train_ids: set[int] = set()
+
+    # ---- parameters ----
+    def _init_tensors(self, seed: int) -> dict[str, np.ndarray]:
+        """As transformers initialises LFM2: normal(0, initializer_range) for linear, conv and embedding
+        weights, zeros for biases and the padding token's embedding row, ones for norm weights."""
+        rng = np.random.default_rng(seed)
+        out = {}
+        for name, shape in parameter_shapes(self.cfg).items():
+            if "norm" in name:
+                out[name] = np.ones(shape, np.float32)
+            elif name.endswith(".bias"):
+                out[name] = np.zeros(shape, np.float32)
+            else:
+                out[name] = (rng.standard_normal(shape) * self.cfg.initializer_range).astype(np.float32)
+        pad = self.cfg.pad_token_id
+        if pad is not None and 0 <= pad < self.cfg.vocab_size:      # nn.Embedding(padding_idx) starts at zero
+            out["model.embed_tokens.weight"][pad] = 0.0
+        return out
+
+    def named_parameters(self) -> dict[str, Tensor]:
+        """Parameters by transformers name (e.g. "model.layers.0.conv.in_proj.weight")."""
+        return dict(self._params)
+
+    def parameters(self) -> list[Tensor]:
+        return list(self._params.values())
+
+    def p(self, name: str) -> Tensor:
+        return self._params[name]
+
+    @property
+    def lm_head(self) -> Tensor:
+        return self._params["model.embed_tokens.weight" if self.cfg.tie_word_embeddings else "lm_head.weight"]
+
+    # ---- checkpoints ----
+    @classmethod
+    def from_pretrained(cls, directory, ctx, engine) -> "Lfm2Model":
+        directory = Path(directory)
+        cfg = Lfm2Config.from_json(directory / "config.json")
+        return cls(cfg, ctx, engine, tensors=load_checkpoint(directory))
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        return {n: t.numpy() for n, t in self._params.items()}
+
+    def save_pretrained(self, directory) -> None:
+        """config.json + model.safetensors that transformers' Lfm2ForCausalLM.from_pretrained loads."""
+        tensors = self.state_dict()
+        if self.cfg.tie_word_embeddings:
+            tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]   # transformers expects it
+        save_checkpoint(Path(directory), self.cfg, tensors)
+
+    def load_state(self, tensors: dict[str, np.ndarray]) -> None:
+        for name, arr in check_tensors(self.cfg, tensors).items():
+            self._params[name].write(arr.astype(np.float32))
+
+    # ---- input checks ----
+    def check_ids(self, ids, what: str = "input_ids") -> np.ndarray:
+        arr = np.asarray(ids)
+        if arr.ndim != 1 or arr.size == 0:
+            raise ValueError(f"{what} must be a non-empty 1-D sequence of token ids, got shape {list(arr.shape)}")
+        if not np.issubdtype(arr.dtype, np.integer):
+            raise ValueError(f"{what} must be integers, got {arr.dtype}")
+        bad = np.flatnonzero((arr < 0) | (arr >= self.cfg.vocab_size))
+        if bad.size:
+            raise ValueError(f"{what}[{bad[0]}] = {arr[bad[0]]} is outside the vocabulary 0..{self.cfg.vocab_size - 1}")
+        return arr.astype(np.int32)
+
+    def rope_tables(self, t_pad: int) -> tuple[Tensor, Tensor]:
+        """cos and sin (T_pad, R) for positions 0..T_pad-1, computed once per bucket on the host in
+        float32 as transformers does (angle = position * inv_freq)."""
+        if t_pad not in self._rope:
+            e = self.cfg.head_dim
+            inv_freq = (1.0 / (self.cfg.rope_theta ** (np.arange(0, e, 2, dtype=np.int64).astype(np.float32) / e)))
+            ang = np.arange(t_pad, dtype=np.float32)[:, None] * inv_freq.astype(np.float32)[None]
+            self._rope[t_pad] = (Tensor.from_numpy(self.ctx, np.cos(ang)), Tensor.from_numpy(self.ctx, np.sin(ang)))
+        return self._rope[t_pad]
+
+    # ---- forward ----
+    def forward(self, input_ids, bucket: int = 1) -> Trace:
+        """Record the forward pass up to the final norm; the trace holds what backward needs."""
+        ids = self.check_ids(input_ids)
+        run, cfg = self.engine.run, self.cfg
+        ids_t = self.engine.tensor(ids)
+        h = run(_k("embedding"), bucket=bucket, table=self.p("model.embed_tokens.weight"), ids=ids_t)["y"]   # (T, D)
+        trace = Trace(ids, bucket, h)
+        for i, kind in enumerate(cfg.layer_types):
+            pre = f"model.layers.{i}."
+            s: dict = {"kind": kind, "pre": pre, "h": h}                                            # (T, D) layer input
+            xn = run(_k("rmsnorm_saved"), bucket=bucket, x=h, w=self.p(pre + "operator_norm.weight"), eps=cfg.norm_eps)
+            s["xn"], s["inv_op"] = xn["y"], xn["inv"]                                              # (T, D), (T,)
+            if kind == "conv":
+                op = self._conv_forward(pre, s, bucket)                                            # (T, D)
+            else:
+                op = self._attention_forward(pre, s, bucket)                                       # (T, D)
+            h1 = run(_k("add"), bucket=bucket, x=h, z=op)["y"]                                      # (T, D) residual
+            s["h1"] = h1
+            xf = run(_k("rmsnorm_saved"), bucket=bucket, x=h1, w=self.p(pre + "ffn_norm.weight"), eps=cfg.norm_eps)
+            s["xf"], s["inv_ffn"] = xf["y"], xf["inv"]                                              # (T, D), (T,)
+            s["a"] = self._linear(s["xf"], pre + "feed_forward.w1", bucket)                         # (T, F)
+            s["b"] = self._linear(s["xf"], pre + "feed_forward.w3", bucket)                         # (T, F)
+            s["g"] = run(_k("silu_mul"), bucket=bucket, a=s["a"], b=s["b"])["y"]                    # (T, F) silu(a) * b
+            f = self._linear(s["g"], pre + "feed_forward.w2", bucket)                               # (T, D)
+            h = run(_k("add"), bucket=bucket, x=h1, z=f)["y"]                                       # (T, D) layer output
+            trace.layers.append(s)
+        trace.h_out = h
+        fin = run(_k("rmsnorm_saved"), bucket=bucket, x=h, w=self.p("model.embedding_norm.weight"), eps=cfg.norm_eps)
+        trace.hn, trace.inv = fin["y"], fin["inv"]                                                  # (T, D), (T,)
+        return trace
+
+    def _linear(self, x: Tensor, name: str, bucket: int) -> Tensor:
+        """y = x W^T (+ b): torch.nn.Linear with W stored [out, in]."""
+        y = self.engine.run(_k("linear"), bucket=bucket, x=x, w=self.p(name + ".weight"))["y"]
+        if name + ".bias" in self._params:
+            self.engine.run(_k("bias_add"), bucket=bucket, y=y, b=self.p(name + ".bias"))
+        return y
+
+    def _conv_forward(self, pre: str, s: dict, bucket: int) -> Tensor:
+        t, d = s["xn"].shape[0], self.cfg.hidden_size
+        s["bcx"] = self._linear(s["xn"], pre + "conv.in_proj", bucket)                              # (T, 3D) = B, C, x
+        args = {"bcx": s["bcx"].view(t, 3, d), "w": self.p(pre + "conv.conv.weight").view(d, 3)}   # (T, 3, D), (D, 3)
+        if self.cfg.conv_bias:
+            args["b"] = self.p(pre + "conv.conv.bias")
+        s["c"] = self.engine.run(_k(self._conv_kernel), bucket=bucket, **args)["y"]                # (T, D) C * conv(B x)
+        return self._linear(s["c"], pre + "conv.out_proj", bucket)                                 # (T, D)
+
+    @property
+    def _conv_kernel(self) -> str:
+        return "short_conv" if self.cfg.conv_bias else "short_conv_nobias"
+
+    def _attention_forward(self, pre: str, s: dict, bucket: int) -> Tensor:
+        cfg, run = self.cfg, self.engine.run
+        t, h, g, e = s["xn"].shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        a = pre + "self_attn."
+        s["q"] = self._linear(s["xn"], a + "q_proj", bucket).view(t, h, e)                         # (T, H, E)
+        s["k"] = self._linear(s["xn"], a + "k_proj", bucket).view(t, g, e)                         # (T, G, E)
+        s["v"] = self._linear(s["xn"], a + "v_proj", bucket).view(t, g, e)                         # (T, G, E)
+        qn = run(_k("head_rmsnorm"), bucket=bucket, x=s["q"], w=self.p(a + "q_layernorm.weight"), eps=cfg.norm_eps)
+        kn = run(_k("head_rmsnorm"), bucket=bucket, x=s["k"], w=self.p(a + "k_layernorm.weight"), eps=cfg.norm_eps)
+        s["qn"], s["q_inv"], s["kn"], s["k_inv"] = qn["y"], qn["inv"], kn["y"], kn["inv"]          # (T,H,E) (T,H) ..
+        cos, sin = self.rope_tables(bucketed(t, bucket))
+        s["cos"], s["sin"] = cos.rows(0, t), sin.rows(0, t)                                        # (T, R)
+        qr = run(_k("rope"), bucket=bucket, x=s["qn"].view(t, h, 2, e // 2), cos=s["cos"], sin=s["sin"])["y"]
+        kr = run(_k("rope"), bucket=bucket, x=s["kn"].view(t, g, 2, e // 2), cos=s["cos"], sin=s["sin"])["y"]
+        s["qr"], s["kr"] = qr.view(t, h, e), kr.view(t, g, e)                                      # (T, H, E), (T, G, E)
+        att = run(_k("attention"), bucket=bucket, q=s["qr"], k=s["kr"], v=s["v"])
+        s["o"], s["lse"] = att["o"], att["lse"]                                                    # (T, H, E), (T, H)
+        return self._linear(s["o"].view(t, h * e), a + "out_proj", bucket)                         # (T, D)
+
+    def logits(self, input_ids, bucket: int = 1) -> np.ndarray:
+        """float32 [T, vocab] logits of a sequence (materialised: for checks, not for training)."""
+        trace = self.forward(input_ids, bucket)
+        return self.engine.run(_k("linear"), bucket=bucket, x=trace.hn, w=self.lm_head)["y"].numpy()
+
+    # ---- backward ----
+    def zero_grad(self, params: list[Tensor] | None = None) -> None:
+        """Give each parameter (default: all) a zeroed .grad."""
+        for t in params if params is not None else self.parameters():
+            if t.grad is None:
+                t.grad = self.engine.empty(t.shape, t.dtype)
+            self.engine.zero_(t.grad)
+
+    def _trained(self, name: str) -> bool:
+        return self._params[name].grad is not None and id(self._params[name]) in self._train_ids
+
+    def backward(self, trace: Trace, d_hn: Tensor, params: list[Tensor]) -> None:
+        """Add the gradients of every parameter in ``params`` (which must have .grad) given the
+        gradient of the final normed hidden state d_hn (T, D). The reverse of ``forward``."""
+        self._train_ids = {id(t) for t in params}
+        missing = [n for n, t in self._params.items() if id(t) in self._train_ids and t.grad is None]
+        if missing:
+            raise ValueError(f"parameters without .grad (call zero_grad first): {missing[:3]}")
+        bucket = trace.bucket
+        # hn = rmsnorm(h_out)
+        dh = self._norm_backward(trace.h_out, trace.inv, "model.embedding_norm.weight", d_hn, bucket)   # (T, D)
+        for s in reversed(trace.layers):
+            pre = s["pre"]
+            # h = h1 + f;  f = w2(g)
+            dg = self._linear_backward(s["g"], pre + "feed_forward.w2", dh, bucket)                 # (T, F)
+            # g = silu(a) * b
+            gab = self.engine.run(_grad("silu_mul"), bucket=bucket, a=s["a"], b=s["b"], d_y=dg)
+            # a = w1(xf); b = w3(xf)
+            dxf = self._linear_backward(s["xf"], pre + "feed_forward.w1", gab["d_a"], bucket)       # (T, D)
+            self._linear_backward(s["xf"], pre + "feed_forward.w3", gab["d_b"], bucket, into=dxf)
+            # xf = rmsnorm(h1): dh becomes d(h1)
+            self._norm_backward(s["h1"], s["inv_ffn"], pre + "ffn_norm.weight", dxf, bucket, into=dh)
+            # h1 = h + op
+            if s["kind"] == "conv":
+                dxn = self._conv_backward(pre, s, dh, bucket)                                      # (T, D)
+            else:
+                dxn = self._attention_backward(pre, s, dh, bucket)                                 # (T, D)
+            # xn = rmsnorm(h): dh becomes d(h)
+            self._norm_backward(s["h"], s["inv_op"], pre + "operator_norm.weight", dxn, bucket, into=dh)
+        # h_in = embed(ids)
+        emb = "model.embed_tokens.weight"
+        if self._trained(emb):
+            order, bounds, rows = slots(trace.ids, skip=self.cfg.pad_token_id)   # torch's padding_idx
+            e = self.engine
+            self.engine.run(_k("embedding_backward"), bucket=bucket, dims={"V": self.cfg.vocab_size}, g=dh,
+                            order=e.tensor(order), bounds=e.tensor(bounds), rows=e.tensor(rows),
+                            out={"d_table": self._params[emb].grad}, accumulate={"d_table"})
+
+    def _linear_backward(self, x: Tensor, name: str, dy: Tensor, bucket: int, into: Tensor | None = None,
+                         need_dx: bool = True) -> Tensor | None:
+        """y = x W^T (+ b): dx = dy W (new, or added into ``into``), W.grad += dy^T x, b.grad += sum dy."""
+        w = self._params[name + ".weight"]
+        run = self.engine.run
+        dx = None
+        if need_dx:
+            out = {"d_x": into} if into is not None else {}
+            dx = run(_grad("linear", ("x",)), bucket=bucket, x=x, w=w, d_y=dy, out=out,
+                     accumulate={"d_x"} if into is not None else set())["d_x"]
+        if self._trained(name + ".weight"):
+            run(_grad("linear", ("w",)), bucket=bucket, x=x, w=w, d_y=dy, out={"d_w": w.grad}, accumulate={"d_w"})
+        if name + ".bias" in self._params and self._trained(name + ".bias"):
+            run(_k("bias_grad"), bucket=bucket, dy=dy, out={"db": self._params[name + ".bias"].grad},
+                accumulate={"db"})
+        return dx
+
+    def _norm_backward(self, x: Tensor, inv: Tensor, name: str, dy: Tensor, bucket: int,
+                       into: Tensor | None = None) -> Tensor:
+        """y = x * inv * w: dx (new, or added into ``into``) and w.grad += ..."""
+        w = self._params[name]
+        out = {"d_x": into} if into is not None else {}
+        acc = {"d_x"} if into is not None else set()
+        if self._trained(name):
+            out["d_w"] = w.grad
+            acc.add("d_w")
+            kernel = _grad("rmsnorm_saved", ("x", "w"), ("y",))
+        else:
+            kernel = _grad("rmsnorm_saved", ("x",), ("y",))
+        return self.engine.run(kernel, bucket=bucket, x=x, w=w, inv=inv, d_y=dy, out=out, accumulate=acc)["d_x"]
+
+    def _conv_backward(self, pre: str, s: dict, d_op: Tensor, bucket: int) -> Tensor:
+        t, d = s["xn"].shape[0], self.cfg.hidden_size
+        # op = out_proj(c)
+        dc = self._linear_backward(s["c"], pre + "conv.out_proj", d_op, bucket)                    # (T, D)
+        # c = C * conv(B x)
+        names = {"w": pre + "conv.conv.weight", "b": pre + "conv.conv.bias"}
+        wrt = ["bcx"] + [k for k, n in names.items() if n in self._params and self._trained(n)]
+        args = {"bcx": s["bcx"].view(t, 3, d), "w": self.p(names["w"]).view(d, 3)}
+        if self.cfg.conv_bias:
+            args["b"] = self.p(names["b"])
+        out = {"d_w": self.p(names["w"]).grad.view(d, 3)} if "w" in wrt else {}
+        if "b" in wrt:
+            out["d_b"] = self.p(names["b"]).grad
+        g = self.engine.run(_grad(self._conv_kernel, tuple(wrt)), bucket=bucket, d_y=dc, out=out,
+                            accumulate=set(out), **args)
+        # bcx = in_proj(xn)
+        return self._linear_backward(s["xn"], pre + "conv.in_proj", g["d_bcx"].view(t, 3 * d), bucket)  # (T, D)
+
+    def _attention_backward(self, pre: str, s: dict, d_op: Tensor, bucket: int) -> Tensor:
+        cfg, run = self.cfg, self.engine.run
+        t, h, g, e = s["xn"].shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        a = pre + "self_attn."
+        # op = out_proj(o)
+        do = self._linear_backward(s["o"].view(t, h * e), a + "out_proj", d_op, bucket)           # (T, H*E)
+        # o, lse = attention(qr, kr, v)
+        ga = run(_grad("attention", ("q", "k", "v"), ("o",)), bucket=bucket, q=s["qr"], k=s["kr"], v=s["v"],
+                 o=s["o"], lse=s["lse"], d_o=do.view(t, h, e))
+        draw = {}
+        for x, heads, ln in (("q", h, "q_layernorm"), ("k", g, "k_layernorm")):
+            # xr = rope(xn)
+            dn = run(_grad("rope", ("x",)), bucket=bucket, cos=s["cos"], sin=s["sin"],
+                     d_y=ga[f"d_{x}"].view(t, heads, 2, e // 2))["d_x"]                           # (T, heads, 2, R)
+            # xn = head_rmsnorm(x)
+            draw[x] = self._norm_backward_heads(s[x], s[f"{x}_inv"], a + ln + ".weight", dn.view(t, heads, e), bucket)
+        # q, k, v = projections of xn
+        dxn = self._linear_backward(s["xn"], a + "q_proj", draw["q"].view(t, h * e), bucket)       # (T, D)
+        self._linear_backward(s["xn"], a + "k_proj", draw["k"].view(t, g * e), bucket, into=dxn)
+        self._linear_backward(s["xn"], a + "v_proj", ga["d_v"].view(t, g * e), bucket, into=dxn)
+        return dxn
+
+    def _norm_backward_heads(self, x: Tensor, inv: Tensor, name: str, dy: Tensor, bucket: int) -> Tensor:
+        w = self._params[name]
+        if self._trained(name):
+            return self.engine.run(_grad("head_rmsnorm", ("x", "w"), ("y",)), bucket=bucket, x=x, w=w, inv=inv,
+                                   d_y=dy, out={"d_w": w.grad}, accumulate={"d_w"})["d_x"]
+        return self.engine.run(_grad("head_rmsnorm", ("x",), ("y",)), bucket=bucket, x=x, w=w, inv=inv,
+                               d_y=dy)["d_x"]
+
+
+_BACKWARDS: dict[tuple, object] = {}
+
+
+def _grad(name: str, wrt: tuple[str, ...] | None = None, cotangents: tuple[str, ...] | None = None):
+    """The backward kernels of a shipped kernel, made once per (wrt, cotangents)."""
+    key = (name, wrt, cotangents)
+    if key not in _BACKWARDS:
+        _BACKWARDS[key] = grad(library.get(name), list(wrt) if wrt else None, list(cotangents) if cotangents else None)
+    return _BACKWARDS[key]
