@@ -11,8 +11,9 @@ together with its gradients for ``h`` and ``E`` (times ``loss_scale``), without 
 * Pass 1, per chunk: logits_c = h @ E_c^T ([T, chunk], one buffer reused by every chunk), folded
   into a running max m, sum s and target logit tl per position (two small ping-pong sets, since a
   kernel may not read and write one buffer); then lse = m + log(s) and the loss sum.
-* Pass 2, per chunk: logits_c again, turned in place into dlogits_c = scale * mask *
-  (softmax - onehot(target)); dh (+)= dlogits_c @ E_c and dE[c0:c1] (+)= dlogits_c^T @ h.
+* Pass 2, per chunk, last first (its logits are still in the buffer): logits_c again, turned in
+  place into dlogits_c = scale * mask * (softmax - onehot(target)); dh (+)= dlogits_c @ E_c and
+  dE[c0:c1] (+)= dlogits_c^T @ h.
 
 The kernels are in ``kernels/xent.lk``; every dispatch binds at most one chunk of E (real LFM2's
 65536 x 2048 f32 embedding is larger than many adapters' storage binding limit). Work is recorded,
@@ -93,10 +94,10 @@ def lm_head_cross_entropy(engine, h: Tensor, E: Tensor, targets, mask=None, *, n
     if V >= MAX_EXACT_VOCAB:
         raise ValueError(f"vocabulary size {V} is too large: chunk offsets are passed as exact f32 "
                          f"integers, so V must be below {MAX_EXACT_VOCAB}")
-    dh = _check_out(engine, "dh", dh, (T, D), accumulate_dh)
-    dE = _check_out(engine, "dE", dE, (V, D), accumulate_dE)
+    dh = _check_out("dh", dh, (T, D), accumulate_dh)
+    dE = _check_out("dE", dE, (V, D), accumulate_dE)
     chunks = [(c0, min(c0 + chunk, V)) for c0 in range(0, V, chunk)]
-    _check_bindings(engine, E, dE, h, T, D, chunks, bucket)
+    _check_bindings(engine, E, dE, T, D, chunks, bucket)
     _check_distinct(h=h, E=E, dh=dh, dE=dE, targets=targets, mask=mask)
     targets, mask = _prepare_targets_mask(engine, targets, mask, T, V, check_targets)
 
@@ -131,12 +132,14 @@ def lm_head_cross_entropy(engine, h: Tensor, E: Tensor, targets, mask=None, *, n
     loss = run("xent_loss", bucket=bucket, dims={"1": 1}, lse=lse, tl=tl, mask=mask,
                inv_norm=1.0 / normalizer)["loss"]
 
-    # pass 2: dlogits per chunk, then dh and the chunk's rows of dE
+    # pass 2: dlogits per chunk, then dh and the chunk's rows of dE. It walks the chunks backwards,
+    # so the first one it needs (the last of pass 1) still has its logits in the buffer.
     scale = loss_scale / normalizer
-    for i, (c0, c1) in enumerate(chunks):
+    for i, (c0, c1) in enumerate(reversed(chunks)):
         x = logits_buffer(c1 - c0)
         E_c = E.rows(c0, c1)
-        run("xent_logits", bucket=bucket, out={"x": x}, h=h, E=E_c)
+        if i:
+            run("xent_logits", bucket=bucket, out={"x": x}, h=h, E=E_c)
         run("xent_dlogits", bucket=bucket, x=x, lse=lse, tgt=targets, mask=mask, c0=float(c0), scale=scale)
         run("xent_dh", bucket=bucket, out={"dh": dh}, accumulate=("dh",) if (i or accumulate_dh) else (),
             g=x, E=E_c)
@@ -169,7 +172,7 @@ def _finite(name: str, value) -> float:
     return float(value)
 
 
-def _check_out(engine, name: str, t, shape, accumulate: bool):
+def _check_out(name: str, t, shape, accumulate: bool):
     if t is None:
         if accumulate:
             raise ValueError(f"accumulate_{name}=True needs a {name} tensor to add to")
@@ -181,7 +184,7 @@ def _check_out(engine, name: str, t, shape, accumulate: bool):
     return t
 
 
-def _check_bindings(engine, E: Tensor, dE: Tensor | None, h: Tensor, T, D, chunks, bucket) -> None:
+def _check_bindings(engine, E: Tensor, dE: Tensor | None, T: int, D: int, chunks, bucket: int) -> None:
     """Every chunk view must start at an aligned offset and every binding fit the adapter's limit."""
     limits = engine.ctx.limits
     align = limits.get("min-storage-buffer-offset-alignment", 256)
