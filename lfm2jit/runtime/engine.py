@@ -199,8 +199,8 @@ class ComputeEngine:
                 part for part in (f"unknown arguments {unknown}" if unknown else "",
                                   f"missing arguments {missing}" if missing else "") if part)
                 + f" (it takes {', '.join(expected)})")
-        sizes: dict[str, int] = {}
-        source: dict[str, str] = {}
+        sizes: dict[str, int] = dict(ir.fixed_dims)          # integer axes written in the source
+        source: dict[str, str] = {a: "the kernel's type" for a in ir.fixed_dims}
         for name, value in dims.items():
             sizes[name], source[name] = value, "dims="
         for t in ir.inputs:
