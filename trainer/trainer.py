@@ -1,0 +1,245 @@
+"""Trainer: masked-loss training steps with accumulation, sync, loss scaling, clipping and an optimizer.
+
+One call of ``train_step_masked`` runs a sequence forward and backward, adding its gradients
+(its loss divided by ``grad_accum_steps``). Every ``grad_accum_steps`` calls the window is
+finished: gradients are synced across processes (if configured), unscaled and checked for
+overflow, clipped on their global L2 norm, applied by the optimizer, and cleared. Input is
+checked before any GPU work; an error leaves weights, gradients and counters as they were.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from lfm2jit.lmhead import lm_head_cross_entropy
+from lfm2jit.optim_kernels import global_grad_norm
+
+from .errors import TrainError
+from .optim import Optimizer
+from .scaler import GradScaler
+from .schedules import LRScheduler
+from .sync import FileGradSync, FileGradSyncConfig
+
+
+@dataclass
+class StepStats:
+    loss: float            # this sequence's mean cross-entropy over its supervised tokens
+    tokens: int            # supervised tokens in this sequence
+    stepped: bool          # the optimizer ran after this sequence
+    skipped: bool          # the window overflowed (inf/NaN gradients) and its step was skipped
+    grad_norm: float | None  # global L2 norm before clipping, when the window ended
+    lr: float              # the learning rate of the (current or next) optimizer step
+    loss_scale: float      # the loss scale used for this sequence's gradients
+
+
+class Trainer:
+    def __init__(self, model, optimizer: Optimizer, ctx, engine):
+        if not isinstance(optimizer, Optimizer):
+            raise TypeError(f"optimizer must be an Optimizer (AdamW, SGD), got {type(optimizer).__name__}")
+        self.model = model
+        self.optimizer = optimizer
+        self.ctx = ctx
+        self.engine = engine
+        self.clip_grad_norm: float | None = None
+        self.grad_accum_steps = 1
+        self.step_in_accum = 0
+        self.scaler: GradScaler | None = None
+        self.distributed_grad_sync: FileGradSync | None = None
+        self.lr_scheduler: LRScheduler | None = None
+        self.length_bucket = 64
+        self.lm_head_chunk = 4096
+        self._steps = 0
+        self._window: list[object] | None = None     # the params of the open accumulation window
+
+    # ---- builders ----
+    def with_length_bucket(self, bucket: int) -> "Trainer":
+        if not isinstance(bucket, int) or bucket < 1:
+            raise ValueError(f"length bucket must be a positive integer, got {bucket!r}")
+        self.length_bucket = bucket
+        return self
+
+    def with_clip_grad_norm(self, max_norm: float | None) -> "Trainer":
+        if max_norm is not None and not (max_norm > 0 and math.isfinite(max_norm)):
+            raise ValueError(f"clip_grad_norm must be a positive number or None, got {max_norm!r}")
+        self.clip_grad_norm = max_norm
+        return self
+
+    def with_grad_accum_steps(self, steps: int) -> "Trainer":
+        if not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"grad_accum_steps must be a positive integer, got {steps!r}")
+        if self.step_in_accum:
+            raise ValueError("cannot change grad_accum_steps in the middle of an accumulation window")
+        self.grad_accum_steps = steps
+        return self
+
+    def with_grad_scaler(self, scaler: GradScaler | None) -> "Trainer":
+        self.scaler = scaler
+        return self
+
+    def with_lr_scheduler(self, scheduler: LRScheduler | None) -> "Trainer":
+        self.lr_scheduler = scheduler
+        return self
+
+    def with_file_grad_sync(self, config: FileGradSyncConfig | None) -> "Trainer":
+        self.distributed_grad_sync = FileGradSync(config) if config is not None else None
+        return self
+
+    # ---- counters ----
+    def optimizer_steps(self) -> int:
+        return self._steps
+
+    def set_optimizer_steps(self, n: int) -> None:
+        """Resume at optimizer step n: the next step is n + 1, and the LR schedule follows."""
+        if not isinstance(n, int) or n < 0:
+            raise ValueError(f"optimizer steps must be an integer >= 0, got {n!r}")
+        self._steps = n
+
+    def lr_at(self, k: int) -> float:
+        return self.lr_scheduler.lr_at(k) if self.lr_scheduler is not None else self.optimizer.lr
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.loss_scale if self.scaler is not None else 1.0
+
+    # ---- checkpoints ----
+    def save_checkpoint(self, directory, data_position: dict | None = None):
+        """Write a checkpoint (atomically); see trainer/checkpoint.py for what it holds."""
+        from .checkpoint import save_checkpoint
+        return save_checkpoint(self, directory, data_position)
+
+    def load_checkpoint(self, directory) -> dict:
+        """Restore a checkpoint written by save_checkpoint; returns the saved data position."""
+        from .checkpoint import load_checkpoint
+        return load_checkpoint(self, directory)
+
+    # ---- steps ----
+    def train_step(self, input_ids, target_ids, params) -> StepStats:
+        """One sequence with every target supervised."""
+        n = len(np.asarray(target_ids).reshape(-1))
+        return self.train_step_masked(input_ids, target_ids, np.ones(n, np.float32), params)
+
+    def train_step_masked(self, input_ids, target_ids, loss_mask, params) -> StepStats:
+        """One sequence; ``loss_mask`` is aligned with ``target_ids`` (1 = include, 0 = ignore)."""
+        ids, targets, mask, params = self._check(input_ids, target_ids, loss_mask, params)
+        tokens = int(mask.sum())
+        model, engine = self.model, self.engine
+        if self.step_in_accum == 0:
+            model.zero_grad(params)
+            self._window = params
+        trace = model.forward(ids, self.length_bucket)
+        head = model.lm_head
+        head_trained = any(p is head for p in params)
+        # The loss divides by the supervised tokens; gradients are further scaled by the loss
+        # scale and divided by grad_accum_steps, so a window's update is the mean over it.
+        result = lm_head_cross_entropy(
+            engine, trace.hn, head, targets, mask, normalizer=float(tokens),
+            loss_scale=self.loss_scale / self.grad_accum_steps, chunk=self.lm_head_chunk,
+            bucket=self.length_bucket, dE=head.grad if head_trained else None, accumulate_dE=head_trained)
+        model.backward(trace, result.dh, params)
+        loss = result.loss_value()          # one small read-back; also runs the recorded work
+        if not math.isfinite(loss) and self.scaler is None:
+            self._abandon_window(params)
+            raise TrainError(f"the loss is {loss} (non-finite); the accumulation window was discarded, "
+                             "no weight changed")
+        self.step_in_accum += 1
+        stats = StepStats(loss=loss, tokens=tokens, stepped=False, skipped=False, grad_norm=None,
+                          lr=self.lr_at(self._steps + 1), loss_scale=self.loss_scale)
+        if self.step_in_accum == self.grad_accum_steps:
+            self._finish_window(params, stats)
+        return stats
+
+    def train_batch(self, batch, params) -> list[StepStats]:
+        """One micro-batch per sequence of ``batch``, padding stripped, empty sequences skipped."""
+        return [self.train_step_masked(i, t, m, params) for i, t, m in batch.sequences()]
+
+    # ---- the end of an accumulation window ----
+    def _finish_window(self, params, stats: StepStats) -> None:
+        engine = self.engine
+        self.step_in_accum = 0
+        if self.distributed_grad_sync is not None:
+            self.distributed_grad_sync.average(engine, self._names(params), params, self._steps + 1)
+        norm, finite = global_grad_norm(engine, [p.grad for p in params])
+        scale = self.loss_scale
+        if not finite:
+            if self.scaler is None:
+                self._abandon_window(params)
+                raise TrainError("the gradients hold inf or NaN (no GradScaler to skip the step); "
+                                 "the window was discarded, no weight changed")
+            self.scaler.update(found_inf=True)
+            stats.skipped = True
+            stats.loss_scale = self.loss_scale
+            return
+        grad_norm = norm / scale
+        coef = 1.0
+        if self.clip_grad_norm is not None:
+            coef = min(1.0, self.clip_grad_norm / (grad_norm + 1e-6))    # torch.nn.utils.clip_grad_norm_
+        k = self._steps + 1
+        lr = self.lr_at(k)
+        self.optimizer.step(engine, params, lr=lr, step=k, gscale=coef / scale)
+        self._steps = k
+        if self.scaler is not None:
+            self.scaler.update(found_inf=False)
+        stats.stepped, stats.grad_norm, stats.lr = True, grad_norm, lr
+
+    def _abandon_window(self, params) -> None:
+        self.step_in_accum = 0
+        self.model.zero_grad(params)
+
+    def _names(self, params) -> list[str]:
+        by_id = {id(t): n for n, t in self.model.named_parameters().items()}
+        return [by_id[id(p)] for p in params]
+
+    # ---- input checks (before any GPU work) ----
+    def _check(self, input_ids, target_ids, loss_mask, params):
+        vocab = self.model.cfg.vocab_size
+        ids = self._ids(input_ids, "input_ids", vocab)
+        targets = self._ids(target_ids, "target_ids", vocab)
+        if ids.shape != targets.shape:
+            raise TrainError(f"input_ids has {ids.size} tokens but target_ids has {targets.size}; "
+                             "they must be aligned one to one")
+        mask = np.asarray(loss_mask)
+        if mask.ndim != 1 or mask.size != ids.size:
+            raise TrainError(f"loss_mask has shape {list(mask.shape)}; expected [{ids.size}] like target_ids")
+        if mask.dtype == bool:
+            mask = mask.astype(np.float32)
+        if not np.issubdtype(mask.dtype, np.number) or not np.all((mask == 0) | (mask == 1)):
+            bad = mask if not np.issubdtype(mask.dtype, np.number) else mask[(mask != 0) & (mask != 1)]
+            raise TrainError(f"loss_mask must hold only 0 and 1; found {np.unique(bad)[:5].tolist()}")
+        mask = mask.astype(np.float32)
+        if mask.sum() == 0:
+            raise TrainError("loss_mask selects no target: a sequence needs at least one supervised token")
+        params = self._params(params)
+        if self._window is not None and self.step_in_accum and [id(p) for p in params] != [id(p) for p in self._window]:
+            raise TrainError("params changed in the middle of an accumulation window; pass the same list "
+                             f"for all {self.grad_accum_steps} sequences of a window")
+        return ids, targets, mask, params
+
+    @staticmethod
+    def _ids(values, what: str, vocab: int) -> np.ndarray:
+        arr = np.asarray(values)
+        if arr.ndim != 1:
+            raise TrainError(f"{what} must be a 1-D sequence of token ids, got shape {list(arr.shape)}")
+        if arr.size == 0:
+            raise TrainError(f"{what} is empty: a sequence needs at least one token")
+        if not np.issubdtype(arr.dtype, np.integer):
+            raise TrainError(f"{what} must hold integers, got {arr.dtype}")
+        bad = np.flatnonzero((arr < 0) | (arr >= vocab))
+        if bad.size:
+            raise TrainError(f"{what}[{bad[0]}] = {int(arr[bad[0]])} is outside the vocabulary 0..{vocab - 1}")
+        return arr.astype(np.int32)
+
+    def _params(self, params) -> list:
+        if params is None:
+            raise TrainError("params is None: pass the list of tensors to train (e.g. model.parameters())")
+        params = list(params)
+        if not params:
+            raise TrainError("params is empty: nothing to train")
+        known = {id(t) for t in self.model.parameters()}
+        foreign = [i for i, p in enumerate(params) if id(p) not in known]
+        if foreign:
+            raise TrainError(f"params[{foreign[0]}] is not a parameter of this model")
+        if len({id(p) for p in params}) != len(params):
+            raise TrainError("params lists a tensor twice")
+        return params
