@@ -189,3 +189,12 @@ def test_synchronize_waits_for_recorded_work(ctx, rng):
     eng.synchronize()
     assert not eng._commands
     assert rel_err(y.numpy(), 3.0 * x.numpy()) < 1e-6
+
+
+@pytest.mark.parametrize("name", ["red", "info", "row", "lid", "main", "WG", "exp", "let", "v0", "acc_r0", "s", "c"])
+def test_parameter_names_never_collide_with_generated_code(engine, rng, name):
+    """A tensor named like a WGSL word or a template variable still compiles and computes."""
+    mod = compile_source(f"kernel k({name}: f32[T, D]) -> (y: f32[T]) {{ y = sum(exp({name}), D) }}")
+    x = rng.standard_normal((3, 5)).astype(np.float32)
+    got = engine.run(mod.k, **{name: engine.tensor(x)})["y"].numpy()
+    assert rel_err(got, np.exp(x.astype(np.float64)).sum(-1)) < 1e-6

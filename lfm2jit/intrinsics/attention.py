@@ -32,7 +32,7 @@ from ..codegen.wgsl import COMPUTE_TYPE
 from ..ir.autodiff import AutodiffError, GraphBuilder
 from ..ir.nodes import Node
 from ..ir.ops import FLOAT_DTYPES, Op
-from ..schedule.spec import extent, strides
+from ..schedule.spec import buffer_var, extent, strides
 from . import Intrinsic, IntrinsicCall, IntrinsicError, register
 
 WORKGROUP_BYTES = 16384      # portable maxComputeWorkgroupStorageSize
@@ -168,7 +168,7 @@ def choose_tiles(mode: str, e: int) -> AttentionTiles:
 def _tensor(arg, sizes: dict[str, int], roles: tuple[str, ...], accumulate=frozenset()) -> dict:
     """A binding as the template sees it: name, storage type, strides by role, conversions."""
     st = strides(arg.shape, sizes)
-    return {"name": arg.name, "elem": arg.dtype, "convert": COMPUTE_TYPE[arg.dtype] != arg.dtype,
+    return {"name": buffer_var(arg.name), "elem": arg.dtype, "convert": COMPUTE_TYPE[arg.dtype] != arg.dtype,
             "strides": {role: st[axis] for role, axis in zip(roles, arg.shape)},
             "accumulate": arg.name in accumulate}
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..codegen.wgsl import COMPUTE_TYPE
-from ..schedule.spec import extent, strides
+from ..schedule.spec import buffer_var, extent, strides
 from . import Intrinsic, IntrinsicCall, IntrinsicError, register
 
 NAME = "embedding_grad"
@@ -43,9 +43,9 @@ def _plan(call: IntrinsicCall):
         "workgroup_size": WORKGROUP,
         "slots": extent(t_axis, call.sizes),
         "cols": call.sizes[d_axis],
-        "g": g.name, "g_convert": COMPUTE_TYPE[g.dtype] != g.dtype,
-        "order": order.name, "bounds": bounds.name, "rows": rows.name,
-        "out": out.name, "out_elem": out.dtype, "out_row": strides(out.shape, call.sizes)[out.shape[0]],
+        "g": buffer_var(g.name), "g_convert": COMPUTE_TYPE[g.dtype] != g.dtype,
+        "order": buffer_var(order.name), "bounds": buffer_var(bounds.name), "rows": buffer_var(rows.name),
+        "out": buffer_var(out.name), "out_elem": out.dtype, "out_row": strides(out.shape, call.sizes)[out.shape[0]],
     }
     return "embedding_grad", ctx, call.sizes[t_axis]
 

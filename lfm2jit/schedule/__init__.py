@@ -17,7 +17,7 @@ from ..ir.ops import REDUCE, Op
 from ..ir.partition import schedule_class
 from ..ir.shapes import merge
 from . import contraction, intrinsic, pointwise, reduce
-from .spec import KernelSpec, bind_dims, bucketed, ident, schedule_error
+from .spec import KernelSpec, bind_dims, bucketed, buffer_var, ident, schedule_error
 
 __all__ = ["KernelSpec", "bind_dims", "bucketed", "specialize"]
 
@@ -98,6 +98,6 @@ def _common(ir: KernelIR, sizes: dict[str, int]) -> dict:
         "has_seq": SEQ_AXIS in sizes,
         "scalars": list(ir.scalars),
         "uses_f16": any(t.dtype == "f16" for t, _ in tensors),
-        "bindings": [{"name": t.name, "binding": i + 1, "access": acc, "elem": t.dtype}
+        "bindings": [{"name": buffer_var(t.name), "binding": i + 1, "access": acc, "elem": t.dtype}
                      for i, (t, acc) in enumerate(tensors)],
     }

@@ -13,7 +13,7 @@ from ..codegen.wgsl import COMPUTE_TYPE
 from ..ir.nodes import KernelIR
 from ..ir.ops import Op
 from ..ir.partition import is_contraction
-from .spec import extent, schedule_error, strides
+from .spec import buffer_var, extent, schedule_error, strides
 
 
 @dataclass(frozen=True)
@@ -64,11 +64,11 @@ def plan(ir: KernelIR, sizes: dict[str, int], accumulate: frozenset[str], tiles:
         "tiles": asdict(tiles),
         "threads": tiles.threads,
         "m_ext": extent(m_axis, sizes), "n_ext": extent(n_axis, sizes), "k_ext": extent(k, sizes),
-        "a": {"name": a.arg, "ctype": COMPUTE_TYPE[a.dtype], "convert": COMPUTE_TYPE[a.dtype] != a.dtype,
+        "a": {"name": buffer_var(a.arg), "ctype": COMPUTE_TYPE[a.dtype], "convert": COMPUTE_TYPE[a.dtype] != a.dtype,
               "sm": sa[m_axis], "sk": sa[k], "sb": sa[bt] if bt else 0, "k_fast": sa[k] == 1},
-        "b": {"name": b.arg, "ctype": COMPUTE_TYPE[b.dtype], "convert": COMPUTE_TYPE[b.dtype] != b.dtype,
+        "b": {"name": buffer_var(b.arg), "ctype": COMPUTE_TYPE[b.dtype], "convert": COMPUTE_TYPE[b.dtype] != b.dtype,
               "sm": sb[n_axis], "sk": sb[k], "sb": sb[bt] if bt else 0, "k_fast": sb[k] == 1},
-        "c": {"name": out.name, "sm": sc[m_axis], "sn": sc[n_axis], "sb": sc[bt] if bt else 0,
+        "c": {"name": buffer_var(out.name), "sm": sc[m_axis], "sn": sc[n_axis], "sb": sc[bt] if bt else 0,
               "convert": out.dtype != "f32", "elem": out.dtype, "accumulate": out.name in accumulate},
         "axes": {"m": m_axis, "n": n_axis, "k": k, "batch": bt},
     }

@@ -1,6 +1,7 @@
 """KernelSpec and the helpers every schedule shares: axis sizes, names, offsets, loads, stores."""
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -13,7 +14,7 @@ from ..ir.nodes import SEQ_AXIS, KernelIR, Node
 MAX_WORKGROUP = 256
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class KernelSpec:
     """Everything that determines one kernel's WGSL. ``key`` is derived from all of it."""
     kernel: str
@@ -25,7 +26,7 @@ class KernelSpec:
     scalars: tuple[str, ...]
     dims: dict = field(default_factory=dict)
 
-    @property
+    @functools.cached_property
     def key(self) -> str:
         blob = json.dumps({"template": self.template, "context": self.context}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:24]
@@ -99,8 +100,14 @@ def unravel(axes: tuple[str, ...], sizes: dict[str, int], flat: str) -> list[dic
 
 
 def load(n: Node, sizes: dict[str, int], index_of: dict[str, str]) -> str:
-    value = f"{n.arg}[{offset(n.shape, sizes, index_of)}]"
+    value = f"{buffer_var(n.arg)}[{offset(n.shape, sizes, index_of)}]"
     return value if COMPUTE_TYPE[n.dtype] == n.dtype else f"{COMPUTE_TYPE[n.dtype]}({value})"
+
+
+def buffer_var(name: str) -> str:
+    """The WGSL variable of a tensor parameter: suffixed, so a user's name can never collide with a
+    WGSL keyword or builtin, or with a template's own variables (none of which ends in '_')."""
+    return f"{name}_"
 
 
 def make_emitter(sizes: dict[str, int], index_of: dict[str, str]) -> ExprEmitter:
@@ -109,7 +116,7 @@ def make_emitter(sizes: dict[str, int], index_of: dict[str, str]) -> ExprEmitter
 
 
 def store_entry(name: str, off: str, value: str, accumulate: bool) -> dict:
-    return {"name": name, "offset": off, "value": value, "accumulate": accumulate}
+    return {"name": buffer_var(name), "offset": off, "value": value, "accumulate": accumulate}
 
 
 def total(axes, sizes) -> int:
