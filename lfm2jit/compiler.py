@@ -4,6 +4,8 @@ Each stage is a separate call so every intermediate can be inspected or dumped.
 """
 from __future__ import annotations
 
+import functools
+
 from .codegen.render import render
 from .dsl.parser import parse
 from .ir.autodiff import grad_ir
@@ -23,7 +25,7 @@ class Kernel:
         self._specs: dict[tuple, KernelSpec] = {}
         self._variants: dict[str, Kernel] = {}
 
-    @property
+    @functools.cached_property
     def add_only_outputs(self) -> frozenset[str]:
         """Outputs only added into (scatters): they must be passed in out= and accumulated."""
         from . import intrinsics

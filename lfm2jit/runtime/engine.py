@@ -10,6 +10,7 @@ no padding copies and padded rows of outputs are never written.
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 import numbers
 import struct
 from dataclasses import dataclass
@@ -27,6 +28,8 @@ from .pool import BufferPool
 from .tensor import ITEMSIZE, Tensor, buffer_bytes, infer_dtype
 
 MAX_GROUPS_PER_DIM = 65535
+INFO_BYTES = 256           # one info block (t_valid + scalars) per dispatch: the uniform offset alignment
+RING_BLOCKS = 8192         # info blocks per flush at most
 MAX_QUERIES = 4096
 
 
@@ -40,6 +43,26 @@ class Compiled:
     wgsl: str
     pipeline: object
     layout: object
+
+
+class LRU:
+    """A small least-recently-used map."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.items: OrderedDict = OrderedDict()
+
+    def get(self, key):
+        value = self.items.get(key)
+        if value is not None:
+            self.items.move_to_end(key)
+        return value
+
+    def put(self, key, value):
+        self.items[key] = value
+        if len(self.items) > self.capacity:
+            self.items.popitem(last=False)
+        return value
 
 
 def fold_workgroups(total: int) -> tuple[int, int]:
@@ -69,6 +92,9 @@ class ComputeEngine:
         self._keepalive: list = []
         self.dispatches = 0
         self._fence = None
+        self._infos: list[bytes] = []     # info block of each recorded dispatch, in order
+        self._ring = None                 # uniform buffer the info blocks are written to at flush
+        self._bind_groups = LRU(8192)     # (layout, ring, bindings) -> bind group
         ctx.register(self)
 
     # ---- compilation ----
@@ -99,7 +125,8 @@ class ComputeEngine:
             raise ShaderCompileError(f"the shader compiler rejected kernel {spec.kernel!r} "
                                      f"(spec {spec.key}):\n{e}\n--- WGSL ---\n{wgsl}") from None
         compute = wgpu.ShaderStage.COMPUTE
-        entries = [{"binding": 0, "visibility": compute, "buffer": {"type": wgpu.BufferBindingType.uniform}}]
+        entries = [{"binding": 0, "visibility": compute,
+                    "buffer": {"type": wgpu.BufferBindingType.uniform, "has_dynamic_offset": True}}]
         for b in spec.context["bindings"]:
             kind = wgpu.BufferBindingType.read_only_storage if b["access"] == "read" else wgpu.BufferBindingType.storage
             entries.append({"binding": b["binding"], "visibility": compute, "buffer": {"type": kind}})
@@ -154,25 +181,50 @@ class ComputeEngine:
         spec = compiled.spec
         outputs = self._outputs(ir, spec, sizes, out or {}, args)
         info = struct.pack(f"<I{len(scalars)}f", t_valid, *scalars)
-        info += b"\0" * (-len(info) % 16)
-        info_buf = self.device.create_buffer_with_data(data=info, usage=wgpu.BufferUsage.UNIFORM)
+        if len(info) > INFO_BYTES:
+            raise ValueError(f"{ir.name}: {len(ir.scalars)} scalars do not fit the {INFO_BYTES}-byte info block")
         tensors = [args[n] for n in spec.inputs] + [outputs[n] for n, _, _ in spec.outputs]
         written = {id(outputs[n].buffer): n for n, _, _ in spec.outputs}
         for n in spec.inputs:
             if id(args[n].buffer) in written:
                 raise ValueError(f"{ir.name}: output {written[id(args[n].buffer)]!r} shares a buffer with input "
                                  f"{n!r}; WebGPU cannot read and write one buffer in a dispatch")
-        entries = [{"binding": 0, "resource": {"buffer": info_buf, "offset": 0, "size": info_buf.size}}]
-        entries += [{"binding": i + 1, "resource": {"buffer": t.buffer, "offset": t.offset, "size": t.binding_size}}
-                    for i, t in enumerate(tensors)]
-        bind_group = self.device.create_bind_group(layout=compiled.layout, entries=entries)
+        if len(self._infos) == RING_BLOCKS:
+            self.flush()          # the info ring is full: submit what is recorded, then reuse it
+        bind_group = self._bind_group(compiled, tensors)
         groups = spec.workgroups if isinstance(spec.workgroups, tuple) else fold_workgroups(spec.workgroups) + (1,)
         if max(groups) > MAX_GROUPS_PER_DIM:
             raise ValueError(f"{ir.name}: dispatch of {groups} workgroups exceeds {MAX_GROUPS_PER_DIM} per dimension")
-        self._commands.append(("dispatch", compiled, bind_group, groups))
-        self._keepalive.extend([info_buf, *tensors])
+        self._commands.append(("dispatch", compiled, bind_group, groups, len(self._infos) * INFO_BYTES))
+        self._infos.append(info)
+        self._keepalive.extend(tensors)
         self.dispatches += 1
         return outputs
+
+    def _bind_group(self, compiled: Compiled, tensors: list[Tensor]):
+        """The bind group for these bindings, made once and reused while cached: a training step
+        repeats the same kernels over the same buffers, so most dispatches hit. The info block
+        (real length, scalars) is not part of it: it sits in a ring buffer at a dynamic offset."""
+        ring = self._ring_for(len(self._infos) + 1)
+        key = (id(compiled.layout), id(ring), tuple((id(t.buffer), t.offset, t.binding_size) for t in tensors))
+        hit = self._bind_groups.get(key)
+        if hit is not None:
+            return hit[0]
+        entries = [{"binding": 0, "resource": {"buffer": ring, "offset": 0, "size": INFO_BYTES}}]
+        entries += [{"binding": i + 1, "resource": {"buffer": t.buffer, "offset": t.offset, "size": t.binding_size}}
+                    for i, t in enumerate(tensors)]
+        group = self.device.create_bind_group(layout=compiled.layout, entries=entries)
+        # the entry keeps the buffers alive, so their ids in the key cannot be reused by others
+        self._bind_groups.put(key, (group, ring, [t.buffer for t in tensors]))
+        return group
+
+    def _ring_for(self, blocks: int):
+        """The uniform ring holding one info block per recorded dispatch (RING_BLOCKS of them; the
+        engine flushes when it is full, so a flush never needs more)."""
+        if self._ring is None:
+            self._ring = self.device.create_buffer(size=RING_BLOCKS * INFO_BYTES,
+                                                   usage=wgpu.BufferUsage.UNIFORM | wgpu.BufferUsage.COPY_DST)
+        return self._ring
 
     def _run_backward(self, bwd: Backward, bucket, dims, out, accumulate, args) -> dict[str, Tensor]:
         """Run each kernel of a backward pass with the arguments it takes; gradients by name."""
@@ -254,6 +306,10 @@ class ComputeEngine:
         if not self._commands:
             return
         commands, self._commands = self._commands, []
+        infos, self._infos = self._infos, []
+        if infos:
+            blob = b"".join(i.ljust(INFO_BYTES, b"\0") for i in infos)
+            self.device.queue.write_buffer(self._ring_for(len(infos)), 0, blob)
         step = MAX_QUERIES // 2 if self.timing else len(commands)
         for start in range(0, len(commands), step):
             self._submit(commands[start:start + step])
@@ -279,11 +335,11 @@ class ComputeEngine:
                     _, buffer, offset, nbytes = command
                     encoder.clear_buffer(buffer, offset, nbytes)
                     continue
-                _, compiled, bind_group, groups = command
+                _, compiled, bind_group, groups, info_at = command
                 if cpass is None:
                     cpass = encoder.begin_compute_pass()
                 cpass.set_pipeline(compiled.pipeline)
-                cpass.set_bind_group(0, bind_group)
+                cpass.set_bind_group(0, bind_group, [info_at])
                 cpass.dispatch_workgroups(*groups)
             if cpass is not None:
                 cpass.end()
@@ -299,11 +355,11 @@ class ComputeEngine:
                 _, buffer, offset, nbytes = command
                 encoder.clear_buffer(buffer, offset, nbytes)
                 continue
-            _, compiled, bind_group, groups = command
+            _, compiled, bind_group, groups, info_at = command
             cpass = encoder.begin_compute_pass(timestamp_writes={
                 "query_set": qs, "beginning_of_pass_write_index": 2 * i, "end_of_pass_write_index": 2 * i + 1})
             cpass.set_pipeline(compiled.pipeline)
-            cpass.set_bind_group(0, bind_group)
+            cpass.set_bind_group(0, bind_group, [info_at])
             cpass.dispatch_workgroups(*groups)
             cpass.end()
             i += 1
@@ -314,7 +370,7 @@ class ComputeEngine:
         encoder.resolve_query_set(qs, 0, n, resolved, 0)
         self.device.queue.submit([encoder.finish()])
         stamps = np.frombuffer(self.device.queue.read_buffer(resolved), dtype=np.uint64)
-        for i, (_, compiled, _, _) in enumerate(dispatches):
+        for i, (_, compiled, _, _, _) in enumerate(dispatches):
             self.timings.append((compiled.spec.kernel, float(stamps[2 * i + 1] - stamps[2 * i]) * 1e-9))
 
     def synchronize(self) -> None:
