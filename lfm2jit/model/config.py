@@ -116,8 +116,8 @@ class Lfm2Config:
             if kind != "default":
                 raise ConfigError(f"rope_parameters.rope_type {kind!r} is not supported; expected 'default'")
             if "rope_theta" in rope:
-                d.setdefault("rope_theta_from_parameters", rope["rope_theta"])
-        alias(("rope_theta", "theta", "rope_theta_from_parameters"), "rope_theta", float)
+                d.setdefault("rope_parameters.rope_theta", rope["rope_theta"])
+        alias(("rope_theta", "theta", "rope_parameters.rope_theta"), "rope_theta", float)
         for f in fields(cls):
             if f.name in d and f.name not in out and f.name != "layer_types":
                 out[f.name] = d[f.name]
@@ -137,9 +137,13 @@ class Lfm2Config:
                 raise ConfigError(f"full_attn_idxs has entries {bad} outside 0..{layers - 1}")
             out["layer_types"] = ["full_attention" if i in idxs else "conv" for i in range(layers)]
         try:
-            return cls(**out)
+            cfg = cls(**out)
         except TypeError as e:
             raise ConfigError(str(e)) from None
+        if d.get("head_dim") is not None and d["head_dim"] != cfg.head_dim:   # transformers would honour it
+            raise ConfigError(f"head_dim {d['head_dim']!r} is not supported: it must equal hidden_size / "
+                              f"num_attention_heads = {cfg.head_dim}")
+        return cfg
 
     @classmethod
     def from_json(cls, path) -> "Lfm2Config":
