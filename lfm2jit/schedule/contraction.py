@@ -30,9 +30,17 @@ class TileConfig:
 
 
 DEFAULT_TILES = TileConfig()
+LARGE_TILES = TileConfig(bm=128, bn=128, bk=8, tm=8, tn=8)
+CANDIDATES = (DEFAULT_TILES, LARGE_TILES, TileConfig(128, 64, 16, 8, 4), TileConfig(64, 128, 16, 4, 8),
+              TileConfig(32, 32, 16, 2, 2))
 
 
-def plan(ir: KernelIR, sizes: dict[str, int], accumulate: frozenset[str], tiles: TileConfig = DEFAULT_TILES):
+def choose_tiles(m: int, n: int) -> TileConfig:
+    """128x128 tiles (8x8 per invocation) once both sides fill them; 64x64 below that."""
+    return LARGE_TILES if m >= 128 and n >= 128 else DEFAULT_TILES
+
+
+def plan(ir: KernelIR, sizes: dict[str, int], accumulate: frozenset[str], tiles: TileConfig | None = None):
     if len(ir.outputs) != 1:
         raise schedule_error(ir, "a contraction kernel has several outputs", "one output per contraction kernel")
     out = ir.outputs[0]
@@ -58,6 +66,7 @@ def plan(ir: KernelIR, sizes: dict[str, int], accumulate: frozenset[str], tiles:
     m_axis = out_free[0]
     if n_axis in a.shape:                      # A is the operand that carries M
         a, b = b, a
+    tiles = tiles or choose_tiles(sizes[m_axis], sizes[n_axis])
     sa, sb, sc = strides(a.shape, sizes), strides(b.shape, sizes), strides(out.shape, sizes)
     bt = batch[0] if batch else None
     ctx = {
