@@ -90,6 +90,8 @@ def load_checkpoint(directory: Path) -> dict[str, np.ndarray]:
         weight_map = json.loads(index.read_text())["weight_map"]
         tensors: dict[str, np.ndarray] = {}
         for shard in sorted(set(weight_map.values())):
+            if not (d / shard).exists():
+                raise CheckpointError(f"{index.name} names shard {shard}, which is missing from {d}")
             tensors.update(read_safetensors(d / shard))
         return tensors
     single = d / "model.safetensors"

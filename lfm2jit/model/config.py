@@ -14,13 +14,14 @@ class ConfigError(ValueError):
 
 @dataclass
 class Lfm2Config:
+    # defaults are transformers' Lfm2Config defaults, so a config.json missing a key means the same
     vocab_size: int = 65536
-    hidden_size: int = 1024
-    intermediate_size: int = 6656            # before the auto-adjust rule (HF's block_ff_dim)
-    num_hidden_layers: int = 16
-    num_attention_heads: int = 16
+    hidden_size: int = 2560
+    intermediate_size: int = 12288           # before the auto-adjust rule (HF's block_ff_dim)
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
     num_key_value_heads: int = 8
-    layer_types: list[str] = field(default_factory=lambda: ["conv"] * 16)
+    layer_types: list[str] | None = None     # None: full attention in every layer, as transformers
     norm_eps: float = 1e-5
     rope_theta: float = 1_000_000.0
     conv_L_cache: int = 3
@@ -36,6 +37,8 @@ class Lfm2Config:
     eos_token_id: int | list[int] | None = 2
 
     def __post_init__(self):
+        if self.layer_types is None:
+            self.layer_types = ["full_attention"] * self.num_hidden_layers
         self.validate()
 
     # ---- derived sizes ----
