@@ -53,11 +53,12 @@ class Kernel:
         return f"kernel {self.name}({ins}) -> ({outs})"
 
     def specialize(self, dims: dict[str, int], bucket: int = 1,
-                   accumulate: frozenset[str] = frozenset()) -> KernelSpec:
-        key = (tuple(sorted(dims.items())), bucket, frozenset(accumulate))
+                   accumulate: frozenset[str] = frozenset(), tiles=None) -> KernelSpec:
+        """``tiles`` overrides a contraction's TileConfig (the autotuner tries several)."""
+        key = (tuple(sorted(dims.items())), bucket, frozenset(accumulate), tiles)
         spec = self._specs.get(key)
         if spec is None:
-            spec = self._specs[key] = specialize(self.ir, dims, bucket, frozenset(accumulate))
+            spec = self._specs[key] = specialize(self.ir, dims, bucket, frozenset(accumulate), tiles)
         return spec
 
     def wgsl(self, dims: dict[str, int], bucket: int = 1, accumulate: frozenset[str] = frozenset()) -> str:

@@ -4,6 +4,8 @@ LFM2JIT_ADAPTER    substring of the adapter name/vendor/backend to use (default:
 LFM2JIT_CACHE_DIR  directory for the on-disk cache of generated WGSL (default: no disk cache)
 LFM2JIT_DUMP_DIR   directory where every WGSL the engine compiles is also written (default: none)
 LFM2JIT_TIMING     1 to time every dispatch with GPU timestamp queries (default: off)
+LFM2JIT_AUTOTUNE   1 to benchmark matmul tile configs once per (adapter, shape) and keep the
+                   fastest; results are kept in LFM2JIT_CACHE_DIR or ~/.cache/lfm2jit (default: off)
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ class Settings:
     cache_dir: Path | None
     dump_dir: Path | None
     timing: bool
+    autotune: bool
 
 
 def _path(name: str) -> Path | None:
@@ -32,4 +35,5 @@ def settings() -> Settings:
         cache_dir=_path("LFM2JIT_CACHE_DIR"),
         dump_dir=_path("LFM2JIT_DUMP_DIR"),
         timing=os.environ.get("LFM2JIT_TIMING", "").strip() in ("1", "true", "yes"),
+        autotune=os.environ.get("LFM2JIT_AUTOTUNE", "").strip() in ("1", "true", "yes"),
     )

@@ -19,6 +19,7 @@ import numpy as np
 import wgpu
 
 from .. import library
+from ..autotune import MatmulTuner
 from ..cache import CacheStats, Timer, WgslDiskCache, generate_wgsl
 from ..compiler import Backward, Kernel
 from ..ir.nodes import SEQ_AXIS
@@ -95,13 +96,16 @@ class ComputeEngine:
         self._infos: list[bytes] = []     # info block of each recorded dispatch, in order
         self._ring = None                 # uniform buffer the info blocks are written to at flush
         self._bind_groups = LRU(8192)     # (layout, ring, bindings) -> bind group
+        self.tuner = MatmulTuner(self) if opts.autotune else None
         ctx.register(self)
 
     # ---- compilation ----
     def compile(self, kernel: Kernel | str, dims: dict[str, int], bucket: int = 1,
-                accumulate: frozenset[str] = frozenset()) -> Compiled:
+                accumulate: frozenset[str] = frozenset(), tiles=None) -> Compiled:
         kernel = library.get(kernel) if isinstance(kernel, str) else kernel
-        spec = kernel.specialize(dims, bucket, accumulate)
+        spec = kernel.specialize(dims, bucket, accumulate, tiles)
+        if tiles is None and spec.template == "matmul" and self.tuner is not None:
+            spec = kernel.specialize(dims, bucket, accumulate, self.tuner.tiles(kernel, dims, bucket, accumulate))
         key = (spec.key, self.ctx.name)
         compiled = self._pipelines.get(key)
         if compiled is not None:
@@ -152,7 +156,7 @@ class ComputeEngine:
 
     # ---- recording ----
     def run(self, kernel: Kernel | Backward | str, *, bucket: int = 1, dims: dict[str, int] | None = None,
-            out: dict[str, Tensor] | None = None, accumulate=(), **args) -> dict[str, Tensor]:
+            out: dict[str, Tensor] | None = None, accumulate=(), tiles=None, **args) -> dict[str, Tensor]:
         """Record one kernel call; returns its outputs by name. Bad arguments raise before GPU work.
 
         ``out`` supplies output tensors to write into; outputs named in ``accumulate`` (which must
@@ -177,7 +181,7 @@ class ComputeEngine:
             if not isinstance(v, numbers.Real) or isinstance(v, bool) or not math.isfinite(float(v)):
                 raise ValueError(f"{ir.name}: scalar {name!r} must be a finite number, got {v!r}")
             scalars.append(float(v))
-        compiled = self.compile(kernel, sizes, bucket, accumulate)
+        compiled = self.compile(kernel, sizes, bucket, accumulate, tiles)
         spec = compiled.spec
         outputs = self._outputs(ir, spec, sizes, out or {}, args)
         info = struct.pack(f"<I{len(scalars)}f", t_valid, *scalars)

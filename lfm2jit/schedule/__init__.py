@@ -47,7 +47,7 @@ def _reindexed_sources(order: list[Node]) -> set[int]:
 
 
 def specialize(ir: KernelIR, dims: dict[str, int], bucket: int = 1,
-               accumulate: frozenset[str] = frozenset()) -> KernelSpec:
+               accumulate: frozenset[str] = frozenset(), tiles=None) -> KernelSpec:
     """Choose the schedule for a kernel and fill in its template parameters.
 
     ``accumulate`` names outputs whose existing contents the kernel adds to (gradient accumulation).
@@ -66,7 +66,7 @@ def specialize(ir: KernelIR, dims: dict[str, int], bucket: int = 1,
     if "intrinsic" in classes:             # templates with their own layouts
         template, ctx, groups = intrinsic.plan(ir, sizes, acc)
     elif "contraction" in classes:
-        template, ctx, groups = contraction.plan(ir, sizes, acc)
+        template, ctx, groups = contraction.plan(ir, sizes, acc, tiles)
     else:                                  # generated loops over one iteration space
         space = _iteration_space(ir, order)
         for n in toposort(ir.results.values(), stop=_reindexed_sources(order)):

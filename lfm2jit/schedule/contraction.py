@@ -28,6 +28,15 @@ class TileConfig:
     def threads(self) -> int:
         return (self.bm // self.tm) * (self.bn // self.tn)
 
+    def __post_init__(self):
+        """Reject shapes the template cannot tile exactly (they would compute garbage, not fail)."""
+        if self.bm % self.tm or self.bn % self.tn:
+            raise ValueError(f"{self}: the tile must split evenly into micro-tiles")
+        if not 1 <= self.threads <= 256 or (self.bm * self.bk) % self.threads or (self.bn * self.bk) % self.threads:
+            raise ValueError(f"{self}: {self.threads} invocations must be 1..256 and load each tile evenly")
+        if 4 * self.bk * (self.bm + self.bn) > 16384:
+            raise ValueError(f"{self}: needs more than 16 KiB of workgroup memory")
+
 
 DEFAULT_TILES = TileConfig()
 LARGE_TILES = TileConfig(bm=128, bn=128, bk=8, tm=8, tn=8)
