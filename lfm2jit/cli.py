@@ -11,7 +11,8 @@ import sys
 from pathlib import Path
 
 from . import library
-from .compiler import Kernel
+from .compiler import Kernel, grad
+from .ir.autodiff import AutodiffError
 from .ir.nodes import SEQ_AXIS
 
 DEFAULT_SIZE = 64
@@ -73,16 +74,25 @@ def cmd_list(args) -> None:
 def cmd_dump(args) -> None:
     kernel = lookup(args.name)
     sizes = sizes_for(kernel, dict(args.dim), args.bucket)
-    wgsl = kernel.wgsl(sizes, args.bucket)
-    if args.ir:     # as WGSL comments, so the printed text stays one valid shader
-        print("".join(f"// {line}\n" for line in kernel.format_ir().splitlines()))
-    if args.out is None:
-        sys.stdout.write(wgsl)
-        return
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"{kernel.name}.wgsl"
-    path.write_text(wgsl)
-    print(f"wrote {path} ({describe_sizes(sizes)}, bucket {args.bucket})")
+    # the backward pass may be several kernels (autodiff's output split by schedule)
+    kernels = [kernel]
+    if args.backward:   # the first output is the kernel's result; the others are saved statistics
+        try:
+            kernels = grad(kernel, cotangents=[kernel.ir.outputs[0].name]).kernels
+        except AutodiffError as e:
+            raise UsageError(str(e)) from None
+    for k in kernels:
+        own = {a: sizes[a] for a in k.ir.axes if a in sizes}
+        wgsl = k.wgsl(own, args.bucket)
+        if args.ir:     # as WGSL comments, so the printed text stays one valid shader
+            print("".join(f"// {line}\n" for line in k.format_ir().splitlines()))
+        if args.out is None:
+            sys.stdout.write(wgsl)
+            continue
+        args.out.mkdir(parents=True, exist_ok=True)
+        path = args.out / f"{k.name}.wgsl"
+        path.write_text(wgsl)
+        print(f"wrote {path} ({describe_sizes(own)}, bucket {args.bucket})")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -101,6 +111,9 @@ def parser() -> argparse.ArgumentParser:
                       help=f"size of one axis, repeatable (missing axes default: T=bucket, others {DEFAULT_SIZE})")
     dump.add_argument("--out", type=Path, metavar="DIR", help="write DIR/NAME.wgsl instead of printing it")
     dump.add_argument("--ir", action="store_true", help="also print the kernel's typed IR")
+    dump.add_argument("--backward", action="store_true",
+                      help="dump the backward kernels autodiff derives: gradients of every float input "
+                           "given a cotangent for the first output")
     dump.set_defaults(run=cmd_dump)
     return p
 

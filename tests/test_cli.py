@@ -83,3 +83,17 @@ def test_dim_for_an_axis_the_kernel_lacks_exits_2():
     r = cli("dump", "add", "--dim", "Q=3")
     assert r.returncode == 2
     assert "Q" in r.stderr and "T, D" in r.stderr
+
+
+def test_dump_backward_prints_every_backward_kernel():
+    out = cli("dump", "rmsnorm_saved", "--backward", "--dim", "D=33", "--bucket", "16")
+    assert out.returncode == 0, out.stderr
+    assert "kernel rmsnorm_saved_bwd_d_x" in out.stdout and "template rowreduce" in out.stdout
+    assert "kernel rmsnorm_saved_bwd_d_w" in out.stdout and "template colreduce" in out.stdout
+    assert out.stdout.count("@compute") == 2
+
+
+def test_dump_backward_of_a_kernel_without_one_is_a_clear_error():
+    out = cli("dump", "embedding", "--backward")
+    assert out.returncode == 2
+    assert "scatter-add" in out.stderr and "Traceback" not in out.stderr
