@@ -1,0 +1,604 @@
+"""Training data: token sequences with next-token targets and loss masks, built from token lists or
+from JSONL files through a ``tokenizer.json`` (the Hugging Face ``tokenizers`` library).
+
+A :class:`Sequence` is three aligned 1-D arrays: ``input_ids`` (int32), ``target_ids`` (int32) and
+``loss_mask`` (float32, 1 = this target is supervised, 0 = ignored), plus ``length``: positions at
+and after ``length`` are padding. A :class:`Batch` is a list of sequences and a pad id. Padding is
+always on the right (pad id as input and target, mask 0) and never changes a result: the model is
+causal, so positions after the last real one cannot influence the loss. ``Batch.sequences()`` yields
+the ``(input_ids, target_ids, loss_mask)`` triples with the padding stripped, skipping sequences with
+no supervised target; this is what ``Trainer.train_batch`` trains on, one micro-batch per triple.
+
+JSONL records (one JSON object a line; blank lines are skipped; other keys are ignored):
+
+- text: ``{"text": "..."}``. Tokens: ``<|startoftext|>`` (if the tokenizer has it), the text,
+  ``<|endoftext|>`` (if the tokenizer has it). Every target is supervised.
+- chat: ``{"messages": [{"role": "system"|"user"|"assistant"|"tool", "content": "..."}, ...]}``,
+  rendered with LFM2's chat template::
+
+      <|startoftext|><|im_start|>user\\n{content}<|im_end|>\\n<|im_start|>assistant\\n{content}<|im_end|>\\n
+
+  Only the assistant turns are supervised: each assistant message's content tokens and its closing
+  ``<|im_end|>``. Role headers, system/user/tool messages and the newline after ``<|im_end|>`` are
+  masked. Supervised and masked parts are tokenized separately (so a token never straddles the
+  boundary and the assistant tokens are exactly those the model would generate after the prompt).
+  Trailing positions whose targets are all masked are dropped (being causal, they change nothing).
+
+``max_len`` caps the number of positions of a sequence: a longer record keeps its first
+``max_len + 1`` tokens (so ``max_len`` input/target pairs); the cut is reported with a warning and
+listed in ``Batch.notes``. A chat record cut before its first assistant token has nothing to train
+on and is skipped by ``sequences()``.
+
+Malformed input raises :class:`DataError` (a ``ValueError``) naming the file and line.
+"""
+from __future__ import annotations
+
+import importlib.resources
+import json
+import os
+import random
+import warnings
+from pathlib import Path
+from typing import Iterable, Iterator, Union
+
+import numpy as np
+
+__all__ = ["Sequence", "Batch", "DataError", "load_tokenizer", "encode_chat", "render_chat", "encode_text",
+           "default_dataset", "default_text_dataset", "default_tokenizer", "default_assets_dir",
+           "default_batches", "train_eval_split", "CHAT_ROLES", "PAD_TOKEN", "BOS_TOKEN", "EOS_TOKEN",
+           "IM_START", "IM_END", "UNK_TOKEN", "DEFAULT_MAX_LEN"]
+
+PAD_TOKEN = "<|pad|>"
+BOS_TOKEN = "<|startoftext|>"
+EOS_TOKEN = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+UNK_TOKEN = "<unk>"
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+DEFAULT_MAX_LEN = 128          # every record of the shipped dataset fits
+
+PathLike = Union[str, "os.PathLike[str]"]
+Triple = tuple[np.ndarray, np.ndarray, np.ndarray]
+
+
+class DataError(ValueError):
+    """Bad training data. ``path`` and ``line`` (1-based) say where, when it came from a file."""
+
+    def __init__(self, message: str, path: PathLike | None = None, line: int | None = None):
+        self.path = None if path is None else str(path)
+        self.line = line
+        where = f"{self.path}:{line}: " if path is not None and line is not None else \
+            (f"{self.path}: " if path is not None else "")
+        super().__init__(where + message)
+
+
+# ---------------------------------------------------------------------------------------------
+# sequences and batches
+# ---------------------------------------------------------------------------------------------
+
+def _as_ids(values, what: str) -> np.ndarray:
+    arr = np.asarray(values)
+    if arr.size == 0:
+        return np.zeros(0, np.int32)
+    if arr.ndim != 1:
+        raise ValueError(f"{what} must be 1-D, got shape {list(arr.shape)}")
+    if arr.dtype == bool or not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"{what} must hold integer token ids, got dtype {arr.dtype}")
+    bad = np.flatnonzero((arr < 0) | (arr > np.iinfo(np.int32).max))
+    if bad.size:
+        raise ValueError(f"{what}[{bad[0]}] = {int(arr[bad[0]])} is not a valid token id (0 .. 2**31-1)")
+    return np.ascontiguousarray(arr, dtype=np.int32)
+
+
+def _as_mask(values, n: int) -> np.ndarray:
+    if values is None:
+        return np.ones(n, np.float32)
+    arr = np.asarray(values)
+    if arr.size == 0 and n == 0:
+        return np.zeros(0, np.float32)
+    if arr.ndim != 1 or arr.size != n:
+        raise ValueError(f"loss_mask has shape {list(arr.shape)}; expected [{n}] like target_ids")
+    if arr.dtype != bool and not np.issubdtype(arr.dtype, np.number):
+        raise ValueError(f"loss_mask must be numeric 0/1, got dtype {arr.dtype}")
+    arr = arr.astype(np.float32)
+    if not np.all((arr == 0) | (arr == 1)):
+        raise ValueError(f"loss_mask must hold only 0 and 1; found {np.unique(arr[(arr != 0) & (arr != 1)])[:5].tolist()}")
+    return np.ascontiguousarray(arr)
+
+
+class Sequence:
+    """One training sequence: ``input_ids[t]`` predicts ``target_ids[t]``, counted iff ``loss_mask[t] == 1``.
+
+    ``length`` (default: all positions) is the number of real positions; the rest is right padding,
+    which must carry mask 0. ``origin`` says where the sequence came from (e.g. ``"data.jsonl:12"``).
+    """
+
+    __slots__ = ("input_ids", "target_ids", "loss_mask", "length", "origin")
+
+    def __init__(self, input_ids, target_ids, loss_mask=None, *, length: int | None = None,
+                 origin: str | None = None):
+        ids = _as_ids(input_ids, "input_ids")
+        targets = _as_ids(target_ids, "target_ids")
+        if ids.size != targets.size:
+            raise ValueError(f"input_ids has {ids.size} positions but target_ids has {targets.size}")
+        mask = _as_mask(loss_mask, ids.size)
+        if length is None:
+            length = ids.size
+        if isinstance(length, bool) or not isinstance(length, (int, np.integer)) or not 0 <= length <= ids.size:
+            raise ValueError(f"length must be an integer in 0..{ids.size}, got {length!r}")
+        if mask[int(length):].any():
+            raise ValueError(f"padding positions (from {int(length)} on) must have loss_mask 0")
+        self.input_ids, self.target_ids, self.loss_mask = ids, targets, mask
+        self.length = int(length)
+        self.origin = origin
+
+    @property
+    def padded_length(self) -> int:
+        return int(self.input_ids.size)
+
+    @property
+    def num_supervised(self) -> int:
+        """How many targets the loss counts."""
+        return int(self.loss_mask.sum())
+
+    @property
+    def is_empty(self) -> bool:
+        """No supervised target (this includes a sequence of length 0): nothing to train on."""
+        return self.num_supervised == 0
+
+    def unpadded(self) -> "Sequence":
+        n = self.length
+        return Sequence(self.input_ids[:n], self.target_ids[:n], self.loss_mask[:n], origin=self.origin)
+
+    def triple(self) -> Triple:
+        """``(input_ids, target_ids, loss_mask)`` with the padding stripped."""
+        n = self.length
+        return self.input_ids[:n], self.target_ids[:n], self.loss_mask[:n]
+
+    def padded(self, to: int, pad_id: int = 0) -> "Sequence":
+        """This sequence right-padded to ``to`` positions with ``pad_id`` and mask 0."""
+        n = self.length
+        if to < n:
+            raise ValueError(f"cannot pad a sequence of length {n} to {to}")
+        extra = to - n
+
+        def pad(a, value, dtype):
+            return np.concatenate([a[:n], np.full(extra, value, dtype)])
+        return Sequence(pad(self.input_ids, pad_id, np.int32), pad(self.target_ids, pad_id, np.int32),
+                        pad(self.loss_mask, 0, np.float32), length=n, origin=self.origin)
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, Sequence):
+            return NotImplemented
+        a, b = self.triple(), other.triple()
+        return all(np.array_equal(x, y) for x, y in zip(a, b))
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        pad = f", padded to {self.padded_length}" if self.padded_length != self.length else ""
+        src = f", from {self.origin}" if self.origin else ""
+        return f"Sequence(length={self.length}{pad}, supervised={self.num_supervised}{src})"
+
+
+class Batch:
+    """A list of :class:`Sequence` (``batch.items``) and the ``pad_id`` used when padding them.
+
+    ``len(batch)``, ``batch[i]`` (a Sequence), ``batch[i:j]`` (a Batch) and iteration (Sequences)
+    work as on a list. ``batch.sequences()`` yields the unpadded training triples.
+    ``batch.notes`` lists what loading did beyond the obvious (truncations, skipped records).
+    """
+
+    def __init__(self, sequences: Iterable[Sequence] = (), *, pad_id: int = 0, notes: Iterable[str] = ()):
+        self.items: list[Sequence] = list(sequences)
+        for i, s in enumerate(self.items):
+            if not isinstance(s, Sequence):
+                raise TypeError(f"Batch item {i} is a {type(s).__name__}, not a Sequence")
+        if isinstance(pad_id, bool) or not isinstance(pad_id, (int, np.integer)) or pad_id < 0:
+            raise ValueError(f"pad_id must be a non-negative integer, got {pad_id!r}")
+        self.pad_id = int(pad_id)
+        self.notes: list[str] = list(notes)
+
+    # ---- constructors ----
+    @classmethod
+    def from_token_lists(cls, token_lists: Iterable[Iterable[int]], *, max_len: int | None = None,
+                         pad_id: int = 0) -> "Batch":
+        """Next-token sequences: ``input = toks[:-1]``, ``target = toks[1:]``, every target supervised.
+
+        A list of fewer than 2 tokens gives an empty sequence (kept, skipped by ``sequences()``).
+        ``max_len`` keeps the first ``max_len + 1`` tokens of a longer list.
+        """
+        _check_max_len(max_len)
+        seqs, cut = [], 0
+        for i, toks in enumerate(token_lists):
+            arr = _as_ids(list(toks) if not isinstance(toks, np.ndarray) else toks, f"token list {i}")
+            if max_len is not None and arr.size > max_len + 1:
+                arr, cut = arr[:max_len + 1], cut + 1
+            seqs.append(Sequence(arr[:-1], arr[1:], origin=f"token list {i}") if arr.size
+                        else Sequence([], [], origin=f"token list {i}"))
+        notes = [f"{cut} token list(s) longer than max_len={max_len} were cut to {max_len} positions"] if cut else []
+        return cls(seqs, pad_id=pad_id, notes=notes)
+
+    @classmethod
+    def from_padded(cls, input_ids, target_ids, loss_mask=None, lengths=None, *, pad_id: int = 0) -> "Batch":
+        """From right-padded 2-D arrays ``[B, L]``. Without ``lengths``, each row's length is one past
+        its last supervised target (trailing masked positions are padding or change nothing)."""
+        ids, tg = np.asarray(input_ids), np.asarray(target_ids)
+        if ids.ndim != 2 or ids.shape != tg.shape:
+            raise ValueError(f"input_ids {list(ids.shape)} and target_ids {list(tg.shape)} must be equal 2-D shapes")
+        mask = np.ones(ids.shape, np.float32) if loss_mask is None else np.asarray(loss_mask)
+        if mask.shape != ids.shape:
+            raise ValueError(f"loss_mask has shape {list(mask.shape)}; expected {list(ids.shape)}")
+        if lengths is None:
+            lengths = [int(np.flatnonzero(row)[-1]) + 1 if np.any(row) else 0 for row in mask]
+        elif len(lengths) != ids.shape[0]:
+            raise ValueError(f"{len(lengths)} lengths for {ids.shape[0]} rows")
+        seqs = [Sequence(ids[b], tg[b], mask[b], length=int(lengths[b]), origin=f"row {b}")
+                for b in range(ids.shape[0])]
+        return cls(seqs, pad_id=pad_id)
+
+    @classmethod
+    def from_jsonl(cls, path: PathLike, tokenizer, max_len: int | None = None, kind: str = "auto") -> "Batch":
+        """Read ``{"text": ...}`` or chat ``{"messages": [...]}`` records (see the module docstring).
+
+        ``tokenizer`` is a ``tokenizers.Tokenizer`` or a path accepted by :func:`load_tokenizer`.
+        ``kind``: ``"auto"`` (each record by its key), ``"text"`` or ``"chat"`` (every record must be
+        of that kind). Raises DataError naming the file and line for malformed records.
+        """
+        if kind not in ("auto", "text", "chat"):
+            raise ValueError(f"kind must be 'auto', 'text' or 'chat', got {kind!r}")
+        _check_max_len(max_len)
+        tok = tokenizer if not isinstance(tokenizer, (str, os.PathLike)) else load_tokenizer(tokenizer)
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"no such data file: {path}")
+        pad_id = tok.token_to_id(PAD_TOKEN)
+        seqs: list[Sequence] = []
+        cut_lines: list[int] = []
+        lost_lines: list[int] = []
+        with open(path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                record = _parse_line(line, path, lineno)
+                rkind = _record_kind(record, kind, path, lineno)
+                if rkind == "text":
+                    ids, sup = _text_tokens(record["text"], tok, path, lineno)
+                else:
+                    ids, sup = _chat_tokens(record["messages"], tok, path, lineno)
+                seq, was_cut = _to_sequence(ids, sup, max_len, origin=f"{path}:{lineno}")
+                if was_cut:
+                    cut_lines.append(lineno)
+                    if rkind == "chat" and seq.is_empty:
+                        lost_lines.append(lineno)
+                seqs.append(seq)
+        if not seqs:
+            raise DataError("no records (the file is empty)", path)
+        notes = []
+        if cut_lines:
+            notes.append(f"{path}: {len(cut_lines)} of {len(seqs)} records were longer than max_len={max_len} "
+                         f"positions and were truncated to their first {max_len + 1} tokens "
+                         f"(lines {_lines(cut_lines)})")
+        if lost_lines:
+            notes.append(f"{path}: {len(lost_lines)} truncated chat record(s) lost every assistant token and "
+                         f"will be skipped (lines {_lines(lost_lines)}); raise max_len to keep them")
+        for note in notes:
+            warnings.warn(note, stacklevel=2)
+        return cls(seqs, pad_id=0 if pad_id is None else pad_id, notes=notes)
+
+    # ---- access ----
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return Batch(self.items[index], pad_id=self.pad_id)
+        return self.items[index]
+
+    def __iter__(self) -> Iterator[Sequence]:
+        return iter(self.items)
+
+    def __repr__(self) -> str:
+        return f"Batch({len(self)} sequences, {self.num_tokens} positions, {self.num_supervised} supervised)"
+
+    @property
+    def num_tokens(self) -> int:
+        """Real (unpadded) positions over all sequences."""
+        return sum(s.length for s in self.items)
+
+    @property
+    def num_supervised(self) -> int:
+        return sum(s.num_supervised for s in self.items)
+
+    @property
+    def max_length(self) -> int:
+        return max((s.length for s in self.items), default=0)
+
+    def sequences(self) -> Iterator[Triple]:
+        """``(input_ids, target_ids, loss_mask)`` per sequence, padding stripped; sequences with no
+        supervised target (including length 0) are skipped. Arrays are int32, int32, float32."""
+        for s in self.items:
+            if not s.is_empty:
+                yield s.triple()
+
+    unpadded = sequences
+
+    # ---- padding ----
+    def _pad_length(self, length: int | None, multiple_of: int) -> int:
+        if multiple_of < 1:
+            raise ValueError(f"multiple_of must be >= 1, got {multiple_of}")
+        need = self.max_length
+        if length is None:
+            length = need
+        elif length < need:
+            raise ValueError(f"cannot pad to {length}: the longest sequence has {need} positions")
+        return -(-length // multiple_of) * multiple_of
+
+    def pad_to(self, length: int | None = None, *, multiple_of: int = 1) -> "Batch":
+        """Every sequence right-padded (``pad_id``, mask 0) to ``length`` (default: the longest),
+        rounded up to a multiple of ``multiple_of``."""
+        n = self._pad_length(length, multiple_of)
+        return Batch([s.padded(n, self.pad_id) for s in self.items], pad_id=self.pad_id, notes=self.notes)
+
+    def padded_arrays(self, length: int | None = None, *, multiple_of: int = 1):
+        """``(input_ids [B, L], target_ids [B, L], loss_mask [B, L], lengths [B])`` numpy arrays."""
+        n = self._pad_length(length, multiple_of)
+        rows = [s.padded(n, self.pad_id) for s in self.items]
+        if not rows:
+            return (np.zeros((0, n), np.int32), np.zeros((0, n), np.int32), np.zeros((0, n), np.float32),
+                    np.zeros(0, np.int32))
+        return (np.stack([s.input_ids for s in rows]), np.stack([s.target_ids for s in rows]),
+                np.stack([s.loss_mask for s in rows]), np.array([s.length for s in rows], np.int32))
+
+    # ---- ordering and splitting ----
+    def shuffled(self, seed: int = 0) -> "Batch":
+        """The same sequences in a deterministic pseudo-random order (Python's ``random.Random(seed)``)."""
+        order = list(range(len(self)))
+        random.Random(seed).shuffle(order)
+        return Batch([self.items[i] for i in order], pad_id=self.pad_id, notes=self.notes)
+
+    def split(self, eval_fraction: float = 0.05, seed: int = 0) -> tuple["Batch", "Batch"]:
+        """Deterministic ``(train, eval)`` split: ``round(len * eval_fraction)`` sequences (at least
+        one) chosen with ``random.Random(seed)`` go to eval; both keep the original order."""
+        if not 0 < eval_fraction < 1:
+            raise ValueError(f"eval_fraction must be in (0, 1), got {eval_fraction}")
+        n = len(self)
+        n_eval = max(1, round(n * eval_fraction))
+        if n_eval >= n:
+            raise ValueError(f"cannot split {n} sequence(s) into non-empty train and eval sets "
+                             f"with eval_fraction={eval_fraction}")
+        order = list(range(n))
+        random.Random(seed).shuffle(order)
+        held = set(order[:n_eval])
+        train = [s for i, s in enumerate(self.items) if i not in held]
+        evals = [s for i, s in enumerate(self.items) if i in held]
+        return Batch(train, pad_id=self.pad_id, notes=self.notes), Batch(evals, pad_id=self.pad_id, notes=self.notes)
+
+
+def train_eval_split(batch: Batch, eval_fraction: float = 0.05, seed: int = 0) -> tuple[Batch, Batch]:
+    """``batch.split(eval_fraction, seed)``."""
+    return batch.split(eval_fraction, seed)
+
+
+# ---------------------------------------------------------------------------------------------
+# tokenizers and the chat template
+# ---------------------------------------------------------------------------------------------
+
+def load_tokenizer(path_or_dir: PathLike):
+    """A ``tokenizers.Tokenizer`` from a ``tokenizer.json`` file, or from a directory holding one
+    (as Hugging Face checkpoints do)."""
+    from tokenizers import Tokenizer
+    p = Path(path_or_dir)
+    if p.is_dir():
+        p = p / "tokenizer.json"
+        if not p.is_file():
+            raise FileNotFoundError(f"{path_or_dir}: directory has no tokenizer.json")
+    elif not p.is_file():
+        raise FileNotFoundError(f"no such tokenizer file or directory: {path_or_dir}")
+    try:
+        return Tokenizer.from_file(str(p))
+    except Exception as e:  # the library raises a bare Exception for unreadable JSON
+        raise ValueError(f"{p}: not a valid tokenizer.json ({e})") from e
+
+
+def render_chat(messages: list[dict], add_generation_prompt: bool = False, bos: bool = True) -> str:
+    """The chat template as one string (LFM2's): ``<|startoftext|>`` then, per message,
+    ``<|im_start|>{role}\\n{content}<|im_end|>\\n``; with ``add_generation_prompt`` it ends with
+    ``<|im_start|>assistant\\n`` for the model to continue."""
+    text = BOS_TOKEN if bos else ""
+    for m in messages:
+        text += f"{IM_START}{m['role']}\n{m['content']}{IM_END}\n"
+    if add_generation_prompt:
+        text += f"{IM_START}assistant\n"
+    return text
+
+
+def _chat_pieces(messages: list[dict], add_generation_prompt: bool, bos: bool) -> list[tuple[str, bool]]:
+    """The template as (text, supervised) pieces, adjacent pieces of one kind merged."""
+    pieces: list[tuple[str, bool]] = []
+
+    def add(text: str, sup: bool):
+        if not text:
+            return
+        if pieces and pieces[-1][1] == sup:
+            pieces[-1] = (pieces[-1][0] + text, sup)
+        else:
+            pieces.append((text, sup))
+    if bos:
+        add(BOS_TOKEN, False)
+    for m in messages:
+        sup = m["role"] == "assistant"
+        add(f"{IM_START}{m['role']}\n", False)
+        add(m["content"] + IM_END, sup)
+        add("\n", False)
+    if add_generation_prompt:
+        add(f"{IM_START}assistant\n", False)
+    return pieces
+
+
+def _require_tokens(tok, names: Iterable[str], why: str) -> None:
+    missing = [t for t in names if tok.token_to_id(t) is None]
+    if missing:
+        raise ValueError(f"the tokenizer has no {', '.join(missing)} token(s), which {why} needs; "
+                         "add them as special tokens")
+
+
+def encode_chat(messages: list[dict], tokenizer, add_generation_prompt: bool = False):
+    """Token ids of a conversation and a per-token flag (float32, 1 = an assistant token the loss
+    supervises). With ``add_generation_prompt``, the ids end with the assistant header, ready for
+    generation. ``<|startoftext|>`` leads if the tokenizer has it."""
+    _require_tokens(tokenizer, (IM_START, IM_END), "the chat template")
+    for i, m in enumerate(messages):
+        _check_message(m, i, None, None)
+    bos = tokenizer.token_to_id(BOS_TOKEN) is not None
+    ids: list[int] = []
+    sup: list[float] = []
+    for text, flag in _chat_pieces(messages, add_generation_prompt, bos):
+        piece = tokenizer.encode(text, add_special_tokens=False).ids
+        ids.extend(piece)
+        sup.extend([float(flag)] * len(piece))
+    return np.array(ids, np.int32), np.array(sup, np.float32)
+
+
+def encode_text(text: str, tokenizer):
+    """``<|startoftext|>`` + text + ``<|endoftext|>`` (each special token only if the tokenizer has it)."""
+    bos, eos = tokenizer.token_to_id(BOS_TOKEN), tokenizer.token_to_id(EOS_TOKEN)
+    ids = ([bos] if bos is not None else []) + tokenizer.encode(text, add_special_tokens=False).ids \
+        + ([eos] if eos is not None else [])
+    return np.array(ids, np.int32)
+
+
+# ---------------------------------------------------------------------------------------------
+# JSONL parsing
+# ---------------------------------------------------------------------------------------------
+
+def _check_max_len(max_len) -> None:
+    if max_len is not None and (isinstance(max_len, bool) or not isinstance(max_len, (int, np.integer))
+                                or max_len < 1):
+        raise ValueError(f"max_len must be a positive integer or None, got {max_len!r}")
+
+
+def _lines(lines: list[int], show: int = 8) -> str:
+    head = ", ".join(map(str, lines[:show]))
+    return head + (f", ... ({len(lines) - show} more)" if len(lines) > show else "")
+
+
+def _parse_line(line: str, path: Path, lineno: int) -> dict:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise DataError(f"malformed JSON: {e.msg} at column {e.colno}", path, lineno) from None
+    if not isinstance(record, dict):
+        raise DataError(f"expected a JSON object, got {type(record).__name__}", path, lineno)
+    return record
+
+
+def _record_kind(record: dict, kind: str, path: Path, lineno: int) -> str:
+    if kind == "text" and "text" not in record:
+        raise DataError(f"text record has no 'text' key (keys: {sorted(record)})", path, lineno)
+    if kind == "chat" and "messages" not in record:
+        raise DataError(f"chat record has no 'messages' key (keys: {sorted(record)})", path, lineno)
+    if kind != "auto":
+        return kind
+    has_text, has_msgs = "text" in record, "messages" in record
+    if has_text and has_msgs:
+        raise DataError("record has both 'text' and 'messages'; pass kind='text' or kind='chat'", path, lineno)
+    if not (has_text or has_msgs):
+        raise DataError(f"record has neither 'text' nor 'messages' (keys: {sorted(record)})", path, lineno)
+    return "text" if has_text else "chat"
+
+
+def _text_tokens(text, tok, path: Path, lineno: int):
+    if not isinstance(text, str):
+        raise DataError(f"'text' must be a string, got {type(text).__name__}", path, lineno)
+    if not text:
+        raise DataError("'text' is empty", path, lineno)
+    ids = encode_text(text, tok)
+    return ids, np.ones(ids.size, np.float32)
+
+
+def _check_message(m, i: int, path, lineno) -> None:
+    if not isinstance(m, dict):
+        raise DataError(f"messages[{i}] must be an object with 'role' and 'content', got {type(m).__name__}",
+                        path, lineno)
+    for key in ("role", "content"):
+        if key not in m:
+            raise DataError(f"messages[{i}] has no '{key}' key", path, lineno)
+    if m["role"] not in CHAT_ROLES:
+        raise DataError(f"messages[{i}] has unknown role {m['role']!r}; expected one of {', '.join(CHAT_ROLES)}",
+                        path, lineno)
+    if not isinstance(m["content"], str):
+        raise DataError(f"messages[{i}] content must be a string, got {type(m['content']).__name__}", path, lineno)
+
+
+def _chat_tokens(messages, tok, path: Path, lineno: int):
+    if not isinstance(messages, list):
+        raise DataError(f"'messages' must be a list, got {type(messages).__name__}", path, lineno)
+    if not messages:
+        raise DataError("empty conversation: 'messages' is []", path, lineno)
+    for i, m in enumerate(messages):
+        _check_message(m, i, path, lineno)
+    if not any(m["role"] == "assistant" for m in messages):
+        raise DataError("conversation has no assistant message, so nothing to train on", path, lineno)
+    try:
+        ids, sup = encode_chat(messages, tok)
+    except ValueError as e:
+        raise DataError(str(e), path, lineno) from None
+    # Drop trailing tokens that are never a supervised target (causal: they change nothing).
+    keep = int(np.flatnonzero(sup)[-1]) + 1 if sup.any() else ids.size
+    return ids[:keep], sup[:keep]
+
+
+def _to_sequence(ids: np.ndarray, sup: np.ndarray, max_len: int | None, origin: str) -> tuple[Sequence, bool]:
+    cut = max_len is not None and ids.size > max_len + 1
+    if cut:
+        ids, sup = ids[:max_len + 1], sup[:max_len + 1]
+    if ids.size < 2:
+        return Sequence([], [], origin=origin), cut
+    return Sequence(ids[:-1], ids[1:], sup[1:], origin=origin), cut
+
+
+# ---------------------------------------------------------------------------------------------
+# the shipped dataset and tokenizer (generated by ``python -m trainer.make_assets``)
+# ---------------------------------------------------------------------------------------------
+
+def default_assets_dir() -> Path:
+    """The package's ``assets`` directory (``importlib.resources``; a real directory on disk)."""
+    package = __package__ or "trainer"
+    try:
+        res = importlib.resources.files(package) / "assets"
+    except (ModuleNotFoundError, TypeError):
+        res = None
+    if isinstance(res, Path) and res.is_dir():
+        return res
+    here = Path(__file__).resolve().parent / "assets"
+    if here.is_dir():
+        return here
+    raise FileNotFoundError(f"the trainer's assets directory is missing (looked in {res} and {here}); "
+                            "regenerate it with `python -m trainer.make_assets`")
+
+
+def default_dataset() -> Path:
+    """The shipped synthetic chat dataset (``chat.jsonl``), see ``trainer/assets/README.md``."""
+    return default_assets_dir() / "chat.jsonl"
+
+
+def default_text_dataset() -> Path:
+    """The shipped small ``{"text": ...}`` sample (``text.jsonl``)."""
+    return default_assets_dir() / "text.jsonl"
+
+
+def default_tokenizer() -> Path:
+    """The shipped character-level ``tokenizer.json`` (``<|pad|>`` is id 0)."""
+    return default_assets_dir() / "tokenizer.json"
+
+
+def default_batches(max_len: int = DEFAULT_MAX_LEN, eval_fraction: float = 0.05, seed: int = 0,
+                    tokenizer=None) -> tuple[Batch, Batch]:
+    """``(train, eval)`` Batches of the shipped chat dataset, tokenized with the shipped tokenizer
+    (or ``tokenizer``), split deterministically by :meth:`Batch.split`."""
+    tok = load_tokenizer(default_tokenizer()) if tokenizer is None else tokenizer
+    return Batch.from_jsonl(default_dataset(), tok, max_len=max_len, kind="chat").split(eval_fraction, seed)
