@@ -1,10 +1,14 @@
 """Gradient averaging across processes through a shared directory (no network library needed).
 
-At optimizer step k every rank writes its gradients to ``<run_id>.step<k>.rank<r>.safetensors``
-(written under a temporary name, then renamed, so a reader never sees half a file), waits until
-all ranks' files for step k exist, and replaces its gradients by their mean. A rank deletes its
-own file of step k-2 at step k: every peer that reached step k-1 has read it. Files carry the run
-id, so leftovers of an earlier run with another id are never read.
+At the end of every accumulation window (a sync round) every rank writes its gradients to
+``<run_id>.round<n>.rank<r>.safetensors`` (written under a temporary name, then renamed, so a
+reader never sees half a file), waits until all ranks' files of round n exist, and replaces its
+gradients by their mean. Files are numbered by round, not by optimizer step: a window whose step
+is skipped (a loss-scale overflow, decided on the averaged gradients, so by every rank alike) does
+not advance the step, and the next window must not read a peer's file of the skipped one. A rank
+deletes its own file of round n-2 at round n: every peer that reached round n-1 has read it.
+Files carry the run id, so leftovers of an earlier run with another id are never read; a
+restarted (resumed) run counts its rounds from 1 again and needs a new run id.
 """
 from __future__ import annotations
 
@@ -44,17 +48,20 @@ class FileGradSync:
         self.config = config
         self.dir = Path(config.dir)
         self.dir.mkdir(parents=True, exist_ok=True)
+        self.rounds = 0          # sync rounds completed: one per accumulation window, skipped or not
 
-    def path(self, step: int, rank: int) -> Path:
-        return self.dir / f"{self.config.run_id}.step{step:08d}.rank{rank}.safetensors"
+    def path(self, round_: int, rank: int) -> Path:
+        return self.dir / f"{self.config.run_id}.round{round_:08d}.rank{rank}.safetensors"
 
     def average(self, engine, names: list[str], params: list, step: int) -> None:
-        """Replace each parameter's .grad by the mean over all ranks for optimizer step ``step``."""
+        """Replace each parameter's .grad by the mean over all ranks of this window's gradients
+        (the window that would be optimizer step ``step``; named in errors)."""
         cfg = self.config
         if cfg.world_size == 1:
             return
+        n_round = self.rounds + 1
         mine = {n: p.grad.numpy() for n, p in zip(names, params)}
-        target = self.path(step, cfg.rank)
+        target = self.path(n_round, cfg.rank)
         tmp = target.with_name(target.name + f".tmp{os.getpid()}")
         save_file(mine, str(tmp))
         tmp.replace(target)
@@ -62,7 +69,7 @@ class FileGradSync:
         deadline = time.monotonic() + cfg.timeout_s
         waiting = list(peers)
         while waiting:
-            waiting = [r for r in waiting if not self.path(step, r).exists()]
+            waiting = [r for r in waiting if not self.path(n_round, r).exists()]
             if not waiting:
                 break
             if time.monotonic() > deadline:
@@ -72,7 +79,7 @@ class FileGradSync:
             time.sleep(cfg.poll_s)
         total = {n: a.astype(np.float64) for n, a in mine.items()}
         for r in peers:
-            theirs = load_file(str(self.path(step, r)))
+            theirs = load_file(str(self.path(n_round, r)))
             if set(theirs) != set(total):
                 raise TrainError(f"rank {r} synced different parameters at step {step} "
                                  f"({sorted(set(theirs) ^ set(total))[:3]}...); nothing was applied")
@@ -80,6 +87,7 @@ class FileGradSync:
                 total[n] += theirs[n]
         for n, p in zip(names, params):
             p.grad.write((total[n] / cfg.world_size).astype(np.float32))
-        old = self.path(step - 2, cfg.rank)
+        self.rounds = n_round
+        old = self.path(n_round - 2, cfg.rank)
         if old.exists():
             old.unlink()

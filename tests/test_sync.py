@@ -1,0 +1,156 @@
+"""File gradient sync across real processes: two ranks on disjoint halves of the data equal one
+process with twice the accumulation on all of it; a killed or missing peer is a TrainError after
+the timeout that applies nothing; another run's files are never read; old files are removed."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from conftest import rel_err
+import trainer.trainer as trainer_module
+from sync_worker import all_data, make_trainer, overflow_at_window, rank_sequences
+from trainer import FileGradSyncConfig, TrainError
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKER = Path(__file__).resolve().parent / "sync_worker.py"
+
+
+def start_rank(tmp_path: Path, sync_dir: Path, rank: int, world: int, *args: str) -> tuple[subprocess.Popen, Path]:
+    out = tmp_path / f"rank{rank}.npz"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    log = open(tmp_path / f"rank{rank}.log", "wb")
+    proc = subprocess.Popen([sys.executable, str(WORKER), str(sync_dir), str(rank), str(world), "--out", str(out),
+                             *args], env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    log.close()
+    return proc, out
+
+
+def finish(proc: subprocess.Popen, tmp_path: Path, rank: int, timeout: float = 180) -> None:
+    try:
+        rc = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise
+    assert rc == 0, (tmp_path / f"rank{rank}.log").read_text()[-4000:]
+
+
+def snap(model) -> dict[str, np.ndarray]:
+    return {n: t.numpy().copy() for n, t in model.named_parameters().items()}
+
+
+def test_two_processes_on_halves_equal_one_process_on_all(ctx, engine, tmp_path, monkeypatch):
+    """Rank r takes the r-th half of each window of a one-process run with grad_accum doubled; the mean
+    over ranks of their window means is that run's window mean. Window 2 overflows (its step is
+    skipped, as with a loss scale too large) in every process, so optimizer step 2 syncs twice."""
+    windows, accum, skip = 4, 2, 2
+    sync_dir = tmp_path / "sync"
+    sync_dir.mkdir()
+    # leftovers of an earlier run (another run id) and a half-written file: garbage that must not be read
+    init = snap(make_trainer(ctx, engine, 1)[0])
+    garbage = {n: np.full(a.shape, 1e3, np.float32) for n, a in init.items()}
+    old = [sync_dir / f"old.{kind}{k:08d}.rank{r}.safetensors" for kind in ("step", "round")
+           for k in (1, 2, 3) for r in (0, 1)]
+    for p in old:
+        save_file(garbage, str(p))
+    stale_tmp = "new.round00000001.rank1.safetensors.tmp99999"
+    (sync_dir / stale_tmp).write_bytes(b"\0" * 100)
+
+    peer, peer_out = start_rank(tmp_path, sync_dir, 1, 2, "--windows", str(windows), "--accum", str(accum),
+                                "--run-id", "new", "--skip-window", str(skip))
+    try:
+        monkeypatch.setattr(trainer_module, "global_grad_norm", overflow_at_window(skip))
+        model, tr = make_trainer(ctx, engine, accum, FileGradSyncConfig(sync_dir, 0, 2, timeout_s=120, run_id="new"))
+        mine = [tr.train_step_masked(i, t, m, model.parameters())
+                for i, t, m in rank_sequences(0, 2, windows, accum)]
+    finally:
+        finish(peer, tmp_path, 1)
+    assert [s.stepped for s in mine] == [False, True, False, False, False, True, False, True]
+    assert mine[3].skipped and tr.optimizer_steps() == windows - 1
+    theirs = np.load(peer_out)
+    assert int(theirs["optimizer_steps"]) == windows - 1
+
+    # one process, grad_accum doubled, on all the data in the matching order, the same window skipped
+    monkeypatch.setattr(trainer_module, "global_grad_norm", overflow_at_window(skip))
+    ref_model, ref = make_trainer(ctx, engine, 2 * accum)
+    want = [ref.train_step_masked(i, t, m, ref_model.parameters()) for i, t, m in all_data(windows * 2 * accum)]
+    assert ref.optimizer_steps() == windows - 1 and want[2 * accum * skip - 1].skipped
+    for k in range(windows):                  # rank 0 ran the first half of each of the reference's windows
+        for j in range(accum):
+            assert mine[k * accum + j].loss == pytest.approx(want[k * 2 * accum + j].loss, rel=1e-6)
+        a, b = mine[k * accum + accum - 1], want[k * 2 * accum + 2 * accum - 1]
+        assert (a.stepped, a.skipped, a.lr, a.loss_scale) == (b.stepped, b.skipped, b.lr, b.loss_scale)
+        if b.stepped:                         # the norm of the averaged gradient, as one process sees it
+            assert a.grad_norm == pytest.approx(b.grad_norm, rel=1e-5), f"window {k + 1}"
+        else:
+            assert a.grad_norm is None
+    ours = snap(model)
+    final = snap(ref_model)
+    for n in final:
+        assert rel_err(ours[n], final[n]) < 1e-5, f"rank 0 {n}"
+        assert rel_err(theirs[n], final[n]) < 1e-5, f"rank 1 {n}"
+        assert np.array_equal(ours[n], theirs[n]), f"ranks disagree on {n}"
+        assert not np.array_equal(final[n], init[n]), f"{n} was not trained"
+
+    # each rank removed its file of round k-2 at round k: only the last two rounds are left
+    left = sorted(p.name for p in sync_dir.iterdir())
+    assert left == sorted([p.name for p in old] + [stale_tmp]
+                          + [f"new.round{k:08d}.rank{r}.safetensors" for k in (3, 4) for r in (0, 1)])
+
+
+def test_killed_peer_is_a_train_error_after_the_timeout(ctx, engine, tmp_path):
+    sync_dir = tmp_path / "sync"
+    peer, peer_out = start_rank(tmp_path, sync_dir, 1, 2, "--windows", "3", "--accum", "1", "--hang-after", "1")
+    try:
+        model, tr = make_trainer(ctx, engine, 1, FileGradSyncConfig(sync_dir, 0, 2, timeout_s=120))
+        seqs = rank_sequences(0, 2, 3, 1)
+        assert tr.train_step_masked(*seqs[0], model.parameters()).stepped        # step 1 syncs with the peer
+        marker = Path(str(peer_out) + ".hang")
+        deadline = time.monotonic() + 120
+        while not marker.exists():
+            assert peer.poll() is None, (tmp_path / "rank1.log").read_text()[-4000:]
+            assert time.monotonic() < deadline, "the peer never finished step 1"
+            time.sleep(0.05)
+    finally:
+        peer.kill()
+        peer.wait()
+    assert peer.returncode != 0
+
+    tr.distributed_grad_sync.config.timeout_s = 1.0
+    weights = snap(model)
+    state = {k: v.copy() for k, v in tr.optimizer.state_arrays({id(t): n for n, t in model.named_parameters().items()}).items()}
+    t0 = time.monotonic()
+    with pytest.raises(TrainError, match=r"timed out after 1s at optimizer step 2: rank\(s\) \[1\] of 2 did not"):
+        tr.train_step_masked(*seqs[1], model.parameters())
+    elapsed = time.monotonic() - t0
+    assert 1.0 <= elapsed < 30
+    assert tr.optimizer_steps() == 1
+    for n, a in snap(model).items():
+        assert np.array_equal(a, weights[n]), f"{n} changed"
+    after = tr.optimizer.state_arrays({id(t): n for n, t in model.named_parameters().items()})
+    assert after.keys() == state.keys() and all(np.array_equal(after[k], state[k]) for k in state)
+
+
+def test_missing_peers_are_named_and_other_runs_files_are_not_used(ctx, engine, tmp_path):
+    sync_dir = tmp_path / "sync"
+    sync_dir.mkdir()
+    model, tr = make_trainer(ctx, engine, 1, FileGradSyncConfig(sync_dir, 0, 3, timeout_s=0.5, run_id="b"))
+    # run "a" left complete files for ranks 1 and 2 at step 1: run "b" must not take them for its peers'
+    grads = {n: np.zeros(t.shape, np.float32) for n, t in model.named_parameters().items()}
+    for r in (1, 2):
+        save_file(grads, str(sync_dir / f"a.step00000001.rank{r}.safetensors"))
+    weights = snap(model)
+    t0 = time.monotonic()
+    with pytest.raises(TrainError, match=r"rank\(s\) \[1, 2\] of 3 did not write their gradients"):
+        tr.train_step_masked(*all_data(1)[0], model.parameters())
+    assert time.monotonic() - t0 >= 0.5
+    assert tr.optimizer_steps() == 0 and not tr.optimizer.state
+    for n, a in snap(model).items():
+        assert np.array_equal(a, weights[n]), f"{n} changed"
