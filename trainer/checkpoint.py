@@ -11,6 +11,7 @@ is moved aside first and removed last, and loading falls back to it if the swap 
 """
 from __future__ import annotations
 
+import glob
 import json
 import os
 import shutil
@@ -29,6 +30,8 @@ def save_checkpoint(trainer, directory, data_position: dict | None = None) -> Pa
         raise TrainError(f"cannot checkpoint in the middle of an accumulation window "
                          f"({trainer.step_in_accum} of {trainer.grad_accum_steps} sequences done)")
     final = Path(directory)
+    if final.exists() and not (final / "trainer.json").is_file() and not (final.is_dir() and not any(final.iterdir())):
+        raise TrainError(f"{final} exists and is not a checkpoint (no trainer.json); refusing to replace it")
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.with_name(f"{final.name}.tmp-{os.getpid()}")
     if tmp.exists():
@@ -50,10 +53,12 @@ def save_checkpoint(trainer, directory, data_position: dict | None = None) -> Pa
     (tmp / "trainer.json").write_text(json.dumps(meta, indent=2))
     old = final.with_name(f"{final.name}.old-{os.getpid()}")
     if final.exists():
+        if old.exists():      # a save of an earlier process with this pid was killed while removing it
+            shutil.rmtree(old)
         final.rename(old)
     tmp.rename(final)
-    if old.exists():
-        shutil.rmtree(old)
+    for aside in final.parent.glob(f"{glob.escape(final.name)}.old-*"):   # ours, and any a killed save left
+        shutil.rmtree(aside, ignore_errors=True)
     return final
 
 
