@@ -7,6 +7,7 @@ intrinsic, so backward kernels still come from differentiating the IR.
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -88,11 +89,16 @@ def kernel_ir(name: str, intrinsic: str, inputs: list[TensorArg], outputs: list[
 
 
 _loaded = False
+_load_lock = threading.Lock()
 
 
 def _load_all() -> None:
-    """Import the modules that register intrinsics (lazily: they import the scheduler)."""
+    """Import the modules that register intrinsics (lazily: they import the scheduler). Locked,
+    and marked done only after the imports, so another thread never sees a half-filled registry."""
     global _loaded
-    if not _loaded:
-        _loaded = True
-        from . import attention, embedding  # noqa: F401
+    if _loaded:
+        return
+    with _load_lock:
+        if not _loaded:
+            from . import attention, embedding  # noqa: F401
+            _loaded = True
