@@ -84,6 +84,9 @@ def load_checkpoint(trainer, directory) -> dict:
     trainer.optimizer.load_state_arrays(trainer.engine, trainer.model.named_parameters(),
                                         load_file(str(src / "optimizer.safetensors")))
     trainer.set_optimizer_steps(int(meta["optimizer_steps"]))
+    if trainer.distributed_grad_sync is not None:
+        # a resumed run syncs under its own name, so files a crashed run left behind are never read
+        trainer.distributed_grad_sync.resume_from(int(meta["optimizer_steps"]))
     trainer.step_in_accum = 0
     if meta["scaler"] is not None and trainer.scaler is not None:
         trainer.scaler.load_state_dict(meta["scaler"])

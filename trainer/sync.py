@@ -7,8 +7,8 @@ gradients by their mean. Files are numbered by round, not by optimizer step: a w
 is skipped (a loss-scale overflow, decided on the averaged gradients, so by every rank alike) does
 not advance the step, and the next window must not read a peer's file of the skipped one. A rank
 deletes its own file of round n-2 at round n: every peer that reached round n-1 has read it.
-Files carry the run id, so leftovers of an earlier run with another id are never read; a
-restarted (resumed) run counts its rounds from 1 again and needs a new run id.
+Files carry the run id, so leftovers of an earlier run with another id are never read; a run
+resumed from a checkpoint of optimizer step k syncs as ``<run_id>.from<k>``.
 """
 from __future__ import annotations
 
@@ -49,9 +49,16 @@ class FileGradSync:
         self.dir = Path(config.dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.rounds = 0          # sync rounds completed: one per accumulation window, skipped or not
+        self.run_id = config.run_id
+
+    def resume_from(self, step: int) -> None:
+        """Sync as run ``<run_id>.from<step>`` from round 1: every rank resumes from the same
+        checkpoint, so all pick the same name, and the interrupted run's files are left unread."""
+        self.run_id = f"{self.config.run_id}.from{step}"
+        self.rounds = 0
 
     def path(self, round_: int, rank: int) -> Path:
-        return self.dir / f"{self.config.run_id}.round{round_:08d}.rank{rank}.safetensors"
+        return self.dir / f"{self.run_id}.round{round_:08d}.rank{rank}.safetensors"
 
     def average(self, engine, names: list[str], params: list, step: int) -> None:
         """Replace each parameter's .grad by the mean over all ranks of this window's gradients
