@@ -18,6 +18,9 @@ from ..ir.ops import REDUCE, Op
 from .spec import MAX_WORKGROUP, extent, index_names, make_emitter, offset, schedule_error, store_entry, total, unravel
 
 
+COLUMN_THREADS = 256
+
+
 @dataclass(frozen=True)
 class Reduction:
     """One accumulation loop: ``node``'s value is ``source`` reduced over ``axes`` (nested sums
@@ -46,7 +49,7 @@ def merge_nested(reductions: list[Node], order: list[Node]) -> list[Reduction]:
 
 
 def _phases(sizes, order: list[Node], reductions: list[Reduction], axes: tuple[str, ...], index_of: dict,
-            combine_tree: bool):
+            partner: str):
     """Lets before the first reduction, one phase per reduction, and the bound outer values."""
     emitter = make_emitter(sizes, index_of)
     bound: dict[int, str] = {}
@@ -69,8 +72,7 @@ def _phases(sizes, order: list[Node], reductions: list[Reduction], axes: tuple[s
         emitter.bind(bound, red.node, name)
         phase = {"result": name, "init": REDUCE_INIT[red.node.op], "lets": inner,
                  "combine": REDUCE_COMBINE[red.node.op].format(f"acc_{name}", arg)}
-        if combine_tree:
-            phase["combine_tree"] = REDUCE_COMBINE[red.node.op].format("red[lid]", "red[lid + s]")
+        phase["combine_tree"] = REDUCE_COMBINE[red.node.op].format("red[lid]", f"red[{partner}]")
         phase["after"] = outer_lets()
         phases.append(phase)
     return emitter, bound, pre, phases
@@ -86,7 +88,7 @@ def plan_rows(ir: KernelIR, sizes, space, order, reductions, accumulate: frozens
     index_of = index_names(space)
     index_of[col_axis] = "c"
     plan = [Reduction(r, (r.arg,), r.srcs[0]) for r in reductions]
-    emitter, bound, pre, phases = _phases(sizes, order, plan, (col_axis,), index_of, combine_tree=True)
+    emitter, bound, pre, phases = _phases(sizes, order, plan, (col_axis,), index_of, partner="lid + s")
     final_scope = dict(bound)
     elem_outputs = [o for o in ir.outputs if o.shape == space]
     row_outputs = [o for o in ir.outputs if o.shape != space]
@@ -138,11 +140,16 @@ def plan_columns(ir: KernelIR, sizes, space, order, reductions, accumulate: froz
         stride *= sizes[a]
     loop_indices.insert(0, {"var": index_of[axes[0]], "expr": f"r / {stride}u" if stride > 1 else "r"})
     extent_expr = extent(axes[0], sizes) + (f" * {stride}u" if stride > 1 else "")
-    emitter, bound, pre, phases = _phases(sizes, order, plan, axes, index_of, combine_tree=False)
+    emitter, bound, pre, phases = _phases(sizes, order, plan, axes, index_of, partner="lid + s * OUTS")
     final_lets = [vars(x) for x in emitter.emit([ir.results[o.name] for o in ir.outputs], bound)]
     n = total(out_axes, sizes)
+    # Each workgroup owns OUTS outputs, with LANES invocations sharing each one's loop: few outputs
+    # (a norm weight's gradient) still spread their long reduction over many invocations.
+    outs = 4 if n <= 4096 else 16
     ctx = {
-        "workgroup_size": 64,
+        "workgroup_size": COLUMN_THREADS,
+        "outs": outs,
+        "lanes": COLUMN_THREADS // outs,
         "total": n,
         "extent": extent_expr,
         "loop_indices": loop_indices,
@@ -154,4 +161,4 @@ def plan_columns(ir: KernelIR, sizes, space, order, reductions, accumulate: froz
         "stores": [store_entry(o.name, "gid", store(bound[id(ir.results[o.name])], ir.results[o.name].dtype, o.dtype),
                                o.name in accumulate) for o in ir.outputs],
     }
-    return "colreduce", ctx, -(-n // 64)
+    return "colreduce", ctx, -(-n // outs)
