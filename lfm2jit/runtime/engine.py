@@ -201,7 +201,7 @@ class ComputeEngine:
             raise ValueError(f"{ir.name}: dispatch of {groups} workgroups exceeds {MAX_GROUPS_PER_DIM} per dimension")
         self._commands.append(("dispatch", compiled, bind_group, groups, len(self._infos) * INFO_BYTES))
         self._infos.append(info)
-        self._keepalive.extend(tensors)
+        self._keepalive.extend(t.buffer for t in tensors)   # buffers, not tensors: freed tensors recycle at once
         self.dispatches += 1
         return outputs
 
@@ -318,13 +318,12 @@ class ComputeEngine:
         for start in range(0, len(commands), step):
             self._submit(commands[start:start + step])
         self._keepalive.clear()
-        self.pool.release_pending()
 
     def zero_(self, tensor: Tensor) -> Tensor:
         """Record clearing a tensor's elements to zero (in order with the recorded dispatches)."""
         nbytes = -(-tensor.size * ITEMSIZE[tensor.dtype] // 4) * 4
         self._commands.append(("clear", tensor.buffer, tensor.offset, nbytes))
-        self._keepalive.append(tensor)
+        self._keepalive.append(tensor.buffer)
         return tensor
 
     def _submit(self, commands) -> None:

@@ -1,7 +1,9 @@
 """Buffer pool: buffers freed by tensors are kept by size class and reused by later allocations.
 
-A freed buffer only becomes reusable after the recorded work that may still read it is submitted
-(``release_pending``), because queue writes run before commands that are submitted later.
+A freed buffer is reusable at once, even while recorded work still reads it: later recorded
+commands run after earlier ones (WebGPU orders dispatches and clears in a stream), and every host
+write (Tensor.write) flushes the recorded work first. So a training step that frees and allocates
+in the same order each time gets the same buffers back each time, and its bind groups are reused.
 """
 from __future__ import annotations
 
@@ -23,7 +25,6 @@ class BufferPool:
     def __init__(self, device):
         self.device = device
         self.free: dict[int, list] = defaultdict(list)
-        self.pending: list = []
         self.allocated_bytes = 0
         self.peak_bytes = 0
         self.in_use_bytes = 0
@@ -43,9 +44,4 @@ class BufferPool:
 
     def release(self, buffer) -> None:
         self.in_use_bytes -= buffer.size
-        self.pending.append(buffer)
-
-    def release_pending(self) -> None:
-        for buf in self.pending:
-            self.free[buf.size].append(buf)
-        self.pending.clear()
+        self.free[buffer.size].append(buffer)
