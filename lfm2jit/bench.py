@@ -41,7 +41,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from . import ComputeEngine, WgpuContext, grad, library
-from .schedule.contraction import TileConfig
+from .schedule.contraction import CANDIDATES, TileConfig
 
 # Datasheet ceilings per adapter-name substring: (fp32 FLOP/s without tensor cores, bytes/s)
 CEILINGS = {"H200": (67e12, 4.8e12), "H100": (67e12, 3.35e12)}
@@ -245,14 +245,12 @@ class Bench:
             configs = [TileConfig(), TileConfig(64, 64, 8, 8, 8), TileConfig(128, 128, 8, 8, 8)]
         else:
             shapes = self.tile_shapes or [(4096, 4096, 4096), (2048, 4608, 1024), (2048, 1024, 4608)]
-            configs = [TileConfig(32, 32, 16, 2, 2), TileConfig(64, 64, 16, 4, 4), TileConfig(64, 64, 8, 4, 4),
-                       TileConfig(128, 64, 16, 8, 4), TileConfig(64, 64, 16, 8, 8), TileConfig(128, 128, 8, 8, 8),
-                       TileConfig(128, 128, 16, 8, 8)]
+            configs = list(CANDIDATES)          # what the autotuner chooses from
         lin = library.get("linear")
         for m, n, k in shapes:
             for cfg in configs:
                 shape = f"{m}x{n}x{k}"
-                tag = f"{cfg.bm}x{cfg.bn}/bk{cfg.bk}/{cfg.tm}x{cfg.tn}"
+                tag = f"{cfg.bm}x{cfg.bn}/bk{cfg.bk}/{cfg.tm}x{cfg.tn}" + ("/vec4" if cfg.vec else "")
 
                 def one(m=m, n=n, k=k, shape=shape, cfg=cfg, tag=tag):
                     e = self.engine

@@ -59,3 +59,14 @@ def test_a_failing_candidate_scores_infinity(ctx, tmp_path, monkeypatch):
     assert tiles != bad
     (entry,) = eng.tuner.best.values()
     assert math.isinf(entry["seconds"][str(bad.__dict__)])
+
+
+def test_every_candidate_computes_the_same_product(engine, rng):
+    """The autotuner may pick any candidate, so each must be right, ragged edges included."""
+    for T, K, N in [(70, 33, 90), (129, 7, 130)]:
+        x = rng.standard_normal((T, K)).astype(np.float32)
+        w = rng.standard_normal((N, K)).astype(np.float32)
+        want = x.astype(np.float64) @ w.T
+        for tiles in CANDIDATES:
+            got = engine.run("linear", bucket=16, tiles=tiles, x=engine.tensor(x), w=engine.tensor(w))["y"].numpy()
+            assert rel_err(got, want) < 1e-5, tiles
