@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Set up, then run the main job (for now the kernel demo: every shipped kernel checked against numpy).
+# Set up, then run the main job: `python -m trainer` trains a tiny LFM2 from scratch on the shipped
+# synthetic chat data (a few minutes on lavapipe). Extra arguments go to it (see --help).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 bash scripts/setup.sh
-exec .venv/bin/python -m lfm2jit.demo "$@"
+exec .venv/bin/python -m trainer "$@"
