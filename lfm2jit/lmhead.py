@@ -52,7 +52,7 @@ def lm_head_cross_entropy(engine, h: Tensor, E: Tensor, targets, mask=None, *, n
                           loss_scale: float = 1.0, chunk: int = DEFAULT_CHUNK, bucket: int = 1,
                           dh: Tensor | None = None, dE: Tensor | None = None,
                           accumulate_dh: bool = False, accumulate_dE: bool = False,
-                          check_targets: bool = True) -> LMHeadResult:
+                          check_targets: bool = True, grads: bool = True) -> LMHeadResult:
     """Masked cross-entropy of ``h @ E^T`` against ``targets``, with gradients for h and E, in one call.
 
     Arguments:
@@ -73,6 +73,7 @@ def lm_head_cross_entropy(engine, h: Tensor, E: Tensor, targets, mask=None, *, n
       accumulate_dh, accumulate_dE
                   add to the given dh / dE instead of overwriting them (e.g. a tied embedding
                   whose dE already holds the input-embedding gradient).
+      grads       False for the loss alone (evaluation): pass 2 is skipped and dh, dE are None.
       check_targets
                   validate target ids and mask values; when either is a Tensor this reads it back
                   (a flush). Host arrays are always checked. With False, an out-of-range target
@@ -82,6 +83,8 @@ def lm_head_cross_entropy(engine, h: Tensor, E: Tensor, targets, mask=None, *, n
     bad argument raises ValueError/TypeError before any GPU work is recorded.
     """
     T, D, V = _check_operands(h, E)
+    if not grads and (dh is not None or dE is not None or accumulate_dh or accumulate_dE):
+        raise ValueError("grads=False computes the loss only; do not pass dh/dE or accumulate flags")
     normalizer = _finite("normalizer", normalizer)
     if normalizer == 0.0:
         raise ValueError("normalizer must be nonzero (the loss sum is divided by it)")
@@ -109,8 +112,9 @@ def lm_head_cross_entropy(engine, h: Tensor, E: Tensor, targets, mask=None, *, n
     def logits_buffer(cols: int) -> Tensor:   # [T, cols] over the one reusable buffer
         return logits_store.rows(0, T * cols).view(T, cols)
 
-    dh = dh if dh is not None else engine.empty((T, D), "f32", capacity=tp * D)
-    dE = dE if dE is not None else engine.empty((V, D), "f32")
+    if grads:
+        dh = dh if dh is not None else engine.empty((T, D), "f32", capacity=tp * D)
+        dE = dE if dE is not None else engine.empty((V, D), "f32")
     state = [{n: engine.empty((T,), "f32", capacity=tp) for n in ("m", "s", "tl")} for _ in range(2)]
     lse = engine.empty((T,), "f32", capacity=tp)
     run = engine.run
@@ -132,6 +136,8 @@ def lm_head_cross_entropy(engine, h: Tensor, E: Tensor, targets, mask=None, *, n
     loss = run("xent_loss", bucket=bucket, dims={"1": 1}, lse=lse, tl=tl, mask=mask,
                inv_norm=1.0 / normalizer)["loss"]
 
+    if not grads:
+        return LMHeadResult(loss, None, None)
     # pass 2: dlogits per chunk, then dh and the chunk's rows of dE. It walks the chunks backwards,
     # so the first one it needs (the last of pass 1) still has its logits in the buffer.
     scale = loss_scale / normalizer

@@ -261,3 +261,21 @@ def test_out_of_range_target_in_a_tensor_is_caught_by_reading_it_back(engine, rn
         lm_head_cross_entropy(engine, engine.tensor(h), engine.tensor(E), engine.tensor(targets, "i32"),
                               engine.tensor(mask), chunk=64)
     assert engine.dispatches == before
+
+
+def test_loss_only_skips_the_gradients(ctx, rng):
+    """grads=False gives the same loss, returns no gradients and records only pass 1."""
+    T, V, D = 37, 300, 16
+    h = rng.standard_normal((T, D)).astype(np.float32)
+    E = rng.standard_normal((V, D)).astype(np.float32)
+    targets = rng.integers(0, V, T).astype(np.int32)
+    mask = (rng.random(T) > 0.3).astype(np.float32)
+    full, only = ComputeEngine(ctx), ComputeEngine(ctx)
+    a = lm_head_cross_entropy(full, full.tensor(h), full.tensor(E), targets, mask, normalizer=5.0, chunk=64, bucket=16)
+    b = lm_head_cross_entropy(only, only.tensor(h), only.tensor(E), targets, mask, normalizer=5.0, chunk=64,
+                              bucket=16, grads=False)
+    assert b.dh is None and b.dE is None
+    assert b.loss_value() == a.loss_value()
+    assert only.dispatches < full.dispatches
+    with pytest.raises(ValueError, match="grads=False"):
+        lm_head_cross_entropy(only, only.tensor(h), only.tensor(E), targets, mask, grads=False, accumulate_dE=True)

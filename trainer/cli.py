@@ -464,7 +464,8 @@ def evaluate(model, engine, items, bucket: int) -> tuple[float, float]:
         for j, m in enumerate((mask, answer)):
             if m is None or not m.any():
                 continue
-            res = lm_head_cross_entropy(engine, trace.hn, model.lm_head, targets, m, normalizer=1.0, bucket=bucket)
+            res = lm_head_cross_entropy(engine, trace.hn, model.lm_head, targets, m, normalizer=1.0, bucket=bucket,
+                                        grads=False)
             sums[j] += res.loss_value()
             counts[j] += int(m.sum())
     return tuple(s / c if c else float("nan") for s, c in zip(sums, counts))
