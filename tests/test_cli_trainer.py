@@ -187,7 +187,7 @@ def test_two_ranks_with_file_sync_equal_one_process_accumulating_both(tmp_path):
     assert one.returncode == 0, one.stderr
     sync = ["--sync-dir", tmp_path / "sync", "--world-size", 2, "--grad-accum", 1, "--out", tmp_path / "two",
             "--sync-timeout", 120]
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     procs = [subprocess.Popen([sys.executable, "-m", "trainer", *map(str, common + sync), "--rank", str(r)],
                               cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for r in (0, 1)]
