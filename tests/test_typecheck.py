@@ -17,6 +17,7 @@ import lfm2jit
 from lfm2jit import DslError, compile_source
 from lfm2jit.ir.nodes import SEQ_AXIS, KernelIR, Node, toposort
 from lfm2jit.ir.ops import REDUCE, Op
+from dsl_errors import assert_dsl_error
 
 ABSTRACT = "float"   # a literal's dtype until it meets a typed operand
 
@@ -257,24 +258,6 @@ def test_outputs_may_feed_later_statements():
 
 
 # --------------------------------------------------------------------------- semantic errors
-
-def assert_dsl_error(text, line, col, token, message, expected, filename="bad.lk"):
-    """compile_source(text) raises DslError at (line, col), where ``token`` starts, and prints it all."""
-    with pytest.raises(DslError) as info:
-        compile_source(text, filename)
-    err = info.value
-    assert (err.line, err.column) == (line, col), str(err)
-    assert err.filename == filename
-    src_line = text.split("\n")[line - 1]
-    assert src_line[col - 1:].startswith(token), f"{token!r} is not at {line}:{col} of {src_line!r}"
-    assert message in err.message, str(err)
-    assert err.expected and expected in err.expected, str(err)
-    out = str(err).split("\n")
-    assert out[0] == f"{filename}:{line}:{col}: {err.message}"
-    assert out[1] == "    " + src_line.rstrip()
-    assert out[2] == "    " + " " * (col - 1) + "^"
-    assert out[-1] == f"expected: {err.expected}"
-
 
 def D(s: str) -> str:
     return textwrap.dedent(s).lstrip("\n")
