@@ -1,12 +1,15 @@
 """Train the same LFM2-350M-shaped model with lfm2jit and with PyTorch + transformers, in one run.
 
-    python benches/side_by_side.py [--quick] [--steps N] [--json PATH] [--shapes 1x512 8x512 1x2048]
+    python benches/side_by_side.py [--quick] [--f16] [--steps N] [--json PATH] [--shapes 1x512 8x512 1x2048]
 
 Both sides: random init, fp32 (PyTorch with TF32 off for matmuls and cuDNN), AdamW(lr=1e-4,
 weight_decay=0.01), gradient clipping at 1.0, random token ids, a loss read back every sequence,
 one optimizer step per window. A shape BxT is B sequences of T tokens per optimizer step: lfm2jit
 runs them as B micro-steps with grad_accum_steps=B (its only batching); PyTorch runs them as one
 [B, T] batch (what a PyTorch user would run, and the faster PyTorch choice).
+
+With --f16 both sides run mixed precision: lfm2jit with f16 activations (``--f16``), PyTorch
+under ``torch.autocast(float16)``; both with a dynamic loss scaler.
 
 Reported per shape: tokens/s (median window after warm-up), peak memory and the ratios.
 lfm2jit's peak = the buffer pool's peak bytes in use (activations, gradients, AdamW moments and
@@ -52,7 +55,8 @@ def torch_available(device: str):
     return torch, None
 
 
-def run_torch(torch, cfg, shapes, steps: int, warmup: int, device: str, seed: int = 0, log=print) -> tuple[list, dict]:
+def run_torch(torch, cfg, shapes, steps: int, warmup: int, device: str, seed: int = 0, log=print,
+              f16: bool = False) -> tuple[list, dict]:
     import transformers
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -73,7 +77,8 @@ def run_torch(torch, cfg, shapes, steps: int, warmup: int, device: str, seed: in
     meta = {"torch": torch.__version__, "transformers": transformers.__version__, "n_params": n_params,
             "attn_implementation": getattr(model.config, "_attn_implementation", None), "init_s": init_s,
             "tf32_matmul": torch.backends.cuda.matmul.allow_tf32, "tf32_cudnn": torch.backends.cudnn.allow_tf32,
-            "device_name": torch.cuda.get_device_name() if cuda else "cpu"}
+            "device_name": torch.cuda.get_device_name() if cuda else "cpu", "autocast_f16": f16}
+    scaler = torch.amp.GradScaler(dev.type, enabled=f16)
     log(f"# torch {torch.__version__}, transformers {transformers.__version__}, {n_params / 1e6:.1f}M parameters, "
         f"attention {meta['attn_implementation']}, init {init_s:.1f}s")
 
@@ -85,13 +90,16 @@ def run_torch(torch, cfg, shapes, steps: int, warmup: int, device: str, seed: in
     for batch, t in shapes:
         def window():
             ids = torch.from_numpy(rng.integers(0, cfg.vocab_size, (batch, t + 1))).to(dev)
-            logits = model(input_ids=ids[:, :-1]).logits
+            with torch.autocast(dev.type, dtype=torch.float16, enabled=f16):
+                logits = model(input_ids=ids[:, :-1]).logits
             loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
                                                      ids[:, 1:].reshape(-1))
-            loss.backward()
+            scaler.scale(loss).backward()
             value = loss.item()
+            scaler.unscale_(opt)
             torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
+            scaler.step(opt)
+            scaler.update()
             opt.zero_grad(set_to_none=True)
             return value
 
@@ -137,6 +145,7 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=1, help="windows after the first before timing")
     ap.add_argument("--json", metavar="PATH")
     ap.add_argument("--torch-device", default="cuda", help="cuda (default) or cpu (to test this script)")
+    ap.add_argument("--f16", action="store_true", help="mixed precision on both sides (see above)")
     ap.add_argument("--skip-torch", action="store_true")
     ap.add_argument("--skip-ours", action="store_true")
     args = ap.parse_args(argv)
@@ -165,13 +174,14 @@ def main(argv=None) -> int:
                 free1, _ = torch.cuda.mem_get_info()
                 return {"device_used_bytes": free0 - free1}
         ours, ours_meta = train_bench(ctx, cfg, shapes, steps=args.steps, warmup=args.warmup,
-                                      log=lambda s: print(s, flush=True), probe=probe)
+                                      log=lambda s: print(s, flush=True), probe=probe,
+                                      activation_dtype="f16" if args.f16 else "f32")
     doc["lfm2jit"] = {"meta": ours_meta, "lines": [asdict(l) for l in ours]}
 
     theirs, theirs_meta = [], {}
     if torch is not None:
         theirs, theirs_meta = run_torch(torch, cfg, shapes, args.steps, args.warmup, args.torch_device,
-                                        log=lambda s: print(s, flush=True))
+                                        log=lambda s: print(s, flush=True), f16=args.f16)
     else:
         print(f"# PyTorch side skipped: {why}")
     doc["torch"] = {"meta": theirs_meta, "results": theirs, "skipped": why if torch is None else None}

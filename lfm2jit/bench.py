@@ -487,7 +487,8 @@ def _kernel_class(name: str) -> str:
 
 
 def train_bench(ctx, cfg, shapes, steps: int = 3, warmup: int = 1, seed: int = 0, log=print,
-                profile: bool = True, clip: float | None = 1.0, probe=None) -> tuple[list[Line], dict]:
+                profile: bool = True, clip: float | None = 1.0, probe=None,
+                activation_dtype: str = "f32") -> tuple[list[Line], dict]:
     """Trainer.train_step on a fresh random-init model, for each (batch, T) in ``shapes``, in order.
 
     batch > 1 means that many sequences of T with grad_accum_steps = batch: one optimizer step per
@@ -495,14 +496,15 @@ def train_bench(ctx, cfg, shapes, steps: int = 3, warmup: int = 1, seed: int = 0
     second window compiles nothing, tokens/s over ``steps`` windows after ``warmup``, the host
     breakdown, GPU busy time per window from timestamps (one extra window), and peak memory.
     ``probe()``, if given, is called after each shape (model alive) and its dict added to the line.
+    ``activation_dtype="f16"`` runs the mixed-precision path (with a GradScaler, as --f16 does).
     """
-    from trainer import AdamW, Trainer
+    from trainer import AdamW, GradScaler, Trainer
 
     from .model import Lfm2Model
     from .model.checkpoint import parameter_shapes
     engine = ComputeEngine(ctx)
     t0 = time.perf_counter()
-    model = Lfm2Model(cfg, ctx, engine, seed=seed)
+    model = Lfm2Model(cfg, ctx, engine, seed=seed, activation_dtype=activation_dtype)
     init_s = time.perf_counter() - t0
     params = model.parameters()
     n_params = sum(p.size for p in params)
@@ -511,7 +513,7 @@ def train_bench(ctx, cfg, shapes, steps: int = 3, warmup: int = 1, seed: int = 0
     rng = np.random.default_rng(seed + 1)
     lines: list[Line] = []
     meta = {"adapter": ctx.name, "n_params": n_params, "param_bytes": param_bytes, "model_init_s": init_s,
-            "config": cfg.to_dict(), "clip_grad_norm": clip}
+            "config": cfg.to_dict(), "clip_grad_norm": clip, "activation_dtype": activation_dtype}
     log(f"# model: {n_params / 1e6:.1f}M parameters, host init + upload {init_s:.1f}s")
 
     for batch, t in shapes:
@@ -519,6 +521,8 @@ def train_bench(ctx, cfg, shapes, steps: int = 3, warmup: int = 1, seed: int = 0
         tokens = batch * t
         tr = Trainer(model, opt, ctx, engine).with_grad_accum_steps(batch).with_length_bucket(64)
         tr.with_clip_grad_norm(clip)
+        if activation_dtype == "f16":
+            tr.with_grad_scaler(GradScaler())
         losses: list[float] = []
 
         def window():
@@ -672,6 +676,8 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=None, help="timed calls per kernel line (default 10, quick 3)")
     ap.add_argument("--steps", type=int, default=None, help="timed train windows per shape (default 3, quick 2)")
     ap.add_argument("--no-tiles", action="store_true", help="skip the tile-configuration sweep")
+    ap.add_argument("--f16", action="store_true", help="train steps with f16 activations (mixed precision, "
+                    "loss scaling on), as python -m trainer --f16 runs them")
     ap.add_argument("--tile-shapes", nargs="+", metavar="MxNxK", help="shapes for the tiles group "
                     "(default 4096x4096x4096 2048x4608x1024 2048x1024x4608)")
     args = ap.parse_args(argv)
@@ -714,7 +720,8 @@ def main(argv=None) -> int:
         cfg = Lfm2Config.preset("tiny" if args.quick else "350M")
         shapes = [(1, 64), (4, 64), (1, 128)] if args.quick else [(1, 512), (8, 512), (1, 2048)]
         train_lines, state["meta"] = train_bench(ctx, cfg, shapes, steps=args.steps or (2 if args.quick else 3),
-                                                 log=lambda s: print(s, flush=True))
+                                                 log=lambda s: print(s, flush=True),
+                                                 activation_dtype="f16" if args.f16 else "f32")
         state["lines"] = list(bench.lines) + train_lines
         write_json()
     lines = state["lines"]

@@ -32,15 +32,23 @@ class Kernel:
         return frozenset(name for name, n in self.ir.results.items()
                          if n.op == Op.PROJ and intrinsics.get(n.srcs[0].arg).adds_only)
 
-    def variant(self, storage: str) -> "Kernel":
-        """This kernel with f32 tensors stored as ``storage`` ("f16"), computing in f32."""
+    def variant(self, storage: str, keep=frozenset()) -> "Kernel":
+        """This kernel with f32 tensors stored as ``storage`` ("f16"), computing in f32; the
+        tensors named in ``keep`` stay f32 (see ir/retype.py)."""
         if storage == "f32":
             return self
         if storage not in ("f16",):
             raise ValueError(f"{self.name}: storage precision must be f32 or f16, got {storage!r}")
-        if storage not in self._variants:
-            self._variants[storage] = Kernel(retype(self.ir, storage))
-        return self._variants[storage]
+        key = (storage, frozenset(keep))
+        if all(t.name in key[1] for t in self.ir.inputs + self.ir.outputs if t.dtype == "f32"):
+            return self                   # nothing left to retype
+        if key not in self._variants:
+            self._variants[key] = Kernel(retype(self.ir, storage, key[1]))
+        return self._variants[key]
+
+    @property
+    def tensor_names(self) -> frozenset[str]:
+        return frozenset(t.name for t in self.ir.inputs + self.ir.outputs)
 
     @property
     def name(self) -> str:
@@ -75,10 +83,22 @@ class Backward:
     ``d_<output>``; outputs are gradients ``d_<input>``.
     """
 
-    def __init__(self, forward: Kernel, ir: KernelIR):
+    def __init__(self, forward: Kernel, ir: KernelIR, kernels: list[Kernel] | None = None):
         self.forward = forward
         self.ir = ir
-        self.kernels = [Kernel(part) for part in partition(ir)]
+        self.kernels = kernels if kernels is not None else [Kernel(part) for part in partition(ir)]
+        self._variants: dict[tuple, Backward] = {}
+
+    def variant(self, storage: str, keep=frozenset()) -> "Backward":
+        """Every kernel of this backward pass as ``Kernel.variant(storage, keep)`` (each keeping
+        the names in ``keep`` that it has)."""
+        if storage == "f32":
+            return self
+        key = (storage, frozenset(keep))
+        if key not in self._variants:
+            self._variants[key] = Backward(self.forward, self.ir, [k.variant(storage, key[1] & k.tensor_names)
+                                                                  for k in self.kernels])
+        return self._variants[key]
 
     @property
     def name(self) -> str:

@@ -29,6 +29,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from . import library
+from .precision import for_call
 from .runtime.tensor import ITEMSIZE, Tensor
 from .schedule.spec import bucketed
 
@@ -57,7 +59,8 @@ def lm_head_cross_entropy(engine, h: Tensor, E: Tensor, targets, mask=None, *, n
 
     Arguments:
       engine      the ComputeEngine to record into.
-      h           f32 Tensor [T, D]: final hidden states (after the last norm), T >= 1 real positions.
+      h           f32 or f16 Tensor [T, D]: final hidden states (after the last norm), T >= 1 real
+                  positions. With f16 h (mixed precision) dh is f16 too; everything else stays f32.
       E           f32 Tensor [V, D]: the LM head / output embedding (logits = h @ E^T).
       targets     [T] target ids: an i32 Tensor, or integers (a list or numpy array, uploaded here).
                   Positions whose mask is nonzero need 0 <= target < V; masked ones may hold
@@ -69,7 +72,8 @@ def lm_head_cross_entropy(engine, h: Tensor, E: Tensor, targets, mask=None, *, n
       chunk       vocabulary rows per step, a positive multiple of 64: temporaries are one
                   [T, chunk] f32 buffer plus a few [T] vectors. V need not be a multiple of it.
       bucket      the length bucket T is specialized to (kernels are cached per bucketed T).
-      dh, dE      output tensors to write (f32 [T, D] / [V, D]); allocated from the pool when None.
+      dh, dE      output tensors to write ([T, D] in h's dtype / f32 [V, D]); allocated from the pool
+                  when None.
       accumulate_dh, accumulate_dE
                   add to the given dh / dE instead of overwriting them (e.g. a tied embedding
                   whose dE already holds the input-embedding gradient).
@@ -97,8 +101,8 @@ def lm_head_cross_entropy(engine, h: Tensor, E: Tensor, targets, mask=None, *, n
     if V >= MAX_EXACT_VOCAB:
         raise ValueError(f"vocabulary size {V} is too large: chunk offsets are passed as exact f32 "
                          f"integers, so V must be below {MAX_EXACT_VOCAB}")
-    dh = _check_out("dh", dh, (T, D), accumulate_dh)
-    dE = _check_out("dE", dE, (V, D), accumulate_dE)
+    dh = _check_out("dh", dh, h.dtype, (T, D), accumulate_dh)
+    dE = _check_out("dE", dE, "f32", (V, D), accumulate_dE)
     chunks = [(c0, min(c0 + chunk, V)) for c0 in range(0, V, chunk)]
     _check_bindings(engine, E, dE, T, D, chunks, bucket)
     _check_distinct(h=h, E=E, dh=dh, dE=dE, targets=targets, mask=mask)
@@ -113,11 +117,13 @@ def lm_head_cross_entropy(engine, h: Tensor, E: Tensor, targets, mask=None, *, n
         return logits_store.rows(0, T * cols).view(T, cols)
 
     if grads:
-        dh = dh if dh is not None else engine.empty((T, D), "f32", capacity=tp * D)
+        dh = dh if dh is not None else engine.empty((T, D), h.dtype, capacity=tp * D)
         dE = dE if dE is not None else engine.empty((V, D), "f32")
     state = [{n: engine.empty((T,), "f32", capacity=tp) for n in ("m", "s", "tl")} for _ in range(2)]
     lse = engine.empty((T,), "f32", capacity=tp)
-    run = engine.run
+
+    def run(name: str, **kw):       # with f16 h (mixed precision), the variants reading or writing h / dh
+        return engine.run(for_call(library.get(name), h.dtype, kw, kw.get("out")), **kw)
 
     # pass 1: running log-sum-exp and target logit over the chunks
     for i, (c0, c1) in enumerate(chunks):
@@ -133,8 +139,8 @@ def lm_head_cross_entropy(engine, h: Tensor, E: Tensor, targets, mask=None, *, n
                 m=old["m"], s=old["s"], tl=old["tl"], c0=float(c0))
     tl = state[(len(chunks) - 1) % 2]["tl"]
     # dims names the output's fixed axis: engine.run sizes outputs from its inputs only (KeyError '1')
-    loss = run("xent_loss", bucket=bucket, dims={"1": 1}, lse=lse, tl=tl, mask=mask,
-               inv_norm=1.0 / normalizer)["loss"]
+    loss = run("xent_loss", bucket=bucket, dims={"1": 1}, out={"loss": engine.empty((1,), "f32")}, lse=lse, tl=tl,
+               mask=mask, inv_norm=1.0 / normalizer)["loss"]
 
     if not grads:
         return LMHeadResult(loss, None, None)
@@ -157,11 +163,11 @@ def lm_head_cross_entropy(engine, h: Tensor, E: Tensor, targets, mask=None, *, n
 # ---- argument checks (all before any GPU work) ----
 
 def _check_operands(h, E) -> tuple[int, int, int]:
-    for name, t in (("h", h), ("E", E)):
+    for name, t, dtypes in (("h", h, ("f32", "f16")), ("E", E, ("f32",))):
         if not isinstance(t, Tensor):
             raise TypeError(f"{name} must be a Tensor, got {type(t).__name__}")
-        if t.dtype != "f32":
-            raise ValueError(f"{name} must be f32, got {t.dtype}")
+        if t.dtype not in dtypes:
+            raise ValueError(f"{name} must be {' or '.join(dtypes)}, got {t.dtype}")
         if len(t.shape) != 2:
             raise ValueError(f"{name} must be 2-D ({'[T, D]' if name == 'h' else '[V, D]'}), got shape {list(t.shape)}")
     (T, D), (V, DE) = h.shape, E.shape
@@ -178,15 +184,15 @@ def _finite(name: str, value) -> float:
     return float(value)
 
 
-def _check_out(name: str, t, shape, accumulate: bool):
+def _check_out(name: str, t, dtype: str, shape, accumulate: bool):
     if t is None:
         if accumulate:
             raise ValueError(f"accumulate_{name}=True needs a {name} tensor to add to")
         return None
     if not isinstance(t, Tensor):
         raise TypeError(f"{name} must be a Tensor or None, got {type(t).__name__}")
-    if t.dtype != "f32" or t.shape != tuple(shape):
-        raise ValueError(f"{name} is {t.dtype}{list(t.shape)}, expected f32{list(shape)}")
+    if t.dtype != dtype or t.shape != tuple(shape):
+        raise ValueError(f"{name} is {t.dtype}{list(t.shape)}, expected {dtype}{list(shape)}")
     return t
 
 

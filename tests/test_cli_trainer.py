@@ -181,6 +181,28 @@ def test_text_jsonl_with_sgd_and_loss_scaling(tmp_path, ctx, engine):
     assert m["supervised"] == m["tokens"] and m["loss_scale"] == 2.0 ** 16 and m["skipped"] is False
 
 
+def test_f16_run_tracks_the_f32_run_and_resumes_in_f16(short_run, tmp_path, ctx):
+    """--f16 turns on loss scaling and f16 activations; losses follow the f32 run's (within 1e-3,
+    see tests/test_mixed_precision.py), and a resumed run stays f16."""
+    if not ctx.has_f16:
+        pytest.skip("adapter has no shader-f16")
+    out32, r32 = short_run
+    assert r32.returncode == 0, r32.stderr
+    out = tmp_path / "f16"
+    r = cli(*SHORT, "--steps", 2, "--checkpoint-every", 2, "--f16", "--out", out)
+    assert r.returncode == 0, r.stderr
+    assert "loss scaling, f16 activations" in r.stdout
+    r = cli("--resume", out, "--steps", 3, "--no-progress")
+    assert r.returncode == 0, r.stderr
+    assert "loss scaling, f16 activations" in r.stdout
+    got, want = metrics(out), metrics(out32)
+    assert [m["step"] for m in got] == [1, 2, 3]
+    assert all(m["loss_scale"] == 2.0 ** 16 and m["skipped"] is False for m in got)
+    assert [m["loss"] for m in got] == pytest.approx([m["loss"] for m in want], rel=1e-3)
+    meta = json.loads((out / "checkpoints" / "step-000003" / "trainer.json").read_text())
+    assert '"f16": true' in json.dumps(meta)
+
+
 def test_two_ranks_with_file_sync_equal_one_process_accumulating_both(tmp_path):
     common = ["--preset", "tiny", "--steps", 2, "--schedule", "constant", "--eval-fraction", 0, "--no-progress"]
     one = cli(*common, "--grad-accum", 2, "--out", tmp_path / "one")
@@ -232,7 +254,6 @@ def bad_jsonl(tmp_path_factory):
     (["--data", "/no/such/file.jsonl"], "--data /no/such/file.jsonl: no such file"),
     (["--data", "BAD"], "bad.jsonl:2: malformed JSON"),
     (["--model", "SMALL"], "has 102 ids but the model's vocab_size is 64"),
-    (["--f16"], "--f16 is not supported yet"),
     (["--world-size", "2"], "--world-size > 1 needs --sync-dir"),
     (["--world-size", "2", "--rank", "2", "--sync-dir", "/tmp/x"], "--rank must be in 0..1"),
     (["--resume", "/no/such/run"], "--resume /no/such/run: no such directory"),

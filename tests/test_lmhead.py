@@ -88,6 +88,25 @@ def test_all_masked_gives_exact_zeros(engine, rng, T, bucket):
     check(engine, rng, T, 256, 16, 64, bucket, mask_override=np.zeros(T, np.float32))
 
 
+@pytest.mark.parametrize("T,bucket", [(5, 1), (37, 16)])
+def test_f16_hidden_states(ctx, engine, rng, T, bucket):
+    """Mixed precision: f16 h gives f16 dh; loss and dE stay f32. Against float64 on the same
+    f16-rounded h, only dh's storage adds error: it is summed over the 3 chunks (V=300, chunk 128)
+    in f16, one rounding (relative 2**-11 = 4.9e-4) per chunk; the rest is f32 arithmetic, within TOL."""
+    if not ctx.has_f16:
+        pytest.skip("adapter has no shader-f16")
+    h, E, targets, mask = problem(rng, T, 300, 32)
+    h = h.astype(np.float16)
+    norm = max(float(mask.sum()), 1.0)
+    res = lm_head_cross_entropy(engine, engine.tensor(h), engine.tensor(E), targets, mask, normalizer=norm,
+                                chunk=128, bucket=bucket)
+    assert (res.dh.dtype, res.dE.dtype) == ("f16", "f32")
+    want_loss, want_dh, want_dE = reference(h.astype(np.float32), E, targets, mask, norm)
+    assert abs(res.loss_value() - want_loss) / abs(want_loss) < TOL
+    assert rel_err(res.dE.numpy(), want_dE) < TOL
+    assert rel_err(res.dh.numpy().astype(np.float64), want_dh) < 3 * 2 ** -11
+
+
 def test_one_chunk_wider_than_the_vocabulary(engine, rng):
     check(engine, rng, 37, 100, 16, 4096, 16)
 
@@ -212,7 +231,11 @@ T_BAD, V_BAD, D_BAD = 8, 100, 16
 BAD = {
     "h_not_tensor": (lambda e, a: dict(h=np.zeros((8, 16), np.float32)), TypeError, "h must be a Tensor"),
     "h_1d": (lambda e, a: dict(h=e.tensor(np.zeros(16, np.float32))), ValueError, "h must be 2-D"),
-    "h_f16": (lambda e, a: dict(h=e.tensor(np.zeros((8, 16), np.float16))), ValueError, "h must be f32"),
+    "h_i32": (lambda e, a: dict(h=e.tensor(np.zeros((8, 16), np.int32))), ValueError, "h must be f32 or f16, got i32"),
+    "E_f16": (lambda e, a: dict(E=e.tensor(np.zeros((100, 16), np.float16))), ValueError, "E must be f32, got f16"),
+    "dh_f32_for_f16_h": (lambda e, a: dict(h=e.tensor(np.zeros((8, 16), np.float16)),
+                                           dh=e.tensor(np.zeros((8, 16), np.float32))), ValueError,
+                         "dh is f32[8, 16], expected f16[8, 16]"),
     "hidden_mismatch": (lambda e, a: dict(E=e.tensor(np.zeros((100, 8), np.float32))), ValueError,
                         "hidden sizes differ"),
     "target_out_of_range": (lambda e, a: dict(targets=np.where(np.arange(8) == 2, 100, 0), mask=np.ones(8)),

@@ -161,8 +161,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dynamic loss scaling (GradScaler: scale 2**16, x0.5 and skip the step on inf/NaN "
                         "gradients, x2 after 2000 clean steps)")
     o.add_argument("--f16", action="store_true", default=None,
-                   help="f16 weights/activations: NOT SUPPORTED YET (the model runs f32 kernels and stores "
-                        "f32 weights); the flag exits with an error rather than being ignored")
+                   help="mixed precision: activations and their gradients stored as f16 (half the activation "
+                        "memory and traffic); weights, gradients and optimizer state stay f32 and every kernel "
+                        "computes in f32. Turns on --scaler (f16 gradients need loss scaling). Needs an adapter "
+                        "with shader-f16"),
     length = o.add_mutually_exclusive_group()
     length.add_argument("--steps", type=int, metavar="N",
                         help="train until optimizer step N (total, counting steps before a --resume)")
@@ -209,7 +211,7 @@ AS_YOU_LIKE = {"steps", "checkpoint_every", "keep_checkpoints", "eval_max", "syn
 # Settings a checkpoint carries and --resume restores (flags given with --resume override them).
 RESUMABLE = ("tokenizer", "data", "data_kind", "loss_on", "max_len", "eval_fraction", "eval_max", "seed", "optimizer", "lr",
              "weight_decay", "momentum", "schedule", "warmup_steps", "min_lr", "grad_accum", "clip", "bucket",
-             "scaler", "steps", "checkpoint_every", "keep_checkpoints", "world_size", "sync_dir", "run_id",
+             "scaler", "f16", "steps", "checkpoint_every", "keep_checkpoints", "world_size", "sync_dir", "run_id",
              "sync_timeout", "check_loss_drop", "source", "preset")
 
 
@@ -238,6 +240,7 @@ class Run:
     clip: float
     bucket: int
     scaler: bool
+    f16: bool
     steps: int | None
     epochs: float | None
     out: str | None
@@ -270,10 +273,6 @@ def resolve(args: argparse.Namespace, argv_empty: bool, saved: dict | None = Non
     """Fill in defaults (or, with --resume, the checkpoint's settings), then validate."""
     from .data import default_dataset, default_tokenizer
     g = _given(args)
-    if g.get("f16"):
-        raise UsageError("--f16 is not supported yet: Lfm2Model keeps f32 weights and runs f32 kernels (f16 "
-                         "storage is not wired into the model); train in f32, with --scaler if you want loss "
-                         "scaling")
     notes: list[str] = []
     if saved is not None:
         for flag in ("model", "preset"):
@@ -335,7 +334,8 @@ def resolve(args: argparse.Namespace, argv_empty: bool, saved: dict | None = Non
         weight_decay=g.get("weight_decay", 0.01 if optimizer == "adamw" else 0.0), momentum=g.get("momentum", 0.9),
         schedule=g.get("schedule", "cosine"), warmup_steps=g.get("warmup_steps"), min_lr=g.get("min_lr", lr / 10),
         grad_accum=g.get("grad_accum", DEFAULT_ACCUM), clip=g.get("clip", 1.0), bucket=g.get("bucket", 64),
-        scaler=bool(g.get("scaler", False)), steps=steps, epochs=epochs, out=g.get("out"),
+        scaler=bool(g.get("scaler", False) or g.get("f16", False)), f16=bool(g.get("f16", False)),
+        steps=steps, epochs=epochs, out=g.get("out"),
         checkpoint_every=g.get("checkpoint_every", 0), keep_checkpoints=g.get("keep_checkpoints", DEFAULT_KEEP),
         check_loss_drop=g.get("check_loss_drop", DEMO_CHECK_LOSS_DROP if argv_empty else None),
         progress=not g.get("no_progress", False), sync_dir=g.get("sync_dir"), rank=g.get("rank", 0),
@@ -682,15 +682,18 @@ def prepare(args, argv_empty: bool) -> dict:
     except AdapterError as e:
         raise UsageError(str(e)) from None
     engine = ComputeEngine(ctx)
+    dtype = "f16" if run.f16 else "f32"
+    if run.f16 and not ctx.has_f16:
+        raise UsageError(f"--f16: adapter {ctx.name!r} has no shader-f16 feature; train without --f16")
     try:
         if ckpt is not None:
-            model = Lfm2Model.from_pretrained(ckpt / "model", ctx, engine) if cfg is not None else None
+            model = Lfm2Model.from_pretrained(ckpt / "model", ctx, engine, dtype) if cfg is not None else None
             if model is None:
                 raise UsageError(f"{ckpt}: no model/ directory")
         elif run.source == "model":
-            model = Lfm2Model.from_pretrained(run.model, ctx, engine)
+            model = Lfm2Model.from_pretrained(run.model, ctx, engine, dtype)
         else:
-            model = Lfm2Model(cfg, ctx, engine, seed=run.seed)
+            model = Lfm2Model(cfg, ctx, engine, seed=run.seed, activation_dtype=dtype)
     except (CheckpointError, ConfigError) as e:
         raise UsageError(f"model: {e}") from None
 
@@ -764,7 +767,7 @@ def train(s: dict) -> int:
     print(f"  steps {start + 1}..{run.steps}: {run.grad_accum} sequence(s) per step"
           + (f" per rank x {run.world_size} ranks" if run.world_size > 1 else "")
           + f", {run.optimizer} lr {run.lr:g} ({run.schedule}), clip {run.clip:g}, bucket {run.bucket}"
-          + (", loss scaling" if run.scaler else ""))
+          + (", loss scaling" if run.scaler else "") + (", f16 activations" if run.f16 else ""))
     print(f"  output: {out.resolve()}")
     sys.stdout.flush()
 

@@ -4,6 +4,10 @@ The forward pass is a straight list of kernel calls per layer; the backward pass
 reversed, each line quoting the forward line it differentiates. Every activation is commented
 with its shape. All work is recorded into the engine and submitted together.
 
+Parameters, their gradients and per-row statistics are always f32. Activations (and their
+gradients) are f32, or f16 with ``activation_dtype="f16"``: mixed precision, where every kernel
+still computes in f32 and only storage narrows (see lfm2jit/precision.py).
+
 Shapes: T positions (padded to the length bucket inside kernels), D hidden, F MLP width,
 H query heads, G kv heads, E head dim (E = 2R for RoPE), V vocabulary.
 """
@@ -16,6 +20,7 @@ import numpy as np
 
 from .. import grad, library
 from ..intrinsics.embedding import slots
+from ..precision import check_activation_dtype, for_call
 from ..runtime import Tensor
 from ..schedule.spec import bucketed
 from .checkpoint import check_tensors, load_checkpoint, parameter_shapes, save_checkpoint
@@ -39,10 +44,12 @@ class Trace:
 
 
 class Lfm2Model:
-    def __init__(self, cfg: Lfm2Config, ctx, engine, seed: int = 0, tensors: dict[str, np.ndarray] | None = None):
+    def __init__(self, cfg: Lfm2Config, ctx, engine, seed: int = 0, tensors: dict[str, np.ndarray] | None = None,
+                 activation_dtype: str = "f32"):
         self.cfg = cfg
         self.ctx = ctx
         self.engine = engine
+        self.activation_dtype = check_activation_dtype(activation_dtype, ctx)
         if tensors is None:
             tensors = self._init_tensors(seed)
         tensors = check_tensors(cfg, tensors)
@@ -84,10 +91,10 @@ class Lfm2Model:
 
     # ---- checkpoints ----
     @classmethod
-    def from_pretrained(cls, directory, ctx, engine) -> "Lfm2Model":
+    def from_pretrained(cls, directory, ctx, engine, activation_dtype: str = "f32") -> "Lfm2Model":
         directory = Path(directory)
         cfg = Lfm2Config.from_json(directory / "config.json")
-        return cls(cfg, ctx, engine, tensors=load_checkpoint(directory))
+        return cls(cfg, ctx, engine, tensors=load_checkpoint(directory), activation_dtype=activation_dtype)
 
     def state_dict(self) -> dict[str, np.ndarray]:
         return {n: t.numpy() for n, t in self._params.items()}
@@ -125,11 +132,16 @@ class Lfm2Model:
             self._rope[t_pad] = (Tensor.from_numpy(self.ctx, np.cos(ang)), Tensor.from_numpy(self.ctx, np.sin(ang)))
         return self._rope[t_pad]
 
+    def _run(self, kernel, *, out=None, **args) -> dict[str, Tensor]:
+        """engine.run with the kernel's variant for this model's activation dtype."""
+        kernel = library.get(kernel) if isinstance(kernel, str) else kernel
+        return self.engine.run(for_call(kernel, self.activation_dtype, args, out), out=out, **args)
+
     # ---- forward ----
     def forward(self, input_ids, bucket: int = 1) -> Trace:
         """Record the forward pass up to the final norm; the trace holds what backward needs."""
         ids = self.check_ids(input_ids)
-        run, cfg = self.engine.run, self.cfg
+        run, cfg = self._run, self.cfg
         ids_t = self.engine.tensor(ids)
         h = run(_k("embedding"), bucket=bucket, table=self.p("model.embed_tokens.weight"), ids=ids_t)["y"]   # (T, D)
         trace = Trace(ids, bucket, h)
@@ -159,9 +171,9 @@ class Lfm2Model:
 
     def _linear(self, x: Tensor, name: str, bucket: int) -> Tensor:
         """y = x W^T (+ b): torch.nn.Linear with W stored [out, in]."""
-        y = self.engine.run(_k("linear"), bucket=bucket, x=x, w=self.p(name + ".weight"))["y"]
+        y = self._run(_k("linear"), bucket=bucket, x=x, w=self.p(name + ".weight"))["y"]
         if name + ".bias" in self._params:
-            self.engine.run(_k("bias_add"), bucket=bucket, y=y, b=self.p(name + ".bias"))
+            self._run(_k("bias_add"), bucket=bucket, y=y, b=self.p(name + ".bias"))
         return y
 
     def _conv_forward(self, pre: str, s: dict, bucket: int) -> Tensor:
@@ -170,7 +182,7 @@ class Lfm2Model:
         args = {"bcx": s["bcx"].view(t, 3, d), "w": self.p(pre + "conv.conv.weight").view(d, 3)}   # (T, 3, D), (D, 3)
         if self.cfg.conv_bias:
             args["b"] = self.p(pre + "conv.conv.bias")
-        s["c"] = self.engine.run(_k(self._conv_kernel), bucket=bucket, **args)["y"]                # (T, D) C * conv(B x)
+        s["c"] = self._run(_k(self._conv_kernel), bucket=bucket, **args)["y"]                # (T, D) C * conv(B x)
         return self._linear(s["c"], pre + "conv.out_proj", bucket)                                 # (T, D)
 
     @property
@@ -178,7 +190,7 @@ class Lfm2Model:
         return "short_conv" if self.cfg.conv_bias else "short_conv_nobias"
 
     def _attention_forward(self, pre: str, s: dict, bucket: int) -> Tensor:
-        cfg, run = self.cfg, self.engine.run
+        cfg, run = self.cfg, self._run
         t, h, g, e = s["xn"].shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         a = pre + "self_attn."
         s["q"] = self._linear(s["xn"], a + "q_proj", bucket).view(t, h, e)                         # (T, H, E)
@@ -199,7 +211,8 @@ class Lfm2Model:
     def logits(self, input_ids, bucket: int = 1) -> np.ndarray:
         """float32 [T, vocab] logits of a sequence (materialised: for checks, not for training)."""
         trace = self.forward(input_ids, bucket)
-        return self.engine.run(_k("linear"), bucket=bucket, x=trace.hn, w=self.lm_head)["y"].numpy()
+        y = self.engine.empty((len(trace.ids), self.cfg.vocab_size), "f32")
+        return self._run(_k("linear"), bucket=bucket, x=trace.hn, w=self.lm_head, out={"y": y})["y"].numpy()
 
     # ---- backward ----
     def zero_grad(self, params: list[Tensor] | None = None) -> None:
@@ -227,7 +240,7 @@ class Lfm2Model:
             # h = h1 + f;  f = w2(g)
             dg = self._linear_backward(s["g"], pre + "feed_forward.w2", dh, bucket)                 # (T, F)
             # g = silu(a) * b
-            gab = self.engine.run(_grad("silu_mul"), bucket=bucket, a=s["a"], b=s["b"], d_y=dg)
+            gab = self._run(_grad("silu_mul"), bucket=bucket, a=s["a"], b=s["b"], d_y=dg)
             # a = w1(xf); b = w3(xf)
             dxf = self._linear_backward(s["xf"], pre + "feed_forward.w1", gab["d_a"], bucket)       # (T, D)
             self._linear_backward(s["xf"], pre + "feed_forward.w3", gab["d_b"], bucket, into=dxf)
@@ -245,7 +258,7 @@ class Lfm2Model:
         if self._trained(emb):
             order, bounds, rows = slots(trace.ids, skip=self.cfg.pad_token_id)   # torch's padding_idx
             e = self.engine
-            self.engine.run(_k("embedding_backward"), bucket=bucket, dims={"V": self.cfg.vocab_size}, g=dh,
+            self._run(_k("embedding_backward"), bucket=bucket, dims={"V": self.cfg.vocab_size}, g=dh,
                             order=e.tensor(order), bounds=e.tensor(bounds), rows=e.tensor(rows),
                             out={"d_table": self._params[emb].grad}, accumulate={"d_table"})
 
@@ -253,7 +266,7 @@ class Lfm2Model:
                          need_dx: bool = True) -> Tensor | None:
         """y = x W^T (+ b): dx = dy W (new, or added into ``into``), W.grad += dy^T x, b.grad += sum dy."""
         w = self._params[name + ".weight"]
-        run = self.engine.run
+        run = self._run
         dx = None
         if need_dx:
             out = {"d_x": into} if into is not None else {}
@@ -278,7 +291,7 @@ class Lfm2Model:
             kernel = _grad("rmsnorm_saved", ("x", "w"), ("y",))
         else:
             kernel = _grad("rmsnorm_saved", ("x",), ("y",))
-        return self.engine.run(kernel, bucket=bucket, x=x, w=w, inv=inv, d_y=dy, out=out, accumulate=acc)["d_x"]
+        return self._run(kernel, bucket=bucket, x=x, w=w, inv=inv, d_y=dy, out=out, accumulate=acc)["d_x"]
 
     def _conv_backward(self, pre: str, s: dict, d_op: Tensor, bucket: int) -> Tensor:
         t, d = s["xn"].shape[0], self.cfg.hidden_size
@@ -293,13 +306,13 @@ class Lfm2Model:
         out = {"d_w": self.p(names["w"]).grad.view(d, 3)} if "w" in wrt else {}
         if "b" in wrt:
             out["d_b"] = self.p(names["b"]).grad
-        g = self.engine.run(_grad(self._conv_kernel, tuple(wrt)), bucket=bucket, d_y=dc, out=out,
+        g = self._run(_grad(self._conv_kernel, tuple(wrt)), bucket=bucket, d_y=dc, out=out,
                             accumulate=set(out), **args)
         # bcx = in_proj(xn)
         return self._linear_backward(s["xn"], pre + "conv.in_proj", g["d_bcx"].view(t, 3 * d), bucket)  # (T, D)
 
     def _attention_backward(self, pre: str, s: dict, d_op: Tensor, bucket: int) -> Tensor:
-        cfg, run = self.cfg, self.engine.run
+        cfg, run = self.cfg, self._run
         t, h, g, e = s["xn"].shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         a = pre + "self_attn."
         # op = out_proj(o)
@@ -323,9 +336,9 @@ class Lfm2Model:
     def _norm_backward_heads(self, x: Tensor, inv: Tensor, name: str, dy: Tensor, bucket: int) -> Tensor:
         w = self._params[name]
         if self._trained(name):
-            return self.engine.run(_grad("head_rmsnorm", ("x", "w"), ("y",)), bucket=bucket, x=x, w=w, inv=inv,
+            return self._run(_grad("head_rmsnorm", ("x", "w"), ("y",)), bucket=bucket, x=x, w=w, inv=inv,
                                    d_y=dy, out={"d_w": w.grad}, accumulate={"d_w"})["d_x"]
-        return self.engine.run(_grad("head_rmsnorm", ("x",), ("y",)), bucket=bucket, x=x, w=w, inv=inv,
+        return self._run(_grad("head_rmsnorm", ("x",), ("y",)), bucket=bucket, x=x, w=w, inv=inv,
                                d_y=dy)["d_x"]
 
 

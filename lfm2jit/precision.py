@@ -1,0 +1,38 @@
+"""Mixed precision: the kernel variant a call with f16 activations runs.
+
+In f16 mode activations and their gradients are stored as f16, while parameters, parameter
+gradients, optimizer state and per-row statistics stay f32, and every kernel computes in f32
+(loads widen, stores narrow). A call's variant follows the tensors it is given, so the call sites
+stay the same as in f32 mode: an input stays f32 when the tensor passed is f32, an output when
+``out=`` gives an f32 tensor or it is a statistic in ``STATISTICS``; every other float tensor is
+stored as f16.
+"""
+from __future__ import annotations
+
+from .compiler import Backward, Kernel
+from .runtime.tensor import Tensor
+
+ACTIVATION_DTYPES = ("f32", "f16")
+STATISTICS = frozenset({"inv", "lse"})   # rmsnorm's 1/rms and attention's log-sum-exp: small, reused by backward
+
+
+def check_activation_dtype(dtype: str, ctx) -> str:
+    """``dtype`` if the adapter can run it; a clear error before any GPU work otherwise."""
+    if dtype not in ACTIVATION_DTYPES:
+        raise ValueError(f"activation dtype must be one of {', '.join(ACTIVATION_DTYPES)}, got {dtype!r}")
+    if dtype == "f16" and not ctx.has_f16:
+        raise ValueError(f"f16 activations need the shader-f16 feature, which adapter {ctx.name!r} lacks; "
+                         "use f32")
+    return dtype
+
+
+def for_call(kernel: Kernel | Backward, dtype: str, args: dict, out: dict | None = None) -> Kernel | Backward:
+    """The variant of ``kernel`` that a call with these arguments runs when activations are ``dtype``."""
+    if dtype == "f32":
+        return kernel
+    keep = {n for n, t in args.items() if isinstance(t, Tensor) and t.dtype == "f32"}
+    keep |= {n for n, t in (out or {}).items() if t.dtype == "f32"}
+    keep = frozenset(keep | STATISTICS)
+    if isinstance(kernel, Kernel):       # a Backward keeps, per kernel, the names that kernel has
+        keep &= kernel.tensor_names
+    return kernel.variant(dtype, keep)
