@@ -6,8 +6,9 @@ import json
 import math
 
 import numpy as np
+import pytest
 
-from lfm2jit import ComputeEngine, library
+from lfm2jit import ComputeEngine, grad, library
 from lfm2jit.schedule.contraction import CANDIDATES, TileConfig
 from conftest import rel_err
 
@@ -62,11 +63,39 @@ def test_a_failing_candidate_scores_infinity(ctx, tmp_path, monkeypatch):
 
 
 def test_every_candidate_computes_the_same_product(engine, rng):
-    """The autotuner may pick any candidate, so each must be right, ragged edges included."""
-    for T, K, N in [(70, 33, 90), (129, 7, 130)]:
+    """The autotuner may pick any candidate, so each must be right, ragged edges included, for the
+    three products of a linear layer (x W^T, dY W, dY^T X), with scalar and vec4 device reads
+    (vec4 needs the contiguous axis a multiple of 4: K = 36 and 8 have it, 33 and 7 do not)."""
+    lin = library.get("linear")
+    dx_k, dw_k = grad(lin, ["x"]).kernels[0], grad(lin, ["w"]).kernels[0]
+    modes = set()
+    for T, K, N in [(70, 33, 90), (129, 7, 130), (70, 36, 92), (129, 8, 132)]:
         x = rng.standard_normal((T, K)).astype(np.float32)
         w = rng.standard_normal((N, K)).astype(np.float32)
-        want = x.astype(np.float64) @ w.T
+        dy = rng.standard_normal((T, N)).astype(np.float32)
+        want = {"y": x.astype(np.float64) @ w.T, "d_x": dy.astype(np.float64) @ w, "d_w": dy.T.astype(np.float64) @ x}
+        args = {"x": engine.tensor(x), "w": engine.tensor(w), "d_y": engine.tensor(dy)}
         for tiles in CANDIDATES:
-            got = engine.run("linear", bucket=16, tiles=tiles, x=engine.tensor(x), w=engine.tensor(w))["y"].numpy()
-            assert rel_err(got, want) < 1e-5, tiles
+            for kernel, out in ((lin, "y"), (dx_k, "d_x"), (dw_k, "d_w")):
+                given = {n: args[n] for n in (t.name for t in kernel.ir.inputs)}
+                got = engine.run(kernel, bucket=16, tiles=tiles, **given)[out].numpy()
+                assert rel_err(got, want[out]) < 1e-5, (tiles, out, T, K, N)
+                spec = kernel.specialize({"T": T, "K": K, "N": N}, 16, frozenset(), tiles)
+                modes |= {spec.context["a"]["vec"], spec.context["b"]["vec"]}
+    assert modes == {None, "k", "m"}
+
+
+def test_f16_operands_read_as_vectors(ctx, engine, rng):
+    """f16 storage (mixed precision) reads vec4<f16> and widens: exact products of f16 inputs in
+    f32, so only the f16 output's rounding (2**-11 relative) separates it from float64."""
+    if not ctx.has_f16:
+        pytest.skip("adapter has no shader-f16")
+    lin = library.get("linear").variant("f16")
+    VEC_TILES = TileConfig(64, 128, 16, 8, 8, vec=True)
+    T, K, N = 70, 36, 92
+    x = rng.standard_normal((T, K)).astype(np.float16)
+    w = rng.standard_normal((N, K)).astype(np.float16)
+    spec = lin.specialize({"T": T, "K": K, "N": N}, 16, frozenset(), VEC_TILES)
+    assert spec.context["a"]["vec"] == spec.context["b"]["vec"] == "k"
+    got = engine.run(lin, bucket=16, tiles=VEC_TILES, x=engine.tensor(x), w=engine.tensor(w))["y"].numpy()
+    assert rel_err(got.astype(np.float64), x.astype(np.float64) @ w.T.astype(np.float64)) < 2 ** -11

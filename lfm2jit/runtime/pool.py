@@ -2,11 +2,16 @@
 
 A freed buffer is reusable at once, even while recorded work still reads it: later recorded
 commands run after earlier ones (WebGPU orders dispatches and clears in a stream), and every host
-write (Tensor.write) flushes the recorded work first. So a training step that frees and allocates
-in the same order each time gets the same buffers back each time, and its bind groups are reused.
+write (Tensor.write) flushes the recorded work first. An allocation takes the oldest free buffer of
+its size class (the lowest serial number), not the last one freed: tensors are freed when Python
+drops them, in an order that varies from step to step (reference cycles wait for the collector),
+but a training step that allocates the same sizes each time then gets the same buffers back, and
+its bind groups are reused.
 """
 from __future__ import annotations
 
+import heapq
+import itertools
 from collections import defaultdict
 
 from .tensor import USAGE
@@ -24,7 +29,9 @@ def size_class(nbytes: int) -> int:
 class BufferPool:
     def __init__(self, device):
         self.device = device
-        self.free: dict[int, list] = defaultdict(list)
+        self.free: dict[int, list] = defaultdict(list)     # size -> heap of (serial, buffer)
+        self.serial: dict[int, int] = {}                     # id(buffer) -> creation order
+        self._counter = itertools.count()
         self.allocated_bytes = 0
         self.peak_bytes = 0
         self.in_use_bytes = 0
@@ -34,9 +41,10 @@ class BufferPool:
         size = size_class(nbytes)
         if self.free[size]:
             self.reused += 1
-            buf = self.free[size].pop()
+            _, buf = heapq.heappop(self.free[size])
         else:
             buf = self.device.create_buffer(size=size, usage=USAGE)
+            self.serial[id(buf)] = next(self._counter)
             self.allocated_bytes += size
         self.in_use_bytes += size
         self.peak_bytes = max(self.peak_bytes, self.in_use_bytes)
@@ -44,4 +52,4 @@ class BufferPool:
 
     def release(self, buffer) -> None:
         self.in_use_bytes -= buffer.size
-        self.free[buffer.size].append(buffer)
+        heapq.heappush(self.free[buffer.size], (self.serial[id(buffer)], buffer))

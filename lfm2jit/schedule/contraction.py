@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from ..codegen.wgsl import COMPUTE_TYPE
-from ..ir.nodes import KernelIR
+from ..ir.nodes import SEQ_AXIS, KernelIR
 from ..ir.ops import Op
 from ..ir.partition import is_contraction
 from .spec import buffer_var, extent, schedule_error, strides
@@ -45,16 +45,36 @@ DEFAULT_TILES = TileConfig()
 LARGE_TILES = TileConfig(bm=128, bn=128, bk=8, tm=8, tn=8)
 CANDIDATES = (DEFAULT_TILES, LARGE_TILES, TileConfig(128, 64, 16, 8, 4), TileConfig(64, 128, 16, 4, 8),
               TileConfig(32, 32, 16, 2, 2), TileConfig(128, 128, 8, 8, 8, vec=True),
-              TileConfig(64, 64, 16, 4, 4, vec=True))
+              TileConfig(64, 64, 16, 4, 4, vec=True), TileConfig(128, 128, 16, 8, 8, vec=True),
+              TileConfig(128, 64, 16, 8, 8, vec=True), TileConfig(64, 128, 16, 8, 8, vec=True),
+              TileConfig(64, 64, 16, 8, 8, vec=True), TileConfig(64, 64, 8, 4, 4, vec=True))
 
 
 def choose_tiles(m: int, n: int) -> TileConfig:
-    """128x128 tiles (8x8 per invocation, vec4 reads) when they still give 64+ workgroups, else
-    64x64 (4x4, vec4), which keeps more of a big GPU busy: measured on an H200, 128x128 reaches
-    16-22 TFLOP/s from 2048x1024 up, while at 512x1024 its 32 workgroups give 4 TFLOP/s against
-    8.8 for 64x64 (benches/results/h200_tiles_v2.log)."""
-    large = (m // 128) * (n // 128) >= 64
-    return TileConfig(128, 128, 8, 8, 8, vec=True) if large else TileConfig(64, 64, 16, 4, 4, vec=True)
+    """64x128 tiles (8x8 per invocation, k-step 16) when they still give 128+ workgroups, else
+    64x64 (4x4, k-step 8), which keeps more of a big GPU busy. Measured on an H200
+    (benches/results/h200_tiles_v3.log): 64x128 is the best or within 5% of the best candidate from
+    512x4608 up (22-32 TFLOP/s), while at 512x1024 its 64 workgroups give 9.5 TFLOP/s against 14.2
+    for 64x64."""
+    if (m // 64) * (n // 128) >= 128:
+        return TileConfig(64, 128, 16, 8, 8, vec=True)
+    return TileConfig(64, 64, 8, 4, 4, vec=True)
+
+
+def vector_reads(tiles: TileConfig, dtype: str, op: dict, row_axis: str, k: str, sizes: dict[str, int],
+                 rows: int) -> str | None:
+    """Whether an operand's tile can be read from device memory as vec4s, and along which axis:
+    "k" when k is contiguous, "m" when the tile's rows are, or None (scalar reads). Either needs a
+    float operand, a vec4 workgroup tile, a contiguous axis whose size is a known multiple of 4 (so a
+    vec4 is wholly inside or wholly outside the operand), the other strides multiples of 4, and
+    every invocation fetching the same number of vec4s. f16 operands are read as vec4<f16>."""
+    if not tiles.vec or dtype not in ("f32", "f16") or (rows * tiles.bk // 4) % tiles.threads or op["sb"] % 4:
+        return None
+    if op["sk"] == 1 and k != SEQ_AXIS and sizes[k] % 4 == 0 and op["sm"] % 4 == 0 and tiles.bk % 4 == 0:
+        return "k"
+    if op["sm"] == 1 and row_axis != SEQ_AXIS and sizes[row_axis] % 4 == 0 and op["sk"] % 4 == 0:
+        return "m"
+    return None
 
 
 def plan(ir: KernelIR, sizes: dict[str, int], accumulate: frozenset[str], tiles: TileConfig | None = None):
@@ -84,19 +104,30 @@ def plan(ir: KernelIR, sizes: dict[str, int], accumulate: frozenset[str], tiles:
     if n_axis in a.shape:                      # A is the operand that carries M
         a, b = b, a
     tiles = tiles or choose_tiles(sizes[m_axis], sizes[n_axis])
-    sa, sb, sc = strides(a.shape, sizes), strides(b.shape, sizes), strides(out.shape, sizes)
+    sc = strides(out.shape, sizes)
     bt = batch[0] if batch else None
+
+    def operand(x, row_axis: str, rows: int) -> dict:
+        st = strides(x.shape, sizes)
+        op = {"name": buffer_var(x.arg), "ctype": COMPUTE_TYPE[x.dtype], "convert": COMPUTE_TYPE[x.dtype] != x.dtype,
+              "sm": st[row_axis], "sk": st[k], "sb": st[bt] if bt else 0, "k_fast": st[k] == 1}
+        op["vec"] = vector_reads(tiles, x.dtype, op, row_axis, k, sizes, rows)
+        op["loads"] = rows * tiles.bk // (4 if op["vec"] else 1) // tiles.threads
+        return op
+
     ctx = {
         "tiles": asdict(tiles),
         "threads": tiles.threads,
         "m_ext": extent(m_axis, sizes), "n_ext": extent(n_axis, sizes), "k_ext": extent(k, sizes),
-        "a": {"name": buffer_var(a.arg), "ctype": COMPUTE_TYPE[a.dtype], "convert": COMPUTE_TYPE[a.dtype] != a.dtype,
-              "sm": sa[m_axis], "sk": sa[k], "sb": sa[bt] if bt else 0, "k_fast": sa[k] == 1},
-        "b": {"name": buffer_var(b.arg), "ctype": COMPUTE_TYPE[b.dtype], "convert": COMPUTE_TYPE[b.dtype] != b.dtype,
-              "sm": sb[n_axis], "sk": sb[k], "sb": sb[bt] if bt else 0, "k_fast": sb[k] == 1},
+        "a": operand(a, m_axis, tiles.bm),
+        "b": operand(b, n_axis, tiles.bn),
         "c": {"name": buffer_var(out.name), "sm": sc[m_axis], "sn": sc[n_axis], "sb": sc[bt] if bt else 0,
               "convert": out.dtype != "f32", "elem": out.dtype, "accumulate": out.name in accumulate},
         "axes": {"m": m_axis, "n": n_axis, "k": k, "batch": bt},
     }
+    if ctx["a"]["name"] == ctx["b"]["name"] and ctx["a"]["vec"] != ctx["b"]["vec"]:   # one binding, one type
+        for op in (ctx["a"], ctx["b"]):
+            op["vec"], op["loads"] = None, (tiles.bm if op is ctx["a"] else tiles.bn) * tiles.bk // tiles.threads
+    ctx["vec4_bindings"] = {x.arg: f"vec4<{x.dtype}>" for x, op in ((a, ctx["a"]), (b, ctx["b"])) if op["vec"]}
     groups = (-(-sizes[n_axis] // tiles.bn), -(-sizes[m_axis] // tiles.bm), sizes[bt] if bt else 1)
     return "matmul", ctx, groups
