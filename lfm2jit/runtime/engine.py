@@ -1,8 +1,9 @@
 """ComputeEngine: compiles specs into pipelines once, records dispatches, submits them together.
 
 Work is recorded, not run: ``run`` validates its arguments (before any GPU work), makes or reuses
-the pipeline, and appends one dispatch. Everything recorded goes into one command encoder when
-``flush`` is called, which reading a tensor does by itself.
+the pipeline, and appends one dispatch. What is recorded goes into one command encoder when
+``flush`` is called, which reading a tensor does by itself, and every SUBMIT_EVERY dispatches, so
+the GPU works through a step while the host is still recording it.
 
 Kernels never read or write rows at or past ``t_valid`` (the real sequence length), so inputs need
 no padding copies and padded rows of outputs are never written.
@@ -30,7 +31,8 @@ from .tensor import ITEMSIZE, Tensor, buffer_bytes, infer_dtype
 
 MAX_GROUPS_PER_DIM = 65535
 INFO_BYTES = 256           # one info block (t_valid + scalars) per dispatch: the uniform offset alignment
-RING_BLOCKS = 8192         # info blocks per flush at most
+SUBMIT_EVERY = 32          # recorded dispatches per submission: the GPU starts on them while Python records more
+RING_BLOCKS = SUBMIT_EVERY  # info blocks per flush at most
 MAX_QUERIES = 4096
 
 
@@ -193,8 +195,6 @@ class ComputeEngine:
             if id(args[n].buffer) in written:
                 raise ValueError(f"{ir.name}: output {written[id(args[n].buffer)]!r} shares a buffer with input "
                                  f"{n!r}; WebGPU cannot read and write one buffer in a dispatch")
-        if len(self._infos) == RING_BLOCKS:
-            self.flush()          # the info ring is full: submit what is recorded, then reuse it
         bind_group = self._bind_group(compiled, tensors)
         groups = spec.workgroups if isinstance(spec.workgroups, tuple) else fold_workgroups(spec.workgroups) + (1,)
         if max(groups) > MAX_GROUPS_PER_DIM:
@@ -203,6 +203,8 @@ class ComputeEngine:
         self._infos.append(info)
         self._keepalive.extend(t.buffer for t in tensors)   # buffers, not tensors: freed tensors recycle at once
         self.dispatches += 1
+        if len(self._infos) == RING_BLOCKS:
+            self.flush()          # submit, so the GPU starts; the info ring is then reused
         return outputs
 
     def _bind_group(self, compiled: Compiled, tensors: list[Tensor]):
