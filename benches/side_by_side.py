@@ -5,8 +5,8 @@
 Both sides: random init, fp32 (PyTorch with TF32 off for matmuls and cuDNN), AdamW(lr=1e-4,
 weight_decay=0.01), gradient clipping at 1.0, random token ids, a loss read back every sequence,
 one optimizer step per window. A shape BxT is B sequences of T tokens per optimizer step: lfm2jit
-runs them as B micro-steps with grad_accum_steps=B (its only batching); PyTorch runs them as one
-[B, T] batch (what a PyTorch user would run, and the faster PyTorch choice).
+runs them with grad_accum_steps=B through Trainer.train_sequences, which packs them into passes of
+up to 4096 rows (8x512 is one pass); PyTorch runs them as one [B, T] batch.
 
 With --f16 both sides run mixed precision: lfm2jit with f16 activations (``--f16``), PyTorch
 under ``torch.autocast(float16)``; both with a dynamic loss scaler.

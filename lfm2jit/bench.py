@@ -489,10 +489,10 @@ def _kernel_class(name: str) -> str:
 def train_bench(ctx, cfg, shapes, steps: int = 3, warmup: int = 1, seed: int = 0, log=print,
                 profile: bool = True, clip: float | None = 1.0, probe=None,
                 activation_dtype: str = "f32") -> tuple[list[Line], dict]:
-    """Trainer.train_step on a fresh random-init model, for each (batch, T) in ``shapes``, in order.
+    """Trainer.train_sequences on a fresh random-init model, for each (batch, T) in ``shapes``, in order.
 
     batch > 1 means that many sequences of T with grad_accum_steps = batch: one optimizer step per
-    window. Per shape: first-window wall time and compile stats (a new bucket compiles), that the
+    window, the sequences packed into passes of up to Trainer.pack_tokens rows. Per shape: first-window wall time and compile stats (a new bucket compiles), that the
     second window compiles nothing, tokens/s over ``steps`` windows after ``warmup``, the host
     breakdown, GPU busy time per window from timestamps (one extra window), and peak memory.
     ``probe()``, if given, is called after each shape (model alive) and its dict added to the line.
@@ -525,14 +525,13 @@ def train_bench(ctx, cfg, shapes, steps: int = 3, warmup: int = 1, seed: int = 0
             tr.with_grad_scaler(GradScaler())
         losses: list[float] = []
 
-        def window():
-            st = None
-            for _ in range(batch):
-                ids = rng.integers(0, cfg.vocab_size, t + 1)
-                st = tr.train_step(ids[:-1], ids[1:], params)
-                losses.append(st.loss)
-            assert st.stepped, "the window should end with an optimizer step"
-            return st
+        def window():           # the window's sequences, packed (Trainer.pack_tokens rows per pass)
+            seqs = [(ids[:-1], ids[1:], np.ones(t, np.float32))
+                    for ids in (rng.integers(0, cfg.vocab_size, t + 1) for _ in range(batch))]
+            stats = tr.train_sequences(seqs, params)
+            losses.extend(st.loss for st in stats)
+            assert stats[-1].stepped, "the window should end with an optimizer step"
+            return stats[-1]
 
         try:
             engine.synchronize()

@@ -41,20 +41,21 @@ DEFAULT_CHUNK = 4096
 
 class LMHeadResult(NamedTuple):
     """What ``lm_head_cross_entropy`` returns; unpacks as ``loss, dh, dE``."""
-    loss: Tensor   # f32[1]: sum_t mask[t] * CE[t] / normalizer (not multiplied by loss_scale)
+    loss: Tensor   # f32[segments]: sum_t mask[t] * CE[t] / normalizer over each segment's positions
+                   # (not multiplied by loss_scale)
     dh: Tensor     # f32[T, D]: d(loss * loss_scale)/dh, or added to the given dh
     dE: Tensor     # f32[V, D]: d(loss * loss_scale)/dE, or added to the given dE
 
     def loss_value(self) -> float:
-        """The loss as a Python float (reads it back, running the recorded work)."""
-        return float(self.loss.numpy()[0])
+        """The loss (summed over segments) as a Python float (reads it back, running the recorded work)."""
+        return float(self.loss.numpy().astype(np.float64).sum())
 
 
 def lm_head_cross_entropy(engine, h: Tensor, E: Tensor, targets, mask=None, *, normalizer: float = 1.0,
                           loss_scale: float = 1.0, chunk: int = DEFAULT_CHUNK, bucket: int = 1,
                           dh: Tensor | None = None, dE: Tensor | None = None,
                           accumulate_dh: bool = False, accumulate_dE: bool = False,
-                          check_targets: bool = True, grads: bool = True) -> LMHeadResult:
+                          check_targets: bool = True, grads: bool = True, segments: int = 1) -> LMHeadResult:
     """Masked cross-entropy of ``h @ E^T`` against ``targets``, with gradients for h and E, in one call.
 
     Arguments:
@@ -78,6 +79,8 @@ def lm_head_cross_entropy(engine, h: Tensor, E: Tensor, targets, mask=None, *, n
                   add to the given dh / dE instead of overwriting them (e.g. a tied embedding
                   whose dE already holds the input-embedding gradient).
       grads       False for the loss alone (evaluation): pass 2 is skipped and dh, dE are None.
+      segments    the loss per segment: T splits into this many equal runs of positions (packed
+                  sequences), and ``loss`` holds one sum per run.
       check_targets
                   validate target ids and mask values; when either is a Tensor this reads it back
                   (a flush). Host arrays are always checked. With False, an out-of-range target
@@ -98,6 +101,8 @@ def lm_head_cross_entropy(engine, h: Tensor, E: Tensor, targets, mask=None, *, n
                          f"(so every chunk's rows of E start at an aligned byte offset), got {chunk!r}")
     if not isinstance(bucket, int) or isinstance(bucket, bool) or bucket < 1:
         raise ValueError(f"bucket must be a positive integer, got {bucket!r}")
+    if not isinstance(segments, int) or isinstance(segments, bool) or segments < 1 or T % segments:
+        raise ValueError(f"segments must be a positive integer dividing T={T}, got {segments!r}")
     if V >= MAX_EXACT_VOCAB:
         raise ValueError(f"vocabulary size {V} is too large: chunk offsets are passed as exact f32 "
                          f"integers, so V must be below {MAX_EXACT_VOCAB}")
@@ -139,8 +144,13 @@ def lm_head_cross_entropy(engine, h: Tensor, E: Tensor, targets, mask=None, *, n
                 m=old["m"], s=old["s"], tl=old["tl"], c0=float(c0))
     tl = state[(len(chunks) - 1) % 2]["tl"]
     # dims names the output's fixed axis: engine.run sizes outputs from its inputs only (KeyError '1')
-    loss = run("xent_loss", bucket=bucket, dims={"1": 1}, out={"loss": engine.empty((1,), "f32")}, lse=lse, tl=tl,
-               mask=mask, inv_norm=1.0 / normalizer)["loss"]
+    if segments == 1:
+        loss = run("xent_loss", bucket=bucket, dims={"1": 1}, out={"loss": engine.empty((1,), "f32")}, lse=lse, tl=tl,
+                   mask=mask, inv_norm=1.0 / normalizer)["loss"]
+    else:
+        loss = run("xent_loss_segments", out={"loss": engine.empty((segments,), "f32")},
+                   lse=lse.view(segments, T // segments), tl=tl.view(segments, T // segments),
+                   mask=mask.view(segments, T // segments), inv_norm=1.0 / normalizer)["loss"]
 
     if not grads:
         return LMHeadResult(loss, None, None)

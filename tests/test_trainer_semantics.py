@@ -171,7 +171,8 @@ def test_padded_batch_equals_unpadded_sequences(ctx, engine, cfg):
     want = [tr_a.train_step_masked(i, t, m, model_a.parameters()) for i, t, m in data]
 
     model_b = Lfm2Model(cfg, ctx, engine, seed=2)
-    tr_b = Trainer(model_b, AdamW(lr=1e-2), ctx, engine).with_length_bucket(16).with_grad_accum_steps(3)
+    tr_b = (Trainer(model_b, AdamW(lr=1e-2), ctx, engine).with_length_bucket(16).with_grad_accum_steps(3)
+            .with_packing(0))                # one by one: exactly the sequential run
     got = tr_b.train_batch(padded, model_b.parameters())
     assert len(got) == 3, "the all-padding row and the unsupervised row must be skipped"
     assert [s.stepped for s in got] == [False, False, True] and tr_b.optimizer_steps() == 1
@@ -179,14 +180,17 @@ def test_padded_batch_equals_unpadded_sequences(ctx, engine, cfg):
         assert (a.loss, a.tokens) == (b.loss, b.tokens)
     assert_same(snap(model_b), snap(model_a))
 
-    # rows whose trailing positions are masked: from_padded without lengths cuts them (causality)
+    # rows whose trailing positions are masked: from_padded without lengths cuts them (causality);
+    # packed (the default), so equal up to f32 summation order
     model_c = Lfm2Model(cfg, ctx, engine, seed=2)
     tr_c = Trainer(model_c, AdamW(lr=1e-2), ctx, engine).with_length_bucket(16).with_grad_accum_steps(3)
     trimmed = Batch.from_padded(ids[[0, 2, 4]], tg[[0, 2, 4]], mask[[0, 2, 4]])
     got_c = tr_c.train_batch(trimmed, model_c.parameters())
     for a, b in zip(got_c, want):
         assert a.loss == pytest.approx(b.loss, rel=1e-6)
-    assert_same(snap(model_c), snap(model_a), tol=1e-6)
+    # AdamW's first step moves a weight by lr * g / (|g| + eps): last-bit differences in gradients
+    # near eps move it by visibly different amounts (4e-6 measured), hence 1e-5 here
+    assert_same(snap(model_c), snap(model_a), tol=1e-5)
 
 
 def test_masked_target_values_do_not_matter(ctx, engine, cfg):

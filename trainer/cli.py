@@ -39,6 +39,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .trainer import DEFAULT_PACK_TOKENS
+
 # Defaults of the run `python -m trainer` does with no arguments: a small model trained from
 # scratch on the shipped chat data (measured on lavapipe, 2 CPU cores: about 3 minutes).
 DEMO_PRESET = "demo"
@@ -149,8 +151,11 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--min-lr", type=float, metavar="LR",
                    help="final learning rate of the cosine and linear schedules (default lr / 10)")
     o.add_argument("--grad-accum", type=int, metavar="N",
-                   help=f"sequences per optimizer step (per rank): the batch size, since every sequence is its "
-                        f"own micro-batch; the update is the mean over them (default {DEFAULT_ACCUM})")
+                   help=f"sequences per optimizer step (per rank): the batch size; the update is the mean over "
+                        f"them (default {DEFAULT_ACCUM})")
+    o.add_argument("--pack-tokens", type=int, metavar="N",
+                   help="run the sequences of a step packed, up to N positions per pass (padded to the longest); "
+                        f"0 = one sequence per pass (default {DEFAULT_PACK_TOKENS})")
     o.add_argument("--clip", type=float, metavar="NORM",
                    help="clip the global gradient L2 norm to NORM (torch.nn.utils.clip_grad_norm_); 0 = off "
                         "(default 1.0)")
@@ -210,7 +215,7 @@ AS_YOU_LIKE = {"steps", "checkpoint_every", "keep_checkpoints", "eval_max", "syn
 
 # Settings a checkpoint carries and --resume restores (flags given with --resume override them).
 RESUMABLE = ("tokenizer", "data", "data_kind", "loss_on", "max_len", "eval_fraction", "eval_max", "seed", "optimizer", "lr",
-             "weight_decay", "momentum", "schedule", "warmup_steps", "min_lr", "grad_accum", "clip", "bucket",
+             "weight_decay", "momentum", "schedule", "warmup_steps", "min_lr", "grad_accum", "pack_tokens", "clip", "bucket",
              "scaler", "f16", "steps", "checkpoint_every", "keep_checkpoints", "world_size", "sync_dir", "run_id",
              "sync_timeout", "check_loss_drop", "source", "preset")
 
@@ -237,6 +242,7 @@ class Run:
     warmup_steps: int | None        # None: 5% of the steps, fixed once steps are known
     min_lr: float
     grad_accum: int
+    pack_tokens: int
     clip: float
     bucket: int
     scaler: bool
@@ -333,7 +339,7 @@ def resolve(args: argparse.Namespace, argv_empty: bool, saved: dict | None = Non
         eval_max=g.get("eval_max", DEFAULT_EVAL_MAX), seed=g.get("seed", 0), optimizer=optimizer, lr=lr,
         weight_decay=g.get("weight_decay", 0.01 if optimizer == "adamw" else 0.0), momentum=g.get("momentum", 0.9),
         schedule=g.get("schedule", "cosine"), warmup_steps=g.get("warmup_steps"), min_lr=g.get("min_lr", lr / 10),
-        grad_accum=g.get("grad_accum", DEFAULT_ACCUM), clip=g.get("clip", 1.0), bucket=g.get("bucket", 64),
+        grad_accum=g.get("grad_accum", DEFAULT_ACCUM), pack_tokens=g.get("pack_tokens", DEFAULT_PACK_TOKENS), clip=g.get("clip", 1.0), bucket=g.get("bucket", 64),
         scaler=bool(g.get("scaler", False) or g.get("f16", False)), f16=bool(g.get("f16", False)),
         steps=steps, epochs=epochs, out=g.get("out"),
         checkpoint_every=g.get("checkpoint_every", 0), keep_checkpoints=g.get("keep_checkpoints", DEFAULT_KEEP),
@@ -359,7 +365,7 @@ def _validate(r: Run) -> None:
         positive(name, getattr(r, name), allow_zero=name not in ("sync_timeout",))
     for name in ("grad_accum", "bucket", "max_len", "eval_max", "world_size"):
         positive(name, getattr(r, name))
-    for name in ("checkpoint_every", "keep_checkpoints", "warmup_steps"):
+    for name in ("checkpoint_every", "keep_checkpoints", "warmup_steps", "pack_tokens"):
         positive(name, getattr(r, name), allow_zero=True)
     positive("steps", r.steps)
     positive("epochs", r.epochs)
@@ -702,6 +708,7 @@ def prepare(args, argv_empty: bool) -> dict:
            else SGD(lr=run.lr, momentum=run.momentum, weight_decay=run.weight_decay))
     tr = (Trainer(model, opt, ctx, engine).with_length_bucket(run.bucket)
           .with_clip_grad_norm(run.clip if run.clip > 0 else None).with_grad_accum_steps(run.grad_accum)
+          .with_packing(run.pack_tokens)
           .with_lr_scheduler(schedule))
     if run.scaler:
         tr.with_grad_scaler(GradScaler())
@@ -812,9 +819,7 @@ def train(s: dict) -> int:
                     order = epoch_order(n, run.seed, epoch)
                 window = order[nxt:nxt + per_step][run.rank::run.world_size]
                 t_step = time.perf_counter()
-                stats = []
-                for i in window:
-                    stats.append(tr.train_step_masked(*data.train[i], params))
+                stats = tr.train_sequences([data.train[i] for i in window], params)
                 nxt += per_step
                 last = stats[-1]
                 dt = time.perf_counter() - t_step

@@ -5,11 +5,19 @@ One call of ``train_step_masked`` runs a sequence forward and backward, adding i
 finished: gradients are synced across processes (if configured), unscaled and checked for
 overflow, clipped on their global L2 norm, applied by the optimizer, and cleared. Input is
 checked before any GPU work; an error leaves weights, gradients and counters as they were.
+
+``train_sequences`` and ``train_batch`` give the same results as calling ``train_step_masked`` on
+each sequence in turn, but run consecutive sequences of one window packed: padded (with the pad
+token, unsupervised) to one length and stacked into one forward and backward pass, up to
+``pack_tokens`` rows. Padded positions come after every real one and carry no loss, so their
+gradients are exact zeros; each sequence's loss keeps its own normalizer through per-position
+weights (mask / supervised tokens).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from math import lcm
 
 import numpy as np
 
@@ -34,6 +42,10 @@ class StepStats:
     loss_scale: float      # the loss scale used for this sequence's gradients
 
 
+DEFAULT_PACK_TOKENS = 4096      # rows of one packed pass: activations grow with it
+PACK_WASTE = 1.25               # packed rows per row of the sequences' own (bucketed) lengths, at most
+
+
 class Trainer:
     def __init__(self, model, optimizer: Optimizer, ctx, engine):
         if not isinstance(optimizer, Optimizer):
@@ -50,6 +62,7 @@ class Trainer:
         self.lr_scheduler: LRScheduler | None = None
         self.length_bucket = 64
         self.lm_head_chunk = 4096
+        self.pack_tokens = DEFAULT_PACK_TOKENS
         self._steps = 0
         self._window: list[object] | None = None     # the params of the open accumulation window
 
@@ -80,6 +93,14 @@ class Trainer:
 
     def with_lr_scheduler(self, scheduler: LRScheduler | None) -> "Trainer":
         self.lr_scheduler = scheduler
+        return self
+
+    def with_packing(self, max_tokens: int | None) -> "Trainer":
+        """Pack up to ``max_tokens`` rows (padded positions included) of consecutive sequences of a
+        window into one pass in train_sequences / train_batch; None or 0 runs them one by one."""
+        if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 0):
+            raise ValueError(f"max_tokens must be a non-negative integer or None, got {max_tokens!r}")
+        self.pack_tokens = max_tokens or 0
         return self
 
     def with_file_grad_sync(self, config: FileGradSyncConfig | None) -> "Trainer":
@@ -122,37 +143,83 @@ class Trainer:
 
     def train_step_masked(self, input_ids, target_ids, loss_mask, params) -> StepStats:
         """One sequence; ``loss_mask`` is aligned with ``target_ids`` (1 = include, 0 = ignore)."""
-        ids, targets, mask, params = self._check(input_ids, target_ids, loss_mask, params)
-        tokens = int(mask.sum())
+        return self._train_group([self._check(input_ids, target_ids, loss_mask, params)])[0]
+
+    def train_sequences(self, sequences, params) -> list[StepStats]:
+        """``(input_ids, target_ids, loss_mask)`` triples in order, each a micro-batch as in
+        train_step_masked; consecutive ones of a window run packed (see ``with_packing``). All
+        are checked before any GPU work."""
+        checked = [self._check(i, t, m, params) for i, t, m in sequences]
+        stats: list[StepStats] = []
+        while len(stats) < len(checked):
+            rest = checked[len(stats):len(stats) + self.grad_accum_steps - self.step_in_accum]
+            stats += self._train_group(rest[:self._packable(rest)])
+        return stats
+
+    def train_batch(self, batch, params) -> list[StepStats]:
+        """One micro-batch per sequence of ``batch``, padding stripped, empty sequences skipped
+        (consecutive ones of a window run packed)."""
+        return self.train_sequences(batch.sequences(), params)
+
+    def _packable(self, group) -> int:
+        """How many of the leading sequences of ``group`` to pack into one pass: as many as fit
+        pack_tokens rows while padding to the longest adds at most PACK_WASTE of their own rows.
+        Packing pays for many similar lengths, not for a short sequence beside a long one."""
+        unit = lcm(self.model.pack_multiple(), self.length_bucket)
+        longest = own = n = 0
+        for ids, *_ in group:
+            rows = -(-len(ids) // unit) * unit
+            longest, own = max(longest, rows), own + rows
+            if n and ((n + 1) * longest > self.pack_tokens or (n + 1) * longest > PACK_WASTE * own):
+                break
+            n += 1
+        return max(n, 1)
+
+    def _train_group(self, group) -> list[StepStats]:
+        """Forward and backward for checked sequences (packed when several), then the window's end."""
         model, engine = self.model, self.engine
+        params = group[0][3]
         if self.step_in_accum == 0:
             model.zero_grad(params)
             self._window = params
+        tokens = [int(mask.sum()) for _, _, mask, _ in group]
+        if len(group) == 1:
+            ids, targets, mask, _ = group[0]
+            normalizer = float(tokens[0])
+        else:                    # packed: per-position weights mask / tokens keep each sequence's mean
+            multiple = lcm(model.pack_multiple(), self.length_bucket)
+            length = -(-max(len(g[0]) for g in group) // multiple) * multiple
+            pad = model.cfg.pad_token_id if model.cfg.pad_token_id is not None else 0
+            ids = np.full((len(group), length), pad, np.int32)
+            targets = np.zeros((len(group), length), np.int32)
+            mask = np.zeros((len(group), length), np.float32)
+            for row, (i, t, m, _), n in zip(range(len(group)), group, tokens):
+                ids[row, :len(i)], targets[row, :len(t)], mask[row, :len(m)] = i, t, m / n
+            targets, mask, normalizer = targets.reshape(-1), mask.reshape(-1), 1.0
         trace = model.forward(ids, self.length_bucket)
         head = model.lm_head
         head_trained = any(p is head for p in params)
         # The loss divides by the supervised tokens; gradients are further scaled by the loss
         # scale and divided by grad_accum_steps, so a window's update is the mean over it.
         result = lm_head_cross_entropy(
-            engine, trace.hn, head, targets, mask, normalizer=float(tokens),
+            engine, trace.hn, head, targets, mask, normalizer=normalizer,
             loss_scale=self.loss_scale / self.grad_accum_steps, chunk=self.lm_head_chunk,
-            bucket=self.length_bucket, dE=head.grad if head_trained else None, accumulate_dE=head_trained)
+            bucket=self.length_bucket, dE=head.grad if head_trained else None, accumulate_dE=head_trained,
+            segments=len(group))
         model.backward(trace, result.dh, params)
-        loss = result.loss_value()          # one small read-back; also runs the recorded work
-        if not math.isfinite(loss) and self.scaler is None:
+        losses = result.loss.numpy().astype(np.float64)   # one small read-back; also runs the recorded work
+        if not np.isfinite(losses).all() and self.scaler is None:
             self._abandon_window(params)
-            raise TrainError(f"the loss is {loss} (non-finite); the accumulation window was discarded, "
-                             "no weight changed")
-        self.step_in_accum += 1
-        stats = StepStats(loss=loss, tokens=tokens, stepped=False, skipped=False, grad_norm=None,
-                          lr=self.lr_at(self._steps + 1), loss_scale=self.loss_scale)
+            raise TrainError(f"the loss is {losses[~np.isfinite(losses)][0]} (non-finite); the accumulation window "
+                             "was discarded, no weight changed")
+        stats = []
+        for loss, n in zip(losses, tokens):
+            self.step_in_accum += 1
+            stats.append(StepStats(loss=float(loss), tokens=n, stepped=False, skipped=False, grad_norm=None,
+                                   lr=self.lr_at(self._steps + 1), loss_scale=self.loss_scale))
         if self.step_in_accum == self.grad_accum_steps:
-            self._finish_window(params, stats)
+            self._finish_window(params, stats[-1])
         return stats
-
-    def train_batch(self, batch, params) -> list[StepStats]:
-        """One micro-batch per sequence of ``batch``, padding stripped, empty sequences skipped."""
-        return [self.train_step_masked(i, t, m, params) for i, t, m in batch.sequences()]
 
     # ---- the end of an accumulation window ----
     def _finish_window(self, params, stats: StepStats) -> None:

@@ -10,6 +10,11 @@ still computes in f32 and only storage narrows (see lfm2jit/precision.py).
 
 Shapes: T positions (padded to the length bucket inside kernels), D hidden, F MLP width,
 H query heads, G kv heads, E head dim (E = 2R for RoPE), V vocabulary.
+
+Several sequences of one length run packed: B sequences of S positions are T = B*S rows, one
+after another. Every kernel but two works row by row, so it runs once over all rows (bigger
+matmuls, B times fewer dispatches); the causal conv and attention mix positions, so they run per
+sequence on views of the packed tensors, and RoPE reads position tables repeated per sequence.
 """
 from __future__ import annotations
 
@@ -34,9 +39,11 @@ def _k(name: str):
 @dataclass
 class Trace:
     """What the forward pass saved for the backward pass."""
-    ids: np.ndarray
+    ids: np.ndarray                               # (T,) every row's token id
     bucket: int
     h_in: Tensor                                  # (T, D) embeddings
+    batch: int = 1                                # sequences packed in the rows,
+    seq: int = 0                                  # each of this many rows
     layers: list[dict] = field(default_factory=list)
     h_out: Tensor | None = None                   # (T, D) last layer's output
     hn: Tensor | None = None                      # (T, D) after the final norm
@@ -112,25 +119,46 @@ class Lfm2Model:
 
     # ---- input checks ----
     def check_ids(self, ids, what: str = "input_ids") -> np.ndarray:
+        """The ids as int32 [B, T] (a 1-D sequence is B = 1)."""
         arr = np.asarray(ids)
-        if arr.ndim != 1 or arr.size == 0:
-            raise ValueError(f"{what} must be a non-empty 1-D sequence of token ids, got shape {list(arr.shape)}")
+        if arr.ndim == 1:
+            arr = arr[None]
+        if arr.ndim != 2 or arr.size == 0:
+            raise ValueError(f"{what} must be a non-empty [T] sequence or [B, T] batch of token ids, "
+                             f"got shape {list(np.shape(ids))}")
         if not np.issubdtype(arr.dtype, np.integer):
             raise ValueError(f"{what} must be integers, got {arr.dtype}")
-        bad = np.flatnonzero((arr < 0) | (arr >= self.cfg.vocab_size))
+        bad = np.argwhere((arr < 0) | (arr >= self.cfg.vocab_size))
         if bad.size:
-            raise ValueError(f"{what}[{bad[0]}] = {arr[bad[0]]} is outside the vocabulary 0..{self.cfg.vocab_size - 1}")
+            at = tuple(bad[0]) if np.ndim(ids) == 2 else (bad[0][1],)
+            raise ValueError(f"{what}[{', '.join(map(str, at))}] = {arr[tuple(bad[0])]} is outside the vocabulary "
+                             f"0..{self.cfg.vocab_size - 1}")
         return arr.astype(np.int32)
 
-    def rope_tables(self, t_pad: int) -> tuple[Tensor, Tensor]:
-        """cos and sin (T_pad, R) for positions 0..T_pad-1, computed once per bucket on the host in
-        float32 as transformers does (angle = position * inv_freq)."""
-        if t_pad not in self._rope:
+    def pack_multiple(self) -> int:
+        """Packed sequences must be a multiple of this many positions long: each sequence's rows of
+        every per-sequence tensor (conv input and output, q, k, v, o, lse and their gradients) then
+        start at an offset the adapter can bind."""
+        align = self.ctx.limits.get("min-storage-buffer-offset-alignment", 256)
+        size = 2 if self.activation_dtype == "f16" else 4
+        cfg = self.cfg
+        rows = [size * cfg.hidden_size, size * cfg.num_key_value_heads * cfg.head_dim, 4 * cfg.num_attention_heads]
+        m = 1
+        while any(m * r % align for r in rows):
+            m *= 2
+        return m
+
+    def rope_tables(self, t_pad: int, seq: int | None = None) -> tuple[Tensor, Tensor]:
+        """cos and sin (T_pad, R) for positions 0..T_pad-1 (or, packed, 0..seq-1 repeated), computed
+        once per bucket on the host in float32 as transformers does (angle = position * inv_freq)."""
+        key = (t_pad, seq)
+        if key not in self._rope:
             e = self.cfg.head_dim
             inv_freq = (1.0 / (self.cfg.rope_theta ** (np.arange(0, e, 2, dtype=np.int64).astype(np.float32) / e)))
-            ang = np.arange(t_pad, dtype=np.float32)[:, None] * inv_freq.astype(np.float32)[None]
-            self._rope[t_pad] = (Tensor.from_numpy(self.ctx, np.cos(ang)), Tensor.from_numpy(self.ctx, np.sin(ang)))
-        return self._rope[t_pad]
+            pos = np.arange(t_pad) if seq is None else np.arange(t_pad) % seq
+            ang = pos.astype(np.float32)[:, None] * inv_freq.astype(np.float32)[None]
+            self._rope[key] = (Tensor.from_numpy(self.ctx, np.cos(ang)), Tensor.from_numpy(self.ctx, np.sin(ang)))
+        return self._rope[key]
 
     def _run(self, kernel, *, out=None, **args) -> dict[str, Tensor]:
         """engine.run with the kernel's variant for this model's activation dtype."""
@@ -139,21 +167,28 @@ class Lfm2Model:
 
     # ---- forward ----
     def forward(self, input_ids, bucket: int = 1) -> Trace:
-        """Record the forward pass up to the final norm; the trace holds what backward needs."""
+        """Record the forward pass up to the final norm; the trace holds what backward needs.
+        ``input_ids`` is one sequence [S] or a batch [B, S] of equally long ones (packed; S a
+        multiple of ``pack_multiple()`` when B > 1)."""
         ids = self.check_ids(input_ids)
+        batch, seq = ids.shape
+        if batch > 1 and seq % self.pack_multiple():
+            raise ValueError(f"input_ids: a batch of {batch} sequences of {seq} positions; packed sequences must be "
+                             f"a multiple of {self.pack_multiple()} positions long (pad them)")
+        ids = ids.reshape(-1)
         run, cfg = self._run, self.cfg
         ids_t = self.engine.tensor(ids)
         h = run(_k("embedding"), bucket=bucket, table=self.p("model.embed_tokens.weight"), ids=ids_t)["y"]   # (T, D)
-        trace = Trace(ids, bucket, h)
+        trace = Trace(ids, bucket, h, batch, seq)
         for i, kind in enumerate(cfg.layer_types):
             pre = f"model.layers.{i}."
             s: dict = {"kind": kind, "pre": pre, "h": h}                                            # (T, D) layer input
             xn = run(_k("rmsnorm_saved"), bucket=bucket, x=h, w=self.p(pre + "operator_norm.weight"), eps=cfg.norm_eps)
             s["xn"], s["inv_op"] = xn["y"], xn["inv"]                                              # (T, D), (T,)
             if kind == "conv":
-                op = self._conv_forward(pre, s, bucket)                                            # (T, D)
+                op = self._conv_forward(pre, s, trace)                                             # (T, D)
             else:
-                op = self._attention_forward(pre, s, bucket)                                       # (T, D)
+                op = self._attention_forward(pre, s, trace)                                        # (T, D)
             h1 = run(_k("add"), bucket=bucket, x=h, z=op)["y"]                                      # (T, D) residual
             s["h1"] = h1
             xf = run(_k("rmsnorm_saved"), bucket=bucket, x=h1, w=self.p(pre + "ffn_norm.weight"), eps=cfg.norm_eps)
@@ -176,21 +211,37 @@ class Lfm2Model:
             self._run(_k("bias_add"), bucket=bucket, y=y, b=self.p(name + ".bias"))
         return y
 
-    def _conv_forward(self, pre: str, s: dict, bucket: int) -> Tensor:
+    def _sequences(self, trace: Trace, kernel, rows: tuple[str, ...], new: dict[str, tuple], *,
+                   out: dict | None = None, accumulate=(), **args) -> dict[str, Tensor]:
+        """Run a kernel that mixes positions (conv, attention) once per packed sequence: the
+        arguments named in ``rows`` and the outputs in ``new`` (name -> (shape, dtype), made here
+        for all rows) are viewed as each sequence's rows; outputs in ``out`` (weight gradients)
+        are shared and accumulate."""
+        if trace.batch == 1:
+            return self._run(kernel, bucket=trace.bucket, out=out, accumulate=accumulate, **args)
+        packed = {n: self.engine.empty(shape, dtype) for n, (shape, dtype) in new.items()}
+        for i in range(trace.batch):
+            a, b = i * trace.seq, (i + 1) * trace.seq
+            self._run(kernel, bucket=trace.bucket, out={**(out or {}), **{n: t.rows(a, b) for n, t in packed.items()}},
+                      accumulate=accumulate, **{n: v.rows(a, b) if n in rows else v for n, v in args.items()})
+        return packed
+
+    def _conv_forward(self, pre: str, s: dict, trace: Trace) -> Tensor:
         t, d = s["xn"].shape[0], self.cfg.hidden_size
-        s["bcx"] = self._linear(s["xn"], pre + "conv.in_proj", bucket)                              # (T, 3D) = B, C, x
+        s["bcx"] = self._linear(s["xn"], pre + "conv.in_proj", trace.bucket)                        # (T, 3D) = B, C, x
         args = {"bcx": s["bcx"].view(t, 3, d), "w": self.p(pre + "conv.conv.weight").view(d, 3)}   # (T, 3, D), (D, 3)
         if self.cfg.conv_bias:
             args["b"] = self.p(pre + "conv.conv.bias")
-        s["c"] = self._run(_k(self._conv_kernel), bucket=bucket, **args)["y"]                # (T, D) C * conv(B x)
-        return self._linear(s["c"], pre + "conv.out_proj", bucket)                                 # (T, D)
+        s["c"] = self._sequences(trace, _k(self._conv_kernel), ("bcx",), {"y": ((t, d), self.activation_dtype)},
+                                 **args)["y"]                                                      # (T, D) C * conv(B x)
+        return self._linear(s["c"], pre + "conv.out_proj", trace.bucket)                           # (T, D)
 
     @property
     def _conv_kernel(self) -> str:
         return "short_conv" if self.cfg.conv_bias else "short_conv_nobias"
 
-    def _attention_forward(self, pre: str, s: dict, bucket: int) -> Tensor:
-        cfg, run = self.cfg, self._run
+    def _attention_forward(self, pre: str, s: dict, trace: Trace) -> Tensor:
+        cfg, run, bucket = self.cfg, self._run, trace.bucket
         t, h, g, e = s["xn"].shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         a = pre + "self_attn."
         s["q"] = self._linear(s["xn"], a + "q_proj", bucket).view(t, h, e)                         # (T, H, E)
@@ -199,12 +250,14 @@ class Lfm2Model:
         qn = run(_k("head_rmsnorm"), bucket=bucket, x=s["q"], w=self.p(a + "q_layernorm.weight"), eps=cfg.norm_eps)
         kn = run(_k("head_rmsnorm"), bucket=bucket, x=s["k"], w=self.p(a + "k_layernorm.weight"), eps=cfg.norm_eps)
         s["qn"], s["q_inv"], s["kn"], s["k_inv"] = qn["y"], qn["inv"], kn["y"], kn["inv"]          # (T,H,E) (T,H) ..
-        cos, sin = self.rope_tables(bucketed(t, bucket))
+        cos, sin = self.rope_tables(bucketed(t, bucket), trace.seq if trace.batch > 1 else None)
         s["cos"], s["sin"] = cos.rows(0, t), sin.rows(0, t)                                        # (T, R)
         qr = run(_k("rope"), bucket=bucket, x=s["qn"].view(t, h, 2, e // 2), cos=s["cos"], sin=s["sin"])["y"]
         kr = run(_k("rope"), bucket=bucket, x=s["kn"].view(t, g, 2, e // 2), cos=s["cos"], sin=s["sin"])["y"]
         s["qr"], s["kr"] = qr.view(t, h, e), kr.view(t, g, e)                                      # (T, H, E), (T, G, E)
-        att = run(_k("attention"), bucket=bucket, q=s["qr"], k=s["kr"], v=s["v"])
+        act = self.activation_dtype
+        att = self._sequences(trace, _k("attention"), ("q", "k", "v"), {"o": ((t, h, e), act), "lse": ((t, h), "f32")},
+                              q=s["qr"], k=s["kr"], v=s["v"])
         s["o"], s["lse"] = att["o"], att["lse"]                                                    # (T, H, E), (T, H)
         return self._linear(s["o"].view(t, h * e), a + "out_proj", bucket)                         # (T, D)
 
@@ -248,9 +301,9 @@ class Lfm2Model:
             self._norm_backward(s["h1"], s["inv_ffn"], pre + "ffn_norm.weight", dxf, bucket, into=dh)
             # h1 = h + op
             if s["kind"] == "conv":
-                dxn = self._conv_backward(pre, s, dh, bucket)                                      # (T, D)
+                dxn = self._conv_backward(pre, s, dh, trace)                                       # (T, D)
             else:
-                dxn = self._attention_backward(pre, s, dh, bucket)                                 # (T, D)
+                dxn = self._attention_backward(pre, s, dh, trace)                                  # (T, D)
             # xn = rmsnorm(h): dh becomes d(h)
             self._norm_backward(s["h"], s["inv_op"], pre + "operator_norm.weight", dxn, bucket, into=dh)
         # h_in = embed(ids)
@@ -293,8 +346,8 @@ class Lfm2Model:
             kernel = _grad("rmsnorm_saved", ("x",), ("y",))
         return self._run(kernel, bucket=bucket, x=x, w=w, inv=inv, d_y=dy, out=out, accumulate=acc)["d_x"]
 
-    def _conv_backward(self, pre: str, s: dict, d_op: Tensor, bucket: int) -> Tensor:
-        t, d = s["xn"].shape[0], self.cfg.hidden_size
+    def _conv_backward(self, pre: str, s: dict, d_op: Tensor, trace: Trace) -> Tensor:
+        t, d, bucket = s["xn"].shape[0], self.cfg.hidden_size, trace.bucket
         # op = out_proj(c)
         dc = self._linear_backward(s["c"], pre + "conv.out_proj", d_op, bucket)                    # (T, D)
         # c = C * conv(B x)
@@ -306,20 +359,21 @@ class Lfm2Model:
         out = {"d_w": self.p(names["w"]).grad.view(d, 3)} if "w" in wrt else {}
         if "b" in wrt:
             out["d_b"] = self.p(names["b"]).grad
-        g = self._run(_grad(self._conv_kernel, tuple(wrt)), bucket=bucket, d_y=dc, out=out,
-                            accumulate=set(out), **args)
+        g = self._sequences(trace, _grad(self._conv_kernel, tuple(wrt)), ("bcx", "d_y"),
+                            {"d_bcx": ((t, 3, d), self.activation_dtype)}, d_y=dc, out=out, accumulate=set(out), **args)
         # bcx = in_proj(xn)
         return self._linear_backward(s["xn"], pre + "conv.in_proj", g["d_bcx"].view(t, 3 * d), bucket)  # (T, D)
 
-    def _attention_backward(self, pre: str, s: dict, d_op: Tensor, bucket: int) -> Tensor:
-        cfg, run = self.cfg, self._run
+    def _attention_backward(self, pre: str, s: dict, d_op: Tensor, trace: Trace) -> Tensor:
+        cfg, run, bucket, act = self.cfg, self._run, trace.bucket, self.activation_dtype
         t, h, g, e = s["xn"].shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         a = pre + "self_attn."
         # op = out_proj(o)
         do = self._linear_backward(s["o"].view(t, h * e), a + "out_proj", d_op, bucket)           # (T, H*E)
         # o, lse = attention(qr, kr, v)
-        ga = run(_grad("attention", ("q", "k", "v"), ("o",)), bucket=bucket, q=s["qr"], k=s["kr"], v=s["v"],
-                 o=s["o"], lse=s["lse"], d_o=do.view(t, h, e))
+        ga = self._sequences(trace, _grad("attention", ("q", "k", "v"), ("o",)), ("q", "k", "v", "o", "lse", "d_o"),
+                             {"d_q": ((t, h, e), act), "d_k": ((t, g, e), act), "d_v": ((t, g, e), act)},
+                             q=s["qr"], k=s["kr"], v=s["v"], o=s["o"], lse=s["lse"], d_o=do.view(t, h, e))
         draw = {}
         for x, heads, ln in (("q", h, "q_layernorm"), ("k", g, "k_layernorm")):
             # xr = rope(xn)
