@@ -62,7 +62,8 @@ class Kernel:
 
     def specialize(self, dims: dict[str, int], bucket: int = 1,
                    accumulate: frozenset[str] = frozenset(), tiles=None) -> KernelSpec:
-        """``tiles`` overrides a contraction's TileConfig (the autotuner tries several)."""
+        """``tiles`` overrides the schedule's tile choice: a TileConfig for a matmul, an AttentionTiles
+        for attention (the autotuner tries several; see schedule.specialize)."""
         key = (tuple(sorted(dims.items())), bucket, frozenset(accumulate), tiles)
         spec = self._specs.get(key)
         if spec is None:

@@ -1,16 +1,20 @@
-"""The matmul autotuner: tries every candidate once per (adapter, shape), keeps the fastest on
-disk, survives failing candidates, and never changes results."""
+"""The autotuner (matmul and attention tiles): tries every candidate once per (adapter, shape),
+keeps the fastest on disk, survives failing candidates, and never changes results."""
 from __future__ import annotations
 
 import json
 import math
+from dataclasses import asdict
 
 import numpy as np
 import pytest
 
 from lfm2jit import ComputeEngine, grad, library
+from lfm2jit.intrinsics.attention import AttentionTiles, attention_candidates, choose_tiles, tiles_problem
 from lfm2jit.schedule.contraction import CANDIDATES, TileConfig
 from conftest import rel_err
+from test_attention import H, attention_kernel, reference
+from test_attention import _inputs as attention_inputs
 
 
 def test_tile_configs_that_cannot_tile_are_rejected():
@@ -99,3 +103,121 @@ def test_f16_operands_read_as_vectors(ctx, engine, rng):
     assert spec.context["a"]["vec"] == spec.context["b"]["vec"] == "k"
     got = engine.run(lin, bucket=16, tiles=VEC_TILES, x=engine.tensor(x), w=engine.tensor(w))["y"].numpy()
     assert rel_err(got.astype(np.float64), x.astype(np.float64) @ w.T.astype(np.float64)) < 2 ** -11
+
+
+# ---- attention ----
+
+DIMS = {"T": 40, "H": H, "G": 2, "E": 16}
+
+
+def _inputs(seed: int, dims: dict[str, int]):
+    assert dims["H"] == H        # test_attention's inputs have H query heads
+    return attention_inputs(np.random.default_rng(seed), dims["T"], dims["G"], dims["E"])
+
+
+def _attention(engine, q, k, v, do, bucket=16):
+    """Forward + backward of causal GQA attention: [o, lse, dq, dk, dv] and the three kernels run."""
+    fwd = attention_kernel()
+    bwd = grad(fwd, cotangents=["o"])
+    t = {n: engine.tensor(x) for n, x in (("q", q), ("k", k), ("v", v), ("d_o", do))}
+    out = engine.run(fwd, bucket=bucket, q=t["q"], k=t["k"], v=t["v"])
+    g = engine.run(bwd, bucket=bucket, o=out["o"], lse=out["lse"], **t)
+    got = [out["o"].numpy(), out["lse"].numpy(), g["d_q"].numpy(), g["d_k"].numpy(), g["d_v"].numpy()]
+    return got, [fwd, *bwd.kernels]
+
+
+def _mode(kernel, dims, bucket=16) -> str:
+    return kernel.specialize(dims, bucket, frozenset()).context["mode"]
+
+
+def test_autotuned_attention_is_correct_and_cached(ctx, tmp_path, monkeypatch):
+    monkeypatch.setenv("LFM2JIT_AUTOTUNE", "1")
+    monkeypatch.setenv("LFM2JIT_CACHE_DIR", str(tmp_path))
+    eng = ComputeEngine(ctx)
+    inputs = _inputs(0, DIMS)
+    got, kernels = _attention(eng, *inputs)
+    for name, g, w in zip(("o", "lse", "dq", "dk", "dv"), got, reference(*inputs)):
+        assert rel_err(g, w) < 1e-5, name
+    options = {k.name: attention_candidates(_mode(k, DIMS), DIMS["E"]) for k in kernels}
+    assert eng.tuner.trials == sum(len(c) for c in options.values())
+    saved = json.loads((tmp_path / "autotune.json").read_text())
+    assert len(saved) == len(kernels)
+    for k in kernels:
+        entry = saved[f"{ctx.name}|{k.specialize(DIMS, 16, frozenset()).key}"]
+        assert entry["kind"] == "AttentionTiles"
+        assert AttentionTiles(**entry["tiles"]) in options[k.name]
+        assert len(entry["seconds"]) == len(options[k.name])
+    # a second engine reads the choices from disk, benchmarks nothing, and computes the same bits
+    again = ComputeEngine(ctx)
+    for g, a in zip(got, _attention(again, *inputs)[0]):
+        np.testing.assert_array_equal(a, g)
+    assert again.tuner.trials == 0
+
+
+def test_a_failing_attention_candidate_scores_infinity(ctx, tmp_path, monkeypatch):
+    monkeypatch.setenv("LFM2JIT_AUTOTUNE", "1")
+    monkeypatch.setenv("LFM2JIT_CACHE_DIR", str(tmp_path))
+    bad = AttentionTiles(rows=64, tile=64, row_threads=8)     # 512 invocations: refused when planned
+    monkeypatch.setattr("lfm2jit.autotune.attention_candidates", lambda mode, e: (bad,) + attention_candidates(mode, e))
+    eng = ComputeEngine(ctx)
+    tiles = eng.tuner.tiles(attention_kernel(), DIMS, 16, frozenset())
+    assert tiles != bad and tiles in attention_candidates("fwd", DIMS["E"])
+    (entry,) = eng.tuner.best.values()
+    assert math.isinf(entry["seconds"][str(asdict(bad))])
+    assert eng.tuner.trials == len(attention_candidates("fwd", DIMS["E"]))
+
+
+@pytest.mark.parametrize("tiles,rule", [
+    (AttentionTiles(64, 64, 8), "512 invocations, expected at most 256"),
+    (AttentionTiles(64, 64, 1), "bytes of workgroup memory, expected at most 16384"),
+    (AttentionTiles(32, 4, 8), "row_threads must divide tile"),
+    (AttentionTiles(16, 16, 3), "row_threads must divide the head dim 16"),
+    (TileConfig(), "expected AttentionTiles or None"),
+])
+def test_bad_attention_tiles_are_refused_before_gpu_work(engine, tiles, rule):
+    q, k, v, _ = (engine.tensor(x) for x in _inputs(0, DIMS))
+    before = engine.dispatches
+    with pytest.raises(ValueError, match=r"attn|causal_attention") as err:
+        engine.run(attention_kernel(), bucket=16, tiles=tiles, q=q, k=k, v=v)
+    assert repr(tiles) in str(err.value) and rule in str(err.value), str(err.value)
+    assert engine.dispatches == before
+
+
+def test_dkdv_tiles_must_divide_its_threads(engine):
+    bwd = grad(attention_kernel(), cotangents=["o"])
+    (dkdv,) = [k for k in bwd.kernels if _mode(k, DIMS) == "dkdv"]
+    with pytest.raises(ValueError, match=r"AttentionTiles\(rows=16, tile=32, row_threads=1\).*tile must divide"):
+        dkdv.specialize(DIMS, 16, frozenset(), AttentionTiles(16, 32, 1))
+
+
+def test_matmul_refuses_attention_tiles(engine):
+    with pytest.raises(ValueError, match=r"linear: tiles=AttentionTiles.* matmul kernel; expected TileConfig"):
+        library.get("linear").specialize({"T": 8, "K": 8, "N": 8}, 1, frozenset(), AttentionTiles(16, 16, 1))
+
+
+def test_attention_candidates_are_few_valid_and_include_the_default():
+    for mode in ("fwd", "dq", "dkdv"):
+        for e in (8, 16, 32, 64, 80, 128):
+            options = attention_candidates(mode, e)
+            assert options[0] == choose_tiles(mode, e) and 1 <= len(options) <= 8
+            assert len(set(options)) == len(options)
+            assert all(tiles_problem(mode, t, e) is None for t in options), (mode, e)
+
+
+@pytest.mark.parametrize("E", [16, 64])
+def test_every_attention_candidate_computes_the_same(engine, E):
+    """The autotuner may pick any candidate, so each must be right: several query and key blocks,
+    a ragged last block (T = 100 in bucket 16), and grouped heads."""
+    dims = {"T": 100, "H": H, "G": 2, "E": E}
+    q, k, v, do = _inputs(1, dims)
+    o, lse, dq, dk, dv = reference(q, k, v, do)
+    t = {n: engine.tensor(x.astype(np.float32)) for n, x in
+         (("q", q), ("k", k), ("v", v), ("o", o), ("lse", lse), ("d_o", do))}
+    want = {"o": o, "lse": lse, "d_q": dq, "d_k": dk, "d_v": dv}
+    fwd = attention_kernel()
+    for kernel in [fwd, *grad(fwd, cotangents=["o"]).kernels]:
+        args = {a.name: t[a.name] for a in kernel.ir.inputs}
+        for tiles in attention_candidates(_mode(kernel, dims), E):
+            out = engine.run(kernel, bucket=16, tiles=tiles, **args)
+            for name, got in out.items():
+                assert rel_err(got.numpy(), want[name]) < 1e-5, (kernel.name, tiles, name)

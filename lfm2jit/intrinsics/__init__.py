@@ -27,6 +27,7 @@ class IntrinsicCall:
     outputs: tuple[TensorArg | None, ...]    # kernel outputs per intrinsic output (None: not kept)
     sizes: dict[str, int]
     accumulate: frozenset[str] = frozenset()
+    tiles: object = None                     # the caller's tiles override (of the Intrinsic's `tiles` class)
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,9 @@ class Intrinsic:
     differentiable_outputs: tuple[str, ...] = field(default=())
     # outputs the template only adds into (a scatter): callers must pass them and accumulate
     adds_only: bool = False
+    # the class of tiles a caller may pass to override the plan's choice (engine.run(tiles=...), the
+    # autotuner); None: the plan takes no override
+    tiles: type | None = None
 
 
 REGISTRY: dict[str, Intrinsic] = {}

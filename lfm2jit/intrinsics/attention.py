@@ -22,6 +22,10 @@ are straight-line code over E. Accumulators (o, dq, dk, dv) are split by interle
 invocation ``part`` owns columns part, part + row_threads, ... (EPT = E / row_threads of them).
 Scores of one tile pass through workgroup memory; tiles read with a different row per lane have
 their rows padded by one word, so lanes hit different banks.
+
+Block sizes (AttentionTiles) come from ``choose_tiles(mode, E)`` unless the caller passes tiles
+(``engine.run(..., tiles=...)``, the autotuner); ``tiles_problem`` holds the rules any tiles must
+keep, and ``attention_candidates`` lists the few the autotuner benchmarks.
 """
 from __future__ import annotations
 
@@ -36,13 +40,17 @@ from ..schedule.spec import buffer_var, extent, strides
 from . import Intrinsic, IntrinsicCall, IntrinsicError, register
 
 WORKGROUP_BYTES = 16384      # portable maxComputeWorkgroupStorageSize
+MAX_THREADS = 256            # portable maxComputeInvocationsPerWorkgroup
 MAX_HEAD_DIM = 128
 TARGET_THREADS = 128         # invocations per workgroup to aim for
 SLICE_COLUMNS = 16           # accumulator columns per invocation to aim for (E / row_threads)
+MIN_THREADS = 64             # fewest invocations per workgroup an autotuning candidate has
+MAX_CANDIDATES = 8           # autotuning candidates per (mode, head dim)
 
 FWD = "causal_attention"
 BWD_DQ = "causal_attention_bwd_dq"
 BWD_DKDV = "causal_attention_bwd_dkdv"
+TEMPLATES = ("attention_fwd", "attention_bwd")   # their contexts carry "mode" and "head_dim"
 
 
 # ---- shapes ----
@@ -115,7 +123,7 @@ def _grad(b: GraphBuilder, call: Node, projs: dict[int, Node], outs: list) -> li
 
 @dataclass(frozen=True)
 class AttentionTiles:
-    """Block sizes of one attention kernel (all powers of two).
+    """Block sizes of one attention kernel; ``tiles_problem`` states the rules they must keep.
 
     rows: rows a workgroup owns (queries; keys for dkdv); tile: rows streamed per step (keys;
     queries for dkdv); row_threads: invocations per owned row; threads = rows * row_threads.
@@ -147,20 +155,60 @@ def workgroup_words(mode: str, t: AttentionTiles, e: int) -> int:
     return 2 * t.tile * (e + 1) + 2 * t.rows * (t.tile + 1) + t.tile + t.threads
 
 
+def tiles_problem(mode: str, t: AttentionTiles, e: int) -> str | None:
+    """The first rule of the ``mode`` template that ``t`` breaks at head dim ``e``; None if it keeps
+    them all. Tiles that break one would compute garbage or fail to build, so they are refused."""
+    if not all(isinstance(v, int) and v >= 1 for v in (t.rows, t.tile, t.row_threads)):
+        return "rows, tile and row_threads must be positive integers"
+    if e % t.row_threads:
+        return f"row_threads must divide the head dim {e} (each invocation owns E / row_threads columns)"
+    if t.tile % t.row_threads:
+        return "row_threads must divide tile (each invocation of a row takes tile / row_threads of its rows)"
+    if t.threads > MAX_THREADS:
+        return f"rows * row_threads = {t.threads} invocations, expected at most {MAX_THREADS}"
+    if mode == "dkdv" and t.threads % t.tile:
+        return (f"tile must divide rows * row_threads = {t.threads} "
+                "(threads / tile invocations sum each query's D = dO.O)")
+    need = 4 * workgroup_words(mode, t, e)
+    if need > WORKGROUP_BYTES:
+        return f"{need} bytes of workgroup memory, expected at most {WORKGROUP_BYTES}"
+    return None
+
+
+def check_tiles(name: str, mode: str, t: AttentionTiles, e: int) -> None:
+    """Raise an IntrinsicError (a ValueError) naming the tiles and the rule they break."""
+    problem = tiles_problem(mode, t, e)
+    if problem is not None:
+        raise IntrinsicError(f"{name}: tiles {t} do not fit the {mode} template at head dim {e}: {problem}")
+
+
 def choose_tiles(mode: str, e: int) -> AttentionTiles:
     """Rows per workgroup for about TARGET_THREADS invocations, then the largest streamed tile
-    (at most 64) whose workgroup memory fits the portable 16 KiB."""
+    (at most 64) that keeps the template's rules (workgroup memory within the portable 16 KiB)."""
     s = _row_threads(e)
     rows = max(16, min(64, TARGET_THREADS // s))
     tile = 64
     while tile > 1:
         t = AttentionTiles(rows, tile, s)
-        fits = 4 * workgroup_words(mode, t, e) <= WORKGROUP_BYTES
-        # every part of a row takes the same number of tile rows; dkdv's D sums need tile | threads
-        if fits and tile % s == 0 and (mode != "dkdv" or t.threads % tile == 0):
+        if tiles_problem(mode, t, e) is None:
             return t
         tile //= 2
     raise IntrinsicError(f"no attention tiling for head dim {e} fits {WORKGROUP_BYTES} bytes")
+
+
+def attention_candidates(mode: str, e: int) -> tuple[AttentionTiles, ...]:
+    """What the autotuner tries for ``mode`` at head dim ``e``: choose_tiles' pick first, then the
+    valid tiles of a small grid nearest it (row_threads, then threads per workgroup), with at least
+    MIN_THREADS invocations, MAX_CANDIDATES in all, so tuning stays quick."""
+    default = choose_tiles(mode, e)
+    grid = {AttentionTiles(r, t, s) for r in {16, 32, 64, default.rows} for t in {16, 32, 64, default.tile}
+            for s in {1, 2, 4, 8, default.row_threads}}
+    fits = [t for t in grid if t != default and t.threads >= MIN_THREADS and tiles_problem(mode, t, e) is None]
+
+    def distance(t: AttentionTiles):
+        return (abs(math.log2(t.row_threads / default.row_threads)), abs(math.log2(t.threads / TARGET_THREADS)),
+                -t.tile, t.rows, t.row_threads)
+    return (default, *sorted(fits, key=distance)[:MAX_CANDIDATES - 1])
 
 
 # ---- plans ----
@@ -187,7 +235,8 @@ def _sizes(call: IntrinsicCall) -> tuple[int, int, int, int, str]:
 
 def _context(call: IntrinsicCall, mode: str, params: tuple[str, ...], outputs: tuple[str, ...]):
     t, h, g, e, t_ext = _sizes(call)
-    tiles = choose_tiles(mode, e)
+    tiles = call.tiles or choose_tiles(mode, e)
+    check_tiles(call.name, mode, tiles, e)
     roles = {"q": ("t", "h", "e"), "k": ("t", "h", "e"), "v": ("t", "h", "e"), "o": ("t", "h", "e"),
              "do": ("t", "h", "e"), "lse": ("t", "h"), "dq": ("t", "h", "e"), "dk": ("t", "h", "e"),
              "dv": ("t", "h", "e")}
@@ -217,6 +266,6 @@ def _plan_dkdv(call: IntrinsicCall):
 
 
 register(Intrinsic(FWD, ("q", "k", "v"), ("o", "lse"), _infer_fwd, _plan_fwd, grad=_grad,
-                   differentiable_outputs=("o",)))
-register(Intrinsic(BWD_DQ, BWD_PARAMS, ("dq",), _infer_dq, _plan_dq))
-register(Intrinsic(BWD_DKDV, BWD_PARAMS, ("dk", "dv"), _infer_dkdv, _plan_dkdv))
+                   differentiable_outputs=("o",), tiles=AttentionTiles))
+register(Intrinsic(BWD_DQ, BWD_PARAMS, ("dq",), _infer_dq, _plan_dq, tiles=AttentionTiles))
+register(Intrinsic(BWD_DKDV, BWD_PARAMS, ("dk", "dv"), _infer_dkdv, _plan_dkdv, tiles=AttentionTiles))

@@ -20,7 +20,7 @@ import numpy as np
 import wgpu
 
 from .. import library
-from ..autotune import MatmulTuner
+from ..autotune import Tuner
 from ..cache import CacheStats, Timer, WgslDiskCache, generate_wgsl
 from ..compiler import Backward, Kernel
 from ..ir.nodes import SEQ_AXIS
@@ -98,16 +98,16 @@ class ComputeEngine:
         self._infos: list[bytes] = []     # info block of each recorded dispatch, in order
         self._ring = None                 # uniform buffer the info blocks are written to at flush
         self._bind_groups = LRU(8192)     # (layout, ring, bindings) -> bind group
-        self.tuner = MatmulTuner(self) if opts.autotune else None
+        self.tuner = Tuner(self) if opts.autotune else None
         ctx.register(self)
 
     # ---- compilation ----
     def compile(self, kernel: Kernel | str, dims: dict[str, int], bucket: int = 1,
                 accumulate: frozenset[str] = frozenset(), tiles=None) -> Compiled:
         kernel = library.get(kernel) if isinstance(kernel, str) else kernel
+        if tiles is None and self.tuner is not None:    # stays None where the template has no candidates
+            tiles = self.tuner.tiles(kernel, dims, bucket, accumulate)
         spec = kernel.specialize(dims, bucket, accumulate, tiles)
-        if tiles is None and spec.template == "matmul" and self.tuner is not None:
-            spec = kernel.specialize(dims, bucket, accumulate, self.tuner.tiles(kernel, dims, bucket, accumulate))
         key = (spec.key, self.ctx.name)
         compiled = self._pipelines.get(key)
         if compiled is not None:

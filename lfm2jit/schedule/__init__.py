@@ -17,6 +17,7 @@ from ..ir.ops import REDUCE, Op
 from ..ir.partition import schedule_class
 from ..ir.shapes import merge
 from . import contraction, intrinsic, pointwise, reduce
+from .intrinsic import check_tiles_kind
 from .spec import KernelSpec, bind_dims, bucketed, buffer_var, ident, schedule_error
 
 __all__ = ["KernelSpec", "bind_dims", "bucketed", "specialize"]
@@ -51,6 +52,8 @@ def specialize(ir: KernelIR, dims: dict[str, int], bucket: int = 1,
     """Choose the schedule for a kernel and fill in its template parameters.
 
     ``accumulate`` names outputs whose existing contents the kernel adds to (gradient accumulation).
+    ``tiles`` overrides the schedule's own tile choice (the autotuner tries several): a TileConfig
+    for a contraction, the intrinsic's class (AttentionTiles) for an intrinsic; None elsewhere.
     """
     unknown = set(accumulate) - {o.name for o in ir.outputs}
     if unknown:
@@ -64,10 +67,12 @@ def specialize(ir: KernelIR, dims: dict[str, int], bucket: int = 1,
     classes = {schedule_class(ir.results[o.name]) for o in ir.outputs}
     acc = frozenset(accumulate)
     if "intrinsic" in classes:             # templates with their own layouts
-        template, ctx, groups = intrinsic.plan(ir, sizes, acc)
+        template, ctx, groups = intrinsic.plan(ir, sizes, acc, tiles)
     elif "contraction" in classes:
+        check_tiles_kind(ir, tiles, contraction.TileConfig, "matmul")
         template, ctx, groups = contraction.plan(ir, sizes, acc, tiles)
     else:                                  # generated loops over one iteration space
+        check_tiles_kind(ir, tiles, None, "pointwise or reduction")
         space = _iteration_space(ir, order)
         for n in toposort(ir.results.values(), stop=_reindexed_sources(order)):
             if n.shape and not all(a in space for a in n.shape):
