@@ -4,8 +4,9 @@ LFM2JIT_ADAPTER    substring of the adapter name/vendor/backend to use (default:
 LFM2JIT_CACHE_DIR  directory for the on-disk cache of generated WGSL (default: no disk cache)
 LFM2JIT_DUMP_DIR   directory where every WGSL the engine compiles is also written (default: none)
 LFM2JIT_TIMING     1 to time every dispatch with GPU timestamp queries (default: off)
-LFM2JIT_AUTOTUNE   1 to benchmark matmul tile configs once per (adapter, shape) and keep the
-                   fastest; results are kept in LFM2JIT_CACHE_DIR or ~/.cache/lfm2jit (default: off)
+LFM2JIT_AUTOTUNE   1 to benchmark the matmul and attention tile candidates once per (adapter,
+                   specialization) and keep the fastest; results are kept in LFM2JIT_CACHE_DIR or
+                   ~/.cache/lfm2jit (default: off)
 """
 from __future__ import annotations
 

@@ -69,7 +69,8 @@ def test_a_failing_candidate_scores_infinity(ctx, tmp_path, monkeypatch):
 def test_every_candidate_computes_the_same_product(engine, rng):
     """The autotuner may pick any candidate, so each must be right, ragged edges included, for the
     three products of a linear layer (x W^T, dY W, dY^T X), with scalar and vec4 device reads
-    (vec4 needs the contiguous axis a multiple of 4: K = 36 and 8 have it, 33 and 7 do not)."""
+    (vec4 needs the contiguous axis a multiple of 4: K = 36 and 8 have it, 33 and 7 do not), with
+    and without split-K, overwriting and accumulating."""
     lin = library.get("linear")
     dx_k, dw_k = grad(lin, ["x"]).kernels[0], grad(lin, ["w"]).kernels[0]
     modes = set()
@@ -86,7 +87,13 @@ def test_every_candidate_computes_the_same_product(engine, rng):
                 assert rel_err(got, want[out]) < 1e-5, (tiles, out, T, K, N)
                 spec = kernel.specialize({"T": T, "K": K, "N": N}, 16, frozenset(), tiles)
                 modes |= {spec.context["a"]["vec"], spec.context["b"]["vec"]}
+            # accumulating (weight gradients), split-K's second pass included
+            base = rng.standard_normal((N, K)).astype(np.float32)
+            dw = engine.tensor(base)
+            engine.run(dw_k, bucket=16, tiles=tiles, x=args["x"], d_y=args["d_y"], out={"d_w": dw}, accumulate={"d_w"})
+            assert rel_err(dw.numpy(), base + want["d_w"]) < 1e-5, (tiles, "accumulate", T, K, N)
     assert modes == {None, "k", "m"}
+    assert any(t.split > 1 for t in CANDIDATES)
 
 
 def test_f16_operands_read_as_vectors(ctx, engine, rng):

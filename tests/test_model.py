@@ -553,7 +553,7 @@ def test_init_as_transformers(ctx, engine):
     ([1, 2, 256], r"input_ids\[2\] = 256 .*vocabulary"),
     ([1, -1, 2], r"input_ids\[1\] = -1 .*vocabulary"),
     ([], "non-empty"),
-    ([[1, 2], [3, 4]], r"1-D.*\[2, 2\]"),
+    ([[[1, 2]], [[3, 4]]], r"\[T\] sequence or \[B, T\] batch.*\[2, 1, 2\]"),
     ([1.0, 2.0], "integers"),
     (np.array([1.5]), "integers"),
     (np.array([True, False]), "integers"),

@@ -44,8 +44,17 @@ class ShaderCompileError(RuntimeError):
 class Compiled:
     spec: KernelSpec
     wgsl: str
-    pipeline: object
+    pipelines: tuple          # one per entry point, dispatched in order ("main", then e.g. "reduce")
     layout: object
+
+    def stages(self) -> list[tuple[object, tuple[int, int, int]]]:
+        """(pipeline, workgroups) of each dispatch one call of this kernel records."""
+        spec = self.spec
+        first = spec.workgroups if isinstance(spec.workgroups, tuple) else fold_workgroups(spec.workgroups) + (1,)
+        groups = [first]
+        if len(self.pipelines) > 1:
+            groups.append(fold_workgroups(spec.context["reduce_workgroups"]) + (1,))
+        return list(zip(self.pipelines, groups))
 
 
 class LRU:
@@ -137,10 +146,11 @@ class ComputeEngine:
             kind = wgpu.BufferBindingType.read_only_storage if b["access"] == "read" else wgpu.BufferBindingType.storage
             entries.append({"binding": b["binding"], "visibility": compute, "buffer": {"type": kind}})
         layout = self.device.create_bind_group_layout(entries=entries)
-        pipeline = self.device.create_compute_pipeline(
-            layout=self.device.create_pipeline_layout(bind_group_layouts=[layout]),
-            compute={"module": module, "entry_point": "main"}, label=spec.kernel)
-        return Compiled(spec, wgsl, pipeline, layout)
+        pipeline_layout = self.device.create_pipeline_layout(bind_group_layouts=[layout])
+        pipelines = tuple(self.device.create_compute_pipeline(layout=pipeline_layout, label=spec.kernel,
+                                                              compute={"module": module, "entry_point": entry})
+                          for entry in spec.context.get("entry_points", ("main",)))
+        return Compiled(spec, wgsl, pipelines, layout)
 
     # ---- tensors ----
     def empty(self, shape, dtype: str = "f32", capacity: int | None = None) -> Tensor:
@@ -190,16 +200,20 @@ class ComputeEngine:
         if len(info) > INFO_BYTES:
             raise ValueError(f"{ir.name}: {len(ir.scalars)} scalars do not fit the {INFO_BYTES}-byte info block")
         tensors = [args[n] for n in spec.inputs] + [outputs[n] for n, _, _ in spec.outputs]
+        if spec.context.get("workspace"):       # split-K partial sums: scratch, back in the pool at once
+            tensors.append(self.empty((spec.context["workspace"],), "f32"))
         written = {id(outputs[n].buffer): n for n, _, _ in spec.outputs}
         for n in spec.inputs:
             if id(args[n].buffer) in written:
                 raise ValueError(f"{ir.name}: output {written[id(args[n].buffer)]!r} shares a buffer with input "
                                  f"{n!r}; WebGPU cannot read and write one buffer in a dispatch")
         bind_group = self._bind_group(compiled, tensors)
-        groups = spec.workgroups if isinstance(spec.workgroups, tuple) else fold_workgroups(spec.workgroups) + (1,)
-        if max(groups) > MAX_GROUPS_PER_DIM:
-            raise ValueError(f"{ir.name}: dispatch of {groups} workgroups exceeds {MAX_GROUPS_PER_DIM} per dimension")
-        self._commands.append(("dispatch", compiled, bind_group, groups, len(self._infos) * INFO_BYTES))
+        stages = compiled.stages()
+        for _, groups in stages:
+            if max(groups) > MAX_GROUPS_PER_DIM:
+                raise ValueError(f"{ir.name}: dispatch of {groups} workgroups exceeds {MAX_GROUPS_PER_DIM} per dimension")
+        for pipeline, groups in stages:      # every stage reads the same info block
+            self._commands.append(("dispatch", compiled, pipeline, bind_group, groups, len(self._infos) * INFO_BYTES))
         self._infos.append(info)
         self._keepalive.extend(t.buffer for t in tensors)   # buffers, not tensors: freed tensors recycle at once
         self.dispatches += 1
@@ -340,10 +354,10 @@ class ComputeEngine:
                     _, buffer, offset, nbytes = command
                     encoder.clear_buffer(buffer, offset, nbytes)
                     continue
-                _, compiled, bind_group, groups, info_at = command
+                _, compiled, pipeline, bind_group, groups, info_at = command
                 if cpass is None:
                     cpass = encoder.begin_compute_pass()
-                cpass.set_pipeline(compiled.pipeline)
+                cpass.set_pipeline(pipeline)
                 cpass.set_bind_group(0, bind_group, [info_at])
                 cpass.dispatch_workgroups(*groups)
             if cpass is not None:
@@ -360,10 +374,10 @@ class ComputeEngine:
                 _, buffer, offset, nbytes = command
                 encoder.clear_buffer(buffer, offset, nbytes)
                 continue
-            _, compiled, bind_group, groups, info_at = command
+            _, compiled, pipeline, bind_group, groups, info_at = command
             cpass = encoder.begin_compute_pass(timestamp_writes={
                 "query_set": qs, "beginning_of_pass_write_index": 2 * i, "end_of_pass_write_index": 2 * i + 1})
-            cpass.set_pipeline(compiled.pipeline)
+            cpass.set_pipeline(pipeline)
             cpass.set_bind_group(0, bind_group, [info_at])
             cpass.dispatch_workgroups(*groups)
             cpass.end()
@@ -375,7 +389,7 @@ class ComputeEngine:
         encoder.resolve_query_set(qs, 0, n, resolved, 0)
         self.device.queue.submit([encoder.finish()])
         stamps = np.frombuffer(self.device.queue.read_buffer(resolved), dtype=np.uint64)
-        for i, (_, compiled, _, _, _) in enumerate(dispatches):
+        for i, (_, compiled, _, _, _, _) in enumerate(dispatches):
             self.timings.append((compiled.spec.kernel, float(stamps[2 * i + 1] - stamps[2 * i]) * 1e-9))
 
     def synchronize(self) -> None:

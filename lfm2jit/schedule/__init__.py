@@ -88,16 +88,18 @@ def specialize(ir: KernelIR, dims: dict[str, int], bucket: int = 1,
     if ir.inouts and template != "pointwise":
         raise schedule_error(ir, f"in-place outputs {list(ir.inouts)} in a {template} kernel",
                              "in-place updates only in elementwise kernels")
-    ctx.update(_common(ir, sizes, ctx.pop("vec4_bindings", {})))
+    ctx.update(_common(ir, sizes, ctx.pop("vec4_bindings", {}), ctx.pop("extra_bindings", ())))
     ctx["template"] = template
     outputs = tuple((o.name, o.dtype, tuple(sizes[a] for a in o.shape)) for o in ir.outputs)
     inputs = tuple(t.name for t in ir.inputs if t.name not in ir.inouts)
     return KernelSpec(ir.name, template, ctx, groups, inputs, outputs, ir.scalars, sizes)
 
 
-def _common(ir: KernelIR, sizes: dict[str, int], vec4_bindings: dict[str, str] | None = None) -> dict:
+def _common(ir: KernelIR, sizes: dict[str, int], vec4_bindings: dict[str, str] | None = None,
+            extra_bindings=()) -> dict:
     """Template parameters every schedule shares; ``vec4_bindings`` maps tensors read as vectors
-    to their element type (e.g. "vec4<f32>")."""
+    to their element type (e.g. "vec4<f32>"); ``extra_bindings`` are scratch buffers the engine
+    provides after the outputs (a split-K workspace)."""
     vec4_bindings = vec4_bindings or {}
     tensors = [(t, "read") for t in ir.inputs if t.name not in ir.inouts] + [(t, "read_write") for t in ir.outputs]
     return {
@@ -108,5 +110,6 @@ def _common(ir: KernelIR, sizes: dict[str, int], vec4_bindings: dict[str, str] |
         "uses_f16": any(t.dtype == "f16" for t, _ in tensors),
         "bindings": [{"name": buffer_var(t.name), "binding": i + 1, "access": acc,
                       "elem": vec4_bindings.get(t.name, t.dtype)}
-                     for i, (t, acc) in enumerate(tensors)],
+                     for i, (t, acc) in enumerate(tensors)]
+                    + [dict(b, binding=len(tensors) + 1 + i, access="read_write") for i, b in enumerate(extra_bindings)],
     }

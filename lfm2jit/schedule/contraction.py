@@ -24,6 +24,7 @@ class TileConfig:
     tm: int = 4
     tn: int = 4
     vec: bool = False      # contiguous micro-tiles read as vec4 from workgroup memory
+    split: int = 1         # K is cut into this many slices summed by a second pass (split-K)
 
     @property
     def threads(self) -> int:
@@ -39,15 +40,20 @@ class TileConfig:
             raise ValueError(f"{self}: vec4 reads need micro-tiles that are multiples of 4")
         if 4 * self.bk * (self.bm + self.bn) > 16384:
             raise ValueError(f"{self}: needs more than 16 KiB of workgroup memory")
+        if self.split not in (1, 2, 4, 8):
+            raise ValueError(f"{self}: split must be 1, 2, 4 or 8")
 
 
+REDUCE_THREADS = 256
 DEFAULT_TILES = TileConfig()
 LARGE_TILES = TileConfig(bm=128, bn=128, bk=8, tm=8, tn=8)
 CANDIDATES = (DEFAULT_TILES, LARGE_TILES, TileConfig(128, 64, 16, 8, 4), TileConfig(64, 128, 16, 4, 8),
               TileConfig(32, 32, 16, 2, 2), TileConfig(128, 128, 8, 8, 8, vec=True),
               TileConfig(64, 64, 16, 4, 4, vec=True), TileConfig(128, 128, 16, 8, 8, vec=True),
               TileConfig(128, 64, 16, 8, 8, vec=True), TileConfig(64, 128, 16, 8, 8, vec=True),
-              TileConfig(64, 64, 16, 8, 8, vec=True), TileConfig(64, 64, 8, 4, 4, vec=True))
+              TileConfig(64, 64, 16, 8, 8, vec=True), TileConfig(64, 64, 8, 4, 4, vec=True),
+              TileConfig(64, 64, 8, 4, 4, vec=True, split=2), TileConfig(64, 64, 8, 4, 4, vec=True, split=4),
+              TileConfig(64, 128, 16, 8, 8, vec=True, split=2), TileConfig(64, 128, 16, 8, 8, vec=True, split=4))
 
 
 def choose_tiles(m: int, n: int) -> TileConfig:
@@ -129,5 +135,13 @@ def plan(ir: KernelIR, sizes: dict[str, int], accumulate: frozenset[str], tiles:
         for op in (ctx["a"], ctx["b"]):
             op["vec"], op["loads"] = None, (tiles.bm if op is ctx["a"] else tiles.bn) * tiles.bk // tiles.threads
     ctx["vec4_bindings"] = {x.arg: f"vec4<{x.dtype}>" for x, op in ((a, ctx["a"]), (b, ctx["b"])) if op["vec"]}
-    groups = (-(-sizes[n_axis] // tiles.bn), -(-sizes[m_axis] // tiles.bm), sizes[bt] if bt else 1)
+    batches = sizes[bt] if bt else 1
+    if tiles.split > 1:
+        # pass 1 writes each K slice's partial tile to a workspace [batch, split, M, N]; pass 2
+        # ("reduce", one invocation per output element) sums the slices into the output
+        ctx.update(m_pad=sizes[m_axis], n_size=sizes[n_axis], workspace=batches * tiles.split * sizes[m_axis] * sizes[n_axis],
+                   entry_points=["main", "reduce"], extra_bindings=[{"name": "ws_", "elem": "f32"}],
+                   reduce_threads=REDUCE_THREADS)
+        ctx["reduce_workgroups"] = -(-batches * sizes[m_axis] * sizes[n_axis] // REDUCE_THREADS)
+    groups = (-(-sizes[n_axis] // tiles.bn), -(-sizes[m_axis] // tiles.bm), batches * tiles.split)
     return "matmul", ctx, groups
