@@ -52,7 +52,7 @@ def test_activations_are_f16_and_parameters_stay_f32(ctx, engine):
     trace = model.forward(np.arange(1, 12), bucket=16)
     assert trace.h_in.dtype == trace.hn.dtype == "f16"
     for s in trace.layers:
-        assert s["xn"].dtype == s["g"].dtype == "f16"
+        assert s["h"].dtype == s["a"].dtype == s["b"].dtype == "f16"
         assert s["inv_op"].dtype == "f32"                       # statistics stay f32
         if s["kind"] != "conv":
             assert s["o"].dtype == "f16" and s["lse"].dtype == "f32"

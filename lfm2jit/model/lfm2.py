@@ -183,26 +183,40 @@ class Lfm2Model:
         for i, kind in enumerate(cfg.layer_types):
             pre = f"model.layers.{i}."
             s: dict = {"kind": kind, "pre": pre, "h": h}                                            # (T, D) layer input
-            xn = run(_k("rmsnorm_saved"), bucket=bucket, x=h, w=self.p(pre + "operator_norm.weight"), eps=cfg.norm_eps)
-            s["xn"], s["inv_op"] = xn["y"], xn["inv"]                                              # (T, D), (T,)
+            s["xn"], s["inv_op"] = self._norm(h, pre + "operator_norm.weight", bucket)              # (T, D), (T,)
             if kind == "conv":
                 op = self._conv_forward(pre, s, trace)                                             # (T, D)
             else:
                 op = self._attention_forward(pre, s, trace)                                        # (T, D)
             h1 = run(_k("add"), bucket=bucket, x=h, z=op)["y"]                                      # (T, D) residual
             s["h1"] = h1
-            xf = run(_k("rmsnorm_saved"), bucket=bucket, x=h1, w=self.p(pre + "ffn_norm.weight"), eps=cfg.norm_eps)
-            s["xf"], s["inv_ffn"] = xf["y"], xf["inv"]                                              # (T, D), (T,)
-            s["a"] = self._linear(s["xf"], pre + "feed_forward.w1", bucket)                         # (T, F)
-            s["b"] = self._linear(s["xf"], pre + "feed_forward.w3", bucket)                         # (T, F)
-            s["g"] = run(_k("silu_mul"), bucket=bucket, a=s["a"], b=s["b"])["y"]                    # (T, F) silu(a) * b
-            f = self._linear(s["g"], pre + "feed_forward.w2", bucket)                               # (T, D)
+            xf, s["inv_ffn"] = self._norm(h1, pre + "ffn_norm.weight", bucket)                      # (T, D), (T,)
+            s["a"] = self._linear(xf, pre + "feed_forward.w1", bucket)                              # (T, F)
+            s["b"] = self._linear(xf, pre + "feed_forward.w3", bucket)                              # (T, F)
+            g = run(_k("silu_mul"), bucket=bucket, a=s["a"], b=s["b"])["y"]                         # (T, F) silu(a) * b
+            f = self._linear(g, pre + "feed_forward.w2", bucket)                                    # (T, D)
             h = run(_k("add"), bucket=bucket, x=h1, z=f)["y"]                                       # (T, D) layer output
+            del s["xn"]            # xn, xf and g are recomputed by backward (see _recompute)
             trace.layers.append(s)
         trace.h_out = h
         fin = run(_k("rmsnorm_saved"), bucket=bucket, x=h, w=self.p("model.embedding_norm.weight"), eps=cfg.norm_eps)
         trace.hn, trace.inv = fin["y"], fin["inv"]                                                  # (T, D), (T,)
         return trace
+
+    def _norm(self, x: Tensor, name: str, bucket: int) -> tuple[Tensor, Tensor]:
+        """rmsnorm(x) * w and the rows' 1/rms."""
+        out = self._run(_k("rmsnorm_saved"), bucket=bucket, x=x, w=self.p(name), eps=self.cfg.norm_eps)
+        return out["y"], out["inv"]
+
+    def _recompute(self, s: dict, bucket: int) -> None:
+        """Put back what forward did not keep: the normed inputs xn and xf and the SwiGLU output g
+        (one [T, F] and two [T, D] per layer, the largest activations after a and b). The same
+        kernels on the same inputs give bit-identical values, so gradients are unchanged; it costs
+        three cheap row-wise dispatches per layer."""
+        pre = s["pre"]
+        s["xn"] = self._norm(s["h"], pre + "operator_norm.weight", bucket)[0]                       # (T, D)
+        s["xf"] = self._norm(s["h1"], pre + "ffn_norm.weight", bucket)[0]                           # (T, D)
+        s["g"] = self._run(_k("silu_mul"), bucket=bucket, a=s["a"], b=s["b"])["y"]                  # (T, F)
 
     def _linear(self, x: Tensor, name: str, bucket: int) -> Tensor:
         """y = x W^T (+ b): torch.nn.Linear with W stored [out, in]."""
@@ -290,6 +304,7 @@ class Lfm2Model:
         dh = self._norm_backward(trace.h_out, trace.inv, "model.embedding_norm.weight", d_hn, bucket)   # (T, D)
         for s in reversed(trace.layers):
             pre = s["pre"]
+            self._recompute(s, bucket)
             # h = h1 + f;  f = w2(g)
             dg = self._linear_backward(s["g"], pre + "feed_forward.w2", dh, bucket)                 # (T, F)
             # g = silu(a) * b
@@ -306,6 +321,8 @@ class Lfm2Model:
                 dxn = self._attention_backward(pre, s, dh, trace)                                  # (T, D)
             # xn = rmsnorm(h): dh becomes d(h)
             self._norm_backward(s["h"], s["inv_op"], pre + "operator_norm.weight", dxn, bucket, into=dh)
+            for name in ("xn", "xf", "g"):
+                del s[name]           # this layer is done: its recomputed activations go back to the pool
         # h_in = embed(ids)
         emb = "model.embed_tokens.weight"
         if self._trained(emb):
