@@ -165,7 +165,7 @@ class Trainer:
         """How many of the leading sequences of ``group`` to pack into one pass: as many as fit
         pack_tokens rows while padding to the longest adds at most PACK_WASTE of their own rows.
         Packing pays for many similar lengths, not for a short sequence beside a long one."""
-        unit = lcm(self.model.pack_multiple(), self.length_bucket)
+        unit = self._pack_unit()
         longest = own = n = 0
         for ids, *_ in group:
             rows = -(-len(ids) // unit) * unit
@@ -174,6 +174,11 @@ class Trainer:
                 break
             n += 1
         return max(n, 1)
+
+    def _pack_unit(self) -> int:
+        """Packed sequences are padded to a multiple of this: the model's binding multiple and the
+        length bucket (so kernels specialized for one packed length serve the whole bucket)."""
+        return lcm(self.model.pack_multiple(), self.length_bucket)
 
     def _train_group(self, group) -> list[StepStats]:
         """Forward and backward for checked sequences (packed when several), then the window's end."""
@@ -187,13 +192,13 @@ class Trainer:
             ids, targets, mask, _ = group[0]
             normalizer = float(tokens[0])
         else:                    # packed: per-position weights mask / tokens keep each sequence's mean
-            multiple = lcm(model.pack_multiple(), self.length_bucket)
-            length = -(-max(len(g[0]) for g in group) // multiple) * multiple
+            unit = self._pack_unit()
+            length = -(-max(len(g[0]) for g in group) // unit) * unit
             pad = model.cfg.pad_token_id if model.cfg.pad_token_id is not None else 0
             ids = np.full((len(group), length), pad, np.int32)
             targets = np.zeros((len(group), length), np.int32)
             mask = np.zeros((len(group), length), np.float32)
-            for row, (i, t, m, _), n in zip(range(len(group)), group, tokens):
+            for row, ((i, t, m, _), n) in enumerate(zip(group, tokens)):
                 ids[row, :len(i)], targets[row, :len(t)], mask[row, :len(m)] = i, t, m / n
             targets, mask, normalizer = targets.reshape(-1), mask.reshape(-1), 1.0
         trace = model.forward(ids, self.length_bucket)
