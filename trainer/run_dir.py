@@ -1,0 +1,123 @@
+"""The files of a run directory: checkpoints (finding, reading, pruning), the tokenizer copied
+next to a checkpoint's weights, metrics lines, and the check that a sync directory holds no stale
+gradient files of the same run id."""
+from __future__ import annotations
+
+import json
+import math
+import re
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from .cli_options import Run, UsageError
+
+_STEP_DIR = re.compile(r"^step-(\d+)(?:\.old-\d+)?$")
+
+
+def find_checkpoint(path: str) -> Path:
+    """A checkpoint directory, or the newest checkpoint of a run directory."""
+    p = Path(path)
+    if not p.exists():
+        raise UsageError(f"--resume {path}: no such directory")
+    if (p / "trainer.json").is_file():
+        return p
+    for base in (p / "checkpoints", p):
+        steps = {}
+        if base.is_dir():
+            for d in base.iterdir():
+                m = _STEP_DIR.match(d.name)
+                if m and d.is_dir() and (d / "trainer.json").is_file():
+                    steps[int(m.group(1))] = base / f"step-{m.group(1)}"
+        if steps:
+            return steps[max(steps)]
+    if any(p.parent.glob(f"{p.name}.old-*")):
+        return p                  # an interrupted save: Trainer.load_checkpoint falls back to the old one
+    raise UsageError(f"--resume {path}: not a checkpoint (no trainer.json) and no checkpoints/step-* inside")
+
+
+def read_checkpoint_meta(ckpt: Path) -> dict:
+    for cand in [ckpt, *sorted(ckpt.parent.glob(f"{ckpt.name}.old-*"))]:
+        f = cand / "trainer.json"
+        if f.is_file():
+            try:
+                return json.loads(f.read_text())
+            except json.JSONDecodeError as e:
+                raise UsageError(f"{f}: unreadable ({e})") from None
+    raise UsageError(f"{ckpt}: no trainer.json")
+
+
+def copy_tokenizer(tokenizer: str, model_dir: Path) -> None:
+    """Put the tokenizer next to the checkpoint's weights, making it a complete Hugging Face directory."""
+    src = Path(tokenizer)
+    src = src / "tokenizer.json" if src.is_dir() else src
+    try:
+        shutil.copyfile(src, model_dir / "tokenizer.json")
+        cfg = src.with_name("tokenizer_config.json")
+        if cfg.is_file():
+            shutil.copyfile(cfg, model_dir / "tokenizer_config.json")
+    except OSError as e:
+        print(f"note: could not copy the tokenizer into {model_dir}: {e}", file=sys.stderr)
+
+
+def prune_checkpoints(root: Path, keep: int) -> None:
+    if keep <= 0 or not root.is_dir():
+        return
+    found = sorted((int(m.group(1)), d) for d in root.iterdir()
+                   if (m := re.match(r"^step-(\d+)$", d.name)) and d.is_dir())
+    for _, d in found[:-keep]:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def clean(v):
+    """A metrics value as JSON can hold it: non-finite floats become null."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    return v
+
+
+def read_metrics(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        if line.strip():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                break             # a line cut by a crash: everything after it is dropped
+    return out
+
+
+_SYNC_FILE = re.compile(r"^(?P<id>.+)\.round(?P<round>\d+)\.rank(?P<rank>\d+)\.safetensors$")
+
+
+def check_sync_dir(run: Run, sync_id: str) -> None:
+    """Refuse to start over stale gradient files of this run id (FileGradSync names them
+    ``<sync_id>.round<n>.rank<r>.safetensors``; a resumed run's id ends in ``.from<step>``): a file
+    of this rank (it has written none yet), or a peer's file past round 1 (no peer gets there
+    without this rank), is left from an earlier run, and reading it would mix that run's gradients
+    in. Every rank sees the same files at start, so all of them stop, instead of one waiting for
+    the others until the sync timeout."""
+    d = Path(run.sync_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    stale = []
+    for f in d.iterdir():
+        m = _SYNC_FILE.match(f.name)
+        if m and m.group("id") == sync_id and (int(m.group("rank")) == run.rank or int(m.group("round")) > 1):
+            stale.append(f.name)
+    if stale:
+        raise UsageError(f"--sync-dir {d} holds gradient files of an earlier run named {sync_id!r} "
+                         f"({', '.join(sorted(stale)[:2])}{', ...' if len(stale) > 2 else ''}); remove them or "
+                         "pass a new --run-id to every rank")
+
+
+def default_out(run: Run) -> Path:
+    if run.world_size > 1:
+        return Path("runs") / run.run_id
+    base = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    out, i = base, 1
+    while out.exists():
+        out, i = base.with_name(f"{base.name}-{i}"), i + 1
+    return out
