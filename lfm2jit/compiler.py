@@ -64,7 +64,9 @@ class Kernel:
                    accumulate: frozenset[str] = frozenset(), tiles=None) -> KernelSpec:
         """``tiles`` overrides the schedule's tile choice: a TileConfig for a matmul, an AttentionTiles
         for attention (the autotuner tries several; see schedule.specialize)."""
-        key = (tuple(sorted(dims.items())), bucket, frozenset(accumulate), tiles)
+        # dims in the caller's order: callers pass them in a fixed order, and another order only
+        # makes a second entry for the same specialization
+        key = (tuple(dims.items()), bucket, frozenset(accumulate), tiles)
         spec = self._specs.get(key)
         if spec is None:
             spec = self._specs[key] = specialize(self.ir, dims, bucket, frozenset(accumulate), tiles)

@@ -1,6 +1,8 @@
 """WgpuContext: one adapter and device, chosen and configured for compute."""
 from __future__ import annotations
 
+import functools
+
 import weakref
 
 import wgpu
@@ -70,8 +72,9 @@ class WgpuContext:
         device = adapter.request_device_sync(required_features=sorted(features), required_limits=limits)
         return cls(adapter, device, features)
 
-    @property
+    @functools.cached_property
     def name(self) -> str:
+        """The adapter's description (it keys pipeline caches, so it is computed once)."""
         return describe(self.adapter)
 
     @property

@@ -10,6 +10,7 @@ no padding copies and padded rows of outputs are never written.
 """
 from __future__ import annotations
 
+import functools
 import math
 from collections import OrderedDict
 import numbers
@@ -47,6 +48,7 @@ class Compiled:
     pipelines: tuple          # one per entry point, dispatched in order ("main", then e.g. "reduce")
     layout: object
 
+    @functools.cached_property
     def stages(self) -> list[tuple[object, tuple[int, int, int]]]:
         """(pipeline, workgroups) of each dispatch one call of this kernel records."""
         spec = self.spec
@@ -208,7 +210,7 @@ class ComputeEngine:
                 raise ValueError(f"{ir.name}: output {written[id(args[n].buffer)]!r} shares a buffer with input "
                                  f"{n!r}; WebGPU cannot read and write one buffer in a dispatch")
         bind_group = self._bind_group(compiled, tensors)
-        stages = compiled.stages()
+        stages = compiled.stages
         for _, groups in stages:
             if max(groups) > MAX_GROUPS_PER_DIM:
                 raise ValueError(f"{ir.name}: dispatch of {groups} workgroups exceeds {MAX_GROUPS_PER_DIM} per dimension")
