@@ -109,3 +109,16 @@ def test_f16_gradient_overflow_skips_the_step_and_backs_off(ctx, engine):
     scaler.scale = 2.0 ** 8
     s = tr.train_step_masked(ids, tgt, mask, model.parameters())
     assert s.stepped and not s.skipped and tr.optimizer_steps() == 1
+
+
+def test_variants_keep_named_tensors_f32_and_reject_unknown_names():
+    from lfm2jit import library
+    lin = library.get("linear")
+    mixed = lin.variant("f16", keep={"w"})
+    assert {t.name: t.dtype for t in mixed.ir.inputs + mixed.ir.outputs} == {"x": "f16", "w": "f32", "y": "f16"}
+    assert mixed is lin.variant("f16", keep=frozenset({"w"}))             # memoised
+    assert lin.variant("f16", keep={"x", "w", "y"}) is lin                 # nothing left to retype
+    with pytest.raises(ValueError, match=r"cannot keep \['nope'\] in f32: the kernel has no such tensors"):
+        lin.variant("f16", keep={"nope"})
+    with pytest.raises(ValueError, match="storage precision must be f32 or f16, got 'bf16'"):
+        lin.variant("bf16")
