@@ -29,8 +29,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import library
-from .precision import for_call
+from . import precision
 from .runtime.tensor import ITEMSIZE, Tensor
 from .schedule.spec import bucketed
 
@@ -128,7 +127,7 @@ def lm_head_cross_entropy(engine, h: Tensor, E: Tensor, targets, mask=None, *, n
     lse = engine.empty((T,), "f32", capacity=tp)
 
     def run(name: str, **kw):       # with f16 h (mixed precision), the variants reading or writing h / dh
-        return engine.run(for_call(library.get(name), h.dtype, kw, kw.get("out")), **kw)
+        return precision.run(engine, name, h.dtype, **kw)
 
     # pass 1: running log-sum-exp and target logit over the chunks
     for i, (c0, c1) in enumerate(chunks):

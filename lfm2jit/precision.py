@@ -9,6 +9,7 @@ stored as f16.
 """
 from __future__ import annotations
 
+from . import library
 from .compiler import Backward, Kernel
 from .runtime.tensor import Tensor
 
@@ -36,3 +37,10 @@ def for_call(kernel: Kernel | Backward, dtype: str, args: dict, out: dict | None
     if isinstance(kernel, Kernel):       # a Backward keeps, per kernel, the names that kernel has
         keep &= kernel.tensor_names
     return kernel.variant(dtype, keep)
+
+
+def run(engine, kernel: Kernel | Backward | str, dtype: str, *, out: dict | None = None, **args) -> dict[str, Tensor]:
+    """``engine.run`` of the variant of ``kernel`` (or the shipped kernel of that name) that this
+    call runs when activations are ``dtype``."""
+    kernel = library.get(kernel) if isinstance(kernel, str) else kernel
+    return engine.run(for_call(kernel, dtype, args, out), out=out, **args)

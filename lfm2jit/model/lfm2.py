@@ -23,9 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import grad, library
+from .. import grad, library, precision
 from ..intrinsics.embedding import slots
-from ..precision import check_activation_dtype, for_call
 from ..runtime import Tensor
 from ..schedule.spec import bucketed
 from .checkpoint import check_tensors, load_checkpoint, parameter_shapes, save_checkpoint
@@ -56,7 +55,7 @@ class Lfm2Model:
         self.cfg = cfg
         self.ctx = ctx
         self.engine = engine
-        self.activation_dtype = check_activation_dtype(activation_dtype, ctx)
+        self.activation_dtype = precision.check_activation_dtype(activation_dtype, ctx)
         if tensors is None:
             tensors = self._init_tensors(seed)
         tensors = check_tensors(cfg, tensors)
@@ -160,10 +159,9 @@ class Lfm2Model:
             self._rope[key] = (Tensor.from_numpy(self.ctx, np.cos(ang)), Tensor.from_numpy(self.ctx, np.sin(ang)))
         return self._rope[key]
 
-    def _run(self, kernel, *, out=None, **args) -> dict[str, Tensor]:
+    def _run(self, kernel, **args) -> dict[str, Tensor]:
         """engine.run with the kernel's variant for this model's activation dtype."""
-        kernel = library.get(kernel) if isinstance(kernel, str) else kernel
-        return self.engine.run(for_call(kernel, self.activation_dtype, args, out), out=out, **args)
+        return precision.run(self.engine, kernel, self.activation_dtype, **args)
 
     # ---- forward ----
     def forward(self, input_ids, bucket: int = 1) -> Trace:
