@@ -113,27 +113,28 @@ def plan(ir: KernelIR, sizes: dict[str, int], accumulate: frozenset[str], tiles:
     sc = strides(out.shape, sizes)
     bt = batch[0] if batch else None
 
-    def operand(x, row_axis: str, rows: int) -> dict:
+    def operand(x, row_axis: str, rows: int, vectors: bool = True) -> dict:
         st = strides(x.shape, sizes)
         op = {"name": buffer_var(x.arg), "ctype": COMPUTE_TYPE[x.dtype], "convert": COMPUTE_TYPE[x.dtype] != x.dtype,
               "sm": st[row_axis], "sk": st[k], "sb": st[bt] if bt else 0, "k_fast": st[k] == 1}
-        op["vec"] = vector_reads(tiles, x.dtype, op, row_axis, k, sizes, rows)
+        op["vec"] = vector_reads(tiles, x.dtype, op, row_axis, k, sizes, rows) if vectors else None
         op["loads"] = rows * tiles.bk // (4 if op["vec"] else 1) // tiles.threads
         return op
+
+    ops = operand(a, m_axis, tiles.bm), operand(b, n_axis, tiles.bn)
+    if a.arg == b.arg and ops[0]["vec"] != ops[1]["vec"]:     # one binding has one element type
+        ops = operand(a, m_axis, tiles.bm, False), operand(b, n_axis, tiles.bn, False)
 
     ctx = {
         "tiles": asdict(tiles),
         "threads": tiles.threads,
         "m_ext": extent(m_axis, sizes), "n_ext": extent(n_axis, sizes), "k_ext": extent(k, sizes),
-        "a": operand(a, m_axis, tiles.bm),
-        "b": operand(b, n_axis, tiles.bn),
+        "a": ops[0],
+        "b": ops[1],
         "c": {"name": buffer_var(out.name), "sm": sc[m_axis], "sn": sc[n_axis], "sb": sc[bt] if bt else 0,
               "convert": out.dtype != "f32", "elem": out.dtype, "accumulate": out.name in accumulate},
         "axes": {"m": m_axis, "n": n_axis, "k": k, "batch": bt},
     }
-    if ctx["a"]["name"] == ctx["b"]["name"] and ctx["a"]["vec"] != ctx["b"]["vec"]:   # one binding, one type
-        for op in (ctx["a"], ctx["b"]):
-            op["vec"], op["loads"] = None, (tiles.bm if op is ctx["a"] else tiles.bn) * tiles.bk // tiles.threads
     ctx["vec4_bindings"] = {x.arg: f"vec4<{x.dtype}>" for x, op in ((a, ctx["a"]), (b, ctx["b"])) if op["vec"]}
     batches = sizes[bt] if bt else 1
     if tiles.split > 1:
