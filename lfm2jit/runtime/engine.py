@@ -32,8 +32,8 @@ from .tensor import ITEMSIZE, Tensor, buffer_bytes, infer_dtype
 
 MAX_GROUPS_PER_DIM = 65535
 INFO_BYTES = 256           # one info block (t_valid + scalars) per dispatch: the uniform offset alignment
-SUBMIT_EVERY = 32          # recorded dispatches per submission: the GPU starts on them while Python records more
-RING_BLOCKS = SUBMIT_EVERY  # info blocks per flush at most
+SUBMIT_EVERY = 32          # recorded dispatches per submission (and info blocks in the ring): the GPU starts
+                           # on them while Python records more
 MAX_QUERIES = 4096
 
 
@@ -219,7 +219,7 @@ class ComputeEngine:
         self._infos.append(info)
         self._keepalive.extend(t.buffer for t in tensors)   # buffers, not tensors: freed tensors recycle at once
         self.dispatches += 1
-        if len(self._infos) == RING_BLOCKS:
+        if len(self._infos) == SUBMIT_EVERY:
             self.flush()          # submit, so the GPU starts; the info ring is then reused
         return outputs
 
@@ -227,7 +227,7 @@ class ComputeEngine:
         """The bind group for these bindings, made once and reused while cached: a training step
         repeats the same kernels over the same buffers, so most dispatches hit. The info block
         (real length, scalars) is not part of it: it sits in a ring buffer at a dynamic offset."""
-        ring = self._ring_for(len(self._infos) + 1)
+        ring = self._info_ring()
         key = (id(compiled.layout), id(ring), tuple((id(t.buffer), t.offset, t.binding_size) for t in tensors))
         hit = self._bind_groups.get(key)
         if hit is not None:
@@ -240,11 +240,11 @@ class ComputeEngine:
         self._bind_groups.put(key, (group, ring, [t.buffer for t in tensors]))
         return group
 
-    def _ring_for(self, blocks: int):
-        """The uniform ring holding one info block per recorded dispatch (RING_BLOCKS of them; the
+    def _info_ring(self):
+        """The uniform ring holding one info block per recorded dispatch (SUBMIT_EVERY of them; the
         engine flushes when it is full, so a flush never needs more)."""
         if self._ring is None:
-            self._ring = self.device.create_buffer(size=RING_BLOCKS * INFO_BYTES,
+            self._ring = self.device.create_buffer(size=SUBMIT_EVERY * INFO_BYTES,
                                                    usage=wgpu.BufferUsage.UNIFORM | wgpu.BufferUsage.COPY_DST)
         return self._ring
 
@@ -331,7 +331,7 @@ class ComputeEngine:
         infos, self._infos = self._infos, []
         if infos:
             blob = b"".join(i.ljust(INFO_BYTES, b"\0") for i in infos)
-            self.device.queue.write_buffer(self._ring_for(len(infos)), 0, blob)
+            self.device.queue.write_buffer(self._info_ring(), 0, blob)
         step = MAX_QUERIES // 2 if self.timing else len(commands)
         for start in range(0, len(commands), step):
             self._submit(commands[start:start + step])
