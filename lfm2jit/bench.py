@@ -488,7 +488,7 @@ def _kernel_class(name: str) -> str:
 
 def train_bench(ctx, cfg, shapes, steps: int = 3, warmup: int = 1, seed: int = 0, log=print,
                 profile: bool = True, clip: float | None = 1.0, probe=None,
-                activation_dtype: str = "f32") -> tuple[list[Line], dict]:
+                activation_dtype: str = "f32", replay: int | None = None) -> tuple[list[Line], dict]:
     """Trainer.train_sequences on a fresh random-init model, for each (batch, T) in ``shapes``, in order.
 
     batch > 1 means that many sequences of T with grad_accum_steps = batch: one optimizer step per
@@ -497,6 +497,8 @@ def train_bench(ctx, cfg, shapes, steps: int = 3, warmup: int = 1, seed: int = 0
     breakdown, GPU busy time per window from timestamps (one extra window), and peak memory.
     ``probe()``, if given, is called after each shape (model alive) and its dict added to the line.
     ``activation_dtype="f16"`` runs the mixed-precision path (with a GradScaler, as --f16 does).
+    ``replay`` passes Trainer.with_replay (None: the trainer's default): from the third window on,
+    a shape's steps replay their recorded programs.
     """
     from trainer import AdamW, GradScaler, Trainer
 
@@ -513,7 +515,7 @@ def train_bench(ctx, cfg, shapes, steps: int = 3, warmup: int = 1, seed: int = 0
     rng = np.random.default_rng(seed + 1)
     lines: list[Line] = []
     meta = {"adapter": ctx.name, "n_params": n_params, "param_bytes": param_bytes, "model_init_s": init_s,
-            "config": cfg.to_dict(), "clip_grad_norm": clip, "activation_dtype": activation_dtype}
+            "config": cfg.to_dict(), "clip_grad_norm": clip, "activation_dtype": activation_dtype, "replay": replay}
     log(f"# model: {n_params / 1e6:.1f}M parameters, host init + upload {init_s:.1f}s")
 
     for batch, t in shapes:
@@ -521,6 +523,8 @@ def train_bench(ctx, cfg, shapes, steps: int = 3, warmup: int = 1, seed: int = 0
         tokens = batch * t
         tr = Trainer(model, opt, ctx, engine).with_grad_accum_steps(batch).with_length_bucket(64)
         tr.with_clip_grad_norm(clip)
+        if replay is not None:
+            tr.with_replay(replay)
         if activation_dtype == "f16":
             tr.with_grad_scaler(GradScaler())
         losses: list[float] = []
@@ -677,6 +681,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-tiles", action="store_true", help="skip the tile-configuration sweep")
     ap.add_argument("--f16", action="store_true", help="train steps with f16 activations (mixed precision, "
                     "loss scaling on), as python -m trainer --f16 runs them")
+    ap.add_argument("--replay", type=int, metavar="N", default=None,
+                    help="train steps: Trainer.with_replay(N); 0 runs every step's Python (default: the trainer's)")
     ap.add_argument("--tile-shapes", nargs="+", metavar="MxNxK", help="shapes for the tiles group "
                     "(default 4096x4096x4096 2048x4608x1024 2048x1024x4608)")
     args = ap.parse_args(argv)
@@ -719,7 +725,7 @@ def main(argv=None) -> int:
         cfg = Lfm2Config.preset("tiny" if args.quick else "350M")
         shapes = [(1, 64), (4, 64), (1, 128)] if args.quick else [(1, 512), (8, 512), (1, 2048)]
         train_lines, state["meta"] = train_bench(ctx, cfg, shapes, steps=args.steps or (2 if args.quick else 3),
-                                                 log=lambda s: print(s, flush=True),
+                                                 log=lambda s: print(s, flush=True), replay=args.replay,
                                                  activation_dtype="f16" if args.f16 else "f32")
         state["lines"] = list(bench.lines) + train_lines
         write_json()

@@ -50,6 +50,12 @@ class LMHeadResult(NamedTuple):
         return float(self.loss.numpy().astype(np.float64).sum())
 
 
+def xent_scalars(normalizer: float, loss_scale: float) -> dict[str, float]:
+    """The runtime scalars of the loss and dlogits kernels, by name: how a recorded step
+    (runtime/program.py) replays with another normalizer or loss scale."""
+    return {"inv_norm": 1.0 / normalizer, "scale": loss_scale / normalizer}
+
+
 def lm_head_cross_entropy(engine, h: Tensor, E: Tensor, targets, mask=None, *, normalizer: float = 1.0,
                           loss_scale: float = 1.0, chunk: int = DEFAULT_CHUNK, bucket: int = 1,
                           dh: Tensor | None = None, dE: Tensor | None = None,
@@ -112,6 +118,8 @@ def lm_head_cross_entropy(engine, h: Tensor, E: Tensor, targets, mask=None, *, n
     _check_distinct(h=h, E=E, dh=dh, dE=dE, targets=targets, mask=mask)
     targets, mask = _prepare_targets_mask(engine, targets, mask, T, V, check_targets)
 
+    scalars = xent_scalars(normalizer, loss_scale)
+
     # ---- nothing above records GPU work; from here on it is all recorded ----
     width = chunks[0][1] - chunks[0][0]          # the widest chunk (the first one)
     tp = bucketed(T, bucket)
@@ -145,23 +153,22 @@ def lm_head_cross_entropy(engine, h: Tensor, E: Tensor, targets, mask=None, *, n
     # dims names the output's fixed axis: engine.run sizes outputs from its inputs only (KeyError '1')
     if segments == 1:
         loss = run("xent_loss", bucket=bucket, dims={"1": 1}, out={"loss": engine.empty((1,), "f32")}, lse=lse, tl=tl,
-                   mask=mask, inv_norm=1.0 / normalizer)["loss"]
+                   mask=mask, inv_norm=scalars["inv_norm"])["loss"]
     else:
         loss = run("xent_loss_segments", out={"loss": engine.empty((segments,), "f32")},
                    lse=lse.view(segments, T // segments), tl=tl.view(segments, T // segments),
-                   mask=mask.view(segments, T // segments), inv_norm=1.0 / normalizer)["loss"]
+                   mask=mask.view(segments, T // segments), inv_norm=scalars["inv_norm"])["loss"]
 
     if not grads:
         return LMHeadResult(loss, None, None)
     # pass 2: dlogits per chunk, then dh and the chunk's rows of dE. It walks the chunks backwards,
     # so the first one it needs (the last of pass 1) still has its logits in the buffer.
-    scale = loss_scale / normalizer
     for i, (c0, c1) in enumerate(reversed(chunks)):
         x = logits_buffer(c1 - c0)
         E_c = E.rows(c0, c1)
         if i:
             run("xent_logits", bucket=bucket, out={"x": x}, h=h, E=E_c)
-        run("xent_dlogits", bucket=bucket, x=x, lse=lse, tgt=targets, mask=mask, c0=float(c0), scale=scale)
+        run("xent_dlogits", bucket=bucket, x=x, lse=lse, tgt=targets, mask=mask, c0=float(c0), scale=scalars["scale"])
         run("xent_dh", bucket=bucket, out={"dh": dh}, accumulate=("dh",) if (i or accumulate_dh) else (),
             g=x, E=E_c)
         run("xent_dE", bucket=bucket, out={"dE": dE.rows(c0, c1)}, accumulate=("dE",) if accumulate_dE else (),

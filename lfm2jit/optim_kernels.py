@@ -1,7 +1,8 @@
 """Optimizer steps and the global gradient norm over lists of tensors (kernels: kernels/optim.lk).
 
 Everything here records dispatches and returns; nothing reads a tensor back except
-``global_grad_norm``, which reads one 8-byte buffer. Tensors of any shape are processed through
+``global_grad_norm``, which reads one 8-byte buffer (``grad_sumsq`` records its passes and
+``norm_of`` turns the two numbers read back into the norm, for callers that read it later). Tensors of any shape are processed through
 flat views ``[n]``; arguments are checked before any GPU work, so a bad call changes nothing.
 
     norm, finite = global_grad_norm(engine, grads)
@@ -10,7 +11,8 @@ flat views ``[n]``; arguments are checked before any GPU work, so a bad call cha
                weight_decay=0.01, step=k, gscale=coef / loss_scale)
 
 Hyperparameters and the step count only reach kernels as runtime scalars, so a new lr or step
-never compiles anything; pipelines are per tensor size (and per power of two of rows for the norm).
+never compiles anything (``adamw_scalars`` / ``sgd_scalars`` give them by name, so a recorded step
+replays with new ones); pipelines are per tensor size (and per power of two of rows for the norm).
 
 Global norm, in three passes and one readback:
   pass 1, one dispatch per tensor, the only pass over the gradients: the flat tensor is read as
@@ -125,6 +127,12 @@ def global_grad_norm(engine, grads, *, chunk: int = CHUNK) -> tuple[float, bool]
     and whether it is usable: ``finite`` is False when an element is inf or NaN (``norm`` is then
     inf or NaN, as torch's is) or when the sum of squares overflows f32 (``norm`` is inf).
     Records three passes and reads back one 8-byte buffer."""
+    tot = grad_sumsq(engine, grads, chunk=chunk)
+    return norm_of(tot.numpy() if tot is not None else None)
+
+
+def grad_sumsq(engine, grads, *, chunk: int = CHUNK) -> Tensor | None:
+    """Record the three passes; f32[2] = [sum of squares, non-finite count] (None when no elements)."""
     grads = _tensor_list("grads", grads)
     if not isinstance(chunk, int) or isinstance(chunk, bool) or not 1 <= chunk <= MAX_ROWS:
         raise ValueError(f"chunk must be an integer in [1, {MAX_ROWS}], got {chunk!r}")
@@ -140,7 +148,7 @@ def global_grad_norm(engine, grads, *, chunk: int = CHUNK) -> tuple[float, bool]
         plan.append((g, rows, total))
         total += -(-rows // align) * align
     if not plan:
-        return 0.0, True
+        return None
     rows2 = -(-total // PASS2_CHUNK)
     sq = engine.empty((rows2 * PASS2_CHUNK,))             # every tensor's row sums, side by side
     engine.zero_(sq)                                      # zeros in the gaps and the padding
@@ -149,7 +157,13 @@ def global_grad_norm(engine, grads, *, chunk: int = CHUNK) -> tuple[float, bool]
         engine.run("sumsq_rows", bucket=_pow2(rows), x=_row_view(_flat(g), chunk), last=float(last),
                    tail=float(tail), out={"sq": sq.rows(at, at + rows)})
     parts = engine.run("sum_rows", bucket=_pow2(rows2), x=sq.view((rows2, PASS2_CHUNK)))
-    tot = engine.run("sum_partials", bucket=PARTIALS_BUCKET, **parts)["tot"].numpy()
+    return engine.run("sum_partials", bucket=PARTIALS_BUCKET, **parts)["tot"]
+
+
+def norm_of(tot) -> tuple[float, bool]:
+    """(norm, finite) from grad_sumsq's two numbers, read back (None: no elements, norm 0)."""
+    if tot is None:
+        return 0.0, True
     sumsq, nonfinite = float(tot[0]), float(tot[1])
     norm = math.sqrt(sumsq) if sumsq >= 0 else math.nan       # NaN stays NaN; inf stays inf
     if nonfinite != 0 and math.isfinite(norm):
@@ -169,6 +183,20 @@ def scale_(engine, tensors, s: float) -> None:
             engine.run("scale_inplace", x=_flat(x), s=s)
 
 
+def adamw_scalars(*, lr: float, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2, step: int,
+                  gscale: float = 1.0) -> dict[str, float]:
+    """The adamw kernel's runtime scalars for one step, checked (a recorded step replays with these)."""
+    if not isinstance(betas, Sequence) or len(betas) != 2:
+        raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
+    b1 = _real("betas[0]", betas[0], 0.0, 1.0, hi_open=True)
+    b2 = _real("betas[1]", betas[1], 0.0, 1.0, hi_open=True)
+    lr, eps = _real("lr", lr, 0.0), _real("eps", eps, 0.0)
+    wd, gscale, step = _real("weight_decay", weight_decay, 0.0), _real("gscale", gscale), _step(step)
+    # torch computes these in double on the host; so do we, and the kernels get them as f32
+    return dict(gscale=gscale, decay=1.0 - lr * wd, w1=1.0 - b1, b2=b2, w2=1.0 - b2,
+                step_size=lr / (1.0 - b1 ** step), bc2_sqrt=math.sqrt(1.0 - b2 ** step), eps=eps)
+
+
 def adamw_step(engine, params, grads, ms, vs, *, lr: float, betas=(0.9, 0.999), eps: float = 1e-8,
                weight_decay: float = 1e-2, step: int, gscale: float = 1.0) -> None:
     """One torch.optim.AdamW step (amsgrad=False) on every parameter, in place (p, m, v), with the
@@ -179,18 +207,26 @@ def adamw_step(engine, params, grads, ms, vs, *, lr: float, betas=(0.9, 0.999), 
     _same_shapes(params, grads=grads, ms=ms, vs=vs)
     _distinct(params=params, ms=ms, vs=vs)
     _read_apart(grads, params=params, ms=ms, vs=vs)
-    if not isinstance(betas, Sequence) or len(betas) != 2:
-        raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
-    b1 = _real("betas[0]", betas[0], 0.0, 1.0, hi_open=True)
-    b2 = _real("betas[1]", betas[1], 0.0, 1.0, hi_open=True)
-    lr, eps = _real("lr", lr, 0.0), _real("eps", eps, 0.0)
-    wd, gscale, step = _real("weight_decay", weight_decay, 0.0), _real("gscale", gscale), _step(step)
-    # torch computes these in double on the host; so do we, and the kernels get them as f32
-    scalars = dict(gscale=gscale, decay=1.0 - lr * wd, w1=1.0 - b1, b2=b2, w2=1.0 - b2,
-                   step_size=lr / (1.0 - b1 ** step), bc2_sqrt=math.sqrt(1.0 - b2 ** step), eps=eps)
+    scalars = adamw_scalars(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, step=step, gscale=gscale)
     for p, g, m, v in zip(params, grads, ms, vs):
         if p.size:
             engine.run("adamw", p=_flat(p), g=_flat(g), m=_flat(m), v=_flat(v), **scalars)
+
+
+def sgd_scalars(*, lr: float, momentum: float = 0.0, dampening: float = 0.0, weight_decay: float = 0.0,
+                nesterov: bool = False, step: int, gscale: float = 1.0) -> dict[str, float]:
+    """The runtime scalars of the sgd kernel (no momentum) or sgd_momentum kernel for one step, checked."""
+    lr, momentum = _real("lr", lr, 0.0), _real("momentum", momentum, 0.0)
+    dampening, wd = _real("dampening", dampening), _real("weight_decay", weight_decay, 0.0)
+    gscale, step = _real("gscale", gscale), _step(step)
+    if not isinstance(nesterov, bool):
+        raise TypeError(f"nesterov must be a bool, got {nesterov!r}")
+    if nesterov and (momentum <= 0 or dampening != 0):
+        raise ValueError("nesterov momentum requires a momentum > 0 and zero dampening")
+    if momentum == 0:
+        return dict(gscale=gscale, lr=lr, wd=wd)
+    return dict(gscale=gscale, lr=lr, wd=wd, momentum=momentum, damp=1.0 - dampening,
+                nesterov=float(nesterov), first=float(step == 1))
 
 
 def sgd_step(engine, params, grads, bufs=None, *, lr: float, momentum: float = 0.0, dampening: float = 0.0,
@@ -203,22 +239,17 @@ def sgd_step(engine, params, grads, bufs=None, *, lr: float, momentum: float = 0
     params = _tensor_list("params", params)
     n = len(params)
     grads = _tensor_list("grads", grads, n)
-    lr, momentum = _real("lr", lr, 0.0), _real("momentum", momentum, 0.0)
-    dampening, wd = _real("dampening", dampening), _real("weight_decay", weight_decay, 0.0)
-    gscale, step = _real("gscale", gscale), _step(step)
-    if not isinstance(nesterov, bool):
-        raise TypeError(f"nesterov must be a bool, got {nesterov!r}")
-    if nesterov and (momentum <= 0 or dampening != 0):
-        raise ValueError("nesterov momentum requires a momentum > 0 and zero dampening")
+    scalars = sgd_scalars(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+                          nesterov=nesterov, step=step, gscale=gscale)
     _same_shapes(params, grads=grads)
-    if momentum == 0:
+    if scalars.get("momentum", 0.0) == 0:
         if bufs is not None:
             _tensor_list("bufs", bufs, n)
         _distinct(params=params)
         _read_apart(grads, params=params)
         for p, g in zip(params, grads):
             if p.size:
-                engine.run("sgd", p=_flat(p), g=_flat(g), gscale=gscale, lr=lr, wd=wd)
+                engine.run("sgd", p=_flat(p), g=_flat(g), **scalars)
         return
     if bufs is None:
         raise ValueError("SGD with momentum needs bufs, one momentum buffer per parameter")
@@ -226,8 +257,6 @@ def sgd_step(engine, params, grads, bufs=None, *, lr: float, momentum: float = 0
     _same_shapes(params, bufs=bufs)
     _distinct(params=params, bufs=bufs)
     _read_apart(grads, params=params, bufs=bufs)
-    scalars = dict(gscale=gscale, lr=lr, wd=wd, momentum=momentum, damp=1.0 - dampening,
-                   nesterov=float(nesterov), first=float(step == 1))
     for p, g, b in zip(params, grads, bufs):
         if p.size:
             engine.run("sgd_momentum", p=_flat(p), g=_flat(g), buf=_flat(b), **scalars)

@@ -62,16 +62,16 @@ def make_trainer(ctx, engine, accum: int, sync=None):
 
 
 def overflow_at_window(k: int):
-    """A stand-in for trainer.trainer.global_grad_norm whose k-th call (window k's overflow check,
-    after the sync) reports non-finite gradients, as a loss-scale overflow would."""
+    """A stand-in for trainer.trainer.norm_of whose k-th call (window k's overflow check, after the
+    sync) reports non-finite gradients, as a loss-scale overflow would."""
     import trainer.trainer as trainer_module
-    real, calls = trainer_module.global_grad_norm, [0]
+    real, calls = trainer_module.norm_of, [0]
 
-    def global_grad_norm(engine, grads):
+    def norm_of(tot):
         calls[0] += 1
-        norm, finite = real(engine, grads)
+        norm, finite = real(tot)
         return (math.inf, False) if calls[0] == k else (norm, finite)
-    return global_grad_norm
+    return norm_of
 
 
 def main(argv=None) -> int:
@@ -92,7 +92,7 @@ def main(argv=None) -> int:
     import trainer.trainer as trainer_module
     from trainer import FileGradSyncConfig
     if a.skip_window is not None:
-        trainer_module.global_grad_norm = overflow_at_window(a.skip_window)
+        trainer_module.norm_of = overflow_at_window(a.skip_window)
     ctx = WgpuContext.create()
     engine = ComputeEngine(ctx)
     sync = FileGradSyncConfig(a.dir, a.rank, a.world, timeout_s=a.timeout, run_id=a.run_id)

@@ -99,17 +99,17 @@ def test_train_sequences_packs_within_windows_and_matches_one_by_one(ctx, engine
     for pack in (0, 2 * max(32, unit)):
         model = Lfm2Model(cfg, ctx, engine, seed=8)
         tr = (Trainer(model, SGD(lr=0.1, momentum=0.9), ctx, engine).with_length_bucket(BUCKET).with_grad_accum_steps(3)
-              .with_clip_grad_norm(1.0).with_packing(pack))
+              .with_clip_grad_norm(1.0).with_packing(pack).with_replay(0))      # every pass runs forward
         passes = []
         forward = model.forward
-        monkeypatch.setattr(model, "forward", lambda ids, bucket, f=forward: passes.append(np.shape(ids)) or f(ids, bucket))
+        monkeypatch.setattr(model, "forward", lambda ids, bucket, f=forward: passes.append(ids.host.shape) or f(ids, bucket))
         stats = tr.train_sequences(data[:4], model.parameters()) + tr.train_sequences(data[4:], model.parameters())
         runs.append((stats, snap(model), passes, tr))
     (one, w_one, p_one, _), (packed, w_packed, p_packed, tr) = runs
-    assert all(len(s) == 1 for s in p_one) and len(p_one) == 7
+    assert all(s[0] == 1 for s in p_one) and len(p_one) == 7
     # a group holds two of max(32, unit) rows. Window 1: [28, 30] packed, then [7]; window 2: [19]
     # ends train_sequences' first call, then [25, 20] packed; window 3: [14]
-    assert [s[0] if len(s) == 2 else 1 for s in p_packed] == [2, 1, 1, 2, 1], p_packed
+    assert [s[0] for s in p_packed] == [2, 1, 1, 2, 1], p_packed
     assert [s.stepped for s in packed] == [s.stepped for s in one] == [False, False, True] * 2 + [False]
     assert tr.step_in_accum == 1
     for a, b in zip(packed, one):
@@ -125,10 +125,10 @@ def test_a_short_sequence_beside_a_long_one_is_not_padded_to_it(ctx, engine, mon
     cfg = micro()
     model = Lfm2Model(cfg, ctx, engine, seed=8)
     unit = lcm(model.pack_multiple(), BUCKET)
-    tr = Trainer(model, SGD(lr=0.1), ctx, engine).with_length_bucket(BUCKET).with_grad_accum_steps(2)
+    tr = Trainer(model, SGD(lr=0.1), ctx, engine).with_length_bucket(BUCKET).with_grad_accum_steps(2).with_replay(0)
     passes = []
     forward = model.forward
-    monkeypatch.setattr(model, "forward", lambda ids, bucket: passes.append(np.shape(ids)) or forward(ids, bucket))
+    monkeypatch.setattr(model, "forward", lambda ids, bucket: passes.append(ids.host.shape) or forward(ids, bucket))
     tr.train_sequences(make_data(cfg, [4 * unit - 1, 3 * unit + 1], seed=2), model.parameters())   # 4 + 4 units: packed
     tr.train_sequences(make_data(cfg, [4 * unit - 1, unit - 1], seed=3), model.parameters())       # 4 + 1 units: not
-    assert passes == [(2, 4 * unit), (4 * unit - 1,), (unit - 1,)]
+    assert passes == [(2, 4 * unit), (1, 4 * unit - 1), (1, unit - 1)]

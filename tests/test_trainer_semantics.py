@@ -261,21 +261,21 @@ def test_grad_scaler_overflow_skips_exactly_that_step(ctx, engine, cfg, monkeypa
     assert s[1].stepped and not s[1].skipped and s[1].lr == sched.lr_at(1) and scaler.scale == 1024.0
 
     # a reported overflow (the norm pass says non-finite once): skipped, scale halved, nothing applied
-    real = trainer_module.global_grad_norm
+    real = trainer_module.norm_of
     calls = []
 
-    def overflow_once(engine_, grads_):
+    def overflow_once(tot):
         calls.append(1)
-        norm, _ = real(engine_, grads_)
+        norm, _ = real(tot)
         return (math.inf, False) if len(calls) == 1 else (norm, True)
-    monkeypatch.setattr(trainer_module, "global_grad_norm", overflow_once)
+    monkeypatch.setattr(trainer_module, "norm_of", overflow_once)
     before = snap(model)
     s = window(W[1])
     assert [x.stepped for x in s] == [False, False] and [x.skipped for x in s] == [False, True]
     assert s[1].grad_norm is None and s[1].loss_scale == 512.0 and s[0].loss_scale == 1024.0
     assert scaler.scale == 512.0 and scaler.growth_tracker == 0 and tr.optimizer_steps() == 1
     assert_same(snap(model), before, what="skipped window: ")
-    monkeypatch.setattr(trainer_module, "global_grad_norm", real)
+    monkeypatch.setattr(trainer_module, "norm_of", real)
 
     s = window(W[2])                                               # clean: step 2 at lr_at(2), tracker 1
     assert s[1].stepped and s[1].lr == sched.lr_at(2) and s[0].loss_scale == 512.0 and scaler.scale == 512.0
@@ -305,7 +305,7 @@ def test_grad_scaler_overflow_skips_exactly_that_step(ctx, engine, cfg, monkeypa
 def test_overflow_without_scaler_is_an_error_that_applies_nothing(ctx, engine, cfg, monkeypatch):
     model = Lfm2Model(cfg, ctx, engine, seed=5)
     tr = Trainer(model, AdamW(lr=1e-2), ctx, engine).with_length_bucket(16)
-    monkeypatch.setattr(trainer_module, "global_grad_norm", lambda e, g: (math.nan, False))
+    monkeypatch.setattr(trainer_module, "norm_of", lambda tot: (math.nan, False))
     before = snap(model)
     ids, tgt, mask = make_data(cfg, [9])[0]
     with pytest.raises(TrainError, match="inf or NaN"):

@@ -83,6 +83,7 @@ def load_checkpoint(trainer, directory) -> dict:
     trainer.model.load_state(load_weights(src / "model"))
     trainer.optimizer.load_state_arrays(trainer.engine, trainer.model.named_parameters(),
                                         load_file(str(src / "optimizer.safetensors")))
+    trainer.recorded.clear()          # recorded optimizer steps bound the replaced state buffers
     trainer.set_optimizer_steps(int(meta["optimizer_steps"]))
     if trainer.distributed_grad_sync is not None:
         # a resumed run syncs under its own name, so files a crashed run left behind are never read

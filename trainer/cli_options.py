@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .trainer import DEFAULT_PACK_TOKENS
+from .trainer import DEFAULT_PACK_TOKENS, DEFAULT_REPLAY_PASSES
 
 # Defaults of the run `python -m trainer` does with no arguments: a small model trained from
 # scratch on the shipped chat data (measured on lavapipe, 2 CPU cores: about 3 minutes).
@@ -117,6 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--pack-tokens", type=int, metavar="N",
                    help="run the sequences of a step packed, up to N positions per pass (padded to the longest); "
                         f"0 = one sequence per pass (default {DEFAULT_PACK_TOKENS})")
+    o.add_argument("--replay", type=int, metavar="N",
+                   help="record the forward/backward pass of up to N input shapes and replay them (with the norm "
+                        "and optimizer steps) instead of running Python per kernel; each kept pass holds its "
+                        f"activations; 0 = off. Same results either way (default {DEFAULT_REPLAY_PASSES})")
     o.add_argument("--clip", type=float, metavar="NORM",
                    help="clip the global gradient L2 norm to NORM (torch.nn.utils.clip_grad_norm_); 0 = off "
                         "(default 1.0)")
@@ -204,6 +208,7 @@ class Run:
     min_lr: float
     grad_accum: int
     pack_tokens: int
+    replay: int
     clip: float
     bucket: int
     scaler: bool
@@ -300,7 +305,8 @@ def resolve(args: argparse.Namespace, argv_empty: bool, saved: dict | None = Non
         eval_max=g.get("eval_max", DEFAULT_EVAL_MAX), seed=g.get("seed", 0), optimizer=optimizer, lr=lr,
         weight_decay=g.get("weight_decay", 0.01 if optimizer == "adamw" else 0.0), momentum=g.get("momentum", 0.9),
         schedule=g.get("schedule", "cosine"), warmup_steps=g.get("warmup_steps"), min_lr=g.get("min_lr", lr / 10),
-        grad_accum=g.get("grad_accum", DEFAULT_ACCUM), pack_tokens=g.get("pack_tokens", DEFAULT_PACK_TOKENS), clip=g.get("clip", 1.0), bucket=g.get("bucket", 64),
+        grad_accum=g.get("grad_accum", DEFAULT_ACCUM), pack_tokens=g.get("pack_tokens", DEFAULT_PACK_TOKENS),
+        replay=g.get("replay", DEFAULT_REPLAY_PASSES), clip=g.get("clip", 1.0), bucket=g.get("bucket", 64),
         scaler=bool(g.get("scaler", False) or g.get("f16", False)), f16=bool(g.get("f16", False)),
         steps=steps, epochs=epochs, out=g.get("out"),
         checkpoint_every=g.get("checkpoint_every", 0), keep_checkpoints=g.get("keep_checkpoints", DEFAULT_KEEP),
@@ -326,7 +332,7 @@ def _validate(r: Run) -> None:
         positive(name, getattr(r, name), allow_zero=name not in ("sync_timeout",))
     for name in ("grad_accum", "bucket", "max_len", "eval_max", "world_size"):
         positive(name, getattr(r, name))
-    for name in ("checkpoint_every", "keep_checkpoints", "warmup_steps", "pack_tokens"):
+    for name in ("checkpoint_every", "keep_checkpoints", "warmup_steps", "pack_tokens", "replay"):
         positive(name, getattr(r, name), allow_zero=True)
     positive("steps", r.steps)
     positive("epochs", r.epochs)

@@ -16,6 +16,7 @@ from lfm2jit import optim_kernels
 class Optimizer:
     """Base: ``lr`` is the rate used when no LRScheduler is set."""
     kind = "Optimizer"
+    state_names: tuple[str, ...] = ()     # the buffers a step keeps per parameter
 
     def __init__(self, lr: float):
         if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr >= 0):
@@ -26,8 +27,19 @@ class Optimizer:
     def step(self, engine, params, lr: float, step: int, gscale: float) -> None:
         raise NotImplementedError
 
+    def kernel_scalars(self, params, lr: float, step: int, gscale: float) -> dict[str, float]:
+        """The runtime scalars ``step`` gives its kernels: a recorded optimizer step replays with these."""
+        raise NotImplementedError
+
     def hyperparameters(self) -> dict:
         return {"lr": self.lr}
+
+    def state_key(self, params) -> tuple | None:
+        """Which state buffers a step on ``params`` updates; None while a step would still create some."""
+        states = [self.state.get(id(p)) for p in params] if self.state_names else []
+        if any(st is None for st in states):
+            return None
+        return tuple((id(t.buffer), t.offset) for st in states for t in st.values())
 
     def _buffers(self, engine, p, names: tuple[str, ...]) -> dict:
         st = self.state.get(id(p))
@@ -50,6 +62,7 @@ class Optimizer:
 class AdamW(Optimizer):
     """torch.optim.AdamW: decoupled decay p -= lr*wd*p, bias-corrected moments, eps outside the sqrt."""
     kind = "AdamW"
+    state_names = ("m", "v")
 
     def __init__(self, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01):
         super().__init__(lr)
@@ -59,8 +72,12 @@ class AdamW(Optimizer):
             raise ValueError(f"eps and weight_decay must be >= 0, got {eps!r}, {weight_decay!r}")
         self.betas, self.eps, self.weight_decay = (float(betas[0]), float(betas[1])), float(eps), float(weight_decay)
 
+    def kernel_scalars(self, params, lr: float, step: int, gscale: float) -> dict[str, float]:
+        return optim_kernels.adamw_scalars(lr=lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay,
+                                           step=step, gscale=gscale)
+
     def step(self, engine, params, lr: float, step: int, gscale: float) -> None:
-        states = [self._buffers(engine, p, ("m", "v")) for p in params]
+        states = [self._buffers(engine, p, self.state_names) for p in params]
         optim_kernels.adamw_step(engine, params, [p.grad for p in params], [s["m"] for s in states],
                                  [s["v"] for s in states], lr=lr, betas=self.betas, eps=self.eps,
                                  weight_decay=self.weight_decay, step=step, gscale=gscale)
@@ -81,16 +98,31 @@ class SGD(Optimizer):
         if nesterov and (momentum <= 0 or dampening != 0):
             raise ValueError("Nesterov momentum requires a momentum > 0 and zero dampening")
         self.momentum, self.dampening = float(momentum), float(dampening)
+        self.state_names = ("momentum",) if momentum else ()
         self.weight_decay, self.nesterov = float(weight_decay), bool(nesterov)
 
+    def _kernel_step(self, params, step: int) -> int:
+        """torch sets a momentum buffer to the gradient on the step that creates it: that is step 1."""
+        return 1 if any(id(p) not in self.state for p in params) else max(step, 2)
+
+    def kernel_scalars(self, params, lr: float, step: int, gscale: float) -> dict[str, float]:
+        return optim_kernels.sgd_scalars(lr=lr, momentum=self.momentum, dampening=self.dampening,
+                                         weight_decay=self.weight_decay, nesterov=self.nesterov,
+                                         step=self._kernel_step(params, step), gscale=gscale)
+
     def step(self, engine, params, lr: float, step: int, gscale: float) -> None:
-        # torch sets a momentum buffer to the gradient on the step that creates it
-        fresh = any(id(p) not in self.state for p in params)
-        bufs = [self._buffers(engine, p, ("momentum",))["momentum"] for p in params] if self.momentum else None
+        kernel_step = self._kernel_step(params, step)
+        bufs = [self._buffers(engine, p, self.state_names)["momentum"] for p in params] if self.momentum else None
         optim_kernels.sgd_step(engine, params, [p.grad for p in params], bufs, lr=lr, momentum=self.momentum,
                                dampening=self.dampening, weight_decay=self.weight_decay, nesterov=self.nesterov,
-                               step=1 if fresh else max(step, 2), gscale=gscale)
+                               step=kernel_step, gscale=gscale)
 
     def hyperparameters(self) -> dict:
         return {"lr": self.lr, "momentum": self.momentum, "dampening": self.dampening,
                 "weight_decay": self.weight_decay, "nesterov": self.nesterov}
+
+
+def recordable(optimizer: Optimizer) -> bool:
+    """Whether a recorded step may stand in for ``optimizer.step``: only the step of the classes here,
+    which records kernels and nothing else (a subclass overriding ``step`` runs it every time)."""
+    return type(optimizer).step in (AdamW.step, SGD.step)

@@ -21,11 +21,12 @@ from math import lcm
 
 import numpy as np
 
-from lfm2jit.lmhead import lm_head_cross_entropy
-from lfm2jit.optim_kernels import global_grad_norm
+from lfm2jit.lmhead import lm_head_cross_entropy, xent_scalars
+from lfm2jit.optim_kernels import grad_sumsq, norm_of
 
 from .errors import TrainError
-from .optim import Optimizer
+from .optim import Optimizer, recordable
+from .recorded import RecordedSteps
 from .scaler import GradScaler
 from .schedules import LRScheduler
 from .sync import FileGradSync, FileGradSyncConfig
@@ -43,7 +44,13 @@ class StepStats:
 
 
 DEFAULT_PACK_TOKENS = 4096      # rows of one packed pass: activations grow with it
+DEFAULT_REPLAY_PASSES = 2       # recorded forward/backward passes kept (each holds its activations)
 PACK_WASTE = 1.25               # packed rows per row of the sequences' own (bucketed) lengths, at most
+
+
+def _where(*tensor_lists) -> tuple:
+    """Which memory these tensors are: part of a recorded piece's key."""
+    return tuple((id(t.buffer), t.offset) for ts in tensor_lists for t in ts)
 
 
 class Trainer:
@@ -65,6 +72,7 @@ class Trainer:
         self.pack_tokens = DEFAULT_PACK_TOKENS
         self._steps = 0
         self._window: list[object] | None = None     # the params of the open accumulation window
+        self.recorded = RecordedSteps(engine, DEFAULT_REPLAY_PASSES)
 
     # ---- builders ----
     def with_length_bucket(self, bucket: int) -> "Trainer":
@@ -101,6 +109,16 @@ class Trainer:
         if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 0):
             raise ValueError(f"max_tokens must be a non-negative integer or None, got {max_tokens!r}")
         self.pack_tokens = max_tokens or 0
+        return self
+
+    def with_replay(self, passes: int) -> "Trainer":
+        """Keep up to ``passes`` recorded forward/backward passes (one per input shape) and replay
+        them, with the norm and optimizer steps, instead of running Python per kernel (see
+        trainer/recorded.py); 0 runs every step as usual. Each kept pass holds its activations."""
+        if not isinstance(passes, int) or isinstance(passes, bool) or passes < 0:
+            raise ValueError(f"replay passes must be an integer >= 0, got {passes!r}")
+        self.recorded.clear()
+        self.recorded.passes = passes
         return self
 
     def with_file_grad_sync(self, config: FileGradSyncConfig | None) -> "Trainer":
@@ -201,18 +219,35 @@ class Trainer:
             for row, ((i, t, m, _), n) in enumerate(zip(group, tokens)):
                 ids[row, :len(i)], targets[row, :len(t)], mask[row, :len(m)] = i, t, m / n
             targets, mask, normalizer = targets.reshape(-1), mask.reshape(-1), 1.0
-        trace = model.forward(ids, self.length_bucket)
         head = model.lm_head
         head_trained = any(p is head for p in params)
-        # The loss divides by the supervised tokens; gradients are further scaled by the loss
-        # scale and divided by grad_accum_steps, so a window's update is the mean over it.
-        result = lm_head_cross_entropy(
-            engine, trace.hn, head, targets, mask, normalizer=normalizer,
-            loss_scale=self.loss_scale / self.grad_accum_steps, chunk=self.lm_head_chunk,
-            bucket=self.length_bucket, dE=head.grad if head_trained else None, accumulate_dE=head_trained,
-            segments=len(group))
-        model.backward(trace, result.dh, params)
-        losses = result.loss.numpy().astype(np.float64)   # one small read-back; also runs the recorded work
+        bucket, loss_scale = self.length_bucket, self.loss_scale / self.grad_accum_steps
+
+        def upload():
+            return model.upload_ids(ids), engine.tensor(targets, "i32"), engine.tensor(mask, "f32")
+
+        def refill(inputs):
+            dev_ids, tgt, msk = inputs
+            dev_ids.write(np.asarray(ids).reshape(dev_ids.host.shape))
+            tgt.write(targets)
+            msk.write(mask)
+
+        def record(inputs):
+            dev_ids, tgt, msk = inputs
+            trace = model.forward(dev_ids, bucket)
+            # The loss divides by the supervised tokens; gradients are further scaled by the loss
+            # scale and divided by grad_accum_steps, so a window's update is the mean over it.
+            result = lm_head_cross_entropy(
+                engine, trace.hn, head, tgt, msk, normalizer=normalizer, loss_scale=loss_scale,
+                chunk=self.lm_head_chunk, bucket=bucket, dE=head.grad if head_trained else None,
+                accumulate_dE=head_trained, segments=len(group), check_targets=False)   # checked in _check
+            model.backward(trace, result.dh, params)
+            return result.loss
+
+        key = ("pass", np.shape(ids), bucket, self.lm_head_chunk, head_trained, _where(params, [p.grad for p in params]))
+        loss = self.recorded.run(key, record, scalars=xent_scalars(normalizer, loss_scale), upload=upload,
+                                 refill=refill, activations=True)
+        losses = loss.numpy().astype(np.float64)   # one small read-back; also runs the recorded work
         if not np.isfinite(losses).all() and self.scaler is None:
             self._abandon_window(params)
             raise TrainError(f"the loss is {losses[~np.isfinite(losses)][0]} (non-finite); the accumulation window "
@@ -232,7 +267,9 @@ class Trainer:
         self.step_in_accum = 0
         if self.distributed_grad_sync is not None:
             self.distributed_grad_sync.average(engine, self._names(params), params, self._steps + 1)
-        norm, finite = global_grad_norm(engine, [p.grad for p in params])
+        grads = [p.grad for p in params]
+        tot = self.recorded.run(("norm", _where(grads)), lambda _: grad_sumsq(engine, grads))
+        norm, finite = norm_of(tot.numpy() if tot is not None else None)
         scale = self.loss_scale
         if not finite:
             if self.scaler is None:
@@ -249,11 +286,21 @@ class Trainer:
             coef = min(1.0, self.clip_grad_norm / (grad_norm + 1e-6))    # torch.nn.utils.clip_grad_norm_
         k = self._steps + 1
         lr = self.lr_at(k)
-        self.optimizer.step(engine, params, lr=lr, step=k, gscale=coef / scale)
+        self._optimizer_step(params, lr, k, coef / scale)
         self._steps = k
         if self.scaler is not None:
             self.scaler.update(found_inf=False)
         stats.stepped, stats.grad_norm, stats.lr = True, grad_norm, lr
+
+    def _optimizer_step(self, params, lr: float, k: int, gscale: float) -> None:
+        opt, engine = self.optimizer, self.engine
+        state = opt.state_key(params)
+        if state is None or not recordable(opt):     # this step creates optimizer state: never captured
+            opt.step(engine, params, lr=lr, step=k, gscale=gscale)
+            return
+        key = ("optimizer", id(opt), _where(params, [p.grad for p in params]), state)
+        self.recorded.run(key, lambda _: opt.step(engine, params, lr=lr, step=k, gscale=gscale),
+                          scalars=opt.kernel_scalars(params, lr, k, gscale))
 
     def _abandon_window(self, params) -> None:
         self.step_in_accum = 0

@@ -36,9 +36,32 @@ def _k(name: str):
 
 
 @dataclass
+class DeviceIds:
+    """A [B, S] batch of token ids on the device, with the embedding gradient's slots (see
+    intrinsics/embedding.slots), all uploaded before the forward records anything. A recorded
+    train step (runtime/program.py) reads these tensors, so it replays with new ids written in."""
+    host: np.ndarray                              # (B, S) int32
+    ids: Tensor                                   # (T,) i32
+    order: Tensor                                 # (T,) i32
+    bounds: Tensor                                # (T, 2) i32
+    rows: Tensor                                  # (T,) i32
+    skip: int | None                              # the padding token, whose row gets no gradient
+
+    def write(self, ids: np.ndarray) -> None:
+        """New ids of the same shape (checked by the caller, as Lfm2Model.check_ids does)."""
+        if ids.shape != self.host.shape:
+            raise ValueError(f"ids of shape {list(ids.shape)} do not fit uploaded ids of shape {list(self.host.shape)}")
+        self.host = ids.astype(np.int32)
+        flat = self.host.reshape(-1)
+        self.ids.write(flat)
+        for t, arr in zip((self.order, self.bounds, self.rows), slots(flat, skip=self.skip)):
+            t.write(arr)
+
+
+@dataclass
 class Trace:
     """What the forward pass saved for the backward pass."""
-    ids: np.ndarray                               # (T,) every row's token id
+    ids: DeviceIds                                # every row's token id
     bucket: int
     h_in: Tensor                                  # (T, D) embeddings
     batch: int = 1                                # sequences packed in the rows,
@@ -147,6 +170,16 @@ class Lfm2Model:
             m *= 2
         return m
 
+    def upload_ids(self, input_ids) -> DeviceIds:
+        """Check ids ([S] or [B, S], as ``forward`` takes them) and upload them with their slots."""
+        return self._upload(self.check_ids(input_ids))
+
+    def _upload(self, ids: np.ndarray) -> DeviceIds:
+        flat = ids.reshape(-1)
+        order, bounds, rows = slots(flat, skip=self.cfg.pad_token_id)
+        e = self.engine
+        return DeviceIds(ids, e.tensor(flat), e.tensor(order), e.tensor(bounds), e.tensor(rows), self.cfg.pad_token_id)
+
     def rope_tables(self, t_pad: int, seq: int | None = None) -> tuple[Tensor, Tensor]:
         """cos and sin (T_pad, R) for positions 0..T_pad-1 (or, packed, 0..seq-1 repeated), computed
         once per bucket on the host in float32 as transformers does (angle = position * inv_freq)."""
@@ -167,16 +200,16 @@ class Lfm2Model:
     def forward(self, input_ids, bucket: int = 1) -> Trace:
         """Record the forward pass up to the final norm; the trace holds what backward needs.
         ``input_ids`` is one sequence [S] or a batch [B, S] of equally long ones (packed; S a
-        multiple of ``pack_multiple()`` when B > 1)."""
-        ids = self.check_ids(input_ids)
-        batch, seq = ids.shape
+        multiple of ``pack_multiple()`` when B > 1), or those ids already uploaded (``upload_ids``)."""
+        uploaded = isinstance(input_ids, DeviceIds)
+        host = input_ids.host if uploaded else self.check_ids(input_ids)
+        batch, seq = host.shape
         if batch > 1 and seq % self.pack_multiple():
             raise ValueError(f"input_ids: a batch of {batch} sequences of {seq} positions; packed sequences must be "
                              f"a multiple of {self.pack_multiple()} positions long (pad them)")
-        ids = ids.reshape(-1)
+        ids = input_ids if uploaded else self._upload(host)
         run, cfg = self._run, self.cfg
-        ids_t = self.engine.tensor(ids)
-        h = run(_k("embedding"), bucket=bucket, table=self.p("model.embed_tokens.weight"), ids=ids_t)["y"]   # (T, D)
+        h = run(_k("embedding"), bucket=bucket, table=self.p("model.embed_tokens.weight"), ids=ids.ids)["y"]  # (T, D)
         trace = Trace(ids, bucket, h, batch, seq)
         for i, kind in enumerate(cfg.layer_types):
             pre = f"model.layers.{i}."
@@ -276,7 +309,7 @@ class Lfm2Model:
     def logits(self, input_ids, bucket: int = 1) -> np.ndarray:
         """float32 [T, vocab] logits of a sequence (materialised: for checks, not for training)."""
         trace = self.forward(input_ids, bucket)
-        y = self.engine.empty((len(trace.ids), self.cfg.vocab_size), "f32")
+        y = self.engine.empty((trace.ids.host.size, self.cfg.vocab_size), "f32")
         return self._run(_k("linear"), bucket=bucket, x=trace.hn, w=self.lm_head, out={"y": y})["y"].numpy()
 
     # ---- backward ----
@@ -324,11 +357,10 @@ class Lfm2Model:
         # h_in = embed(ids)
         emb = "model.embed_tokens.weight"
         if self._trained(emb):
-            order, bounds, rows = slots(trace.ids, skip=self.cfg.pad_token_id)   # torch's padding_idx
-            e = self.engine
+            ids = trace.ids                      # slots skip the padding token: torch's padding_idx
             self._run(_k("embedding_backward"), bucket=bucket, dims={"V": self.cfg.vocab_size}, g=dh,
-                            order=e.tensor(order), bounds=e.tensor(bounds), rows=e.tensor(rows),
-                            out={"d_table": self._params[emb].grad}, accumulate={"d_table"})
+                      order=ids.order, bounds=ids.bounds, rows=ids.rows,
+                      out={"d_table": self._params[emb].grad}, accumulate={"d_table"})
 
     def _linear_backward(self, x: Tensor, name: str, dy: Tensor, bucket: int, into: Tensor | None = None,
                          need_dx: bool = True) -> Tensor | None:

@@ -89,6 +89,11 @@ class WgpuContext:
         self._engines.add(engine)
 
     def flush(self) -> None:
-        """Submit every engine's recorded work, so reads and writes see it in order."""
-        for engine in list(self._engines):
+        """Submit every engine's recorded work, so a host read or write of a tensor sees it in order.
+        Inside engine.capture() that raises: a replay could not repeat the read or write."""
+        engines = list(self._engines)
+        if any(e.capturing is not None for e in engines):
+            raise RuntimeError("a tensor was read or written on the host inside engine.capture(); a replayed "
+                               "program cannot repeat host reads or writes: do them before or after the capture")
+        for engine in engines:
             engine.flush()

@@ -10,6 +10,7 @@ no padding copies and padded rows of outputs are never written.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from collections import OrderedDict
@@ -28,6 +29,7 @@ from ..ir.nodes import SEQ_AXIS
 from ..schedule import KernelSpec
 from ..settings import settings
 from .pool import BufferPool
+from .program import Program
 from .tensor import ITEMSIZE, Tensor, buffer_bytes, infer_dtype
 
 MAX_GROUPS_PER_DIM = 65535
@@ -110,6 +112,7 @@ class ComputeEngine:
         self._ring = None                 # uniform buffer the info blocks are written to at flush
         self._bind_groups = LRU(8192)     # (layout, ring, bindings) -> bind group
         self.tuner = Tuner(self) if opts.autotune else None
+        self.capturing: Program | None = None
         ctx.register(self)
 
     # ---- compilation ----
@@ -217,6 +220,8 @@ class ComputeEngine:
         for pipeline, groups in stages:      # every stage reads the same info block
             self._commands.append(("dispatch", compiled, pipeline, bind_group, groups, len(self._infos) * INFO_BYTES))
         self._infos.append(info)
+        if self.capturing is not None:
+            self.capturing.add_call(compiled, tensors, stages, ir.scalars, scalars, info)
         self._keepalive.extend(t.buffer for t in tensors)   # buffers, not tensors: freed tensors recycle at once
         self.dispatches += 1
         if len(self._infos) == SUBMIT_EVERY:
@@ -341,8 +346,24 @@ class ComputeEngine:
         """Record clearing a tensor's elements to zero (in order with the recorded dispatches)."""
         nbytes = -(-tensor.size * ITEMSIZE[tensor.dtype] // 4) * 4
         self._commands.append(("clear", tensor.buffer, tensor.offset, nbytes))
+        if self.capturing is not None:
+            self.capturing.add_clear(tensor.buffer, tensor.offset, nbytes)
         self._keepalive.append(tensor.buffer)
         return tensor
+
+    @contextlib.contextmanager
+    def capture(self):
+        """Record the work done inside into a replayable Program (see program.py); the work also
+        runs as usual. If the block raises, no program is kept."""
+        if self.capturing is not None:
+            raise RuntimeError("engine.capture() is already open on this engine; captures do not nest")
+        self.flush()
+        program = self.capturing = Program(self)
+        try:
+            yield program
+        finally:
+            self.capturing = None
+        program.finish()
 
     def _submit(self, commands) -> None:
         encoder = self.device.create_command_encoder()

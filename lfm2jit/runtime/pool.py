@@ -7,6 +7,10 @@ its size class (the lowest serial number), not the last one freed: tensors are f
 drops them, in an order that varies from step to step (reference cycles wait for the collector),
 but a training step that allocates the same sizes each time then gets the same buffers back, and
 its bind groups are reused.
+
+A recorded Program (program.py) reserves the buffers it binds: while it lives, a reserved buffer
+is never handed out again, even after the tensor that held it is freed, so replaying the program
+cannot overwrite someone else's data. Reserved buffers count as in use.
 """
 from __future__ import annotations
 
@@ -36,6 +40,7 @@ class BufferPool:
         self.peak_bytes = 0
         self.in_use_bytes = 0
         self.reused = 0
+        self.reserved: dict[int, list] = {}                  # id(buffer) -> [programs holding it, tensor freed?]
 
     def acquire(self, nbytes: int):
         size = size_class(nbytes)
@@ -51,5 +56,41 @@ class BufferPool:
         return buf
 
     def release(self, buffer) -> None:
+        held = self.reserved.get(id(buffer))
+        if held is not None:
+            held[1] = True          # the program still owns it: it stays in use, out of the free lists
+            return
         self.in_use_bytes -= buffer.size
         heapq.heappush(self.free[buffer.size], (self.serial[id(buffer)], buffer))
+
+    def reserve(self, buffers) -> None:
+        """Keep these buffers (those the pool made) out of the free lists until ``unreserve``."""
+        taken: dict[int, set] = {}
+        for buf in buffers:
+            if id(buf) not in self.serial:
+                continue            # not the pool's: its owner keeps it
+            held = self.reserved.get(id(buf))
+            if held is not None:
+                held[0] += 1
+                continue
+            free = any(b is buf for _, b in self.free[buf.size])
+            self.reserved[id(buf)] = [1, free]
+            if free:
+                taken.setdefault(buf.size, set()).add(id(buf))
+                self.in_use_bytes += buf.size
+        for size, ids in taken.items():
+            self.free[size] = [entry for entry in self.free[size] if id(entry[1]) not in ids]
+            heapq.heapify(self.free[size])
+        self.peak_bytes = max(self.peak_bytes, self.in_use_bytes)
+
+    def unreserve(self, buffers) -> None:
+        """Undo one ``reserve``: a buffer no program holds and no tensor uses goes back to the free lists."""
+        for buf in buffers:
+            held = self.reserved.get(id(buf))
+            if held is None:
+                continue
+            held[0] -= 1
+            if held[0] == 0:
+                del self.reserved[id(buf)]
+                if held[1]:
+                    self.release(buf)
