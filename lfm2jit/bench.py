@@ -591,7 +591,7 @@ def train_bench(ctx, cfg, shapes, steps: int = 3, warmup: int = 1, seed: int = 0
                 "first_window_s": first_s, "first_window_compiles": s1["misses"] - s0["misses"],
                 "first_window_compile_s": s1["compile_seconds"] - s0["compile_seconds"],
                 "second_window_s": second_s, "second_window_compiles": s2["misses"] - s1["misses"],
-                "dispatches_per_window": dispatches,
+                "dispatches_per_window": dispatches, "replayed_pieces": tr.recorded.replays,
                 "host_flush_s": host["flush"], "host_wait_s": host["wait"],
                 "host_python_s": wall - host["flush"] - host["wait"],
                 "host_python_us_per_dispatch": 1e6 * (wall - host["flush"] - host["wait"]) / max(dispatches, 1),
@@ -612,6 +612,7 @@ def train_bench(ctx, cfg, shapes, steps: int = 3, warmup: int = 1, seed: int = 0
         except Exception as e:   # noqa: BLE001
             traceback.print_exc(file=sys.stderr)
             line = Line("train", f"train_step_{name}", name, error=f"{type(e).__name__}: {e}".splitlines()[0][:300])
+        tr.recorded.clear()      # this shape's recorded passes give their activations back before the next one
         lines.append(line)
         log(format_train(line))
     return lines, meta

@@ -11,6 +11,7 @@ import pytest
 
 from lfm2jit.model import Lfm2Model
 from trainer import AdamW, CosineWithWarmup, GradScaler, SGD, Trainer
+from trainer.recorded import RecordedSteps
 from test_trainer_semantics import make_data, micro, snap
 
 BUCKET = 16
@@ -65,3 +66,23 @@ def test_with_replay_rejects_bad_counts(ctx, engine, bad):
     model = Lfm2Model(micro(), ctx, engine, seed=1)
     with pytest.raises(ValueError, match="replay passes"):
         Trainer(model, AdamW(lr=1e-3), ctx, engine).with_replay(bad)
+
+
+def test_a_rare_shape_does_not_push_out_a_common_one(engine):
+    steps = RecordedSteps(engine, passes=1)
+    x = engine.tensor(np.ones((4, 16), np.float32))
+    ran = []
+
+    def piece(name):
+        def record(_):
+            ran.append(name)
+            return engine.run("scale", x=x, alpha=2.0)["y"]
+        return record
+
+    for key in "AAAABBABBBBB":
+        y = steps.run(key, piece(key), activations=True)
+        assert (y.numpy() == 2.0).all()
+    # A: run, captured, then replayed. B stays out while it has occurred less often than A (4, then 5
+    # times); its sixth occurrence outnumbers A's five, so it is captured in A's place and replayed.
+    assert ran == list("AA" "BBBBBB") and steps.replays == 3 + 1
+    assert steps.held_passes() == 1

@@ -10,11 +10,14 @@ and its inputs written into the tensors it captured. Nothing else runs Python pe
 A key is captured on its second occurrence, not its first: the first step creates what later
 steps reuse (optimizer state, RoPE tables, pipelines), and a capture must not include that.
 Captured passes reserve their activation buffers (runtime/pool.py), so at most ``passes`` of
-them are kept, least recently used first out; norm and optimizer pieces hold no activations.
+them are kept; norm and optimizer pieces hold no activations. When all pass slots are taken, a
+pass is captured only if its key has occurred more often than a kept one's, which is then
+dropped (the least recently used of the rarest): with many input shapes, the common ones stay
+recorded and rare ones do not churn the slots.
 """
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 
 
 class RecordedSteps:
@@ -22,7 +25,7 @@ class RecordedSteps:
         self.engine = engine
         self.passes = passes
         self._programs: OrderedDict = OrderedDict()    # key -> (program, inputs, kept, holds activations)
-        self._seen: set = set()
+        self._seen: Counter = Counter()                # key -> occurrences
         self.replays = 0
 
     def run(self, key, record, *, scalars=None, upload=None, refill=None, activations: bool = False):
@@ -34,6 +37,7 @@ class RecordedSteps:
         scalars           the runtime scalars to set when replaying (by kernel scalar name).
         activations       the piece keeps activation buffers: it counts against ``passes``.
         """
+        self._seen[key] += 1
         hit = self._programs.get(key)
         if hit is not None:
             self._programs.move_to_end(key)
@@ -44,16 +48,26 @@ class RecordedSteps:
             self.replays += 1
             return kept
         inputs = upload() if upload is not None else None
-        if self.passes == 0 or key not in self._seen:
-            self._seen.add(key)
+        if self.passes == 0 or self._seen[key] < 2:
             return record(inputs)
+        victim = self._victim(key) if activations else None
+        if victim is False:
+            return record(inputs)
+        if victim is not None:
+            self._programs.pop(victim)[0].close()
         with self.engine.capture() as program:
             kept = record(inputs)
         self._programs[key] = (program, inputs, kept, activations)
-        held = [k for k, entry in self._programs.items() if entry[3]]      # oldest first
-        for old in held[:max(0, len(held) - self.passes)]:
-            self._programs.pop(old)[0].close()
         return kept
+
+    def _victim(self, key):
+        """The kept pass to drop for capturing ``key``: None when a slot is free, False when every
+        kept pass has occurred at least as often as ``key`` (then it is not captured)."""
+        held = [k for k, entry in self._programs.items() if entry[3]]      # least recently used first
+        if len(held) < self.passes:
+            return None
+        rarest = min(held, key=lambda k: self._seen[k])                     # the first of the rarest
+        return rarest if self._seen[rarest] < self._seen[key] else False
 
     def held_passes(self) -> int:
         """Recorded forward/backward passes kept now (each holds its activation buffers)."""
