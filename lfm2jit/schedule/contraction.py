@@ -25,6 +25,7 @@ class TileConfig:
     tn: int = 4
     vec: bool = False      # contiguous micro-tiles read as vec4 from workgroup memory
     split: int = 1         # K is cut into this many slices summed by a second pass (split-K)
+    double: bool = False   # two workgroup tiles: k-step i+1 is stored while i is multiplied, one barrier a step
 
     @property
     def threads(self) -> int:
@@ -38,7 +39,7 @@ class TileConfig:
             raise ValueError(f"{self}: {self.threads} invocations must be 1..256 and load each tile evenly")
         if self.vec and (self.tm % 4 or self.tn % 4):
             raise ValueError(f"{self}: vec4 reads need micro-tiles that are multiples of 4")
-        if 4 * self.bk * (self.bm + self.bn) > 16384:
+        if 4 * self.bk * (self.bm + self.bn) * (2 if self.double else 1) > 16384:
             raise ValueError(f"{self}: needs more than 16 KiB of workgroup memory")
         if self.split not in (1, 2, 4, 8):
             raise ValueError(f"{self}: split must be 1, 2, 4 or 8")
@@ -53,7 +54,10 @@ CANDIDATES = (DEFAULT_TILES, LARGE_TILES, TileConfig(128, 64, 16, 8, 4), TileCon
               TileConfig(128, 64, 16, 8, 8, vec=True), TileConfig(64, 128, 16, 8, 8, vec=True),
               TileConfig(64, 64, 16, 8, 8, vec=True), TileConfig(64, 64, 8, 4, 4, vec=True),
               TileConfig(64, 64, 8, 4, 4, vec=True, split=2), TileConfig(64, 64, 8, 4, 4, vec=True, split=4),
-              TileConfig(64, 128, 16, 8, 8, vec=True, split=2), TileConfig(64, 128, 16, 8, 8, vec=True, split=4))
+              TileConfig(64, 128, 16, 8, 8, vec=True, split=2), TileConfig(64, 128, 16, 8, 8, vec=True, split=4),
+              TileConfig(64, 128, 8, 8, 8, vec=True), TileConfig(64, 128, 8, 8, 8, vec=True, double=True),
+              TileConfig(128, 128, 8, 8, 8, vec=True, double=True), TileConfig(64, 64, 16, 4, 4, vec=True, double=True),
+              TileConfig(128, 64, 8, 8, 8, vec=True, double=True))
 
 
 def choose_tiles(m: int, n: int) -> TileConfig:
