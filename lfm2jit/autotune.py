@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -17,8 +16,10 @@ from .intrinsics.attention import TEMPLATES as ATTENTION_TEMPLATES, AttentionTil
 from .schedule import KernelSpec
 from .schedule.contraction import CANDIDATES, TileConfig
 from .settings import settings
+from .timing import WARM_SECONDS, seconds_per_call, warm_up
 
-REPEATS = 3
+CANDIDATE_WARM_SECONDS = 0.02   # after the search's warm-up, each candidate runs this long before it is timed
+
 KINDS = {cls.__name__: cls for cls in (TileConfig, AttentionTiles)}   # how saved tiles name their class
 
 
@@ -56,6 +57,7 @@ class Tuner:
                 self.best = {}          # a damaged cache is only lost time, never an error
         self._chosen: dict[str, object] = {}  # key -> tiles, decoded once (compile asks on every run)
         self.trials = 0
+        self.warm_seconds = WARM_SECONDS     # a search keeps the GPU busy this long before timing candidates
 
     def tiles(self, kernel, dims: dict[str, int], bucket: int, accumulate: frozenset[str]):
         """The fastest candidate for this specialization (searched once), or None if it has none."""
@@ -72,34 +74,47 @@ class Tuner:
         return self._chosen[key]
 
     def _search(self, key: str, kernel, dims, bucket, accumulate, options: tuple):
-        """Score every candidate, keep the fastest (the first on ties), and save all the scores."""
-        scores = {c: self._score(kernel, dims, bucket, accumulate, c) for c in options}
+        """Score every candidate, keep the fastest (the first on ties), and save all the scores.
+        All are compiled first and then timed one after another on a GPU kept busy throughout,
+        so no candidate is timed while the clocks ramp up after a compile."""
+        engine = self.engine
+        def scratch(t):
+            return engine.zero_(engine.empty(tuple(dims[a] if a in dims else int(a) for a in t.shape), t.dtype))
+
+        args = {t.name: scratch(t) for t in kernel.ir.inputs}       # shared: the tiles do not change them
+        out = {t.name: scratch(t) for t in kernel.ir.outputs if t.name in accumulate}
+        runs = {c: self._compiled_run(kernel, dims, bucket, accumulate, c, args, out) for c in options}
+        ready = [run for run in runs.values() if run is not None]
+        if ready:
+            warm_up(engine, ready[0], self.warm_seconds)
+        scores = {c: self._seconds(run) for c, run in runs.items()}
         winner = min(scores, key=scores.get)
         self.best[key] = {"kind": type(winner).__name__, "tiles": asdict(winner),
                           "seconds": {str(asdict(c)): s for c, s in scores.items()}}
         self._save()
         return winner
 
-    def _score(self, kernel, dims, bucket, accumulate, tiles) -> float:
-        """Seconds per run of this candidate on scratch buffers (inf if it fails)."""
+    def _compiled_run(self, kernel, dims, bucket, accumulate, tiles, args, out):
+        """A function recording one run of this candidate, after running it once (None if it fails)."""
         engine = self.engine
+
+        def once() -> None:
+            engine.run(kernel, bucket=bucket, dims=dims, out=out, accumulate=accumulate, tiles=tiles, **args)
         try:
-            def scratch(t):
-                return engine.zero_(engine.empty(tuple(dims[a] if a in dims else int(a) for a in t.shape), t.dtype))
-
-            args = {t.name: scratch(t) for t in kernel.ir.inputs}
-            out = {t.name: scratch(t) for t in kernel.ir.outputs if t.name in accumulate}
-            def once() -> float:
-                engine.synchronize()
-                start = time.perf_counter()
-                engine.run(kernel, bucket=bucket, dims=dims, out=out, accumulate=accumulate, tiles=tiles, **args)
-                engine.synchronize()
-                return time.perf_counter() - start
-
-            once()                                 # compiles and warms up
-            self.trials += 1
-            return min(once() for _ in range(REPEATS))
+            once()
+            engine.synchronize()
         except Exception:  # noqa: BLE001 - a failing candidate must not stop the search
+            return None
+        self.trials += 1
+        return once
+
+    def _seconds(self, run) -> float:
+        """Seconds per run on the warm GPU (inf for a candidate that failed)."""
+        if run is None:
+            return math.inf
+        try:
+            return seconds_per_call(self.engine, run, warm_seconds=CANDIDATE_WARM_SECONDS)
+        except Exception:  # noqa: BLE001
             return math.inf
 
     def _save(self) -> None:

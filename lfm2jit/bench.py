@@ -42,6 +42,7 @@ import numpy as np
 
 from . import ComputeEngine, WgpuContext, grad, library
 from .schedule.contraction import CANDIDATES, TileConfig
+from .timing import warm_up
 
 # Datasheet ceilings per adapter-name substring: (fp32 FLOP/s without tensor cores, bytes/s)
 CEILINGS = {"H200": (67e12, 4.8e12), "H100": (67e12, 3.35e12)}
@@ -102,10 +103,11 @@ def _median_split(timings: list[tuple[str, float]], reps: int) -> tuple[float, d
 
 
 def time_engine(engine, record, reps: int, warmup: int = 1) -> tuple[float, str, float, dict[str, float]]:
-    """Time ``record()`` (which records dispatches): (seconds per call, timer, wall per call, per kernel)."""
+    """Time ``record()`` (which records dispatches): (seconds per call, timer, wall per call, per kernel).
+    The GPU is kept busy with it first (timing.warm_up): timed cold, a GPU is still raising its clocks."""
     for _ in range(warmup):
         record()
-    engine.synchronize()
+    warm_up(engine, record)
     engine.timings.clear()
     t0 = time.perf_counter()
     for _ in range(reps):
