@@ -66,6 +66,11 @@ def test_a_failing_candidate_scores_infinity(ctx, tmp_path, monkeypatch):
     assert math.isinf(entry["seconds"][str(bad.__dict__)])
 
 
+# tiles the template runs though the tuner does not try them: double-buffered scalar reads, and
+# double buffering with split-K
+TEMPLATE_ONLY = (TileConfig(64, 64, 16, 4, 4, double=True), TileConfig(64, 128, 8, 8, 8, vec=True, double=True, split=2))
+
+
 def test_every_candidate_computes_the_same_product(engine, rng):
     """The autotuner may pick any candidate, so each must be right, ragged edges included, for the
     three products of a linear layer (x W^T, dY W, dY^T X), with scalar and vec4 device reads
@@ -80,7 +85,7 @@ def test_every_candidate_computes_the_same_product(engine, rng):
         dy = rng.standard_normal((T, N)).astype(np.float32)
         want = {"y": x.astype(np.float64) @ w.T, "d_x": dy.astype(np.float64) @ w, "d_w": dy.T.astype(np.float64) @ x}
         args = {"x": engine.tensor(x), "w": engine.tensor(w), "d_y": engine.tensor(dy)}
-        for tiles in CANDIDATES:
+        for tiles in CANDIDATES + TEMPLATE_ONLY:
             for kernel, out in ((lin, "y"), (dx_k, "d_x"), (dw_k, "d_w")):
                 given = {n: args[n] for n in (t.name for t in kernel.ir.inputs)}
                 got = engine.run(kernel, bucket=16, tiles=tiles, **given)[out].numpy()
@@ -93,7 +98,7 @@ def test_every_candidate_computes_the_same_product(engine, rng):
             engine.run(dw_k, bucket=16, tiles=tiles, x=args["x"], d_y=args["d_y"], out={"d_w": dw}, accumulate={"d_w"})
             assert rel_err(dw.numpy(), base + want["d_w"]) < 1e-5, (tiles, "accumulate", T, K, N)
     assert modes == {None, "k", "m"}
-    assert any(t.split > 1 for t in CANDIDATES)
+    assert any(t.split > 1 for t in CANDIDATES) and any(t.double for t in CANDIDATES)
 
 
 def test_f16_operands_read_as_vectors(ctx, engine, rng):
