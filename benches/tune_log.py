@@ -35,7 +35,7 @@ def main() -> None:
             c = spec.context
             sizes = {x: spec.dims[c["axes"][x]] for x in "mnk"}
             log.append({"kernel": kernel.ir.name, "sizes": sizes, "a": c["a"]["vec"], "b": c["b"]["vec"],
-                        "default": asdict(choose_tiles(sizes["m"], sizes["n"])),
+                        "default": asdict(choose_tiles(sizes["m"], sizes["n"], sizes["k"])),
                         "winner": asdict(winner), "seconds": self.best[key]["seconds"]})
             with open(args.json, "w") as f:      # after every search: a run cut short keeps what it tuned
                 json.dump(log, f, indent=1)

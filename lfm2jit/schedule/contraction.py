@@ -60,13 +60,22 @@ CANDIDATES = (DEFAULT_TILES, LARGE_TILES, TileConfig(128, 64, 16, 8, 4), TileCon
               TileConfig(128, 64, 8, 8, 8, vec=True, double=True))
 
 
-def choose_tiles(m: int, n: int) -> TileConfig:
-    """64x128 tiles (8x8 per invocation, k-step 16) when they still give 128+ workgroups, else
-    64x64 (4x4, k-step 8), which keeps more of a big GPU busy. Measured on an H200
-    (benches/results/h200_tiles_v3.log): 64x128 is the best or within 5% of the best candidate from
-    512x4608 up (22-32 TFLOP/s), while at 512x1024 its 64 workgroups give 9.5 TFLOP/s against 14.2
-    for 64x64."""
-    if (m // 64) * (n // 128) >= 128:
+LONG_K = 2048        # contractions at least this long split K when the output alone gives few workgroups
+
+
+def choose_tiles(m: int, n: int, k: int) -> TileConfig:
+    """64x128 tiles (8x8 per invocation, k-step 16), K split over 2 (4 for small outputs) when K is
+    long; 64x64 (4x4, k-step 8) for short K and small outputs, where 64x128 leaves a big GPU idle.
+
+    Read from what the autotuner measured on a warm H200 for every matmul of an LFM2-350M train
+    step at 8 x 512 (benches/results/h200_tune_log_8x512.*): split-K beat unsplit 64x128 tiles in
+    11 of the 12 products with K >= 3072 (by 6-45%) and lost in all 8 with K <= 1024. There,
+    64x64 tiles were never the fastest; they stay for short K and small outputs (M x N below
+    128 64x128 tiles) from earlier sweeps. K between 1024 and 3072 was not measured."""
+    groups = -(-m // 64) * -(-n // 128)
+    if k >= LONG_K and groups <= 1024:
+        return TileConfig(64, 128, 16, 8, 8, vec=True, split=4 if groups < 128 else 2)
+    if groups >= 128:
         return TileConfig(64, 128, 16, 8, 8, vec=True)
     return TileConfig(64, 64, 8, 4, 4, vec=True)
 
@@ -113,7 +122,7 @@ def plan(ir: KernelIR, sizes: dict[str, int], accumulate: frozenset[str], tiles:
     m_axis = out_free[0]
     if n_axis in a.shape:                      # A is the operand that carries M
         a, b = b, a
-    tiles = tiles or choose_tiles(sizes[m_axis], sizes[n_axis])
+    tiles = tiles or choose_tiles(sizes[m_axis], sizes[n_axis], sizes[k])
     sc = strides(out.shape, sizes)
     bt = batch[0] if batch else None
 
