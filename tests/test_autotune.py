@@ -11,7 +11,7 @@ import pytest
 
 from lfm2jit import ComputeEngine, grad, library
 from lfm2jit.intrinsics.attention import AttentionTiles, attention_candidates, choose_tiles, tiles_problem
-from lfm2jit.schedule.contraction import CANDIDATES, TileConfig
+from lfm2jit.schedule.contraction import CANDIDATES, LONG_K, TileConfig
 from conftest import rel_err
 from test_attention import H, attention_kernel, reference
 from test_attention import _inputs as attention_inputs
@@ -233,3 +233,19 @@ def test_every_attention_candidate_computes_the_same(engine, E):
             out = engine.run(kernel, bucket=16, tiles=tiles, **args)
             for name, got in out.items():
                 assert rel_err(got.numpy(), want[name]) < 1e-5, (kernel.name, tiles, name)
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16"])
+def test_default_tiles_split_long_contractions_correctly(ctx, engine, rng, dtype):
+    """Without tiles given, K >= LONG_K is split (over 4 for this small output): the default
+    path through the reduce pass matches float64, f16 activations included (their output
+    rounding, 2**-11 relative, bounds the f16 error)."""
+    if dtype == "f16" and not ctx.has_f16:
+        pytest.skip("adapter has no shader-f16")
+    kernel = library.get("linear") if dtype == "f32" else library.get("linear").variant("f16", keep={"w"})
+    T, K, N = 130, LONG_K, 72
+    x = rng.standard_normal((T, K)).astype(np.float16 if dtype == "f16" else np.float32)
+    w = rng.standard_normal((N, K)).astype(np.float32)
+    assert kernel.specialize({"T": T, "K": K, "N": N}, 64, frozenset()).context["tiles"]["split"] == 4
+    got = engine.run(kernel, bucket=64, x=engine.tensor(x, dtype), w=engine.tensor(w))["y"].numpy()
+    assert rel_err(got, x.astype(np.float64) @ w.T.astype(np.float64)) < (1e-3 if dtype == "f16" else 1e-5)
