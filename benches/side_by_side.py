@@ -148,6 +148,8 @@ def main(argv=None) -> int:
     ap.add_argument("--f16", action="store_true", help="mixed precision on both sides (see above)")
     ap.add_argument("--replay", type=int, metavar="N", default=None,
                     help="lfm2jit: Trainer.with_replay(N); 0 runs every step's Python (default: the trainer's)")
+    ap.add_argument("--recompute-mlp", action="store_true",
+                    help="lfm2jit: backward recomputes the MLP's up-projections (less memory, more matmuls)")
     ap.add_argument("--skip-torch", action="store_true")
     ap.add_argument("--skip-ours", action="store_true")
     args = ap.parse_args(argv)
@@ -177,6 +179,7 @@ def main(argv=None) -> int:
                 return {"device_used_bytes": free0 - free1}
         ours, ours_meta = train_bench(ctx, cfg, shapes, steps=args.steps, warmup=args.warmup,
                                       log=lambda s: print(s, flush=True), probe=probe, replay=args.replay,
+                                      recompute_mlp=args.recompute_mlp,
                                       activation_dtype="f16" if args.f16 else "f32")
     doc["lfm2jit"] = {"meta": ours_meta, "lines": [asdict(l) for l in ours]}
 

@@ -491,7 +491,8 @@ def _kernel_class(name: str) -> str:
 
 def train_bench(ctx, cfg, shapes, steps: int = 3, warmup: int = 1, seed: int = 0, log=print,
                 profile: bool = True, clip: float | None = 1.0, probe=None,
-                activation_dtype: str = "f32", replay: int | None = None) -> tuple[list[Line], dict]:
+                activation_dtype: str = "f32", replay: int | None = None,
+                recompute_mlp: bool = False) -> tuple[list[Line], dict]:
     """Trainer.train_sequences on a fresh random-init model, for each (batch, T) in ``shapes``, in order.
 
     batch > 1 means that many sequences of T with grad_accum_steps = batch: one optimizer step per
@@ -501,7 +502,7 @@ def train_bench(ctx, cfg, shapes, steps: int = 3, warmup: int = 1, seed: int = 0
     ``probe()``, if given, is called after each shape (model alive) and its dict added to the line.
     ``activation_dtype="f16"`` runs the mixed-precision path (with a GradScaler, as --f16 does).
     ``replay`` passes Trainer.with_replay (None: the trainer's default): from the third window on,
-    a shape's steps replay their recorded programs.
+    a shape's steps replay their recorded programs. ``recompute_mlp`` builds the model with it.
     """
     from trainer import AdamW, GradScaler, Trainer
 
@@ -509,7 +510,7 @@ def train_bench(ctx, cfg, shapes, steps: int = 3, warmup: int = 1, seed: int = 0
     from .model.checkpoint import parameter_shapes
     engine = ComputeEngine(ctx)
     t0 = time.perf_counter()
-    model = Lfm2Model(cfg, ctx, engine, seed=seed, activation_dtype=activation_dtype)
+    model = Lfm2Model(cfg, ctx, engine, seed=seed, activation_dtype=activation_dtype, recompute_mlp=recompute_mlp)
     init_s = time.perf_counter() - t0
     params = model.parameters()
     n_params = sum(p.size for p in params)
@@ -518,7 +519,8 @@ def train_bench(ctx, cfg, shapes, steps: int = 3, warmup: int = 1, seed: int = 0
     rng = np.random.default_rng(seed + 1)
     lines: list[Line] = []
     meta = {"adapter": ctx.name, "n_params": n_params, "param_bytes": param_bytes, "model_init_s": init_s,
-            "config": cfg.to_dict(), "clip_grad_norm": clip, "activation_dtype": activation_dtype, "replay": replay}
+            "config": cfg.to_dict(), "clip_grad_norm": clip, "activation_dtype": activation_dtype, "replay": replay,
+            "recompute_mlp": recompute_mlp}
     log(f"# model: {n_params / 1e6:.1f}M parameters, host init + upload {init_s:.1f}s")
 
     for batch, t in shapes:
@@ -687,6 +689,8 @@ def main(argv=None) -> int:
                     "loss scaling on), as python -m trainer --f16 runs them")
     ap.add_argument("--replay", type=int, metavar="N", default=None,
                     help="train steps: Trainer.with_replay(N); 0 runs every step's Python (default: the trainer's)")
+    ap.add_argument("--recompute-mlp", action="store_true", help="train steps: backward recomputes the MLP's "
+                    "up-projections (less memory, two more matmuls per layer)")
     ap.add_argument("--tile-shapes", nargs="+", metavar="MxNxK", help="shapes for the tiles group "
                     "(default 4096x4096x4096 2048x4608x1024 2048x1024x4608)")
     args = ap.parse_args(argv)
@@ -730,6 +734,7 @@ def main(argv=None) -> int:
         shapes = [(1, 64), (4, 64), (1, 128)] if args.quick else [(1, 512), (8, 512), (1, 2048)]
         train_lines, state["meta"] = train_bench(ctx, cfg, shapes, steps=args.steps or (2 if args.quick else 3),
                                                  log=lambda s: print(s, flush=True), replay=args.replay,
+                                                 recompute_mlp=args.recompute_mlp,
                                                  activation_dtype="f16" if args.f16 else "f32")
         state["lines"] = list(bench.lines) + train_lines
         write_json()

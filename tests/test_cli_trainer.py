@@ -69,7 +69,7 @@ def test_help_lists_every_flag():
               "--bucket", "--scaler", "--f16", "--pack-tokens", "--steps", "--epochs", "--max-len", "--checkpoint-every",
               "--resume",
               "--out", "--seed", "--sync-dir", "--rank", "--world-size", "--run-id", "--sync-timeout", "--adapter",
-              "--optimizer", "--weight-decay", "--momentum", "--preset"}
+              "--optimizer", "--weight-decay", "--momentum", "--preset", "--replay", "--recompute-mlp"}
     assert wanted <= flags
     for flag in flags:
         assert flag in r.stdout, flag
@@ -202,6 +202,24 @@ def test_f16_run_tracks_the_f32_run_and_resumes_in_f16(short_run, tmp_path, ctx)
     assert [m["loss"] for m in got] == pytest.approx([m["loss"] for m in want], rel=1e-3)
     meta = json.loads((out / "checkpoints" / "step-000003" / "trainer.json").read_text())
     assert '"f16": true' in json.dumps(meta)
+
+
+def test_replay_and_recompute_change_nothing_but_speed_and_memory(tmp_path):
+    """--replay 0 (every step's Python runs) and --recompute-mlp (backward recomputes the MLP's
+    up-projections) run the same kernels on the same inputs: bit-identical metrics and weights."""
+    common = ["--preset", "tiny", "--steps", 4, "--eval-fraction", 0, "--no-progress", "--max-len", 64]
+    runs = {"default": [], "plain": ["--replay", 0], "recompute": ["--recompute-mlp"]}
+    for name, flags in runs.items():
+        r = cli(*common, *flags, "--out", tmp_path / name)
+        assert r.returncode == 0, r.stderr
+    from safetensors.numpy import load_file
+    base = metrics(tmp_path / "default")
+    w0 = load_file(str(tmp_path / "default" / "checkpoints" / "step-000004" / "model" / "model.safetensors"))
+    for name in ("plain", "recompute"):
+        got = metrics(tmp_path / name)
+        assert [(m["loss"], m["grad_norm"]) for m in got] == [(m["loss"], m["grad_norm"]) for m in base], name
+        w = load_file(str(tmp_path / name / "checkpoints" / "step-000004" / "model" / "model.safetensors"))
+        assert all(np.array_equal(w[k], w0[k]) for k in w0), name
 
 
 def test_two_ranks_with_file_sync_equal_one_process_accumulating_both(tmp_path):

@@ -292,6 +292,41 @@ def test_bucket_does_not_change_logits(ctx, engine):
     assert rel_err(by_bucket[16], by_bucket[1]) < 1e-6
 
 
+def test_recompute_mlp_gives_the_same_gradients_in_less_memory(ctx):
+    """recompute_mlp: backward runs the MLP's up-projections again instead of keeping a and b. The
+    same kernels on the same inputs, so the loss and every gradient are bit-identical. The pool's
+    peak (in the last layer's MLP backward, where a, b, dg, da and db are alive) then holds one
+    layer's a and b instead of all L layers': it drops by L - 1 pairs of [T, F] buffers (within 10%:
+    the rest of the step's allocations are the same in both runs)."""
+    from lfm2jit import ComputeEngine
+    from lfm2jit.runtime.pool import size_class
+    cfg = Lfm2Config(vocab_size=64, hidden_size=32, intermediate_size=512, num_hidden_layers=4, num_attention_heads=2,
+                     num_key_value_heads=1, layer_types=["conv", "full_attention", "conv", "conv"], block_multiple_of=16)
+    ids = np.random.default_rng(0).integers(1, cfg.vocab_size, 200)
+    runs = {}
+    for recompute in (False, True):
+        engine = ComputeEngine(ctx)        # its own pool, so the peaks compare
+        model = Lfm2Model(cfg, ctx, engine, seed=1, recompute_mlp=recompute)
+        model.zero_grad()
+        engine.synchronize()
+        engine.pool.peak_bytes = base = engine.pool.in_use_bytes
+        loss, grads = run_loss_and_grads(model, ids, np.roll(ids, -1), np.ones(len(ids), np.float32))
+        runs[recompute] = loss, grads, engine.pool.peak_bytes - base
+    (loss0, g0, peak0), (loss1, g1, peak1) = runs[False], runs[True]
+    assert loss1 == loss0
+    for n in g0:
+        assert np.array_equal(g1[n], g0[n]), n
+    f = model.p("model.layers.0.feed_forward.w1.weight").shape[0]
+    pair = 2 * size_class(-(-len(ids) // BUCKET) * BUCKET * f * 4)
+    layers = cfg.num_hidden_layers
+    assert 0.9 * (layers - 1) * pair <= peak0 - peak1 <= 1.1 * (layers - 1) * pair, (peak0 - peak1) / pair
+
+
+def test_recompute_mlp_must_be_a_bool(ctx, engine):
+    with pytest.raises(TypeError, match="recompute_mlp must be True or False"):
+        Lfm2Model(Lfm2Config.preset("tiny"), ctx, engine, recompute_mlp="yes")
+
+
 # ---------------------------------------------------------------------------------------------------
 # checkpoints in and out
 # ---------------------------------------------------------------------------------------------------

@@ -240,13 +240,14 @@ def prepare(args, argv_empty: bool) -> dict:
         raise UsageError(f"--f16: adapter {ctx.name!r} has no shader-f16 feature; train without --f16")
     try:
         if ckpt is not None:
-            model = Lfm2Model.from_pretrained(ckpt / "model", ctx, engine, dtype) if cfg is not None else None
+            model = (Lfm2Model.from_pretrained(ckpt / "model", ctx, engine, dtype, run.recompute_mlp)
+                     if cfg is not None else None)
             if model is None:
                 raise UsageError(f"{ckpt}: no model/ directory")
         elif run.source == "model":
-            model = Lfm2Model.from_pretrained(run.model, ctx, engine, dtype)
+            model = Lfm2Model.from_pretrained(run.model, ctx, engine, dtype, run.recompute_mlp)
         else:
-            model = Lfm2Model(cfg, ctx, engine, seed=run.seed, activation_dtype=dtype)
+            model = Lfm2Model(cfg, ctx, engine, seed=run.seed, activation_dtype=dtype, recompute_mlp=run.recompute_mlp)
     except (CheckpointError, ConfigError) as e:
         raise UsageError(f"model: {e}") from None
 

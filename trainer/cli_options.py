@@ -135,6 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "memory and traffic); weights, gradients and optimizer state stay f32 and every kernel "
                         "computes in f32. Turns on --scaler (f16 gradients need loss scaling). Needs an adapter "
                         "with shader-f16"),
+    o.add_argument("--recompute-mlp", action="store_true", default=None,
+                   help="backward recomputes each layer's MLP up-projections instead of keeping them: the largest "
+                        "activations, for two more matmuls per layer. Same results"),
     length = o.add_mutually_exclusive_group()
     length.add_argument("--steps", type=int, metavar="N",
                         help="train until optimizer step N (total, counting steps before a --resume)")
@@ -209,6 +212,7 @@ class Run:
     grad_accum: int
     pack_tokens: int
     replay: int
+    recompute_mlp: bool
     clip: float
     bucket: int
     scaler: bool
@@ -306,7 +310,7 @@ def resolve(args: argparse.Namespace, argv_empty: bool, saved: dict | None = Non
         weight_decay=g.get("weight_decay", 0.01 if optimizer == "adamw" else 0.0), momentum=g.get("momentum", 0.9),
         schedule=g.get("schedule", "cosine"), warmup_steps=g.get("warmup_steps"), min_lr=g.get("min_lr", lr / 10),
         grad_accum=g.get("grad_accum", DEFAULT_ACCUM), pack_tokens=g.get("pack_tokens", DEFAULT_PACK_TOKENS),
-        replay=g.get("replay", DEFAULT_REPLAY_PASSES), clip=g.get("clip", 1.0), bucket=g.get("bucket", 64),
+        replay=g.get("replay", DEFAULT_REPLAY_PASSES), recompute_mlp=bool(g.get("recompute_mlp", False)), clip=g.get("clip", 1.0), bucket=g.get("bucket", 64),
         scaler=bool(g.get("scaler", False) or g.get("f16", False)), f16=bool(g.get("f16", False)),
         steps=steps, epochs=epochs, out=g.get("out"),
         checkpoint_every=g.get("checkpoint_every", 0), keep_checkpoints=g.get("keep_checkpoints", DEFAULT_KEEP),

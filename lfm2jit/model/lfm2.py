@@ -74,11 +74,14 @@ class Trace:
 
 class Lfm2Model:
     def __init__(self, cfg: Lfm2Config, ctx, engine, seed: int = 0, tensors: dict[str, np.ndarray] | None = None,
-                 activation_dtype: str = "f32"):
+                 activation_dtype: str = "f32", recompute_mlp: bool = False):
         self.cfg = cfg
         self.ctx = ctx
         self.engine = engine
         self.activation_dtype = precision.check_activation_dtype(activation_dtype, ctx)
+        if not isinstance(recompute_mlp, bool):
+            raise TypeError(f"recompute_mlp must be True or False, got {recompute_mlp!r}")
+        self.recompute_mlp = recompute_mlp     # backward recomputes the MLP's a and b too (see _recompute)
         if tensors is None:
             tensors = self._init_tensors(seed)
         tensors = check_tensors(cfg, tensors)
@@ -120,10 +123,12 @@ class Lfm2Model:
 
     # ---- checkpoints ----
     @classmethod
-    def from_pretrained(cls, directory, ctx, engine, activation_dtype: str = "f32") -> "Lfm2Model":
+    def from_pretrained(cls, directory, ctx, engine, activation_dtype: str = "f32",
+                        recompute_mlp: bool = False) -> "Lfm2Model":
         directory = Path(directory)
         cfg = Lfm2Config.from_json(directory / "config.json")
-        return cls(cfg, ctx, engine, tensors=load_checkpoint(directory), activation_dtype=activation_dtype)
+        return cls(cfg, ctx, engine, tensors=load_checkpoint(directory), activation_dtype=activation_dtype,
+                   recompute_mlp=recompute_mlp)
 
     def state_dict(self) -> dict[str, np.ndarray]:
         return {n: t.numpy() for n, t in self._params.items()}
@@ -228,6 +233,8 @@ class Lfm2Model:
             f = self._linear(g, pre + "feed_forward.w2", bucket)                                    # (T, D)
             h = run(_k("add"), bucket=bucket, x=h1, z=f)["y"]                                       # (T, D) layer output
             del s["xn"]            # xn, xf and g are recomputed by backward (see _recompute)
+            if self.recompute_mlp:
+                del s["a"], s["b"]      # and so are a and b
             trace.layers.append(s)
         trace.h_out = h
         fin = run(_k("rmsnorm_saved"), bucket=bucket, x=h, w=self.p("model.embedding_norm.weight"), eps=cfg.norm_eps)
@@ -241,12 +248,15 @@ class Lfm2Model:
 
     def _recompute(self, s: dict, bucket: int) -> None:
         """Put back what forward did not keep: the normed inputs xn and xf and the SwiGLU output g
-        (one [T, F] and two [T, D] per layer, the largest activations after a and b). The same
-        kernels on the same inputs give bit-identical values, so gradients are unchanged; it costs
-        three cheap row-wise dispatches per layer."""
+        (one [T, F] and two [T, D] per layer, the largest activations after a and b), and with
+        recompute_mlp a and b as well (two more [T, F]: the largest, for two matmuls per layer).
+        The same kernels on the same inputs give bit-identical values, so gradients are unchanged."""
         pre = s["pre"]
         s["xn"] = self._norm(s["h"], pre + "operator_norm.weight", bucket)[0]                       # (T, D)
         s["xf"] = self._norm(s["h1"], pre + "ffn_norm.weight", bucket)[0]                           # (T, D)
+        if "a" not in s:
+            s["a"] = self._linear(s["xf"], pre + "feed_forward.w1", bucket)                        # (T, F)
+            s["b"] = self._linear(s["xf"], pre + "feed_forward.w3", bucket)                        # (T, F)
         s["g"] = self._run(_k("silu_mul"), bucket=bucket, a=s["a"], b=s["b"])["y"]                  # (T, F)
 
     def _linear(self, x: Tensor, name: str, bucket: int) -> Tensor:
@@ -336,24 +346,28 @@ class Lfm2Model:
         for s in reversed(trace.layers):
             pre = s["pre"]
             self._recompute(s, bucket)
+            # Each [T, F] tensor is dropped (back to the pool) right after its last use, so the peak
+            # holds as few of them as possible; a second backward over this trace recomputes them.
             # h = h1 + f;  f = w2(g)
-            dg = self._linear_backward(s["g"], pre + "feed_forward.w2", dh, bucket)                 # (T, F)
+            dg = self._linear_backward(s.pop("g"), pre + "feed_forward.w2", dh, bucket)             # (T, F)
             # g = silu(a) * b
-            gab = self._run(_grad("silu_mul"), bucket=bucket, a=s["a"], b=s["b"], d_y=dg)
+            gab = self._run(_grad("silu_mul"), bucket=bucket, a=s.pop("a"), b=s.pop("b"), d_y=dg)
+            del dg
             # a = w1(xf); b = w3(xf)
-            dxf = self._linear_backward(s["xf"], pre + "feed_forward.w1", gab["d_a"], bucket)       # (T, D)
-            self._linear_backward(s["xf"], pre + "feed_forward.w3", gab["d_b"], bucket, into=dxf)
+            xf = s.pop("xf")
+            dxf = self._linear_backward(xf, pre + "feed_forward.w1", gab.pop("d_a"), bucket)       # (T, D)
+            self._linear_backward(xf, pre + "feed_forward.w3", gab.pop("d_b"), bucket, into=dxf)
             # xf = rmsnorm(h1): dh becomes d(h1)
             self._norm_backward(s["h1"], s["inv_ffn"], pre + "ffn_norm.weight", dxf, bucket, into=dh)
+            del xf, dxf
             # h1 = h + op
             if s["kind"] == "conv":
                 dxn = self._conv_backward(pre, s, dh, trace)                                       # (T, D)
             else:
                 dxn = self._attention_backward(pre, s, dh, trace)                                  # (T, D)
+            del s["xn"]
             # xn = rmsnorm(h): dh becomes d(h)
             self._norm_backward(s["h"], s["inv_op"], pre + "operator_norm.weight", dxn, bucket, into=dh)
-            for name in ("xn", "xf", "g"):
-                del s[name]           # this layer is done: its recomputed activations go back to the pool
         # h_in = embed(ids)
         emb = "model.embed_tokens.weight"
         if self._trained(emb):
