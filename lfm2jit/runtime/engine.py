@@ -358,7 +358,7 @@ class ComputeEngine:
         if self.capturing is not None:
             raise RuntimeError("engine.capture() is already open on this engine; captures do not nest")
         self.flush()
-        program = self.capturing = Program(self)
+        program = self.capturing = Program(self, INFO_BYTES)
         try:
             yield program
         finally:

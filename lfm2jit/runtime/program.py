@@ -33,8 +33,9 @@ class ReplayError(RuntimeError):
 
 
 class Program:
-    def __init__(self, engine):
+    def __init__(self, engine, info_bytes: int):
         self.engine = engine
+        self.info_bytes = info_bytes                    # one info block per call, at call index * info_bytes
         self.calls = 0
         self._entries: list[tuple] = []                 # ("call", compiled, bindings, stages, info) | ("clear", ...)
         self._scalars: dict[str, list[tuple[int, float]]] = {}   # name -> (byte offset in the infos, captured value)
@@ -47,10 +48,10 @@ class Program:
 
     # ---- capture (called by the engine while recording) ----
     def add_call(self, compiled, tensors, stages, names, values, info: bytes) -> None:
-        at = len(self._entries)
         self._entries.append(("call", compiled, [(t.buffer, t.offset, t.binding_size) for t in tensors], stages, info))
+        block = self.calls * self.info_bytes
         for i, (name, value) in enumerate(zip(names, values)):
-            self._scalars.setdefault(name, []).append((at, SCALARS_AT + 4 * i, value))
+            self._scalars.setdefault(name, []).append((block + SCALARS_AT + 4 * i, value))
         for t in tensors:
             self._buffers[id(t.buffer)] = t.buffer
         self.calls += 1
@@ -61,14 +62,12 @@ class Program:
 
     def finish(self) -> None:
         """Lay out the info blocks, make the program's bind groups and reserve its buffers."""
-        from .engine import INFO_BYTES
-        engine, device = self.engine, self.engine.device
-        calls = [e for e in self._entries if e[0] == "call"]
-        self._info_buffer = device.create_buffer(size=max(1, len(calls)) * INFO_BYTES,
+        engine, device, size = self.engine, self.engine.device, self.info_bytes
+        self._info_buffer = device.create_buffer(size=max(1, self.calls) * size,
                                                  usage=wgpu.BufferUsage.UNIFORM | wgpu.BufferUsage.COPY_DST)
         groups: dict[tuple, object] = {}
-        commands, index, slot_of = [], 0, {}
-        for at, entry in enumerate(self._entries):
+        commands = []
+        for entry in self._entries:
             if entry[0] == "clear":
                 commands.append(entry)
                 continue
@@ -76,17 +75,14 @@ class Program:
             key = (id(compiled.layout), tuple((id(b), o, s) for b, o, s in bindings))
             group = groups.get(key)
             if group is None:
-                entries = [{"binding": 0, "resource": {"buffer": self._info_buffer, "offset": 0, "size": INFO_BYTES}}]
+                entries = [{"binding": 0, "resource": {"buffer": self._info_buffer, "offset": 0, "size": size}}]
                 entries += [{"binding": i + 1, "resource": {"buffer": b, "offset": o, "size": s}}
                             for i, (b, o, s) in enumerate(bindings)]
                 group = groups[key] = device.create_bind_group(layout=compiled.layout, entries=entries)
-            slot_of[at] = index * INFO_BYTES
-            self._infos += info.ljust(INFO_BYTES, b"\0")
+            at = len(self._infos)              # this call's block: calls are laid out in capture order
+            self._infos += info.ljust(size, b"\0")
             for pipeline, workgroups in stages:
-                commands.append(("dispatch", compiled, pipeline, group, workgroups, index * INFO_BYTES))
-            index += 1
-        self._scalars = {name: [(slot_of[at] + off, value) for at, off, value in uses]
-                         for name, uses in self._scalars.items()}
+                commands.append(("dispatch", compiled, pipeline, group, workgroups, at))
         self._commands = commands
         self._entries = []
         device.queue.write_buffer(self._info_buffer, 0, bytes(self._infos))
