@@ -102,11 +102,10 @@ def _median_split(timings: list[tuple[str, float]], reps: int) -> tuple[float, d
     return statistics.median(per), by
 
 
-def time_engine(engine, record, reps: int, warmup: int = 1) -> tuple[float, str, float, dict[str, float]]:
+def time_engine(engine, record, reps: int) -> tuple[float, str, float, dict[str, float]]:
     """Time ``record()`` (which records dispatches): (seconds per call, timer, wall per call, per kernel).
-    The GPU is kept busy with it first (timing.warm_up): timed cold, a GPU is still raising its clocks."""
-    for _ in range(warmup):
-        record()
+    The GPU is kept busy with it first (timing.warm_up, which also compiles): timed cold, a GPU is
+    still raising its clocks."""
     warm_up(engine, record)
     engine.timings.clear()
     t0 = time.perf_counter()

@@ -242,7 +242,7 @@ def sgd_step(engine, params, grads, bufs=None, *, lr: float, momentum: float = 0
     scalars = sgd_scalars(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                           nesterov=nesterov, step=step, gscale=gscale)
     _same_shapes(params, grads=grads)
-    if scalars.get("momentum", 0.0) == 0:
+    if "momentum" not in scalars:               # plain SGD: the sgd kernel
         if bufs is not None:
             _tensor_list("bufs", bufs, n)
         _distinct(params=params)

@@ -237,13 +237,18 @@ class ComputeEngine:
         hit = self._bind_groups.get(key)
         if hit is not None:
             return hit[0]
-        entries = [{"binding": 0, "resource": {"buffer": ring, "offset": 0, "size": INFO_BYTES}}]
-        entries += [{"binding": i + 1, "resource": {"buffer": t.buffer, "offset": t.offset, "size": t.binding_size}}
-                    for i, t in enumerate(tensors)]
-        group = self.device.create_bind_group(layout=compiled.layout, entries=entries)
+        group = self.make_bind_group(compiled, ring, [(t.buffer, t.offset, t.binding_size) for t in tensors])
         # the entry keeps the buffers alive, so their ids in the key cannot be reused by others
         self._bind_groups.put(key, (group, ring, [t.buffer for t in tensors]))
         return group
+
+    def make_bind_group(self, compiled: Compiled, info_buffer, bindings):
+        """Binding 0: one info block of ``info_buffer`` (at a dynamic offset); bindings 1..: the
+        (buffer, byte offset, byte size) of each tensor, in the kernel's binding order."""
+        entries = [{"binding": 0, "resource": {"buffer": info_buffer, "offset": 0, "size": INFO_BYTES}}]
+        entries += [{"binding": i + 1, "resource": {"buffer": b, "offset": o, "size": n}}
+                    for i, (b, o, n) in enumerate(bindings)]
+        return self.device.create_bind_group(layout=compiled.layout, entries=entries)
 
     def _info_ring(self):
         """The uniform ring holding one info block per recorded dispatch (SUBMIT_EVERY of them; the

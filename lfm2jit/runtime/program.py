@@ -75,10 +75,7 @@ class Program:
             key = (id(compiled.layout), tuple((id(b), o, s) for b, o, s in bindings))
             group = groups.get(key)
             if group is None:
-                entries = [{"binding": 0, "resource": {"buffer": self._info_buffer, "offset": 0, "size": size}}]
-                entries += [{"binding": i + 1, "resource": {"buffer": b, "offset": o, "size": s}}
-                            for i, (b, o, s) in enumerate(bindings)]
-                group = groups[key] = device.create_bind_group(layout=compiled.layout, entries=entries)
+                group = groups[key] = engine.make_bind_group(compiled, self._info_buffer, bindings)
             at = len(self._infos)              # this call's block: calls are laid out in capture order
             self._infos += info.ljust(size, b"\0")
             for pipeline, workgroups in stages:
