@@ -179,6 +179,21 @@ def test_sequence_axis_with_another_name(engine, rng):
     assert rel_err(out["o"].numpy(), o) < TOL and rel_err(out["lse"].numpy(), lse) < TOL
 
 
+def test_packed_sequences_in_one_dispatch(engine, rng):
+    """The shipped attention_packed kernel: B sequences of S rows, stored back to back, each
+    attending only within itself, in one dispatch (workgroup z is the sequence)."""
+    from lfm2jit import library
+    fwd = library.get("attention_packed")
+    bwd = grad(fwd, cotangents=["o"])
+    B, S, G, E = 3, 37, 2, 16
+    seqs = [_inputs(rng, S, G, E) for _ in range(B)]
+    q, k, v, do = (np.stack(x) for x in zip(*seqs))            # [B, S, ...]
+    got = _run(engine, fwd, bwd, q, k, v, do, bucket=16)
+    assert got[0].shape == (B, S, H, E) and got[3].shape == (B, S, G, E)
+    for b in range(B):
+        _check([x[b] for x in got], reference(*seqs[b]), TOL)
+
+
 def test_backward_structure(attn, attn_bwd):
     """The gradient rule: one dq call and one dk/dv call, reading the saved o and lse."""
     assert [k.name for k in attn_bwd.kernels] == ["attn_bwd_d_q", "attn_bwd_d_k_d_v"]
@@ -195,6 +210,10 @@ def test_bad_operands_are_named():
     with pytest.raises(IntrinsicError, match="same shape"):
         kernel_ir("a", "causal_attention", [q, TensorArg("k", "f32", ("T", "G", "E")),
                                             TensorArg("v", "f32", ("T", "G", "F"))], ["o", "lse"])
+    with pytest.raises(IntrinsicError, match="batch axis"):
+        kernel_ir("a", "causal_attention", [TensorArg("q", "f32", ("B", "T", "H", "E")),
+                                            TensorArg("k", "f32", ("C", "T", "G", "E")),
+                                            TensorArg("v", "f32", ("C", "T", "G", "E"))], ["o", "lse"])
     with pytest.raises(IntrinsicError, match="sequence axis"):
         kernel_ir("a", "causal_attention", [q, TensorArg("k", "f32", ("S", "G", "E")),
                                             TensorArg("v", "f32", ("S", "G", "E"))], ["o", "lse"])

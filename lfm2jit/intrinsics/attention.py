@@ -3,6 +3,10 @@
     o, lse = causal_attention(q, k, v)        q: [T, H, E]   k, v: [T, G, E]   (G divides H)
     o: [T, H, E] (q's dtype)   lse: [T, H] f32, log-sum-exp of each query's scaled scores
 
+Every operand may carry a leading batch axis ([B, S, H, E] and so on): B independent sequences of
+S positions stored one after another (packed rows), run by one dispatch (workgroup z is the
+sequence), so short packed sequences fill a big GPU. Sequence b's rows start at b * S.
+
 Roles are positional; the axis names are the caller's. Query head h reads kv head h // (H/G);
 scores are q.k / sqrt(E); query t sees keys 0..t. No T x T matrix ever reaches device memory:
 the forward keeps a running max and sum per query (online softmax) and saves lse, and the two
@@ -64,17 +68,20 @@ def _check(name: str, operands, params: tuple[str, ...]) -> tuple[tuple[str, ...
         if dtype not in FLOAT_DTYPES:
             raise IntrinsicError(f"{name}: {p} must be a float tensor, got {dtype}")
     (_, q), (_, k), (_, v) = by["q"], by["k"], by["v"]
-    if len(q) != 3:
-        raise IntrinsicError(f"{name}: q must be [T, H, E], got [{', '.join(q)}]")
-    if len(k) != 3 or len(v) != 3:
-        raise IntrinsicError(f"{name}: k and v must be [T, G, E], got [{', '.join(k)}] and [{', '.join(v)}]")
+    if len(q) not in (3, 4):
+        raise IntrinsicError(f"{name}: q must be [T, H, E] or [B, T, H, E], got [{', '.join(q)}]")
+    if len(k) != len(q) or len(v) != len(q):
+        want = "[T, G, E]" if len(q) == 3 else "[B, T, G, E]"
+        raise IntrinsicError(f"{name}: k and v must be {want} like q, got [{', '.join(k)}] and [{', '.join(v)}]")
     if k != v:
         raise IntrinsicError(f"{name}: k and v must have the same shape, got [{', '.join(k)}] and [{', '.join(v)}]")
-    if k[0] != q[0]:
-        raise IntrinsicError(f"{name}: q and k must share the sequence axis, got {q[0]} and {k[0]}")
-    if k[2] != q[2]:
-        raise IntrinsicError(f"{name}: q and k must share the head-dim axis, got {q[2]} and {k[2]}")
-    for p, want in (("o", q), ("do", q), ("lse", q[:2])):
+    if k[:-3] != q[:-3]:
+        raise IntrinsicError(f"{name}: q and k must share the batch axis, got {q[0]} and {k[0]}")
+    if k[-3] != q[-3]:
+        raise IntrinsicError(f"{name}: q and k must share the sequence axis, got {q[-3]} and {k[-3]}")
+    if k[-1] != q[-1]:
+        raise IntrinsicError(f"{name}: q and k must share the head-dim axis, got {q[-1]} and {k[-1]}")
+    for p, want in (("o", q), ("do", q), ("lse", q[:-1])):
         if p in by and by[p][1] != want:
             raise IntrinsicError(f"{name}: {p} must be [{', '.join(want)}], got [{', '.join(by[p][1])}]")
     return q, k
@@ -82,7 +89,7 @@ def _check(name: str, operands, params: tuple[str, ...]) -> tuple[tuple[str, ...
 
 def _infer_fwd(operands):
     q, _ = _check(FWD, operands, ("q", "k", "v"))
-    return [(operands[0][0], q), ("f32", q[:2])]
+    return [(operands[0][0], q), ("f32", q[:-1])]
 
 
 def _infer_dq(operands):
@@ -214,27 +221,30 @@ def attention_candidates(mode: str, e: int) -> tuple[AttentionTiles, ...]:
 # ---- plans ----
 
 def _tensor(arg, sizes: dict[str, int], roles: tuple[str, ...], accumulate=frozenset()) -> dict:
-    """A binding as the template sees it: name, storage type, strides by role, conversions."""
+    """A binding as the template sees it: name, storage type, strides by role, conversions. A batch
+    axis needs no stride of its own: sequences are stored back to back, a sequence length apart."""
     st = strides(arg.shape, sizes)
     return {"name": buffer_var(arg.name), "elem": arg.dtype, "convert": COMPUTE_TYPE[arg.dtype] != arg.dtype,
-            "strides": {role: st[axis] for role, axis in zip(roles, arg.shape)},
+            "strides": {role: st[axis] for role, axis in zip(roles, arg.shape[-len(roles):])},
             "accumulate": arg.name in accumulate}
 
 
-def _sizes(call: IntrinsicCall) -> tuple[int, int, int, int, str]:
+def _sizes(call: IntrinsicCall) -> tuple[int, int, int, int, int, str]:
+    """(batch, T, H, G, E, T's extent expression) of a call."""
     q, k = call.operands[0], call.operands[1]
-    t, h, e = (call.sizes[a] for a in q.shape)
-    g = call.sizes[k.shape[1]]
+    t, h, e = (call.sizes[a] for a in q.shape[-3:])
+    g = call.sizes[k.shape[-2]]
+    batch = call.sizes[q.shape[0]] if len(q.shape) == 4 else 1
     if h % g:
-        raise IntrinsicError(f"{call.name}: the {h} query heads ({q.shape[1]}) must split evenly over "
-                             f"the {g} kv heads ({k.shape[1]})")
+        raise IntrinsicError(f"{call.name}: the {h} query heads ({q.shape[-2]}) must split evenly over "
+                             f"the {g} kv heads ({k.shape[-2]})")
     if e > MAX_HEAD_DIM:
-        raise IntrinsicError(f"{call.name}: head dim {q.shape[2]}={e} is over the supported {MAX_HEAD_DIM}")
-    return t, h, g, e, extent(q.shape[0], call.sizes)
+        raise IntrinsicError(f"{call.name}: head dim {q.shape[-1]}={e} is over the supported {MAX_HEAD_DIM}")
+    return batch, t, h, g, e, extent(q.shape[-3], call.sizes)
 
 
 def _context(call: IntrinsicCall, mode: str, params: tuple[str, ...], outputs: tuple[str, ...]):
-    t, h, g, e, t_ext = _sizes(call)
+    batch, t, h, g, e, t_ext = _sizes(call)
     tiles = call.tiles or choose_tiles(mode, e)
     check_tiles(call.name, mode, tiles, e)
     roles = {"q": ("t", "h", "e"), "k": ("t", "h", "e"), "v": ("t", "h", "e"), "o": ("t", "h", "e"),
@@ -247,7 +257,7 @@ def _context(call: IntrinsicCall, mode: str, params: tuple[str, ...], outputs: t
            "head_dim": e, "heads": h, "kv_heads": g, "group": h // g, "t_ext": t_ext,
            "scale": repr(1.0 / math.sqrt(e)), "smem_bytes": 4 * workgroup_words(mode, tiles, e), **tensors}
     blocks = -(-t // tiles.rows)
-    return ctx, (blocks, h if mode != "dkdv" else g, 1)
+    return ctx, (blocks, h if mode != "dkdv" else g, batch)
 
 
 def _plan_fwd(call: IntrinsicCall):

@@ -71,6 +71,15 @@ class Trace:
     hn: Tensor | None = None                      # (T, D) after the final norm
     inv: Tensor | None = None                     # (T,) final norm's 1/rms
 
+    @property
+    def attention(self) -> str:
+        """The attention kernel: one dispatch for all packed sequences (workgroup z is the sequence)."""
+        return "attention" if self.batch == 1 else "attention_packed"
+
+    def by_sequence(self, x: Tensor) -> Tensor:
+        """x (T, ...) as the attention kernel takes it: (B, S, ...) when sequences are packed."""
+        return x if self.batch == 1 else x.view(self.batch, self.seq, *x.shape[1:])
+
 
 class Lfm2Model:
     def __init__(self, cfg: Lfm2Config, ctx, engine, seed: int = 0, tensors: dict[str, np.ndarray] | None = None,
@@ -310,10 +319,9 @@ class Lfm2Model:
         qr = run(_k("rope"), bucket=bucket, x=s["qn"].view(t, h, 2, e // 2), cos=s["cos"], sin=s["sin"])["y"]
         kr = run(_k("rope"), bucket=bucket, x=s["kn"].view(t, g, 2, e // 2), cos=s["cos"], sin=s["sin"])["y"]
         s["qr"], s["kr"] = qr.view(t, h, e), kr.view(t, g, e)                                      # (T, H, E), (T, G, E)
-        act = self.activation_dtype
-        att = self._sequences(trace, _k("attention"), ("q", "k", "v"), {"o": ((t, h, e), act), "lse": ((t, h), "f32")},
-                              q=s["qr"], k=s["kr"], v=s["v"])
-        s["o"], s["lse"] = att["o"], att["lse"]                                                    # (T, H, E), (T, H)
+        by_seq = trace.by_sequence
+        att = run(_k(trace.attention), bucket=bucket, q=by_seq(s["qr"]), k=by_seq(s["kr"]), v=by_seq(s["v"]))
+        s["o"], s["lse"] = att["o"].view(t, h, e), att["lse"].view(t, h)                           # (T, H, E), (T, H)
         return self._linear(s["o"].view(t, h * e), a + "out_proj", bucket)                         # (T, D)
 
     def logits(self, input_ids, bucket: int = 1) -> np.ndarray:
@@ -426,15 +434,16 @@ class Lfm2Model:
         return self._linear_backward(s["xn"], pre + "conv.in_proj", g["d_bcx"].view(t, 3 * d), bucket)  # (T, D)
 
     def _attention_backward(self, pre: str, s: dict, d_op: Tensor, trace: Trace) -> Tensor:
-        cfg, run, bucket, act = self.cfg, self._run, trace.bucket, self.activation_dtype
+        cfg, run, bucket = self.cfg, self._run, trace.bucket
         t, h, g, e = s["xn"].shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         a = pre + "self_attn."
         # op = out_proj(o)
         do = self._linear_backward(s["o"].view(t, h * e), a + "out_proj", d_op, bucket)           # (T, H*E)
         # o, lse = attention(qr, kr, v)
-        ga = self._sequences(trace, _grad("attention", ("q", "k", "v"), ("o",)), ("q", "k", "v", "o", "lse", "d_o"),
-                             {"d_q": ((t, h, e), act), "d_k": ((t, g, e), act), "d_v": ((t, g, e), act)},
-                             q=s["qr"], k=s["kr"], v=s["v"], o=s["o"], lse=s["lse"], d_o=do.view(t, h, e))
+        by_seq = trace.by_sequence
+        ga = run(_grad(trace.attention, ("q", "k", "v"), ("o",)), bucket=bucket, q=by_seq(s["qr"]), k=by_seq(s["kr"]),
+                 v=by_seq(s["v"]), o=by_seq(s["o"]), lse=by_seq(s["lse"]), d_o=by_seq(do.view(t, h, e)))
+        ga = {x: ga[x].view(t, *ga[x].shape[-2:]) for x in ("d_q", "d_k", "d_v")}                # (T, heads, E)
         draw = {}
         for x, heads, ln in (("q", h, "q_layernorm"), ("k", g, "k_layernorm")):
             # xr = rope(xn)
