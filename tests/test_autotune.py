@@ -169,7 +169,7 @@ def test_autotuned_attention_is_correct_and_cached(ctx, tmp_path, monkeypatch):
 def test_a_failing_attention_candidate_scores_infinity(ctx, tmp_path, monkeypatch):
     monkeypatch.setenv("LFM2JIT_AUTOTUNE", "1")
     monkeypatch.setenv("LFM2JIT_CACHE_DIR", str(tmp_path))
-    bad = AttentionTiles(rows=256, tile=32, groups=8)     # 512 invocations: refused when planned
+    bad = AttentionTiles(rows=64, tile=64, row_threads=8)     # 512 invocations: refused when planned
     monkeypatch.setattr("lfm2jit.autotune.attention_candidates", lambda mode, e: (bad,) + attention_candidates(mode, e))
     eng = ComputeEngine(ctx)
     tiles = eng.tuner.tiles(attention_kernel(), DIMS, 16, frozenset())
@@ -180,10 +180,10 @@ def test_a_failing_attention_candidate_scores_infinity(ctx, tmp_path, monkeypatc
 
 
 @pytest.mark.parametrize("tiles,rule", [
-    (AttentionTiles(256, 32, 8), "512 invocations, expected at most 256"),
-    (AttentionTiles(128, 128, 4), "no head-dim chunk fits 16384 bytes"),
-    (AttentionTiles(32, 16, 8), "tile must be a multiple of 4 * groups = 32"),
-    (AttentionTiles(30, 32, 8), "rows must be a multiple of 4"),
+    (AttentionTiles(64, 64, 8), "512 invocations, expected at most 256"),
+    (AttentionTiles(64, 64, 1), "bytes of workgroup memory, expected at most 16384"),
+    (AttentionTiles(32, 4, 8), "row_threads must divide tile"),
+    (AttentionTiles(16, 16, 3), "row_threads must divide the head dim 16"),
     (TileConfig(), "expected AttentionTiles or None"),
 ])
 def test_bad_attention_tiles_are_refused_before_gpu_work(engine, tiles, rule):
@@ -198,7 +198,7 @@ def test_bad_attention_tiles_are_refused_before_gpu_work(engine, tiles, rule):
 def test_dkdv_tiles_must_divide_its_threads(engine):
     bwd = grad(attention_kernel(), cotangents=["o"])
     (dkdv,) = [k for k in bwd.kernels if _mode(k, DIMS) == "dkdv"]
-    with pytest.raises(ValueError, match=r"AttentionTiles\(rows=16, tile=32, groups=1\).*tile must divide"):
+    with pytest.raises(ValueError, match=r"AttentionTiles\(rows=16, tile=32, row_threads=1\).*tile must divide"):
         dkdv.specialize(DIMS, 16, frozenset(), AttentionTiles(16, 32, 1))
 
 

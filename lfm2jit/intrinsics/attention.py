@@ -46,6 +46,8 @@ from . import Intrinsic, IntrinsicCall, IntrinsicError, register
 WORKGROUP_BYTES = 16384      # portable maxComputeWorkgroupStorageSize
 MAX_THREADS = 256            # portable maxComputeInvocationsPerWorkgroup
 MAX_HEAD_DIM = 128
+TARGET_THREADS = 128         # invocations per workgroup to aim for
+SLICE_COLUMNS = 16           # accumulator columns per invocation to aim for (E / row_threads)
 MIN_THREADS = 64             # fewest invocations per workgroup an autotuning candidate has
 MAX_CANDIDATES = 8           # autotuning candidates per (mode, head dim)
 
@@ -130,69 +132,53 @@ def _grad(b: GraphBuilder, call: Node, projs: dict[int, Node], outs: list) -> li
 class AttentionTiles:
     """Block sizes of one attention kernel; ``tiles_problem`` states the rules they must keep.
 
-    rows: rows a workgroup owns (queries; keys for dkdv), 4 per invocation; tile: rows streamed
-    per step (keys; queries for dkdv); groups: invocations sharing 4 owned rows, each taking
-    tile / groups streamed rows and E / groups head-dim columns, in vec4 runs.
-    threads = rows / 4 * groups.
+    rows: rows a workgroup owns (queries; keys for dkdv); tile: rows streamed per step (keys;
+    queries for dkdv); row_threads: invocations per owned row; threads = rows * row_threads.
     """
     rows: int
     tile: int
-    groups: int
+    row_threads: int
 
     @property
     def threads(self) -> int:
-        return self.rows // 4 * self.groups
+        return self.rows * self.row_threads
 
 
-@dataclass(frozen=True)
-class Layout:
-    """How a kernel's workgroup memory is used at one head dim (see layout())."""
-    e_pad: int          # head dim rounded up to whole vec4 runs per invocation
-    chunk: int          # head-dim columns per step of the S (and dP) products
-    v_rows: int         # streamed rows per step of the row-major products (P v, dS k, P^T dO, dS^T q)
-    stage_vec4: int     # the stage array: chunks, row-major chunks and partial sums take turns in it
-    smem_bytes: int
+def _row_threads(e: int) -> int:
+    """Invocations per row: enough that each owns about SLICE_COLUMNS accumulator columns (at most 8)."""
+    s = 1
+    while s < 8 and e % (2 * s) == 0 and e // (2 * s) >= SLICE_COLUMNS:
+        s *= 2
+    return s
 
 
-def layout(mode: str, t: AttentionTiles, e: int) -> Layout | None:
-    """The largest head-dim chunk (16, 8 or 4 columns) and row-major chunk (tile, halved) that fit
-    WORKGROUP_BYTES beside the score tiles (P or dS, [tile][rows/4 + 1] vec4s; dkdv keeps both);
-    None when nothing fits. Owned and streamed rows are stored with one vec4 of padding per row."""
-    unit = 4 * t.groups
-    e_pad = -(-e // unit) * unit
-    per_chunk_column = (1 if mode == "fwd" else 2) * (t.rows // 4 + 1 + t.tile // 4 + 1)   # q, k (+ dO, v)
-    row_major = 2 if mode == "dkdv" else 1                                                # v | k | dO and q
-    scores = (2 if mode == "dkdv" else 1) * t.tile * (t.rows // 4 + 1)
-    scalars = t.tile + t.threads if mode == "dkdv" else 0                                 # lse, D partial sums
-    budget = WORKGROUP_BYTES // 16 - scores - -(-scalars // 4)
-    chunk = next((c for c in (16, 8, 4) if e_pad % c == 0 and c * per_chunk_column <= budget), None)
-    if chunk is None:
-        return None
-    v_rows = t.tile
-    while v_rows > 1 and row_major * v_rows * e_pad // 4 > budget:
-        v_rows //= 2
-    stage = max(chunk * per_chunk_column, row_major * v_rows * e_pad // 4, t.threads if mode != "dkdv" else 0)
-    if stage > budget or t.tile % v_rows:
-        return None
-    return Layout(e_pad, chunk, v_rows, stage, 16 * (stage + scores) + 4 * scalars)
+def workgroup_words(mode: str, t: AttentionTiles, e: int) -> int:
+    """f32 words of workgroup memory the template declares for ``mode`` (fwd, dq, dkdv)."""
+    if mode == "fwd":      # k tile [tile][E+1], v tile [tile][E], scores [rows][tile+1]
+        return t.tile * (e + 1) + t.tile * e + t.rows * (t.tile + 1)
+    if mode == "dq":       # k, v tiles [tile][E+1], dS [rows][tile+1]
+        return 2 * t.tile * (e + 1) + t.rows * (t.tile + 1)
+    # q, dO tiles [tile][E+1], P and dS [rows][tile+1], lse [tile], D partial sums [threads]
+    return 2 * t.tile * (e + 1) + 2 * t.rows * (t.tile + 1) + t.tile + t.threads
 
 
 def tiles_problem(mode: str, t: AttentionTiles, e: int) -> str | None:
     """The first rule of the ``mode`` template that ``t`` breaks at head dim ``e``; None if it keeps
     them all. Tiles that break one would compute garbage or fail to build, so they are refused."""
-    if not all(isinstance(v, int) and v >= 1 for v in (t.rows, t.tile, t.groups)):
-        return "rows, tile and groups must be positive integers"
-    if t.rows % 4:
-        return "rows must be a multiple of 4 (each invocation owns 4 rows)"
-    if t.tile % (4 * t.groups):
-        return f"tile must be a multiple of 4 * groups = {4 * t.groups} (each invocation takes whole vec4s of it)"
+    if not all(isinstance(v, int) and v >= 1 for v in (t.rows, t.tile, t.row_threads)):
+        return "rows, tile and row_threads must be positive integers"
+    if e % t.row_threads:
+        return f"row_threads must divide the head dim {e} (each invocation owns E / row_threads columns)"
+    if t.tile % t.row_threads:
+        return "row_threads must divide tile (each invocation of a row takes tile / row_threads of its rows)"
     if t.threads > MAX_THREADS:
-        return f"rows / 4 * groups = {t.threads} invocations, expected at most {MAX_THREADS}"
+        return f"rows * row_threads = {t.threads} invocations, expected at most {MAX_THREADS}"
     if mode == "dkdv" and t.threads % t.tile:
-        return (f"tile must divide rows / 4 * groups = {t.threads} "
+        return (f"tile must divide rows * row_threads = {t.threads} "
                 "(threads / tile invocations sum each query's D = dO.O)")
-    if layout(mode, t, e) is None:
-        return f"no head-dim chunk fits {WORKGROUP_BYTES} bytes of workgroup memory beside the score tiles"
+    need = 4 * workgroup_words(mode, t, e)
+    if need > WORKGROUP_BYTES:
+        return f"{need} bytes of workgroup memory, expected at most {WORKGROUP_BYTES}"
     return None
 
 
@@ -203,29 +189,33 @@ def check_tiles(name: str, mode: str, t: AttentionTiles, e: int) -> None:
         raise IntrinsicError(f"{name}: tiles {t} do not fit the {mode} template at head dim {e}: {problem}")
 
 
-DEFAULT_TILES = {"fwd": AttentionTiles(64, 32, 8), "dq": AttentionTiles(64, 32, 8), "dkdv": AttentionTiles(32, 32, 8)}
-
-
 def choose_tiles(mode: str, e: int) -> AttentionTiles:
-    """DEFAULT_TILES[mode] (128 invocations; 64 for dkdv, whose P and dS tiles both stay in
-    workgroup memory), with the streamed tile halved until the layout fits at head dim ``e``."""
-    t = DEFAULT_TILES[mode]
-    while tiles_problem(mode, t, e) is not None and t.tile > 4 * t.groups:
-        t = AttentionTiles(t.rows, t.tile // 2, t.groups)
-    if tiles_problem(mode, t, e) is not None:
-        raise IntrinsicError(f"no attention tiling for head dim {e} fits {WORKGROUP_BYTES} bytes")
-    return t
+    """Rows per workgroup for about TARGET_THREADS invocations, then the largest streamed tile
+    (at most 64) that keeps the template's rules (workgroup memory within the portable 16 KiB)."""
+    s = _row_threads(e)
+    rows = max(16, min(64, TARGET_THREADS // s))
+    tile = 64
+    while tile > 1:
+        t = AttentionTiles(rows, tile, s)
+        if tiles_problem(mode, t, e) is None:
+            return t
+        tile //= 2
+    raise IntrinsicError(f"no attention tiling for head dim {e} fits {WORKGROUP_BYTES} bytes")
 
 
 def attention_candidates(mode: str, e: int) -> tuple[AttentionTiles, ...]:
     """What the autotuner tries for ``mode`` at head dim ``e``: choose_tiles' pick first, then the
-    valid tiles of a small grid (rows 16-64, tiles 16-64, 4 or 8 invocations per 4 rows) with at
-    least MIN_THREADS invocations, nearest in invocations first, MAX_CANDIDATES in all."""
+    valid tiles of a small grid nearest it (row_threads, then threads per workgroup), with at least
+    MIN_THREADS invocations, MAX_CANDIDATES in all, so tuning stays quick."""
     default = choose_tiles(mode, e)
-    grid = {AttentionTiles(r, t, g) for r in (16, 32, 64) for t in (16, 32, 64) for g in (4, 8)}
+    grid = {AttentionTiles(r, t, s) for r in {16, 32, 64, default.rows} for t in {16, 32, 64, default.tile}
+            for s in {1, 2, 4, 8, default.row_threads}}
     fits = [t for t in grid if t != default and t.threads >= MIN_THREADS and tiles_problem(mode, t, e) is None]
-    return (default, *sorted(fits, key=lambda t: (abs(math.log2(t.threads / default.threads)), -t.tile, -t.rows,
-                                                  t.groups))[:MAX_CANDIDATES - 1])
+
+    def distance(t: AttentionTiles):
+        return (abs(math.log2(t.row_threads / default.row_threads)), abs(math.log2(t.threads / TARGET_THREADS)),
+                -t.tile, t.rows, t.row_threads)
+    return (default, *sorted(fits, key=distance)[:MAX_CANDIDATES - 1])
 
 
 # ---- plans ----
@@ -253,20 +243,19 @@ def _sizes(call: IntrinsicCall) -> tuple[int, int, int, int, int, str]:
     return batch, t, h, g, e, extent(q.shape[-3], call.sizes)
 
 
-ROLES = {"lse": ("t", "h")}      # every other tensor is (t, h, e)
-
-
 def _context(call: IntrinsicCall, mode: str, params: tuple[str, ...], outputs: tuple[str, ...]):
     batch, t, h, g, e, t_ext = _sizes(call)
     tiles = call.tiles or choose_tiles(mode, e)
     check_tiles(call.name, mode, tiles, e)
-    lay = layout(mode, tiles, e)
-    tensors = {p: _tensor(a, call.sizes, ROLES.get(p, ("t", "h", "e"))) for p, a in zip(params, call.operands)}
+    roles = {"q": ("t", "h", "e"), "k": ("t", "h", "e"), "v": ("t", "h", "e"), "o": ("t", "h", "e"),
+             "do": ("t", "h", "e"), "lse": ("t", "h"), "dq": ("t", "h", "e"), "dk": ("t", "h", "e"),
+             "dv": ("t", "h", "e")}
+    tensors = {p: _tensor(a, call.sizes, roles[p]) for p, a in zip(params, call.operands)}
     for p, a in zip(outputs, call.outputs):
-        tensors[p] = _tensor(a, call.sizes, ROLES.get(p, ("t", "h", "e")), call.accumulate) if a is not None else None
-    ctx = {"mode": mode, "tiles": asdict(tiles), "threads": tiles.threads, "head_dim": e, **asdict(lay),
-           "re": lay.e_pad // tiles.groups, "rk": tiles.tile // tiles.groups, "heads": h, "kv_heads": g,
-           "group": h // g, "t_ext": t_ext, "scale": repr(1.0 / math.sqrt(e)), **tensors}
+        tensors[p] = _tensor(a, call.sizes, roles[p], call.accumulate) if a is not None else None
+    ctx = {"mode": mode, "tiles": asdict(tiles), "threads": tiles.threads, "ept": e // tiles.row_threads,
+           "head_dim": e, "heads": h, "kv_heads": g, "group": h // g, "t_ext": t_ext,
+           "scale": repr(1.0 / math.sqrt(e)), "smem_bytes": 4 * workgroup_words(mode, tiles, e), **tensors}
     blocks = -(-t // tiles.rows)
     return ctx, (blocks, h if mode != "dkdv" else g, batch)
 
