@@ -87,25 +87,14 @@ def vector_reads(tiles: TileConfig, dtype: str, op: dict, row_axis: str, k: str,
     "k" when k is contiguous, "m" when the tile's rows are, or None (scalar reads). Either needs a
     float operand, a vec4 workgroup tile, a contiguous axis whose size is a known multiple of 4 (so a
     vec4 is wholly inside or wholly outside the operand), the other strides multiples of 4, and
-    (for "m") every invocation fetching the same number of vec4s. f16 operands are read as vec4<f16>."""
-    if not tiles.vec or dtype not in ("f32", "f16") or op["sb"] % 4:
+    every invocation fetching the same number of vec4s. f16 operands are read as vec4<f16>."""
+    if not tiles.vec or dtype not in ("f32", "f16") or (rows * tiles.bk // 4) % tiles.threads or op["sb"] % 4:
         return None
     if op["sk"] == 1 and k != SEQ_AXIS and sizes[k] % 4 == 0 and op["sm"] % 4 == 0 and tiles.bk % 4 == 0:
         return "k"
-    if (op["sm"] == 1 and row_axis != SEQ_AXIS and sizes[row_axis] % 4 == 0 and op["sk"] % 4 == 0
-            and (rows * tiles.bk // 4) % tiles.threads == 0):
+    if op["sm"] == 1 and row_axis != SEQ_AXIS and sizes[row_axis] % 4 == 0 and op["sk"] % 4 == 0:
         return "m"
     return None
-
-
-def fetches(tiles: TileConfig, vec: str | None, rows: int) -> tuple[int, bool]:
-    """(fetches per invocation per k-step, whether the last one is ragged: some invocations idle).
-    A k-contiguous operand is fetched in 4 x 4 blocks (4 rows' vec4s along k), transposed in
-    registers and stored as 4 vec4s of 4 rows each: whole-vec4 stores, no bank conflicts."""
-    if vec == "k":
-        units = rows // 4 * tiles.bk // 4
-        return -(-units // tiles.threads), units % tiles.threads != 0
-    return rows * tiles.bk // (4 if vec else 1) // tiles.threads, False
 
 
 def plan(ir: KernelIR, sizes: dict[str, int], accumulate: frozenset[str], tiles: TileConfig | None = None):
@@ -143,7 +132,7 @@ def plan(ir: KernelIR, sizes: dict[str, int], accumulate: frozenset[str], tiles:
         op = {"name": buffer_var(x.arg), "ctype": COMPUTE_TYPE[x.dtype], "convert": COMPUTE_TYPE[x.dtype] != x.dtype,
               "sm": st[row_axis], "sk": st[k], "sb": st[bt] if bt else 0, "k_fast": st[k] == 1}
         op["vec"] = vector_reads(tiles, x.dtype, op, row_axis, k, sizes, rows) if vectors else None
-        op["loads"], op["ragged"] = fetches(tiles, op["vec"], rows)
+        op["loads"] = rows * tiles.bk // (4 if op["vec"] else 1) // tiles.threads
         return op
 
     ops = operand(a, m_axis, tiles.bm), operand(b, n_axis, tiles.bn)
