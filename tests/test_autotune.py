@@ -249,3 +249,14 @@ def test_default_tiles_split_long_contractions_correctly(ctx, engine, rng, dtype
     assert kernel.specialize({"T": T, "K": K, "N": N}, 64, frozenset()).context["tiles"]["split"] == 4
     got = engine.run(kernel, bucket=64, x=engine.tensor(x, dtype), w=engine.tensor(w))["y"].numpy()
     assert rel_err(got, x.astype(np.float64) @ w.T.astype(np.float64)) < (1e-3 if dtype == "f16" else 1e-5)
+
+
+def test_default_tiles_follow_the_measured_rules():
+    """choose_tiles' boundaries (its docstring has the measurements): long K splits over 2,
+    small outputs over 4 from K = 1024, big outputs and short K never."""
+    from lfm2jit.schedule.contraction import choose_tiles
+    assert choose_tiles(4608, 1024, 2048).split == 2          # weight gradient at T = 2048
+    assert choose_tiles(4608, 1024, 1024).split == 1
+    assert choose_tiles(512, 512, 1024).split == 4            # 32 tiles
+    assert choose_tiles(512, 512, 512) == TileConfig(64, 64, 8, 4, 4, vec=True)
+    assert choose_tiles(8192, 4608, 4096).split == 1          # 4608 tiles fill the GPU already

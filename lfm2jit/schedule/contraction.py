@@ -60,23 +60,28 @@ CANDIDATES = (DEFAULT_TILES, LARGE_TILES, TileConfig(128, 64, 16, 8, 4), TileCon
               TileConfig(128, 64, 8, 8, 8, vec=True, double=True))
 
 
-LONG_K = 3072        # contractions at least this long split K (the shortest where splitting was measured to win)
+LONG_K = 2048        # contractions at least this long split K over 2 (with SMALL_OUTPUT tiles or more)
+SHORT_K = 1024       # small outputs (< SMALL_OUTPUT 64x128 tiles) split K over 4 from this long
+SMALL_OUTPUT = 128
 
 
 def choose_tiles(m: int, n: int, k: int) -> TileConfig:
-    """64x128 tiles (8x8 per invocation, k-step 16), with K split over 2 (4 for small outputs) when
-    K is at least LONG_K; 64x64 tiles (4x4, k-step 8) for short K and small outputs, where 64x128
-    tiles would leave a big GPU idle.
+    """64x128 tiles (8x8 per invocation, k-step 16); K split over 4 for small outputs (fewer than
+    SMALL_OUTPUT tiles) with K >= SHORT_K, over 2 for K >= LONG_K and at most 1024 tiles; 64x64
+    tiles (4x4, k-step 8) for small outputs with short K, where 64x128 tiles would leave a big GPU
+    idle.
 
-    Read from what the autotuner measured on a warm H200 for every matmul of an LFM2-350M train
-    step at 8 x 512 (benches/results/h200_tune_log_8x512.*): split-K beat unsplit 64x128 tiles in
-    11 of the 12 products with K >= 3072 (by 6-45%) and lost in all 8 with K <= 1024. There,
-    64x64 tiles were never the fastest; they stay for short K and small outputs (M x N below
-    128 64x128 tiles) from earlier sweeps. K between 1024 and 3072 was not measured: not split."""
+    Read from what the autotuner measured on a warm H200 for every matmul of LFM2-350M train steps
+    (benches/results/h200_tune_log_*.json). At 8 x 512, split-K beat unsplit tiles in 11 of the 12
+    products with K >= 3072 and lost in all 8 with K <= 1024 and at least 128 tiles. At 1 x 512 and
+    1 x 2048, splitting K = 2048 won in 5 of 6 products (by 5-11%; lost 4% at 3072 x 1024), and
+    splitting small outputs over 4 beat 64x64 tiles from K = 1024 (in 2 of 3, by 6-30%)."""
     groups = -(-m // 64) * -(-n // 128)
+    if groups < SMALL_OUTPUT and k >= SHORT_K:
+        return TileConfig(64, 128, 16, 8, 8, vec=True, split=4)
     if k >= LONG_K and groups <= 1024:
-        return TileConfig(64, 128, 16, 8, 8, vec=True, split=4 if groups < 128 else 2)
-    if groups >= 128:
+        return TileConfig(64, 128, 16, 8, 8, vec=True, split=2)
+    if groups >= SMALL_OUTPUT:
         return TileConfig(64, 128, 16, 8, 8, vec=True)
     return TileConfig(64, 64, 8, 4, 4, vec=True)
 
