@@ -270,9 +270,23 @@ def _plan_dq(call: IntrinsicCall):
     return "attention_bwd", ctx, groups
 
 
+REDUCE_THREADS = 256
+
+
 def _plan_dkdv(call: IntrinsicCall):
-    ctx, groups = _context(call, "dkdv", BWD_PARAMS, ("dk", "dv"))
-    return "attention_bwd", ctx, groups
+    """One workgroup per (key block, kv head, query head of its group), so a group's heads run in
+    parallel rather than one after another (a short sequence otherwise leaves most of a big GPU
+    idle); their partial dk, dv meet in a workspace and a second pass sums them in a fixed order."""
+    ctx, (blocks, kv_heads, batch) = _context(call, "dkdv", BWD_PARAMS, ("dk", "dv"))
+    split = ctx["group"]
+    ctx.update(split=split, batch=batch)
+    if split > 1:
+        t_pad = call.sizes[call.operands[0].shape[-3]]
+        elements = batch * t_pad * kv_heads * ctx["head_dim"]
+        ctx.update(t_pad=t_pad, workspace=2 * split * elements, entry_points=["main", "reduce"],
+                   extra_bindings=[{"name": "ws_", "elem": "f32"}], reduce_threads=REDUCE_THREADS,
+                   reduce_workgroups=-(-elements // REDUCE_THREADS))
+    return "attention_bwd", ctx, (blocks, kv_heads, batch * split)
 
 
 register(Intrinsic(FWD, ("q", "k", "v"), ("o", "lse"), _infer_fwd, _plan_fwd, grad=_grad,
