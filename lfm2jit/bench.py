@@ -475,6 +475,8 @@ def host_breakdown(ctx, engine):
 
 
 def _kernel_class(name: str) -> str:
+    """The profile class of a kernel, by its name (an f16 variant, "xent_dh_f16_E32", by its base's)."""
+    name = name.split("_f16")[0]
     if "attention" in name:
         return "attention"
     if name.startswith("linear"):

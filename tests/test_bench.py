@@ -1,0 +1,54 @@
+"""The benchmark tools run as a user runs them (their --quick sets work on lavapipe) and report
+what they claim: times, train-step compile counts, a GPU profile that adds up, and ratios."""
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from lfm2jit import bench
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_quick_benchmarks_report_every_group(tmp_path):
+    out = tmp_path / "quick.json"
+    assert bench.main(["--quick", "--json", str(out)]) == 0
+    lines = json.loads(out.read_text())["lines"]
+    assert {line["group"] for line in lines} >= {"matmul", "attention", "conv", "rmsnorm", "pointwise", "xent",
+                                                 "adamw", "train"}
+    for line in lines:
+        assert line["error"] is None and line["seconds"] > 0, line
+    for line in (x for x in lines if x["group"] == "train"):
+        extra = line["extra"]
+        assert extra["first_window_compiles"] > 0 and extra["second_window_compiles"] == 0, line["name"]
+        assert extra["tokens_per_s"] > 0
+        # the per-class GPU profile is a split of the window's GPU time, nothing lost or counted twice
+        assert sum(extra["gpu_busy_by_class_s"].values()) == pytest.approx(extra["gpu_busy_s"], rel=1e-6)
+
+
+def test_side_by_side_quick_against_torch_on_cpu(tmp_path):
+    pytest.importorskip("torch")
+    spec = importlib.util.spec_from_file_location("side_by_side", ROOT / "benches" / "side_by_side.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out = tmp_path / "sbs.json"
+    assert script.main(["--quick", "--torch-device", "cpu", "--steps", "1", "--shapes", "1x64", "2x64",
+                        "--json", str(out)]) == 0
+    table = json.loads(out.read_text())["table"]
+    assert [row["shape"] for row in table] == ["1x64", "2x64"]
+    for row in table:
+        assert row["ours_tok_s"] > 0 and row["torch_tok_s"] > 0 and row["second_compiles"] == 0
+        assert row["speed_ratio"] == pytest.approx(row["ours_tok_s"] / row["torch_tok_s"])
+
+
+@pytest.mark.parametrize("kernel,cls", [
+    ("linear_bwd", "linear (matmul)"), ("linear_f16_w32", "linear (matmul)"),
+    ("xent_dh", "lm head (matmul)"), ("xent_dE_f16_dE32_h32", "lm head (matmul)"),
+    ("xent_lse_next", "lm head (softmax)"), ("attention_packed_bwd_d_k_d_v", "attention"),
+    ("adamw", "optimizer + grad norm"), ("rmsnorm_saved_f16_inv32", "other (norms, conv, rope, pointwise, embedding)"),
+])
+def test_profile_classes_see_through_f16_variants(kernel, cls):
+    assert bench._kernel_class(kernel) == cls
