@@ -15,8 +15,9 @@ backward kernels (FlashAttention-2) recompute probabilities from lse:
     P = exp(S - lse)   D_i = sum_e dO*O   dS = P * (dO V^T - D)
     dQ = dS K / sqrt(E)      (causal_attention_bwd_dq:   a workgroup per query block and head)
     dK = dS^T Q / sqrt(E), dV = P^T dO
-                             (causal_attention_bwd_dkdv: a workgroup per key block and kv head,
-                              summing over its group's query heads in a fixed order, no atomics)
+                             (causal_attention_bwd_dkdv: a workgroup per key block, kv head and
+                              query head of its group; a second pass sums the group's partials
+                              in a fixed order, no atomics)
 
 Thread layout (the same in all three kernels): a workgroup owns a block of rows (queries, or keys
 for dk/dv); each row is served by ``row_threads`` adjacent invocations. The row being dotted

@@ -13,8 +13,9 @@ H query heads, G kv heads, E head dim (E = 2R for RoPE), V vocabulary.
 
 Several sequences of one length run packed: B sequences of S positions are T = B*S rows, one
 after another. Every kernel but two works row by row, so it runs once over all rows (bigger
-matmuls, B times fewer dispatches); the causal conv and attention mix positions, so they run per
-sequence on views of the packed tensors, and RoPE reads position tables repeated per sequence.
+matmuls, B times fewer dispatches). The causal conv and attention mix positions: attention runs
+once over a [B, S, ...] view (attention_packed, one workgroup grid per sequence), the conv per
+sequence on row views of the packed tensors. RoPE reads position tables repeated per sequence.
 """
 from __future__ import annotations
 
@@ -277,7 +278,7 @@ class Lfm2Model:
 
     def _sequences(self, trace: Trace, kernel, rows: tuple[str, ...], new: dict[str, tuple], *,
                    out: dict | None = None, accumulate=(), **args) -> dict[str, Tensor]:
-        """Run a kernel that mixes positions (conv, attention) once per packed sequence: the
+        """Run a kernel that mixes positions (the conv) once per packed sequence: the
         arguments named in ``rows`` and the outputs in ``new`` (name -> (shape, dtype), made here
         for all rows) are viewed as each sequence's rows; outputs in ``out`` (weight gradients)
         are shared and accumulate."""
