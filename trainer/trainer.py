@@ -247,6 +247,10 @@ class Trainer:
         key = ("pass", np.shape(ids), bucket, self.lm_head_chunk, head_trained, _where(params, [p.grad for p in params]))
         loss = self.recorded.run(key, record, scalars=xent_scalars(normalizer, loss_scale), upload=upload,
                                  refill=refill, activations=True)
+        # A pass that ends the window records the gradient-norm passes before the loss is read, so
+        # the GPU runs both behind one wait (with a distributed sync, the norm follows the averaging).
+        ends_window = self.step_in_accum + len(group) == self.grad_accum_steps
+        tot = self._record_norm(params) if ends_window and self.distributed_grad_sync is None else None
         losses = loss.numpy().astype(np.float64)   # one small read-back; also runs the recorded work
         if not np.isfinite(losses).all() and self.scaler is None:
             self._abandon_window(params)
@@ -258,17 +262,24 @@ class Trainer:
             stats.append(StepStats(loss=float(loss), tokens=n, stepped=False, skipped=False, grad_norm=None,
                                    lr=self.lr_at(self._steps + 1), loss_scale=self.loss_scale))
         if self.step_in_accum == self.grad_accum_steps:
-            self._finish_window(params, stats[-1])
+            self._finish_window(params, stats[-1], tot)
         return stats
 
     # ---- the end of an accumulation window ----
-    def _finish_window(self, params, stats: StepStats) -> None:
+    def _record_norm(self, params):
+        """Record the passes summing every gradient's squares (f32[2] on the device, or None)."""
+        grads = [p.grad for p in params]
+        return self.recorded.run(("norm", _where(grads)), lambda _: grad_sumsq(self.engine, grads))
+
+    def _finish_window(self, params, stats: StepStats, tot=None) -> None:
+        """Clip and step (or skip, or raise) from the window's gradient norm; ``tot`` is its
+        recorded sum of squares when the caller already recorded it."""
         engine = self.engine
         self.step_in_accum = 0
-        if self.distributed_grad_sync is not None:
-            self.distributed_grad_sync.average(engine, self._names(params), params, self._steps + 1)
-        grads = [p.grad for p in params]
-        tot = self.recorded.run(("norm", _where(grads)), lambda _: grad_sumsq(engine, grads))
+        if tot is None:
+            if self.distributed_grad_sync is not None:
+                self.distributed_grad_sync.average(engine, self._names(params), params, self._steps + 1)
+            tot = self._record_norm(params)
         norm, finite = norm_of(tot.numpy() if tot is not None else None)
         scale = self.loss_scale
         if not finite:
