@@ -202,6 +202,18 @@ def test_dkdv_tiles_must_divide_its_threads(engine):
         dkdv.specialize(DIMS, 16, frozenset(), AttentionTiles(16, 32, 1))
 
 
+def test_backward_refuses_tiles_it_could_not_apply(engine):
+    """A backward runs several kernels; tiles= for all of them at once is refused, not ignored."""
+    bwd = grad(attention_kernel(), cotangents=["o"])
+    q, k, v, do = (engine.tensor(x) for x in _inputs(0, DIMS))
+    fwd = engine.run(attention_kernel(), bucket=16, q=q, k=k, v=v)
+    before = engine.dispatches
+    with pytest.raises(ValueError, match=r"tiles= applies to one kernel.*attn_bwd_d_q, attn_bwd_d_k_d_v"):
+        engine.run(bwd, bucket=16, tiles=choose_tiles("dq", DIMS["E"]), q=q, k=k, v=v, o=fwd["o"], lse=fwd["lse"],
+                   d_o=do)
+    assert engine.dispatches == before
+
+
 def test_matmul_refuses_attention_tiles(engine):
     with pytest.raises(ValueError, match=r"linear: tiles=AttentionTiles.* matmul kernel; expected TileConfig"):
         library.get("linear").specialize({"T": 8, "K": 8, "N": 8}, 1, frozenset(), AttentionTiles(16, 16, 1))

@@ -181,6 +181,10 @@ class ComputeEngine:
         """
         kernel = library.get(kernel) if isinstance(kernel, str) else kernel
         if isinstance(kernel, Backward):
+            if tiles is not None:
+                raise ValueError(f"{kernel.name}: tiles= applies to one kernel, and this backward runs "
+                                 f"{len(kernel.kernels)} ({', '.join(k.name for k in kernel.kernels)}); run them "
+                                 "one by one (backward.kernels) to choose each one's tiles")
             return self._run_backward(kernel, bucket, dims, out or {}, accumulate, args)
         ir = kernel.ir
         accumulate = frozenset(accumulate)
