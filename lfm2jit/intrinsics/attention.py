@@ -41,6 +41,7 @@ from ..codegen.wgsl import COMPUTE_TYPE
 from ..ir.autodiff import AutodiffError, GraphBuilder
 from ..ir.nodes import Node
 from ..ir.ops import FLOAT_DTYPES, Op
+from ..schedule.contraction import REDUCE_THREADS
 from ..schedule.spec import buffer_var, extent, strides
 from . import Intrinsic, IntrinsicCall, IntrinsicError, register
 
@@ -269,9 +270,6 @@ def _plan_fwd(call: IntrinsicCall):
 def _plan_dq(call: IntrinsicCall):
     ctx, groups = _context(call, "dq", BWD_PARAMS, ("dq",))
     return "attention_bwd", ctx, groups
-
-
-REDUCE_THREADS = 256
 
 
 def _plan_dkdv(call: IntrinsicCall):
