@@ -29,7 +29,8 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # lfm2jit from this checkout
+sys.path.insert(0, str(Path(__file__).resolve().parent))       # bench.py beside this script
 
 import numpy as np  # noqa: E402
 
@@ -155,7 +156,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from lfm2jit import WgpuContext
-    from lfm2jit.bench import train_bench
+    from bench import train_bench
     from lfm2jit.model.config import Lfm2Config
     cfg = Lfm2Config.preset("tiny" if args.quick else "350M")
     shapes = [parse_shape(s) for s in (args.shapes or (["1x64", "4x64", "1x128"] if args.quick

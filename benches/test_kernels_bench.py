@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 from conftest import run_synced
 
-from lfm2jit import grad, library
-from lfm2jit.lmhead import lm_head_cross_entropy
-from lfm2jit.optim_kernels import adamw_step, global_grad_norm
+from lfm2jit import grad
+from lfm2jit.ops import library
+from lfm2jit.ops.lmhead import lm_head_cross_entropy
+from lfm2jit.ops.optim import adamw_step, global_grad_norm
 
 T, D, F = 64, 64, 192
 H, G, E = 4, 2, 16

@@ -13,10 +13,10 @@ import json
 from dataclasses import asdict
 
 from lfm2jit import WgpuContext
-from lfm2jit.autotune import Tuner
-from lfm2jit.bench import train_bench
+from bench import train_bench
+from lfm2jit.tune.autotune import Tuner
 from lfm2jit.model.config import Lfm2Config
-from lfm2jit.schedule.contraction import choose_tiles
+from lfm2jit.schedule.matmul import choose_tiles
 
 
 def main() -> None:
@@ -32,9 +32,9 @@ def main() -> None:
         winner = search(self, key, kernel, dims, bucket, accumulate, options)
         spec = kernel.specialize(dims, bucket, accumulate)
         if spec.template == "matmul":
-            c = spec.context
-            sizes = {x: spec.dims[c["axes"][x]] for x in "mnk"}
-            log.append({"kernel": kernel.ir.name, "sizes": sizes, "a": c["a"]["vec"], "b": c["b"]["vec"],
+            p = spec.params
+            sizes = dict(zip("mnk", (spec.sizes[a] for a in p.axes[:3])))
+            log.append({"kernel": kernel.ir.name, "sizes": sizes, "a": p.a.vec, "b": p.b.vec,
                         "default": asdict(choose_tiles(sizes["m"], sizes["n"], sizes["k"])),
                         "winner": asdict(winner), "seconds": self.best[key]["seconds"]})
             with open(args.json, "w") as f:      # after every search: a run cut short keeps what it tuned

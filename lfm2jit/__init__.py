@@ -1,11 +1,15 @@
 """lfm2jit: a tensor DSL compiled to WGSL compute kernels, and the runtime that runs them.
 
-Follow the path by imports: dsl (parse) -> ir (check) -> schedule (choose a template) ->
-codegen (render WGSL) -> runtime (pipelines, dispatches).
+Follow the path by imports: dsl (parse) -> ir (check, differentiate, partition) -> schedule (a
+typed spec per part) -> codegen (render WGSL) -> driver (kernels, caches, dumps); runtime (device,
+tensors, recording) knows none of them, and engine joins driver and runtime.
 """
-from .compiler import Backward, Kernel, Module, compile_source, grad
+from .driver import Backward, Kernel, Module, compile_source, grad
 from .dsl.errors import DslError
-from .runtime import ComputeEngine, Tensor, WgpuContext
+from .engine import ComputeEngine
+from .ops import library
+from .runtime import ShaderCompileError, Tensor, WgpuContext
 
-__all__ = ["Backward", "ComputeEngine", "DslError", "Kernel", "Module", "Tensor", "WgpuContext", "compile_source", "grad"]
+__all__ = ["Backward", "ComputeEngine", "DslError", "Kernel", "Module", "ShaderCompileError", "Tensor",
+           "WgpuContext", "compile_source", "grad", "library"]
 __version__ = "0.1.0"

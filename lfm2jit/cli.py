@@ -1,7 +1,8 @@
-"""``python -m lfm2jit``: list the shipped kernels and dump the WGSL any of them generates.
+"""``python -m lfm2jit``: list the shipped kernels and dump any stage of what they compile to.
 
-Dumping shows exactly what the engine would compile for the same sizes and bucket, so a kernel can
-be read, diffed or fed to another shader compiler without running anything on a GPU.
+Dumping shows exactly what the engine would compile for the same sizes and bucket (the source as
+parsed, the IR and its parts, each part's spec, the WGSL), so a kernel can be read, diffed or fed
+to another shader compiler without running anything on a GPU.
 """
 from __future__ import annotations
 
@@ -10,10 +11,10 @@ import os
 import sys
 from pathlib import Path
 
-from . import library
-from .compiler import Kernel, grad
-from .ir.autodiff import AutodiffError
+from .driver import STAGES, Kernel, grad, stages
+from .dsl.errors import DslError
 from .ir.nodes import SEQ_AXIS
+from .ops import library
 
 DEFAULT_SIZE = 64
 
@@ -66,51 +67,57 @@ def describe_sizes(sizes: dict[str, int]) -> str:
 def cmd_list(args) -> None:
     for kernel in library.kernels().values():
         sizes = sizes_for(kernel, {}, DEFAULT_SIZE)
-        spec = kernel.specialize(sizes, DEFAULT_SIZE)
+        schedules = ", ".join(k.specialize({a: sizes[a] for a in k.ir.axes if a in sizes}, DEFAULT_SIZE).template
+                              for k in kernel.kernels)
         print(repr(kernel))
-        print(f"    schedule: {spec.template} (at {describe_sizes(sizes)}, bucket {DEFAULT_SIZE})")
+        print(f"    schedule: {schedules} (at {describe_sizes(sizes)}, bucket {DEFAULT_SIZE})")
 
 
 def cmd_dump(args) -> None:
     kernel = lookup(args.name)
     sizes = sizes_for(kernel, dict(args.dim), args.bucket)
-    # the backward pass may be several kernels (autodiff's output split by schedule)
-    kernels = [kernel]
     if args.backward:   # the first output is the kernel's result; the others are saved statistics
         try:
-            kernels = grad(kernel, cotangents=[kernel.ir.outputs[0].name]).kernels
-        except AutodiffError as e:
-            raise UsageError(str(e)) from None
-    for k in kernels:
-        own = {a: sizes[a] for a in k.ir.axes if a in sizes}
-        wgsl = k.wgsl(own, args.bucket)
-        if args.ir:     # as WGSL comments, so the printed text stays one valid shader
-            print("".join(f"// {line}\n" for line in k.format_ir().splitlines()))
-        if args.out is None:
-            sys.stdout.write(wgsl)
-            continue
-        args.out.mkdir(parents=True, exist_ok=True)
-        path = args.out / f"{k.name}.wgsl"
-        path.write_text(wgsl)
-        print(f"wrote {path} ({describe_sizes(own)}, bucket {args.bucket})")
+            kernel = grad(kernel, cotangents=[kernel.ir.outputs[0].name])
+        except DslError as e:
+            raise UsageError(f"{kernel.name} has no backward:\n{e}") from None
+    wanted = [s for s in STAGES if s == "wgsl" or getattr(args, s)]
+    text = stages(kernel, sizes, args.bucket)
+    for stage in wanted:
+        if args.out is not None:
+            args.out.mkdir(parents=True, exist_ok=True)
+            path = args.out / f"{kernel.name}.{stage}"
+            path.write_text(text[stage])
+            print(f"wrote {path} ({describe_sizes(sizes)}, bucket {args.bucket})")
+        elif stage == "wgsl":
+            sys.stdout.write(text[stage])
+        else:           # as WGSL comments, so the printed text stays one valid shader
+            print(f"// ---- {stage} ----")
+            print("".join(f"// {line}\n" for line in text[stage].splitlines()))
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m lfm2jit",
-                                description="List lfm2jit's shipped kernels and dump the WGSL they generate.")
+                                description="List lfm2jit's shipped kernels and dump what they compile to.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     ls = sub.add_parser("list", help="each shipped kernel's signature and the template it schedules to")
     ls.set_defaults(run=cmd_list)
-    dump = sub.add_parser("dump", help="print (or write) the WGSL generated for one kernel",
-                          description="Print the WGSL generated for one shipped kernel at concrete sizes. "
-                                      f"Axes not given with --dim default: T to the bucket, any other to {DEFAULT_SIZE}.")
+    dump = sub.add_parser("dump", help="print (or write) what one kernel compiles to (WGSL by default)",
+                          description="Print the stages one shipped kernel compiles to at concrete sizes: "
+                                      "the WGSL, and with --ast (the source as parsed), --ir (the IR, and each "
+                                      "part when the kernel runs as several), --spec (each part's typed spec) "
+                                      "those stages as WGSL comments before it. Axes not given with --dim "
+                                      f"default: T to the bucket, any other to {DEFAULT_SIZE}.")
     dump.add_argument("name", metavar="NAME", help="kernel name (see `list`)")
     dump.add_argument("--bucket", type=positive_int, default=1, metavar="N",
                       help="length bucket: T is rounded up to a multiple of N (default 1)")
     dump.add_argument("--dim", type=axis_size, action="append", default=[], metavar="AXIS=SIZE",
                       help=f"size of one axis, repeatable (missing axes default: T=bucket, others {DEFAULT_SIZE})")
-    dump.add_argument("--out", type=Path, metavar="DIR", help="write DIR/NAME.wgsl instead of printing it")
-    dump.add_argument("--ir", action="store_true", help="also print the kernel's typed IR")
+    dump.add_argument("--out", type=Path, metavar="DIR",
+                      help="write DIR/NAME.wgsl (and DIR/NAME.ast, .ir, .spec) instead of printing")
+    for stage, what in (("ast", "the kernel's source as parsed"), ("ir", "the typed IR and its parts"),
+                        ("spec", "each part's spec: template, bindings, entry points, parameters")):
+        dump.add_argument(f"--{stage}", action="store_true", help=f"also print {what}")
     dump.add_argument("--backward", action="store_true",
                       help="dump the backward kernels autodiff derives: gradients of every float input "
                            "given a cotangent for the first output")

@@ -8,10 +8,10 @@ import pytest
 
 from lfm2jit import Tensor
 from lfm2jit.codegen.render import render
-from lfm2jit.compiler import Kernel, grad
-from lfm2jit.intrinsics import IntrinsicError, kernel_ir
-from lfm2jit.intrinsics.attention import WORKGROUP_BYTES, choose_tiles, workgroup_words
-from lfm2jit.ir.autodiff import AutodiffError
+from lfm2jit.driver import Kernel, grad
+from lfm2jit.ir.intrinsics import IntrinsicError, kernel_ir
+from lfm2jit.schedule.attention import WORKGROUP_BYTES, choose_tiles, workgroup_words
+from lfm2jit.ir.grad import AutodiffError
 from lfm2jit.ir.nodes import TensorArg
 from conftest import rel_err
 
@@ -235,5 +235,5 @@ def test_workgroup_memory_fits_and_wgsl_validates(ctx, attn, attn_bwd, E):
         spec = kernel.specialize(dims, 16)
         wgsl = render(spec)
         words = sum(int(n) for n in re.findall(r"var<workgroup> \w+: array<f32, (\d+)>", wgsl))
-        assert 4 * words == spec.context["smem_bytes"] <= WORKGROUP_BYTES
+        assert 4 * words == spec.params.smem_bytes <= WORKGROUP_BYTES
         ctx.device.create_shader_module(code=wgsl)

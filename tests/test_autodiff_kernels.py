@@ -117,7 +117,7 @@ def test_softmax_backward(engine, rng, T, D):
     y = engine.run("softmax", bucket=16, x=engine.tensor(x))["y"]
     y64 = y.numpy().astype(np.float64)
     want_y = y64 * (f64(dy) - (f64(dy) * y64).sum(-1, keepdims=True))
-    from lfm2jit.library import get
+    from lfm2jit.ops.library import get
     k = get("softmax")
     args = {n: v for n, v in dict(x=engine.tensor(x), y=y, d_y=engine.tensor(dy)).items()}
     bwd = grad(k, cotangents=["y"])
@@ -133,7 +133,7 @@ def test_softmax_backward(engine, rng, T, D):
 
 @pytest.mark.parametrize("T,F", [(1, 3), (37, 70)])
 def test_silu_mul_backward(engine, rng, T, F):
-    from lfm2jit.library import get
+    from lfm2jit.ops.library import get
     a, b, dy = f32(rng, T, F, scale=3.0), f32(rng, T, F), f32(rng, T, F)
     got = numpy_all(engine.run(grad(get("silu_mul")), bucket=16, **upload(engine, a=a, b=b, d_y=dy)))
     a64, b64, dy64 = f64(a), f64(b), f64(dy)
@@ -143,7 +143,7 @@ def test_silu_mul_backward(engine, rng, T, F):
 
 
 def test_scale_add_backward(engine, rng):
-    from lfm2jit.library import get
+    from lfm2jit.ops.library import get
     T, D = 37, 45
     dy = f32(rng, T, D)
     bwd = grad(get("scale_add"))

@@ -15,7 +15,7 @@ import pytest
 from conftest import rel_err
 from ir_eval import evaluate
 from lfm2jit import compile_source
-from lfm2jit.ir.autodiff import RULES, AutodiffError, grad_ir
+from lfm2jit.ir.grad import RULES, AutodiffError, grad_ir
 from lfm2jit.ir.nodes import KernelIR, toposort
 from lfm2jit.ir.ops import Op
 
@@ -114,6 +114,9 @@ CASES = [
          {"a": normal(T, D)}),
     Case("shift", "kernel k(a: f32[T, D], w: f32[D]) -> (y: f32[T, D]) { y = a[T - 1, :] * w + a * a[T + 2, :] }",
          {"a": normal(T, D), "w": normal(D)}),
+    # the adjoint of a sum over T does not vary along T: the shift's rule repeats it over T first
+    Case("shift_of_sum", "kernel k(a: f32[T, D]) -> (y: f32[D]) { y = sum(a[T - 1, :], T) * sum(a, T) }",
+         {"a": normal(T, D)}),
     Case("take_stack", "kernel k(a: f32[T, 2, D]) -> (y: f32[T, 2, D]) "
          "{ y = stack(a[:, 0, :] * a[:, 1, :], sin(a[:, 0, :]), 2) }", {"a": normal(T, 2, D)}),
     Case("gather", "kernel k(e: f32[V, D], ids: i32[T], h: f32[T, D]) -> (y: f32[T, D]) { y = h * exp(gather(e, ids)) }",
@@ -206,8 +209,26 @@ def test_rule_matches_finite_differences(case: Case):
         assert err < TOL, f"{case.id}: d_{name} rel err {err:.3g}\ngot\n{got}\nwant\n{want}"
 
 
+SHIFT_OF_SUM = next(c for c in CASES if c.id == "shift_of_sum")
+
+
+def test_second_order_through_an_explicit_broadcast():
+    """The backward of shift_of_sum holds a BROADCAST (the sum's adjoint repeated over T before it
+    is shifted); differentiating that backward again exercises the BROADCAST rule."""
+    r = np.random.default_rng(7)
+    bwd = grad_ir(SHIFT_OF_SUM.kernel())
+    assert Op.BROADCAST in _ops(bwd)
+    inputs = {"a": r.standard_normal((T, D)), "d_y": r.standard_normal(D)}
+    outs = evaluate(bwd, inputs, {}, {})
+    cot = {"d_a": r.standard_normal(outs["d_a"].shape)}
+    grads = evaluate(grad_ir(bwd, ["d_y", "a"]), {**inputs, "d_d_a": cot["d_a"]}, {}, {})
+    for name in ("d_y", "a"):
+        err = rel_err(grads[f"d_{name}"], _fd_grad(bwd, inputs, {}, cot, name))
+        assert err < TOL, f"second order d_{name}: rel err {err:.3g}"
+
+
 def test_every_rule_is_exercised():
-    seen = set().union(*(_ops(c.kernel()) for c in CASES))
+    seen = set().union(*(_ops(c.kernel()) for c in CASES), _ops(grad_ir(SHIFT_OF_SUM.kernel())))
     missing = sorted(op.name for op in RULES if op not in seen)
     assert not missing, f"no finite-difference case uses {missing}"
 

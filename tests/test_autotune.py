@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import numpy as np
 import pytest
 
 from lfm2jit import ComputeEngine, grad, library
-from lfm2jit.intrinsics.attention import AttentionTiles, attention_candidates, choose_tiles, tiles_problem
-from lfm2jit.schedule.contraction import CANDIDATES, LONG_K, TileConfig
+from lfm2jit.schedule import SCHEDULES
+from lfm2jit.schedule.attention import AttentionTiles, choose_tiles, tiles_problem
+from lfm2jit.schedule.code import Var
+from lfm2jit.schedule.matmul import LONG_K, TileConfig
+from lfm2jit.tune.candidates import MATMUL as CANDIDATES
+from lfm2jit.tune.candidates import attention as attention_candidates
 from conftest import rel_err
 from test_attention import H, attention_kernel, reference
 from test_attention import _inputs as attention_inputs
@@ -50,15 +54,15 @@ def test_a_failing_candidate_scores_infinity(ctx, tmp_path, monkeypatch):
     monkeypatch.setenv("LFM2JIT_AUTOTUNE", "1")
     monkeypatch.setenv("LFM2JIT_CACHE_DIR", str(tmp_path))
     bad = TileConfig(bm=64, bn=64, bk=16, tm=4, tn=4)
-    real_plan = __import__("lfm2jit.schedule.contraction", fromlist=["plan"]).plan
+    real = SCHEDULES["contraction"]
 
     def plan(ir, sizes, accumulate, tiles=None):      # this candidate's shader fails to build
-        ctx = real_plan(ir, sizes, accumulate, tiles)
+        planned = real.plan(ir, sizes, accumulate, tiles)
         if tiles == bad:
-            ctx[1]["threads"] = 0
-        return ctx
-    monkeypatch.setattr("lfm2jit.schedule.contraction.plan", plan)
-    monkeypatch.setattr("lfm2jit.autotune.CANDIDATES", CANDIDATES[1:] + (bad,))
+            planned = replace(planned, params=replace(planned.params, m_ext=Var("no_such_variable")))
+        return planned
+    monkeypatch.setitem(SCHEDULES, "contraction", replace(real, plan=plan))
+    monkeypatch.setattr("lfm2jit.tune.candidates.MATMUL", CANDIDATES[1:] + (bad,))
     eng = ComputeEngine(ctx)
     tiles = eng.tuner.tiles(library.get("linear"), {"T": 8, "K": 8, "N": 8}, 1, frozenset())
     assert tiles != bad
@@ -91,7 +95,7 @@ def test_every_candidate_computes_the_same_product(engine, rng):
                 got = engine.run(kernel, bucket=16, tiles=tiles, **given)[out].numpy()
                 assert rel_err(got, want[out]) < 1e-5, (tiles, out, T, K, N)
                 spec = kernel.specialize({"T": T, "K": K, "N": N}, 16, frozenset(), tiles)
-                modes |= {spec.context["a"]["vec"], spec.context["b"]["vec"]}
+                modes |= {spec.params.a.vec, spec.params.b.vec}
             # accumulating (weight gradients), split-K's second pass included
             base = rng.standard_normal((N, K)).astype(np.float32)
             dw = engine.tensor(base)
@@ -112,7 +116,7 @@ def test_f16_operands_read_as_vectors(ctx, engine, rng):
     x = rng.standard_normal((T, K)).astype(np.float16)
     w = rng.standard_normal((N, K)).astype(np.float16)
     spec = lin.specialize({"T": T, "K": K, "N": N}, 16, frozenset(), VEC_TILES)
-    assert spec.context["a"]["vec"] == spec.context["b"]["vec"] == "k"
+    assert spec.params.a.vec == spec.params.b.vec == "k"
     got = engine.run(lin, bucket=16, tiles=VEC_TILES, x=engine.tensor(x), w=engine.tensor(w))["y"].numpy()
     assert rel_err(got.astype(np.float64), x.astype(np.float64) @ w.T.astype(np.float64)) < 2 ** -11
 
@@ -139,7 +143,7 @@ def _attention(engine, q, k, v, do, bucket=16):
 
 
 def _mode(kernel, dims, bucket=16) -> str:
-    return kernel.specialize(dims, bucket, frozenset()).context["mode"]
+    return kernel.specialize(dims, bucket, frozenset()).params.mode
 
 
 def test_autotuned_attention_is_correct_and_cached(ctx, tmp_path, monkeypatch):
@@ -170,7 +174,7 @@ def test_a_failing_attention_candidate_scores_infinity(ctx, tmp_path, monkeypatc
     monkeypatch.setenv("LFM2JIT_AUTOTUNE", "1")
     monkeypatch.setenv("LFM2JIT_CACHE_DIR", str(tmp_path))
     bad = AttentionTiles(rows=64, tile=64, row_threads=8)     # 512 invocations: refused when planned
-    monkeypatch.setattr("lfm2jit.autotune.attention_candidates", lambda mode, e: (bad,) + attention_candidates(mode, e))
+    monkeypatch.setattr("lfm2jit.tune.candidates.attention", lambda mode, e: (bad,) + attention_candidates(mode, e))
     eng = ComputeEngine(ctx)
     tiles = eng.tuner.tiles(attention_kernel(), DIMS, 16, frozenset())
     assert tiles != bad and tiles in attention_candidates("fwd", DIMS["E"])
@@ -215,7 +219,7 @@ def test_backward_refuses_tiles_it_could_not_apply(engine):
 
 
 def test_matmul_refuses_attention_tiles(engine):
-    with pytest.raises(ValueError, match=r"linear: tiles=AttentionTiles.* matmul kernel; expected TileConfig"):
+    with pytest.raises(ValueError, match=r"linear: tiles=AttentionTiles.* contraction kernel; expected TileConfig"):
         library.get("linear").specialize({"T": 8, "K": 8, "N": 8}, 1, frozenset(), AttentionTiles(16, 16, 1))
 
 
@@ -258,7 +262,7 @@ def test_default_tiles_split_long_contractions_correctly(ctx, engine, rng, dtype
     T, K, N = 130, LONG_K, 72
     x = rng.standard_normal((T, K)).astype(np.float16 if dtype == "f16" else np.float32)
     w = rng.standard_normal((N, K)).astype(np.float32)
-    assert kernel.specialize({"T": T, "K": K, "N": N}, 64, frozenset()).context["tiles"]["split"] == 4
+    assert kernel.specialize({"T": T, "K": K, "N": N}, 64, frozenset()).params.tiles.split == 4
     got = engine.run(kernel, bucket=64, x=engine.tensor(x, dtype), w=engine.tensor(w))["y"].numpy()
     assert rel_err(got, x.astype(np.float64) @ w.T.astype(np.float64)) < (1e-3 if dtype == "f16" else 1e-5)
 
@@ -266,7 +270,7 @@ def test_default_tiles_split_long_contractions_correctly(ctx, engine, rng, dtype
 def test_default_tiles_follow_the_measured_rules():
     """choose_tiles' boundaries (its docstring has the measurements): long K splits over 2,
     small outputs over 4 from K = 1024, big outputs and short K never."""
-    from lfm2jit.schedule.contraction import choose_tiles
+    from lfm2jit.schedule.matmul import choose_tiles
     assert choose_tiles(4608, 1024, 2048).split == 2          # weight gradient at T = 2048
     assert choose_tiles(4608, 1024, 1024).split == 1
     assert choose_tiles(512, 512, 1024).split == 4            # 32 tiles

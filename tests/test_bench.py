@@ -4,13 +4,24 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
 
-from lfm2jit import bench
-
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_script(name: str):
+    """A benches/ script as a module, imported the way running it imports it."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benches" / f"{name}.py")
+    script = importlib.util.module_from_spec(spec)
+    sys.modules[name] = script          # dataclasses look their module up while it executes
+    spec.loader.exec_module(script)
+    return script
+
+
+bench = load_script("bench")
 
 
 def test_quick_benchmarks_report_every_group(tmp_path):
@@ -31,9 +42,7 @@ def test_quick_benchmarks_report_every_group(tmp_path):
 
 def test_side_by_side_quick_against_torch_on_cpu(tmp_path):
     pytest.importorskip("torch")
-    spec = importlib.util.spec_from_file_location("side_by_side", ROOT / "benches" / "side_by_side.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("side_by_side")
     out = tmp_path / "sbs.json"
     assert script.main(["--quick", "--torch-device", "cpu", "--steps", "1", "--shapes", "1x64", "2x64",
                         "--json", str(out)]) == 0

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from lfm2jit import ComputeEngine, library
-from lfm2jit.cache import compiler_fingerprint
+from lfm2jit.driver import compiler_fingerprint
 from lfm2jit.schedule import bucketed
 
 
@@ -59,7 +59,7 @@ def test_disk_cache_reuses_wgsl_and_tracks_compiler_source(ctx, tmp_path, monkey
     assert second.stats.disk_hits == 1 and second.stats.misses == 1
     path_now = second.disk.path(library.get("softmax").specialize({"T": 4, "D": 16}))
     compiler_fingerprint.cache_clear()
-    monkeypatch.setattr("lfm2jit.cache.compiler_fingerprint", lambda: "edited-compiler")
+    monkeypatch.setattr("lfm2jit.driver.compiler_fingerprint", lambda: "edited-compiler")
     assert second.disk.path(library.get("softmax").specialize({"T": 4, "D": 16})) != path_now
 
 

@@ -6,7 +6,7 @@ import pytest
 
 from lfm2jit import ComputeEngine, Tensor, compile_source
 from lfm2jit.runtime.context import AdapterError, choose_adapter
-from lfm2jit.runtime.engine import MAX_GROUPS_PER_DIM, fold_workgroups
+from lfm2jit.runtime.recorder import MAX_GROUPS_PER_DIM, fold_workgroups
 from lfm2jit.runtime.pool import size_class
 from conftest import rel_err
 

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from lfm2jit import grad, library
-from lfm2jit.intrinsics.embedding import slots
+from lfm2jit.ops.embedding import slots
 from conftest import rel_err
 
 TOL = 1e-4          # f32 kernels: measured errors are ~1e-7; 1e-4 is the bar

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from lfm2jit import ComputeEngine, Tensor
-from lfm2jit.lmhead import lm_head_cross_entropy
+from lfm2jit.ops.lmhead import lm_head_cross_entropy
 from lfm2jit.schedule.spec import bucketed
 from conftest import rel_err
 

@@ -16,7 +16,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from lfm2jit.model import Lfm2Model
-from lfm2jit.precision import check_activation_dtype
+from lfm2jit.ops.precision import check_activation_dtype
 from trainer import SGD, AdamW, GradScaler, Trainer
 from conftest import rel_err
 from test_model import BUCKET, GOLDEN, GOLDEN_CONFIGS, run_loss_and_grads, worst

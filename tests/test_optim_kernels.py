@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lfm2jit import library
-from lfm2jit.optim_kernels import adamw_step, global_grad_norm, scale_, sgd_step
+from lfm2jit.ops.optim import adamw_step, global_grad_norm, scale_, sgd_step
 from conftest import rel_err
 
 TOL = 1e-5

@@ -29,7 +29,7 @@ def test_wheel_ships_templates_kernels_and_grammar(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     missing = [n for n in PACKAGE_DATA if n not in names]
     assert not missing, f"not in the wheel: {missing}"
-    kernels = {p.relative_to(ROOT).as_posix() for p in (ROOT / "lfm2jit" / "kernels").glob("*.lk")}
+    kernels = {p.relative_to(ROOT).as_posix() for p in (ROOT / "lfm2jit" / "ops" / "kernels").glob("*.lk")}
     assert kernels, "no kernel sources in the checkout"
     assert not kernels - names, f"kernel sources missing from the wheel: {sorted(kernels - names)}"
 
@@ -47,7 +47,7 @@ def test_installed_wheel_renders_a_kernel_without_the_checkout(wheel, tmp_path):
     r = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target),
                         str(wheel)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
-    code = ("import lfm2jit, lfm2jit.library as lib; "
+    code = ("import lfm2jit, lfm2jit.ops.library as lib; "
             "print(lfm2jit.__file__); print(lib.get('rmsnorm').wgsl({'T': 8, 'D': 16}, 8))")
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")} | {"PYTHONPATH": str(target)}
     r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,

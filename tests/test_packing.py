@@ -11,7 +11,7 @@ from math import lcm
 import numpy as np
 import pytest
 
-from lfm2jit.lmhead import lm_head_cross_entropy
+from lfm2jit.ops.lmhead import lm_head_cross_entropy
 from lfm2jit.model import Lfm2Model
 from trainer import SGD, Trainer
 from conftest import rel_err

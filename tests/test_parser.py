@@ -21,7 +21,7 @@ from lfm2jit.dsl import ast
 from lfm2jit.dsl.parser import MAX_EXPR_DEPTH, parse
 from dsl_errors import assert_dsl_error
 
-KERNEL_DIR = Path(lfm2jit.__file__).parent / "kernels"
+KERNEL_DIR = Path(lfm2jit.__file__).parent / "ops" / "kernels"
 SHIPPED = sorted(KERNEL_DIR.glob("*.lk"))
 CORPUS = sorted((Path(__file__).parent / "dsl_corpus" / "valid").glob("*.lk"))
 NOLOC = ast.Loc(0, 0)

@@ -43,7 +43,7 @@ def sig(inputs: str, outputs: str = "y: f32[T, D]") -> str:
 # --------------------------------------------------------------------------- shipped kernels
 
 def test_rmsnorm_ir():
-    text = (Path(lfm2jit.__file__).parent / "kernels" / "norms.lk").read_text()
+    text = (Path(lfm2jit.__file__).parent / "ops" / "kernels" / "norms.lk").read_text()
     ir = ir_of(text, "rmsnorm")
     assert [(t.name, t.dtype, t.shape) for t in ir.inputs] == [("x", "f32", ("T", "D")), ("w", "f32", ("D",))]
     assert ir.scalars == ("eps",)
@@ -59,7 +59,7 @@ def test_rmsnorm_ir():
 
 
 def test_softmax_ir():
-    text = (Path(lfm2jit.__file__).parent / "kernels" / "norms.lk").read_text()
+    text = (Path(lfm2jit.__file__).parent / "ops" / "kernels" / "norms.lk").read_text()
     ir = ir_of(text, "softmax")
     assert {n: (v.shape, v.dtype) for n, v in ir.results.items()} == {
         "y": (("T", "D"), "f32"), "lse": (("T",), "f32")}

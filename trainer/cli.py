@@ -123,7 +123,7 @@ def evaluate(model, engine, items, bucket: int) -> tuple[float, float]:
     """Mean cross-entropy per supervised token over held-out ``items`` (forward only: no weight or
     gradient of the model is touched), and the same over the assistant-answer tokens of items
     that carry an answer mask (NaN when none does)."""
-    from lfm2jit.lmhead import lm_head_cross_entropy
+    from lfm2jit.ops.lmhead import lm_head_cross_entropy
     sums, counts = [0.0, 0.0], [0, 0]
     for ids, targets, mask, answer in items:
         trace = model.forward(ids, bucket)

@@ -10,7 +10,7 @@ import math
 
 import numpy as np
 
-from lfm2jit import optim_kernels
+from lfm2jit.ops import optim as optim_kernels
 
 
 class Optimizer:

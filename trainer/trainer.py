@@ -21,8 +21,8 @@ from math import lcm
 
 import numpy as np
 
-from lfm2jit.lmhead import lm_head_cross_entropy, xent_scalars
-from lfm2jit.optim_kernels import grad_sumsq, norm_of
+from lfm2jit.ops.lmhead import lm_head_cross_entropy, xent_scalars
+from lfm2jit.ops.optim import grad_sumsq, norm_of
 
 from .errors import TrainError
 from .optim import Optimizer, recordable

@@ -1,13 +1,20 @@
-"""KernelSpec -> WGSL text through the Jinja templates (StrictUndefined: a missing parameter is an error)."""
+"""KernelSpec -> WGSL through the Jinja templates (StrictUndefined: a missing parameter is an error).
+
+A template sees the spec's common fields (kernel, template, dims, scalars, bindings) and its
+typed parameters' fields by name; typed values are spelled with the ``wgsl`` filter, tensor
+bindings named with ``buf``.
+"""
 from __future__ import annotations
 
+import dataclasses
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 
 import jinja2
 
-from ..schedule import KernelSpec
+from ..schedule.spec import KernelSpec
+from . import wgsl
 
 
 def templates_dir() -> Path:
@@ -20,10 +27,20 @@ def templates_dir() -> Path:
 
 @lru_cache(maxsize=1)
 def environment() -> jinja2.Environment:
-    return jinja2.Environment(loader=jinja2.FileSystemLoader(str(templates_dir())),
-                              undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
-                              trim_blocks=False, lstrip_blocks=False, autoescape=False)
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(templates_dir())),
+                             undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
+                             trim_blocks=False, lstrip_blocks=False, autoescape=False)
+    env.filters.update(wgsl=wgsl.spell, buf=wgsl.buffer, element=wgsl.element, const=wgsl.const_name,
+                       f32=lambda v: wgsl.literal(v, "f32"))
+    env.globals.update(reduce_init=wgsl.reduce_init, reduce_combine=wgsl.reduce_combine)
+    return env
 
 
 def render(spec: KernelSpec) -> str:
-    return environment().get_template(f"{spec.template}.wgsl.j2").render(**spec.context)
+    params = {f.name: getattr(spec.params, f.name) for f in dataclasses.fields(spec.params)}
+    params.update((name, getattr(spec.params, name)) for name, attr in vars(type(spec.params)).items()
+                  if isinstance(attr, property))
+    return environment().get_template(f"{spec.template}.wgsl.j2").render(
+        kernel=spec.kernel, template=spec.template, dims=spec.dims, scalars=spec.scalars,
+        bindings=spec.bindings, uses_f16=any(b.dtype == "f16" for b in spec.bindings),
+        entry_points=[e.name for e in spec.entry_points], p=spec.params, **params)

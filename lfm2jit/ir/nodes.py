@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from .ops import Op
 
 SEQ_AXIS = "T"
+ABSTRACT = "float"   # the dtype of a literal until it meets a typed operand
 
 
 @dataclass(frozen=True, eq=False)
@@ -28,6 +29,21 @@ class TensorArg:
     shape: tuple[str, ...]
 
 
+@dataclass(frozen=True)
+class Structure:
+    """How one part of a partitioned kernel iterates; the scheduler picks its template by ``kind``.
+
+    pointwise:   one invocation per element of ``space``
+    rowreduce:   ``space`` = rows + (c,); reductions over c, the last axis (``reduced`` = (c,))
+    colreduce:   ``space`` = the outputs' axes; reductions over every axis in ``reduced`` together
+    contraction: a sum of a product of two tensors (a GEMM); ``space`` = the output's axes
+    intrinsic:   the outputs of one intrinsic call (a hand-written template)
+    """
+    kind: str
+    space: tuple[str, ...]
+    reduced: tuple[str, ...] = ()
+
+
 @dataclass
 class KernelIR:
     """A checked kernel: its signature and, for each output, the node that computes it."""
@@ -41,6 +57,7 @@ class KernelIR:
     line: int = 0
     fixed_dims: dict[str, int] = field(default_factory=dict)   # integer axes written in the source
     inouts: tuple[str, ...] = ()     # parameters that are both input and output: updated in place
+    structure: "Structure | None" = None   # set on the parts partition() makes: how the part iterates
 
     @property
     def axes(self) -> tuple[str, ...]:
@@ -73,6 +90,15 @@ def toposort(roots, stop=frozenset(), children=None) -> list[Node]:
         srcs = node.srcs if children is None else children(node)
         stack.extend((s, False) for s in reversed(srcs) if id(s) not in seen)
     return order
+
+
+def substitute(results: dict[str, Node], mapping: dict[int, Node]) -> dict[str, Node]:
+    """Rebuild the graph under ``results`` with the nodes whose ids are in ``mapping`` replaced."""
+    memo: dict[int, Node] = dict(mapping)
+    for n in toposort(results.values(), stop=mapping.keys()):
+        srcs = tuple(memo.get(id(s), s) for s in n.srcs)
+        memo[id(n)] = n if all(a is b for a, b in zip(srcs, n.srcs)) else Node(n.op, srcs, n.shape, n.dtype, n.arg)
+    return {k: memo.get(id(v), v) for k, v in results.items()}
 
 
 def format_ir(kernel: KernelIR) -> str:

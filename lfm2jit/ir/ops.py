@@ -25,6 +25,9 @@ class Op(Enum):
     # at the other entries (arg = (axis, index)); INDEX is the index along an axis (arg = axis);
     # GATHER reads rows of a table (srcs: table, ids) by integer ids
     SHIFT = auto(); TAKE = auto(); EMBED = auto(); INDEX = auto(); GATHER = auto()  # noqa: E702
+    # BROADCAST repeats its source over the axes of its shape it lacks (named broadcasting does
+    # this implicitly; autodiff makes it explicit where an op must see the axis, e.g. a SHIFT)
+    BROADCAST = auto()
     # a hand-tuned template (attention, ...): arg = intrinsic name; PROJ picks output arg of it
     INTRINSIC = auto(); PROJ = auto()  # noqa: E702
 
@@ -47,6 +50,9 @@ BINARY_FUNCS = {"max": Op.MAX, "min": Op.MIN, "eq": Op.EQ}
 REDUCE_FUNCS = {"sum": Op.SUM, "max": Op.RMAX, "mean": Op.SUM}
 BINOP_NAMES = {"add": Op.ADD, "sub": Op.SUB, "mul": Op.MUL, "div": Op.DIV, "pow": Op.POW,
                "lt": Op.LT, "gt": Op.GT}
+
+# Ops that read their source at another index than their own (or a table by ids).
+MOVING = frozenset({Op.SHIFT, Op.TAKE, Op.GATHER})
 
 DTYPES = ("f32", "f16", "i32", "u32")
 FLOAT_DTYPES = ("f32", "f16")

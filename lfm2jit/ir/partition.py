@@ -1,13 +1,35 @@
-"""Split a kernel whose outputs need different schedules into several kernels.
+"""Partition: split a kernel into parts that each run as one dispatch of one template.
 
-Autodiff yields one backward IR per forward kernel, but its outputs rarely share a loop
-structure: rmsnorm's dx reduces each row while dw reduces over T. Outputs are grouped by the
-schedule they need; each group becomes a kernel with only the inputs it reads.
+A kernel states math, not loops, so its outputs rarely share one loop structure: rmsnorm's
+backward reduces each row for dx and over T for dw, and ``y = sum(a, T) * b`` needs the sum before
+any element of y. Forward and backward kernels go through the same pass:
+
+1. Each output is planned on its own: the reductions it needs are matched against the iteration
+   structures the schedules implement (``Structure``: pointwise, a row reduction over the last
+   axis, a column reduction over some axes, a contraction, an intrinsic call). A value that does
+   not fit the output's structure (a reduction over another axis, a reduction read at a shifted
+   position, the operand of a GEMM that is not a tensor, an intrinsic's result used in an
+   expression) is cut: it becomes a temporary tensor, planned the same way as an output.
+2. Outputs and temporaries of the same structure that do not depend on each other share a part;
+   parts are ordered so that every temporary is written before it is read.
+
+Every part is a KernelIR of its own (temporaries appear as its inputs or outputs) carrying its
+Structure, so the scheduler only maps a structure to a template.
 """
 from __future__ import annotations
 
-from .nodes import KernelIR, Node, toposort
-from .ops import REDUCE, Op
+import itertools
+from dataclasses import dataclass, replace
+
+from ..dsl.errors import DslError
+from .nodes import ABSTRACT, SEQ_AXIS, KernelIR, Node, Structure, TensorArg, substitute, toposort
+from .ops import MOVING, REDUCE, Op
+
+
+@dataclass(frozen=True)
+class Partition:
+    parts: tuple[KernelIR, ...]      # in dispatch order, each with its .structure
+    temps: tuple[TensorArg, ...]     # tensors one part writes and a later one reads
 
 
 def is_contraction(n: Node) -> bool:
@@ -19,49 +41,233 @@ def is_contraction(n: Node) -> bool:
     return k in a.shape and k in b.shape and bool(set(a.shape) - set(b.shape)) and bool(set(b.shape) - set(a.shape))
 
 
-def schedule_class(node: Node) -> str:
-    """'intrinsic', 'contraction', 'colreduce', 'rowreduce' or 'pointwise' for the graph computing ``node``."""
-    if node.op == Op.PROJ:
-        return "intrinsic"
-    reduces = [n for n in toposort([node]) if n.op in REDUCE]
-    if any(is_contraction(r) for r in reduces):
-        return "contraction"
-    if any(r.arg != r.srcs[0].shape[-1] for r in reduces):
-        return "colreduce"
-    return "rowreduce" if reduces else "pointwise"
+def gemm_axes(n: Node, out_shape: tuple[str, ...]) -> dict | None:
+    """The axes of a contraction the GEMM template runs (m, n, k, batch), or None when it does not
+    fit: exactly one free axis per operand, at most one batch axis (never T: the template would
+    run padded rows), and an output that is the contraction itself (no further broadcast)."""
+    if not is_contraction(n) or set(out_shape) != set(n.shape) or len(out_shape) != len(n.shape):
+        return None
+    a, b = n.srcs[0].srcs
+    batch = [x for x in a.shape if x in b.shape and x != n.arg]
+    free_a, free_b = set(a.shape) - set(b.shape), set(b.shape) - set(a.shape)
+    if len(batch) > 1 or SEQ_AXIS in batch or len(free_a) != 1 or len(free_b) != 1:
+        return None
+    out_free = [x for x in out_shape if x not in batch]
+    return {"m": out_free[0], "n": out_free[-1], "k": n.arg, "batch": batch[0] if batch else None}
 
 
-def partition(ir: KernelIR) -> list[KernelIR]:
-    """One kernel per group of outputs that can share a schedule (contractions and column
-    reductions get a kernel each; row reductions and elementwise outputs group by shape)."""
-    groups: dict[tuple, list[str]] = {}
-    for out in ir.outputs:
-        node = ir.results[out.name]
-        cls = schedule_class(node)
-        if cls == "intrinsic":
-            key = (cls, id(node.srcs[0]))       # every output of one call in one kernel
-        elif cls in ("contraction", "colreduce"):
-            key = (cls, out.name)
-        else:
-            key = ("fused", _space(node, out.shape))
-        groups.setdefault(key, []).append(out.name)
-    if len(groups) == 1:
-        return [ir]
-    kernels = []
-    for names in groups.values():
-        results = {n: ir.results[n] for n in names}
-        used = {n.arg for n in toposort(results.values()) if n.op in (Op.INPUT, Op.SCALAR)}
-        kernels.append(KernelIR(
-            f"{ir.name}_{'_'.join(names)}", tuple(t for t in ir.inputs if t.name in used),
-            tuple(s for s in ir.scalars if s in used), tuple(o for o in ir.outputs if o.name in names),
-            results, ir.source, ir.filename, ir.line, dict(ir.fixed_dims)))
-    return kernels
+def use_counts(roots) -> dict[int, int]:
+    users: dict[int, int] = {}
+    for n in toposort(roots):
+        for s in n.srcs:
+            users[id(s)] = users.get(id(s), 0) + 1
+    return users
 
 
-def _space(node: Node, out_shape: tuple[str, ...]) -> tuple[str, ...]:
-    """The iteration space a fused group is keyed by: the largest shape in the output's graph."""
-    space = out_shape
-    for n in toposort([node]):
-        if len(n.shape) > len(space):
-            space = n.shape
-    return space
+def reduction_chain(r: Node, users: dict[int, int], stop=frozenset()) -> tuple[tuple[str, ...], Node, list[Node]]:
+    """(axes, source, links) of a reduction: SUM(SUM(x, a), b), whose inner sum has no other use,
+    is one reduction of x over (a, b) (undoing a broadcast produces such chains)."""
+    axes, src, links = [r.arg], r.srcs[0], []
+    while r.op == Op.SUM and src.op == Op.SUM and users.get(id(src), 0) == 1 and id(src) not in stop:
+        links.append(src)
+        axes.insert(0, src.arg)
+        src = src.srcs[0]
+    return tuple(axes), src, links
+
+
+def _is_leaf(n: Node, cut: set[int]) -> bool:
+    return n.op == Op.INPUT or id(n) in cut
+
+
+class _Planner:
+    """Plans each root (an output or a temporary) until nothing more needs cutting."""
+
+    def __init__(self, ir: KernelIR):
+        self.ir = ir
+        self.users = use_counts(ir.results.values())
+
+    def plan(self, root: Node, shape: tuple[str, ...]) -> tuple[Structure, dict[int, Node]]:
+        """The root's structure and the nodes cut from its graph (by id)."""
+        cut: dict[int, Node] = {}
+        while True:
+            structure, more = self.classify(root, shape, set(cut))
+            if not more:
+                return structure, cut
+            cut.update((id(n), n) for n in more)
+
+    def classify(self, root: Node, shape: tuple[str, ...], cut: set[int]) -> tuple[Structure | None, list[Node]]:
+        group = toposort([root], stop=cut)
+        if root.op == Op.PROJ:                       # an intrinsic call: operands must be tensors
+            return Structure("intrinsic", shape), [s for s in root.srcs[0].srcs if not _is_leaf(s, cut)]
+        projs = [n for n in group if n.op == Op.PROJ]
+        if projs:                                    # an intrinsic's result used in an expression
+            return None, projs
+        top = root.srcs[0] if root.op == Op.CAST and root.srcs[0].op == Op.SUM else root
+        axes = gemm_axes(top, shape)
+        if axes is not None:
+            bad = [x for x in top.srcs[0].srcs if not _is_leaf(x, cut)]
+            return Structure("contraction", shape, (top.arg,)), bad
+        inner = [n for n in group if n.op == Op.SUM and n is not top and gemm_axes(n, n.shape) is not None]
+        if inner:                                    # a GEMM inside an expression runs as a GEMM
+            return None, inner
+        return self.reduction_structure(root, shape, group, cut)
+
+    def reduction_structure(self, root: Node, shape, group: list[Node], cut: set[int]):
+        links: set[int] = set()
+        reds = [n for n in group if n.op in REDUCE]
+        for r in reds:
+            links.update(id(x) for x in reduction_chain(r, self.users, cut)[2])
+        heads = [r for r in reds if id(r) not in links]
+        if not heads:
+            return Structure("pointwise", shape), []
+        head_ids = {id(h) for h in heads}
+        chains = {id(h): reduction_chain(h, self.users, cut) for h in heads}
+        # a reduction read at a moved position along an axis of its result cannot be computed there
+        moved = []
+        for m in group:
+            if m.op in MOVING and m.op != Op.GATHER:
+                axis = m.arg[0]
+                moved += [h for h in toposort([m.srcs[0]], stop=cut) if id(h) in head_ids and axis in h.shape]
+        if moved:
+            return None, moved
+        top = _reachable(root, head_ids, cut)
+        sets = [frozenset(chains[id(h)][0]) for h in top]
+        fitting = next((s for s in sets if _fits(s, shape)), None)
+        off = [h for h, s in zip(top, sets) if s != fitting]
+        if off:
+            return None, off
+        nested = [h for h in heads if id(h) not in {id(t) for t in top}]
+        off = [h for h in nested if frozenset(chains[id(h)][0]) != fitting]
+        if off:
+            return None, off
+        if len(fitting) == 1:
+            (c,) = fitting
+            if c in shape:                           # reduced and broadcast back over the row
+                return Structure("rowreduce", shape, (c,)), []
+            sources = [chains[id(h)][1] for h in heads]
+            if all(s.shape and s.shape[-1] == c for s in sources):
+                return Structure("rowreduce", shape + (c,), (c,)), []
+        source_axes = [a for h in heads for a in chains[id(h)][1].shape]
+        reduced = tuple(dict.fromkeys(a for a in source_axes if a in fitting))
+        return Structure("colreduce", shape, reduced), []
+
+
+def _reachable(root: Node, heads: set[int], cut: set[int]) -> list[Node]:
+    """The reductions reachable from ``root`` without passing through another one, in order."""
+    found: list[Node] = []
+    seen: set[int] = set()
+    stack = [root]
+    while stack:
+        n = stack.pop()
+        if id(n) in seen or id(n) in cut:
+            continue
+        seen.add(id(n))
+        if id(n) in heads:
+            found.append(n)
+            continue
+        stack.extend(reversed(n.srcs))
+    return found
+
+
+def _fits(axes: frozenset[str], shape: tuple[str, ...]) -> bool:
+    """Whether reductions over ``axes`` fit an output of ``shape``: the axes are not the output's,
+    or (one axis) it is the output's last one, reduced per row and broadcast back."""
+    if len(axes) == 1 and next(iter(axes)) in shape:
+        return shape[-1] in axes
+    return not axes & set(shape)
+
+
+@dataclass
+class _Root:
+    name: str
+    node: Node
+    shape: tuple[str, ...]
+    dtype: str
+    structure: Structure
+    cut: dict[int, Node]
+    level: int = 0
+
+
+def _merge_key(r: _Root):
+    s = r.structure
+    if s.kind == "intrinsic":
+        return ("intrinsic", id(r.node.srcs[0]))
+    if s.kind == "contraction":
+        return ("contraction", r.name)
+    return (s.kind, s.space, s.reduced)
+
+
+def partition(ir: KernelIR) -> Partition:
+    """The parts ``ir`` runs as, in dispatch order (one part, ``ir`` itself, when it needs one)."""
+    planner = _Planner(ir)
+    taken = {t.name for t in ir.inputs + ir.outputs} | set(ir.scalars)
+    fresh = (f"tmp{i}" for i in itertools.count() if f"tmp{i}" not in taken)
+    roots: list[_Root] = []
+    temp_names: dict[int, str] = {}                  # cut node id -> its temporary's name
+    todo = [(o.name, ir.results[o.name], o.shape, o.dtype) for o in ir.outputs]
+    while todo:
+        name, node, shape, dtype = todo.pop(0)
+        structure, cut = planner.plan(node, shape)
+        roots.append(_Root(name, node, shape, dtype, structure, cut))
+        for n in cut.values():
+            if id(n) not in temp_names:
+                temp_names[id(n)] = next(fresh)
+                todo.append((temp_names[id(n)], n, n.shape, _temp_dtype(n)))
+    if len(roots) == len(ir.outputs) and not temp_names and len({_merge_key(r) for r in roots}) == 1:
+        return Partition((replace(ir, structure=roots[0].structure),), ())
+    by_name = {r.name: r for r in roots}
+    writer = {i: by_name[name] for i, name in temp_names.items()}
+    _levels(roots, writer)
+    groups: dict[tuple, list[_Root]] = {}
+    for r in roots:
+        groups.setdefault((r.level, _merge_key(r)), []).append(r)
+    position = {r.name: i for i, r in enumerate(roots)}      # outputs first, in declared order
+    ordered = sorted(groups.items(), key=lambda kv: (kv[0][0], min(position[m.name] for m in kv[1])))
+    parts = [_part(ir, members, writer) for _, members in ordered]
+    if ir.inouts and len(parts) > 1:
+        raise DslError(f"kernel {ir.name!r} updates {', '.join(ir.inouts)} in place but needs {len(parts)} dispatches "
+                       f"({', '.join(p.structure.kind for p in parts)})", filename=ir.filename, line=ir.line,
+                       column=1, source=ir.source or None,
+                       expected="an in-place kernel that is one elementwise pass (compute reductions in another kernel)")
+    temps = tuple(TensorArg(r.name, r.dtype, r.shape) for r in roots[len(ir.outputs):])
+    if len(parts) == 1:                  # one part after all (outputs merged): it keeps the kernel's name
+        parts = [replace(parts[0], name=ir.name)]
+    return Partition(tuple(parts), temps)
+
+
+def _temp_dtype(n: Node) -> str:
+    """Temporaries are stored as f32 (integers as themselves): they are small next to the
+    activations, and keeping them exact keeps a split kernel's numbers those of a fused one."""
+    return n.dtype if n.dtype in ("i32", "u32") else "f32"
+
+
+def _levels(roots: list[_Root], writer: dict[int, _Root]) -> None:
+    """level = 1 + the highest level among the roots whose temporaries it reads (0 if none)."""
+    memo: dict[str, int] = {}
+
+    def level(r: _Root) -> int:
+        if r.name not in memo:
+            memo[r.name] = 1 + max((level(writer[i]) for i in r.cut), default=-1)
+        return memo[r.name]
+    for r in roots:
+        r.level = level(r)
+
+
+def _part(ir: KernelIR, members: list[_Root], writer: dict[int, _Root]) -> KernelIR:
+    """One part: its members' values, with the temporaries they read as inputs."""
+    results: dict[str, Node] = {}
+    read: dict[str, TensorArg] = {}
+    for r in members:
+        leaves = {}
+        for i in r.cut:
+            w = writer[i]
+            read[w.name] = TensorArg(w.name, w.dtype, w.shape)
+            leaves[i] = Node(Op.INPUT, (), w.shape, w.dtype, w.name)
+        results.update(substitute({r.name: r.node}, leaves))
+    used = {n.arg for n in toposort(results.values()) if n.op in (Op.INPUT, Op.SCALAR)}
+    inputs = tuple(t for t in ir.inputs if t.name in used) + tuple(t for n, t in read.items() if n in used)
+    outputs = tuple(TensorArg(r.name, r.dtype, r.shape) for r in members)
+    name = ir.name + "_" + "_".join(r.name for r in members)
+    return replace(ir, name=name, inputs=inputs, scalars=tuple(s for s in ir.scalars if s in used),
+                   outputs=outputs, results=results, structure=members[0].structure,
+                   inouts=tuple(n for n in ir.inouts if n in results))

@@ -24,8 +24,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import grad, library, precision
-from ..intrinsics.embedding import slots
+from .. import grad
+from ..ops import library, precision
+from ..ops.embedding import slots
 from ..runtime import Tensor
 from ..schedule.spec import bucketed
 from .checkpoint import check_tensors, load_checkpoint, parameter_shapes, save_checkpoint

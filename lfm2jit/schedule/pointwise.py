@@ -1,27 +1,40 @@
 """Elementwise schedule: one invocation per element of the iteration space."""
 from __future__ import annotations
 
-from ..codegen.wgsl import store
-from ..ir.nodes import KernelIR
-from .spec import MAX_WORKGROUP, index_names, make_emitter, schedule_error, store_entry, total, unravel
+from dataclasses import dataclass
+
+from ..ir.nodes import SEQ_AXIS, KernelIR
+from .code import COMPUTE_TYPE, Compare, IndexLet, Let, SeqLen, Store, Var
+from .lower import Lowerer
+from .spec import MAX_WORKGROUP, EntryPoint, Plan, index_vars, total, unravel
 
 
-def plan(ir: KernelIR, sizes: dict[str, int], space: tuple[str, ...], accumulate: frozenset[str]):
-    for o in ir.outputs:
-        if o.shape != space:
-            raise schedule_error(ir, f"output {o.name!r} has shape [{', '.join(o.shape)}] but the kernel iterates "
-                                 f"over [{', '.join(space)}]", "all outputs of an elementwise kernel share one shape")
-    index_of = index_names(space)
-    emitter = make_emitter(sizes, index_of)
+@dataclass(frozen=True)
+class PointwiseParams:
+    workgroup_size: int
+    total: int
+    indices: tuple[IndexLet, ...]       # each axis' index from the flat invocation index gid
+    guard: Compare | None               # rows past the real length return early
+    lets: tuple[Let, ...]
+    stores: tuple[Store, ...]
+
+
+def plan(ir: KernelIR, sizes: dict[str, int], accumulate: frozenset[str], tiles=None) -> Plan:
+    space = ir.structure.space
+    index_of = index_vars(space)
+    lower = Lowerer(sizes, index_of)
     bound: dict[int, str] = {}
-    lets = emitter.emit(ir.results.values(), bound)
+    lets = lower.emit(ir.results.values(), bound)
     n = total(space, sizes)
-    ctx = {
-        "workgroup_size": MAX_WORKGROUP,
-        "total": n,
-        "indices": unravel(space, sizes, "gid"),
-        "lets": [vars(x) for x in lets],
-        "stores": [store_entry(o.name, "gid", store(bound[id(ir.results[o.name])], ir.results[o.name].dtype, o.dtype),
-                               o.name in accumulate) for o in ir.outputs],
-    }
-    return "pointwise", ctx, -(-n // MAX_WORKGROUP)
+    stores = tuple(result_store(lower, ir, o, Var("gid"), bound, accumulate) for o in ir.outputs)
+    params = PointwiseParams(MAX_WORKGROUP, n, unravel(space, sizes, Var("gid")),
+                             Compare("<", index_of[SEQ_AXIS], SeqLen()) if SEQ_AXIS in space else None,
+                             tuple(lets), stores)
+    return Plan("pointwise", params, (EntryPoint("main", -(-n // MAX_WORKGROUP)),))
+
+
+def result_store(lower: Lowerer, ir: KernelIR, out, at, bound: dict[int, str], accumulate) -> Store:
+    """The store of output ``out``'s value (bound in ``bound``) at offset ``at``."""
+    node = ir.results[out.name]
+    ctype = COMPUTE_TYPE[node.dtype]
+    return Store(out.name, at, lower.ref(node, ctype, bound), ctype, out.dtype, out.name in accumulate)

@@ -1,35 +1,101 @@
-"""KernelSpec and the helpers every schedule shares: axis sizes, names, offsets, loads, stores."""
+"""KernelSpec, the scheduler's output, and the helpers every planner shares.
+
+Binding table (the same for every schedule; sizes derive from it):
+
+    group 0, binding 0        uniform Info { t_valid: u32, <each scalar>: f32 }   runtime values, no recompile
+    group 0, binding 1..n     the tensor inputs in signature order,  read-only storage
+    group 0, binding n+1..    the outputs in signature order,        read-write storage
+    group 0, then             scratch buffers (a split-K workspace), read-write storage
+
+Specialization: every axis gets a concrete size baked into the kernel as a constant; the sequence
+axis T is rounded up to a multiple of the length bucket, and the real length is ``info.t_valid``,
+so one pipeline serves every length in a bucket. No template reads or writes rows past t_valid.
+"""
 from __future__ import annotations
 
 import functools
 import hashlib
-import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from ..codegen.wgsl import COMPUTE_TYPE, ExprEmitter
 from ..dsl.errors import DslError
-from ..ir.nodes import SEQ_AXIS, KernelIR, Node
+from ..ir.nodes import SEQ_AXIS, KernelIR, TensorArg
+from .code import Bin, Const, Index, IndexLet, SeqLen, Var, add, mul
 
 MAX_WORKGROUP = 256
 
 
+@dataclass(frozen=True)
+class Binding:
+    """One storage binding: a tensor (or scratch buffer) by name, its element type and access."""
+    tensor: str
+    binding: int
+    access: str          # "read" | "read_write"
+    dtype: str           # element dtype: f32 f16 i32 u32
+    vector: int = 1      # 4: the template reads it as 4-vectors of dtype
+
+
+@dataclass(frozen=True)
+class EntryPoint:
+    """A compute entry point and its dispatch grid; an int grid is folded into 2-D by the runtime."""
+    name: str
+    grid: int | tuple[int, int, int]
+
+
+@dataclass(frozen=True)
+class Scratch:
+    """A buffer the template needs beside its tensors (bound after the outputs), elements of dtype."""
+    tensor: str
+    dtype: str
+    elements: int
+
+
 @dataclass(frozen=True, eq=False)
 class KernelSpec:
-    """Everything that determines one kernel's WGSL. ``key`` is derived from all of it."""
+    """Everything that determines one kernel: its template and typed parameters, bindings, entry
+    points with their grids and scratch buffers. ``key`` is derived from all of it."""
     kernel: str
     template: str
-    context: dict
-    workgroups: int | tuple[int, int, int]   # an int is folded into 2-D at dispatch
-    inputs: tuple[str, ...]
-    outputs: tuple[tuple[str, str, tuple[int, ...]], ...]   # (name, dtype, padded shape)
+    params: object                                  # the template's typed parameters (a frozen dataclass)
+    bindings: tuple[Binding, ...]
+    entry_points: tuple[EntryPoint, ...]
+    scratch: tuple[Scratch, ...]
+    dims: tuple[tuple[str, int], ...]               # every axis and its baked size
     scalars: tuple[str, ...]
-    dims: dict = field(default_factory=dict)
+    inputs: tuple[str, ...]                         # tensors bound read-only, in binding order
+    outputs: tuple[tuple[str, str, tuple[int, ...]], ...]   # (name, dtype, padded shape)
 
     @functools.cached_property
     def key(self) -> str:
-        blob = json.dumps({"template": self.template, "context": self.context}, sort_keys=True)
+        blob = repr((self.kernel, self.template, self.params, self.bindings, self.entry_points, self.scratch,
+                     self.dims, self.scalars))
         return hashlib.sha256(blob.encode()).hexdigest()[:24]
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return dict(self.dims)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a planner returns: its template, typed parameters, entry points and scratch buffers,
+    and the tensors it reads as vectors."""
+    template: str
+    params: object
+    entry_points: tuple[EntryPoint, ...]
+    scratch: tuple[Scratch, ...] = ()
+    vectors: tuple[tuple[str, int], ...] = ()
+
+
+@dataclass(frozen=True)
+class IntrinsicCall:
+    """One intrinsic call as its planner sees it: operands and outputs with names, concrete sizes."""
+    name: str
+    operands: tuple[TensorArg, ...]          # kernel inputs, in the intrinsic's parameter order
+    outputs: tuple[TensorArg | None, ...]    # kernel outputs per intrinsic output (None: not kept)
+    sizes: dict[str, int]
+    accumulate: frozenset[str] = frozenset()
+    tiles: object = None                     # the caller's tiles override (of the planner's tiles class)
 
 
 def bucketed(t: int, bucket: int) -> int:
@@ -58,21 +124,23 @@ def bind_dims(ir: KernelIR, dims: dict[str, int], bucket: int) -> dict[str, int]
 
 
 def schedule_error(ir: KernelIR, message: str, expected: str) -> DslError:
-    return DslError(message, filename=ir.filename, line=ir.line, column=1, source=ir.source, expected=expected)
+    return DslError(message, filename=ir.filename, line=ir.line, column=1 if ir.line else 0,
+                    source=ir.source or None, expected=expected)
 
 
 def ident(axis: str) -> str:
-    """A WGSL identifier for an axis; integer axes ("3") become "AX3"."""
+    """An identifier for an axis; integer axes ("3") become "AX3"."""
     return axis if axis[0].isalpha() or axis[0] == "_" else f"AX{axis}"
 
 
-def index_names(axes: tuple[str, ...]) -> dict[str, str]:
-    return {a: f"i_{ident(a)}" for a in axes}
+def index_vars(axes) -> dict[str, Index]:
+    """The index variable of each axis (i_T, i_D, ...)."""
+    return {a: Var(f"i_{ident(a)}") for a in axes}
 
 
-def extent(axis: str, sizes: dict[str, int]) -> str:
+def extent(axis: str, sizes: dict[str, int]) -> Index:
     """How far a loop over ``axis`` runs: the real length for T, the baked size otherwise."""
-    return "info.t_valid" if axis == SEQ_AXIS else f"{sizes[axis]}u"
+    return SeqLen() if axis == SEQ_AXIS else Const(sizes[axis])
 
 
 def strides(shape: tuple[str, ...], sizes: dict[str, int]) -> dict[str, int]:
@@ -83,40 +151,23 @@ def strides(shape: tuple[str, ...], sizes: dict[str, int]) -> dict[str, int]:
     return out
 
 
-def offset(shape: tuple[str, ...], sizes: dict[str, int], index_of: dict[str, str]) -> str:
+def offset(shape: tuple[str, ...], sizes: dict[str, int], index_of: dict[str, Index]) -> Index:
+    """The element offset of (index_of[a] for a in shape) in a row-major tensor of ``shape``."""
     st = strides(shape, sizes)
-    terms = [index_of[a] if st[a] == 1 else f"{index_of[a]} * {st[a]}u" for a in shape]
-    return " + ".join(terms) if terms else "0u"
+    out: Index = Const(0)
+    for a in shape:
+        out = add(out, mul(index_of[a], st[a]))
+    return out
 
 
-def unravel(axes: tuple[str, ...], sizes: dict[str, int], flat: str) -> list[dict]:
+def unravel(axes: tuple[str, ...], sizes: dict[str, int], flat: Index) -> tuple[IndexLet, ...]:
     """Index variables for ``axes`` from a flat row-major index."""
     st = strides(axes, sizes)
     out = []
     for i, a in enumerate(axes):
-        div = f"{flat} / {st[a]}u" if st[a] != 1 else flat
-        out.append({"var": f"i_{ident(a)}", "expr": div if i == 0 else f"({div}) % {sizes[a]}u"})
-    return out
-
-
-def load(n: Node, sizes: dict[str, int], index_of: dict[str, str]) -> str:
-    value = f"{buffer_var(n.arg)}[{offset(n.shape, sizes, index_of)}]"
-    return value if COMPUTE_TYPE[n.dtype] == n.dtype else f"{COMPUTE_TYPE[n.dtype]}({value})"
-
-
-def buffer_var(name: str) -> str:
-    """The WGSL variable of a tensor parameter: suffixed, so a user's name can never collide with a
-    WGSL keyword or builtin, or with a template's own variables (none of which ends in '_')."""
-    return f"{name}_"
-
-
-def make_emitter(sizes: dict[str, int], index_of: dict[str, str]) -> ExprEmitter:
-    return ExprEmitter(sizes, index_of, lambda axis: extent(axis, sizes),
-                       lambda n, idx: load(n, sizes, idx))
-
-
-def store_entry(name: str, off: str, value: str, accumulate: bool) -> dict:
-    return {"name": buffer_var(name), "offset": off, "value": value, "accumulate": accumulate}
+        div = Bin("/", flat, Const(st[a])) if st[a] != 1 else flat
+        out.append(IndexLet(f"i_{ident(a)}", div if i == 0 else Bin("%", div, Const(sizes[a]))))
+    return tuple(out)
 
 
 def total(axes, sizes) -> int:

@@ -1,4 +1,4 @@
-"""Reverse-mode differentiation of kernel IR.
+"""Reverse-mode differentiation of kernel IR: the table of local gradient rules and grad_ir.
 
 ``RULES`` is the table of local gradients: for an op, given the node and the adjoint flowing into
 it, the adjoint of each source (None where none flows). Adjoints that arrive broadcast over extra
@@ -10,65 +10,11 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .nodes import KernelIR, Node, TensorArg, toposort
-from .ops import FLOAT_DTYPES, REDUCE, Op
-from .shapes import merge
-
-ABSTRACT = "float"
-
-
-class GraphBuilder:
-    """Makes IR nodes with shapes and dtypes inferred by the DSL's rules, interning duplicates."""
-
-    def __init__(self):
-        self.interned: dict[tuple, Node] = {}
-
-    def node(self, op: Op, srcs: tuple[Node, ...], shape, dtype: str, arg=None) -> Node:
-        key = (op, tuple(id(s) for s in srcs), tuple(shape), dtype, arg)
-        if key not in self.interned:
-            self.interned[key] = Node(op, tuple(srcs), tuple(shape), dtype, arg)
-        return self.interned[key]
-
-    def const(self, value: float) -> Node:
-        return self.node(Op.CONST, (), (), ABSTRACT, float(value))
-
-    def unary(self, op: Op, x: Node) -> Node:
-        return self.node(op, (x,), x.shape, x.dtype)
-
-    def binary(self, op: Op, a: Node, b: Node) -> Node:
-        shape = merge(a.shape, b.shape)
-        assert shape is not None, f"autodiff built conflicting shapes {a} {b}"
-        dtype = b.dtype if a.dtype == ABSTRACT else a.dtype
-        return self.node(op, (a, b), shape, dtype)
-
-    def add(self, a, b):
-        return self.binary(Op.ADD, a, b)
-
-    def sub(self, a, b):
-        return self.binary(Op.SUB, a, b)
-
-    def mul(self, a, b):
-        return self.binary(Op.MUL, a, b)
-
-    def div(self, a, b):
-        return self.binary(Op.DIV, a, b)
-
-    def neg(self, a):
-        return self.unary(Op.NEG, a)
-
-    def where(self, c, a, b):
-        shape = merge(merge(c.shape, a.shape), b.shape)
-        dtype = b.dtype if a.dtype == ABSTRACT else a.dtype
-        return self.node(Op.WHERE, (c, a, b), shape, dtype)
-
-    def sum(self, x: Node, axis: str) -> Node:
-        return self.node(Op.SUM, (x,), tuple(a for a in x.shape if a != axis), x.dtype, axis)
-
-    def sum_to(self, x: Node, shape: tuple[str, ...]) -> Node:
-        """Undo broadcasting: sum ``x`` over every axis it has beyond ``shape``."""
-        for axis in [a for a in x.shape if a not in shape]:
-            x = self.sum(x, axis)
-        return x
+from ..dsl.errors import DslError
+from . import intrinsics
+from .graph import GraphBuilder
+from .nodes import ABSTRACT, KernelIR, Node, TensorArg, substitute, toposort
+from .ops import FLOAT_DTYPES, Op
 
 
 Rule = Callable[[GraphBuilder, Node, Node], list]
@@ -113,8 +59,10 @@ RULES: dict[Op, Rule] = {
     Op.INDEX: lambda b, n, g: [],
     # ids are integers; a table's gradient is a scatter-add, which grad_ir refuses up front
     Op.GATHER: lambda b, n, g: [None, None],
-    # reading at t + k sends the adjoint back to t - k (zero past either end)
-    Op.SHIFT: lambda b, n, g: [b.node(Op.SHIFT, (g,), g.shape, g.dtype, (n.arg[0], -n.arg[1]))],
+    # reading at t + k sends the adjoint back to t - k (zero past either end); an adjoint that does
+    # not vary along the axis is first repeated over it, so the shift sees where the axis ends
+    Op.SHIFT: lambda b, n, g: [_shift(b, g, n.srcs[0].shape, n.arg[0], -n.arg[1])],
+    Op.BROADCAST: lambda b, n, g: [g],
     # taking entry i of an axis puts the adjoint back at entry i, zero elsewhere, and vice versa
     Op.TAKE: lambda b, n, g: [b.node(Op.EMBED, (g,), _with_axis(n.srcs[0].shape, g.shape, n.arg[0]), g.dtype, n.arg)],
     Op.EMBED: lambda b, n, g: [b.node(Op.TAKE, (g,), tuple(a for a in g.shape if a != n.arg[0]), g.dtype, n.arg)],
@@ -125,8 +73,18 @@ RULES: dict[Op, Rule] = {
 }
 
 
-class AutodiffError(ValueError):
-    pass
+class AutodiffError(DslError):
+    """A kernel that cannot be differentiated as asked; located at the kernel's definition."""
+
+    def __init__(self, ir: KernelIR, message: str, expected: str | None = None):
+        super().__init__(message, filename=ir.filename, line=ir.line, column=1 if ir.line else 0,
+                         source=ir.source or None, expected=expected)
+
+
+def _shift(b: GraphBuilder, g: Node, src_shape: tuple[str, ...], axis: str, offset: int) -> Node:
+    if axis not in g.shape:
+        g = b.broadcast(g, _with_axis(src_shape, g.shape, axis))
+    return b.node(Op.SHIFT, (g,), g.shape, g.dtype, (axis, offset))
 
 
 def _with_axis(src_shape: tuple[str, ...], adj_shape: tuple[str, ...], axis: str) -> tuple[str, ...]:
@@ -142,25 +100,28 @@ def grad_ir(ir: KernelIR, wrt: list[str] | None = None, cotangents: list[str] | 
     """The backward kernel of ``ir``: d_<input> for each name in ``wrt`` (default: every float input),
     given cotangents d_<output> for each name in ``cotangents`` (default: every output)."""
     if ir.inouts:
-        raise AutodiffError(f"{ir.name}: kernels that update {list(ir.inouts)} in place have no backward")
+        raise AutodiffError(ir, f"{ir.name}: kernels that update {list(ir.inouts)} in place have no backward",
+                            "a kernel without in-place outputs")
     inputs = {t.name: t for t in ir.inputs}
     outputs = {t.name: t for t in ir.outputs}
     wrt = list(wrt) if wrt is not None else [t.name for t in ir.inputs if t.dtype in FLOAT_DTYPES]
     cotangents = list(cotangents) if cotangents is not None else list(outputs)
     for name in wrt:
         if name not in inputs:
-            raise AutodiffError(f"{ir.name}: cannot differentiate with respect to {name!r}; "
-                                f"tensor inputs are {', '.join(inputs)}")
+            raise AutodiffError(ir, f"{ir.name}: cannot differentiate with respect to {name!r}",
+                                f"one of the tensor inputs: {', '.join(inputs)}")
         if inputs[name].dtype not in FLOAT_DTYPES:
-            raise AutodiffError(f"{ir.name}: input {name!r} is {inputs[name].dtype}; only float inputs have gradients")
+            raise AutodiffError(ir, f"{ir.name}: input {name!r} is {inputs[name].dtype}; only float inputs have gradients",
+                                "a float (f32 or f16) input")
     for name in cotangents:
         if name not in outputs:
-            raise AutodiffError(f"{ir.name}: no output {name!r} to take a cotangent for; outputs are {', '.join(outputs)}")
+            raise AutodiffError(ir, f"{ir.name}: no output {name!r} to take a cotangent for",
+                                f"one of the outputs: {', '.join(outputs)}")
 
     tables = {n.srcs[0].arg for n in toposort(ir.results.values()) if n.op == Op.GATHER}
     if tables & set(wrt):
-        raise AutodiffError(f"{ir.name}: no gradient through gather() for {sorted(tables & set(wrt))}; "
-                            "an embedding table's gradient is a scatter-add (the embedding_grad kernel)")
+        raise AutodiffError(ir, f"{ir.name}: no gradient through gather() for {sorted(tables & set(wrt))}",
+                            "an embedding table's gradient as a scatter-add (the embedding_grad kernel)")
 
     b = GraphBuilder()
     adjoints: dict[int, list[Node]] = {}
@@ -191,7 +152,7 @@ def grad_ir(ir: KernelIR, wrt: list[str] | None = None, cotangents: list[str] | 
                 continue
             rule = RULES.get(node.op)
             if rule is None:
-                raise AutodiffError(f"{ir.name}: no gradient rule for {node.op.name}")
+                raise AutodiffError(ir, f"{ir.name}: no gradient rule for {node.op.name}", "a differentiable op")
             src_adjoints = rule(b, node, g)
         for src, adj in zip(node.srcs, src_adjoints):
             if adj is not None and src.op not in (Op.CONST, Op.DIMSIZE, Op.SCALAR):
@@ -225,17 +186,18 @@ def grad_ir(ir: KernelIR, wrt: list[str] | None = None, cotangents: list[str] | 
 
 
 def _intrinsic_rule(ir: KernelIR, b: GraphBuilder, call: Node, projs: dict[int, Node], adjoints) -> list:
-    """Adjoints of an intrinsic call's operands, from its registered gradient rule."""
-    from ..intrinsics import get
-
-    intr = get(call.arg)
+    """Adjoints of an intrinsic call's operands, from its declared gradient rule."""
+    intr = intrinsics.get(call.arg)
     outs = [adjoints.pop(("proj", id(projs[i])), [None])[0] if i in projs else None
             for i in range(len(intr.outputs))]
     if all(g is None for g in outs):
         return [None] * len(call.srcs)
     if intr.grad is None:
-        raise AutodiffError(f"{ir.name}: intrinsic {call.arg} has no gradient rule")
-    return intr.grad(b, call, projs, outs)
+        raise AutodiffError(ir, f"{ir.name}: intrinsic {call.arg} has no gradient rule", "a differentiable intrinsic")
+    try:
+        return intr.grad(b, call, projs, outs)
+    except intrinsics.IntrinsicError as e:
+        raise AutodiffError(ir, str(e)) from None
 
 
 def _total(b: GraphBuilder, pending: list[Node], shape: tuple[str, ...]) -> Node:
@@ -252,16 +214,3 @@ def _total(b: GraphBuilder, pending: list[Node], shape: tuple[str, ...]) -> Node
             dtype = adj.dtype if total.dtype == ABSTRACT else total.dtype
             total = b.node(Op.ADD, (total, adj), tuple(a for a in shape if a in axes), dtype)
     return total
-
-
-def substitute(results: dict[str, Node], mapping: dict[int, Node]) -> dict[str, Node]:
-    """Rebuild the graph under ``results`` with the nodes whose ids are in ``mapping`` replaced."""
-    memo: dict[int, Node] = dict(mapping)
-    for n in toposort(results.values(), stop=mapping.keys()):
-        srcs = tuple(memo.get(id(s), s) for s in n.srcs)
-        memo[id(n)] = n if all(a is b for a, b in zip(srcs, n.srcs)) else Node(n.op, srcs, n.shape, n.dtype, n.arg)
-    return {k: memo.get(id(v), v) for k, v in results.items()}
-
-
-def reduces_in(node: Node) -> list[Node]:
-    return [n for n in toposort([node]) if n.op in REDUCE]

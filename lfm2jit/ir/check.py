@@ -3,15 +3,14 @@ from __future__ import annotations
 
 import math
 
-from .. import intrinsics
 from ..dsl import ast
 from ..dsl.errors import DslError
-from .nodes import SEQ_AXIS, KernelIR, Node, TensorArg
-from .shapes import merge
+from . import intrinsics
+from .graph import GraphBuilder
+from .nodes import ABSTRACT, SEQ_AXIS, KernelIR, Node, TensorArg
+from .shapes import is_subsequence, merge
 from .ops import (BINARY_FUNCS, BINOP_NAMES, DTYPES, FLOAT_DTYPES, FLOAT_ONLY, REDUCE_FUNCS,
                   UNARY_FUNCS, Op)
-
-ABSTRACT = "float"   # the dtype of a literal until it meets a typed operand
 F32_OVERFLOW = 2.0**128 - 2.0**103   # the smallest magnitude that rounds to infinity in f32
 INT_RANGE = {"i32": (-2**31, 2**31 - 1), "u32": (0, 2**32 - 1)}
 
@@ -25,7 +24,7 @@ class _Builder:
         self.kdef = kdef
         self.src = src
         self.env: dict[str, Node] = {}
-        self.interned: dict[tuple, Node] = {}
+        self.graph = GraphBuilder()
         self.fixed_dims: dict[str, int] = {}
         self.inouts: set[str] = set()
 
@@ -34,10 +33,7 @@ class _Builder:
                         source=self.src.text, expected=expected)
 
     def node(self, op: Op, srcs: tuple[Node, ...], shape, dtype: str, arg=None) -> Node:
-        key = (op, tuple(id(s) for s in srcs), tuple(shape), dtype, arg)
-        if key not in self.interned:
-            self.interned[key] = Node(op, srcs, tuple(shape), dtype, arg)
-        return self.interned[key]
+        return self.graph.node(op, srcs, shape, dtype, arg)
 
     # ---- signature ----
     def shape_of(self, p: ast.Param) -> tuple[str, ...]:
@@ -360,7 +356,7 @@ class _Builder:
         if value.dtype not in (decl.dtype, ABSTRACT):
             raise self.error(st.loc, f"output {decl.name!r} is declared {decl.dtype} but its value is {value.dtype}",
                              f"a {decl.dtype} value (cast with {decl.dtype}(...))")
-        if value.shape != decl.shape and not _is_subsequence(value.shape, decl.shape):
+        if value.shape != decl.shape and not is_subsequence(value.shape, decl.shape):
             raise self.error(st.loc, f"output {decl.name!r} is declared {_fmt(decl.dtype, decl.shape)} "
                              f"but its value is {_fmt(value.dtype, value.shape)}", _fmt(decl.dtype, decl.shape))
         value = self.adopt(st.value.loc, value, decl.dtype)
@@ -371,11 +367,6 @@ class _Builder:
 
 def _is_int(e) -> bool:
     return isinstance(e, ast.Number) and e.value == int(e.value) and "." not in e.text and "e" not in e.text.lower()
-
-
-def _is_subsequence(small: tuple[str, ...], big: tuple[str, ...]) -> bool:
-    it = iter(big)
-    return all(a in it for a in small)
 
 
 def build_kernel(kdef: ast.KernelDef, src: ast.SourceFile) -> KernelIR:

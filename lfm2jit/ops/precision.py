@@ -10,8 +10,8 @@ stored as f16.
 from __future__ import annotations
 
 from . import library
-from .compiler import Backward, Kernel
-from .runtime.tensor import Tensor
+from ..driver import Kernel
+from ..runtime.tensor import Tensor
 
 ACTIVATION_DTYPES = ("f32", "f16")
 STATISTICS = frozenset({"inv", "lse"})   # rmsnorm's 1/rms and attention's log-sum-exp: small, reused by backward
@@ -27,19 +27,16 @@ def check_activation_dtype(dtype: str, ctx) -> str:
     return dtype
 
 
-def for_call(kernel: Kernel | Backward, dtype: str, args: dict, out: dict | None = None) -> Kernel | Backward:
+def for_call(kernel: Kernel, dtype: str, args: dict, out: dict | None = None) -> Kernel:
     """The variant of ``kernel`` that a call with these arguments runs when activations are ``dtype``."""
     if dtype == "f32":
         return kernel
     keep = {n for n, t in args.items() if isinstance(t, Tensor) and t.dtype == "f32"}
     keep |= {n for n, t in (out or {}).items() if t.dtype == "f32"}
-    keep = frozenset(keep | STATISTICS)
-    if isinstance(kernel, Kernel):       # a Backward keeps, per kernel, the names that kernel has
-        keep &= kernel.tensor_names
-    return kernel.variant(dtype, keep)
+    return kernel.variant(dtype, frozenset(keep | STATISTICS) & kernel.tensor_names)
 
 
-def run(engine, kernel: Kernel | Backward | str, dtype: str, *, out: dict | None = None, **args) -> dict[str, Tensor]:
+def run(engine, kernel: Kernel | str, dtype: str, *, out: dict | None = None, **args) -> dict[str, Tensor]:
     """``engine.run`` of the variant of ``kernel`` (or the shipped kernel of that name) that this
     call runs when activations are ``dtype``."""
     kernel = library.get(kernel) if isinstance(kernel, str) else kernel

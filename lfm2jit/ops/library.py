@@ -1,15 +1,15 @@
-"""The kernels that ship with lfm2jit: every ``kernels/*.lk`` file in the package, by kernel name."""
+"""The kernels that ship with lfm2jit: every ``ops/kernels/*.lk`` file in the package, by kernel name."""
 from __future__ import annotations
 
 from functools import lru_cache
 from importlib import resources
 
-from .compiler import Kernel, compile_source
+from ..driver import Kernel, compile_source
 
 
 def sources() -> dict[str, str]:
     """File name -> text of each shipped kernel source."""
-    root = resources.files("lfm2jit").joinpath("kernels")
+    root = resources.files("lfm2jit.ops").joinpath("kernels")
     return {p.name: p.read_text() for p in sorted(root.iterdir(), key=lambda p: p.name) if p.name.endswith(".lk")}
 
 
@@ -17,7 +17,7 @@ def sources() -> dict[str, str]:
 def kernels() -> dict[str, Kernel]:
     out: dict[str, Kernel] = {}
     for fname, text in sources().items():
-        for k in compile_source(text, f"lfm2jit/kernels/{fname}"):
+        for k in compile_source(text, f"lfm2jit/ops/kernels/{fname}"):
             if k.name in out:
                 raise RuntimeError(f"kernel {k.name!r} is defined in two shipped files")
             out[k.name] = k

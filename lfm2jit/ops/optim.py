@@ -30,7 +30,7 @@ import math
 import numbers
 from typing import Sequence
 
-from .runtime.tensor import ITEMSIZE, Tensor
+from ..runtime.tensor import ITEMSIZE, Tensor
 
 CHUNK = 4096              # elements per row of the norm's first pass (one workgroup each)
 PASS2_CHUNK = 1024        # partial sums per row of the second pass

@@ -12,10 +12,10 @@ import os
 from dataclasses import asdict
 from pathlib import Path
 
-from .intrinsics.attention import TEMPLATES as ATTENTION_TEMPLATES, AttentionTiles, attention_candidates
-from .schedule import KernelSpec
-from .schedule.contraction import CANDIDATES, TileConfig
-from .settings import settings
+from ..schedule.attention import AttentionTiles
+from ..schedule.matmul import TileConfig
+from ..settings import settings
+from . import candidates
 from .timing import WARM_SECONDS, seconds_per_call, warm_up
 
 CANDIDATE_WARM_SECONDS = 0.02   # after the search's warm-up, each candidate runs this long before it is timed
@@ -26,15 +26,6 @@ KINDS = {cls.__name__: cls for cls in (TileConfig, AttentionTiles)}   # how save
 def cache_file() -> Path:
     root = settings().cache_dir or Path(os.path.expanduser("~/.cache/lfm2jit"))
     return root / "autotune.json"
-
-
-def candidates(spec: KernelSpec) -> tuple:
-    """The tiles worth trying for an (untuned) specialization; empty where its template has no knobs."""
-    if spec.template == "matmul":
-        return CANDIDATES
-    if spec.template in ATTENTION_TEMPLATES:
-        return attention_candidates(spec.context["mode"], spec.context["head_dim"])
-    return ()
 
 
 def _decode(entry) -> object | None:
@@ -62,7 +53,7 @@ class Tuner:
     def tiles(self, kernel, dims: dict[str, int], bucket: int, accumulate: frozenset[str]):
         """The fastest candidate for this specialization (searched once), or None if it has none."""
         spec = kernel.specialize(dims, bucket, accumulate)
-        options = candidates(spec)
+        options = candidates.for_spec(spec)
         if not options:
             return None
         key = f"{self.engine.ctx.name}|{spec.key}"

@@ -1,0 +1,754 @@
+"""Kernel and train-step benchmarks: ``python -m lfm2jit.bench [--quick] [--json PATH] [--only NAME...]``.
+
+Every line is one measured thing: its time per call (GPU timestamps summed over the call's
+dispatches when the adapter has ``timestamp-query``, else host wall clock around a synchronised
+loop), the work it does by napkin math (FLOPs and/or the fewest bytes it must move), the rate that
+gives, and the fraction of the card's ceiling.
+
+Groups (``--only`` takes group names):
+
+  ref          torch fp32 GEMM (TF32 off) and a device-to-device copy, when torch has CUDA: the
+               measured ceilings the other lines are compared with
+  matmul       ``linear`` (y = x W^T) at the LFM2-350M projection shapes for T = 512 and 2048,
+               and 4096^3; its two backward products (dX = dY W, dW += dY^T X) at the same shapes
+  tiles        the matmul template at other TileConfigs (4096^3 and the MLP shapes): what the
+               template reaches when the schedule picks bigger tiles
+  attention    causal GQA flash attention forward and backward, T = 512/2048, H=16, G=8, E=64
+  conv         LFM2's fused gated short conv, forward and backward
+  rmsnorm      rmsnorm (saving 1/rms), forward and backward
+  pointwise    y = x + z (a pure bandwidth probe for generated elementwise kernels)
+  xent         the LM head fused with masked cross-entropy (vocab 65536, D = 1024), loss + dh + dE
+  adamw        AdamW over every parameter tensor of LFM2-350M (354M elements); global grad norm
+  train        Trainer.train_step on an LFM2-350M-shaped model: 1x512, 1x2048, 8x512 (grad accum 8)
+
+Ceilings: the datasheet H200 numbers (67 TFLOP/s fp32 without tensor cores, 4.8 TB/s HBM)
+unless ``ref`` ran, whose measured copy bandwidth then replaces the datasheet bandwidth.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import math
+import platform
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from lfm2jit import ComputeEngine, WgpuContext, grad
+from lfm2jit.ops import library
+from lfm2jit.schedule.matmul import TileConfig
+from lfm2jit.tune.candidates import MATMUL as CANDIDATES
+from lfm2jit.tune.timing import warm_up
+
+# Datasheet ceilings per adapter-name substring: (fp32 FLOP/s without tensor cores, bytes/s)
+CEILINGS = {"H200": (67e12, 4.8e12), "H100": (67e12, 3.35e12)}
+GROUPS = ("ref", "matmul", "tiles", "attention", "conv", "rmsnorm", "pointwise", "xent", "adamw", "train")
+QUICK_GROUPS = ("matmul", "attention", "conv", "rmsnorm", "pointwise", "xent", "adamw", "train")
+GiB = float(1 << 30)
+
+
+@dataclass
+class Line:
+    group: str
+    name: str
+    shape: str
+    seconds: float | None = None      # per call
+    timer: str = "gpu"                # gpu (timestamps) | wall | cuda (torch events)
+    flops: float = 0.0
+    bytes: float = 0.0
+    bound: str = "compute"            # which ceiling the fraction is taken against
+    wall_seconds: float | None = None  # host wall clock per call (recording + submit + wait)
+    extra: dict = field(default_factory=dict)
+    error: str | None = None
+
+    def tflops(self) -> float | None:
+        return self.flops / self.seconds / 1e12 if self.seconds and self.flops else None
+
+    def gbs(self) -> float | None:
+        return self.bytes / self.seconds / 1e9 if self.seconds and self.bytes else None
+
+
+class Ceilings:
+    def __init__(self, adapter_name: str):
+        self.flops = self.bw = None
+        self.source = "none (unknown adapter)"
+        for key, (f, b) in CEILINGS.items():
+            if key.lower() in adapter_name.lower():
+                self.flops, self.bw, self.source = f, b, f"{key} datasheet"
+
+    def fraction(self, line: Line) -> float | None:
+        if not line.seconds:
+            return None
+        if line.bound == "compute" and line.flops and self.flops:
+            return line.flops / line.seconds / self.flops
+        if line.bound == "memory" and line.bytes and self.bw:
+            return line.bytes / line.seconds / self.bw
+        return None
+
+
+# ---------------------------------------------------------------- timing helpers
+
+def _median_split(timings: list[tuple[str, float]], reps: int) -> tuple[float, dict[str, float]]:
+    """Median over reps of the summed GPU time of each rep's dispatches, and per-kernel means."""
+    n = len(timings) // reps
+    per = [sum(s for _, s in timings[i * n:(i + 1) * n]) for i in range(reps)]
+    by: dict[str, float] = {}
+    for k, s in timings:
+        by[k] = by.get(k, 0.0) + s / reps
+    return statistics.median(per), by
+
+
+def time_engine(engine, record, reps: int) -> tuple[float, str, float, dict[str, float]]:
+    """Time ``record()`` (which records dispatches): (seconds per call, timer, wall per call, per kernel).
+    The GPU is kept busy with it first (timing.warm_up, which also compiles): timed cold, a GPU is
+    still raising its clocks."""
+    warm_up(engine, record)
+    engine.timings.clear()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        record()
+    engine.synchronize()
+    wall = (time.perf_counter() - t0) / reps
+    if engine.timing and engine.timings and len(engine.timings) % reps == 0:
+        gpu, by = _median_split(engine.timings, reps)
+        engine.timings.clear()
+        return gpu, "gpu", wall, by
+    engine.timings.clear()
+    return wall, "wall", wall, {}
+
+
+def _rand(rng, shape, scale=1.0):
+    return (rng.standard_normal(shape, dtype=np.float32) * scale).astype(np.float32)
+
+
+# ---------------------------------------------------------------- kernel benchmarks
+
+class Bench:
+    def __init__(self, ctx, quick: bool, reps: int, log=print, tile_shapes=None):
+        self.ctx = ctx
+        self.tile_shapes = tile_shapes
+        self.quick = quick
+        self.reps = reps
+        self.log = log
+        self.engine = ComputeEngine(ctx, timing=True)
+        self.rng = np.random.default_rng(0)
+        self.ceil = Ceilings(ctx.name)
+        self.lines: list[Line] = []
+
+    def add(self, line: Line) -> Line:
+        self.lines.append(line)
+        self.log(format_line(line, self.ceil))
+        return line
+
+    def guarded(self, group: str, name: str, shape: str, fn):
+        """Run one benchmark; a failure becomes a line with the error instead of ending the run."""
+        try:
+            fn()
+        except Exception as e:   # noqa: BLE001 - a benchmark run reports every failure and goes on
+            self.add(Line(group, name, shape, error=f"{type(e).__name__}: {e}".splitlines()[0][:300]))
+            traceback.print_exc(file=sys.stderr)
+        finally:
+            gc.collect()
+            self.engine.synchronize()
+
+    # ---- reference ceilings through torch ----
+    def ref(self):
+        try:
+            import torch
+        except ImportError:
+            self.log("# ref: torch not importable; skipped")
+            return
+        if not torch.cuda.is_available():
+            self.log("# ref: torch has no CUDA device; skipped")
+            return
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+        torch.set_float32_matmul_precision("highest")
+        dev = torch.device("cuda")
+
+        def cuda_time(fn, reps=20, warmup=3):
+            for _ in range(warmup):
+                fn()
+            torch.cuda.synchronize()
+            ts = []
+            for _ in range(reps):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                fn()
+                b.record()
+                torch.cuda.synchronize()
+                ts.append(a.elapsed_time(b) / 1e3)
+            return statistics.median(ts)
+
+        n = 1 << 28   # 1 GiB of f32, copied: 2 GiB moved
+        src = torch.randn(n, device=dev)
+        dst = torch.empty_like(src)
+        s = cuda_time(lambda: dst.copy_(src))
+        line = self.add(Line("ref", "torch_copy", f"{n * 4 / GiB:.0f} GiB", s, "cuda", bytes=2 * n * 4,
+                             bound="memory"))
+        measured_bw = line.bytes / s
+        del src, dst
+        for m, nn, k in self.gemm_shapes():
+            x = torch.randn(m, k, device=dev)
+            w = torch.randn(nn, k, device=dev)
+            s = cuda_time(lambda: x @ w.T)
+            self.add(Line("ref", "torch_gemm", f"{m}x{nn}x{k}", s, "cuda", flops=2.0 * m * nn * k))
+            del x, w
+        torch.cuda.empty_cache()
+        self.ceil.bw = measured_bw
+        self.ceil.source += f"; bandwidth measured by torch copy: {measured_bw / 1e12:.2f} TB/s"
+
+    def gemm_shapes(self) -> list[tuple[int, int, int]]:
+        """(M, N, K) of y[M, N] = x[M, K] W[N, K]^T."""
+        if self.quick:
+            return [(64, 96, 80), (128, 128, 128)]
+        shapes = []
+        for t in (512, 2048):
+            shapes += [(t, 1024, 1024), (t, 3072, 1024), (t, 4608, 1024), (t, 1024, 4608)]
+        return shapes + [(4096, 4096, 4096)]
+
+    # ---- matmul ----
+    def matmul(self):
+        lin = library.get("linear")
+        dx_k, dw_k = grad(lin, ["x"]), grad(lin, ["w"])
+        for m, n, k in self.gemm_shapes():
+            shape = f"{m}x{n}x{k}"
+            flops = 2.0 * m * n * k
+
+            def one(m=m, n=n, k=k, shape=shape, flops=flops):
+                e = self.engine
+                x, w = e.tensor(_rand(self.rng, (m, k))), e.tensor(_rand(self.rng, (n, k)))
+                y = e.empty((m, n))
+                s, timer, wall, _ = time_engine(e, lambda: e.run(lin, x=x, w=w, out={"y": y}), self.reps)
+                self.add(Line("matmul", "linear_fwd", shape, s, timer, flops, 4.0 * (m * k + n * k + m * n),
+                              wall_seconds=wall))
+                dy = e.tensor(_rand(self.rng, (m, n)))
+                dx = e.empty((m, k))
+                s, timer, wall, _ = time_engine(
+                    e, lambda: e.run(dx_k, x=x, w=w, d_y=dy, out={"d_x": dx}), self.reps)
+                self.add(Line("matmul", "linear_dx", shape, s, timer, flops, 4.0 * (m * n + n * k + m * k),
+                              wall_seconds=wall, extra={"product": f"dX[{m},{k}] = dY[{m},{n}] W[{n},{k}]"}))
+                dw = e.zero_(e.empty((n, k)))
+                s, timer, wall, _ = time_engine(
+                    e, lambda: e.run(dw_k, x=x, w=w, d_y=dy, out={"d_w": dw}, accumulate={"d_w"}), self.reps)
+                self.add(Line("matmul", "linear_dw", shape, s, timer, flops, 4.0 * (m * n + m * k + 2 * n * k),
+                              wall_seconds=wall, extra={"product": f"dW[{n},{k}] += dY^T X (sum over {m})"}))
+            self.guarded("matmul", "linear", shape, one)
+
+    def tiles(self):
+        """The same template at other tile configurations (4096^3 and the T=2048 MLP shapes)."""
+        if self.quick:
+            shapes = [(64, 96, 80)]
+            configs = [TileConfig(), TileConfig(64, 64, 8, 8, 8), TileConfig(128, 128, 8, 8, 8)]
+        else:
+            shapes = self.tile_shapes or [(4096, 4096, 4096), (2048, 4608, 1024), (2048, 1024, 4608)]
+            configs = list(CANDIDATES)          # what the autotuner chooses from
+        lin = library.get("linear")
+        for m, n, k in shapes:
+            for cfg in configs:
+                shape = f"{m}x{n}x{k}"
+                tag = (f"{cfg.bm}x{cfg.bn}/bk{cfg.bk}/{cfg.tm}x{cfg.tn}" + ("/vec4" if cfg.vec else "")
+                       + (f"/split{cfg.split}" if cfg.split > 1 else "") + ("/double" if cfg.double else ""))
+
+                def one(m=m, n=n, k=k, shape=shape, cfg=cfg, tag=tag):
+                    e = self.engine
+                    xa, wa = _rand(self.rng, (m, k)), _rand(self.rng, (n, k))
+                    x, w = e.tensor(xa), e.tensor(wa)
+                    y = e.empty((m, n))
+                    e.run(lin, x=x, w=w, out={"y": y}, tiles=cfg)
+                    rows = min(m, 64)
+                    got = y.numpy()[:rows]
+                    want = xa[:rows].astype(np.float64) @ wa.astype(np.float64).T
+                    err = float(np.abs(got - want).max() / np.abs(want).max())
+                    s, timer, wall, _ = time_engine(e, lambda: e.run(lin, x=x, w=w, out={"y": y}, tiles=cfg),
+                                                    self.reps)
+                    self.add(Line("tiles", f"linear[{tag}]", shape, s, timer, 2.0 * m * n * k,
+                                  4.0 * (m * k + n * k + m * n), wall_seconds=wall,
+                                  extra={"tiles": asdict(cfg), "rel_err_first_rows": err}))
+                self.guarded("tiles", f"linear[{tag}]", shape, one)
+
+    # ---- attention ----
+    def attention(self):
+        att = library.get("attention")
+        bwd = grad(att, ["q", "k", "v"], ["o"])
+        h, g, e_ = (4, 2, 16) if self.quick else (16, 8, 64)
+        for t in ((64, 96) if self.quick else (512, 2048)):
+            shape = f"T{t} H{h} G{g} E{e_}"
+            fwd_flops = 2.0 * t * t * h * e_          # causal: half of 2 products of 2*T*T*E per head
+            bwd_flops = 2.5 * fwd_flops               # FA2 convention: 5 products (S, dP, dV, dQ, dK)
+
+            def one(t=t, shape=shape, fwd_flops=fwd_flops, bwd_flops=bwd_flops):
+                e = self.engine
+                q, k, v = (e.tensor(_rand(self.rng, s)) for s in ((t, h, e_), (t, g, e_), (t, g, e_)))
+                s, timer, wall, _ = time_engine(e, lambda: e.run(att, q=q, k=k, v=v), self.reps)
+                io = 4.0 * (2 * t * h * e_ + 2 * t * g * e_ + t * h)
+                self.add(Line("attention", "attention_fwd", shape, s, timer, fwd_flops, io, wall_seconds=wall))
+                r = e.run(att, q=q, k=k, v=v)
+                do = e.tensor(_rand(self.rng, (t, h, e_)))
+                s, timer, wall, by = time_engine(
+                    e, lambda: e.run(bwd, q=q, k=k, v=v, o=r["o"], lse=r["lse"], d_o=do), self.reps)
+                self.add(Line("attention", "attention_bwd", shape, s, timer, bwd_flops, 2 * io, wall_seconds=wall,
+                              extra={"per_kernel_s": by}))
+            self.guarded("attention", "attention", shape, one)
+
+    # ---- conv / rmsnorm / pointwise ----
+    def _rows(self):
+        d = 64 if self.quick else 1024
+        return d, ((64, 100) if self.quick else (512, 2048))
+
+    def conv(self):
+        kern = library.get("short_conv_nobias")
+        bwd = grad(kern, ["bcx", "w"])
+        d, ts = self._rows()
+        for t in ts:
+            shape = f"T{t} D{d}"
+
+            def one(t=t, shape=shape):
+                e = self.engine
+                bcx = e.tensor(_rand(self.rng, (t, 3, d)))
+                w = e.tensor(_rand(self.rng, (d, 3)))
+                s, timer, wall, _ = time_engine(e, lambda: e.run(kern, bcx=bcx, w=w), self.reps)
+                self.add(Line("conv", "short_conv_fwd", shape, s, timer, 9.0 * t * d, 4.0 * (4 * t * d + 3 * d),
+                              bound="memory", wall_seconds=wall))
+                dy = e.tensor(_rand(self.rng, (t, d)))
+                dwt = e.zero_(e.empty((d, 3)))
+                s, timer, wall, by = time_engine(
+                    e, lambda: e.run(bwd, bcx=bcx, w=w, d_y=dy, out={"d_w": dwt}, accumulate={"d_w"}), self.reps)
+                self.add(Line("conv", "short_conv_bwd", shape, s, timer, 20.0 * t * d,
+                              4.0 * (t * d + 3 * t * d + 3 * t * d + 6 * d), bound="memory", wall_seconds=wall,
+                              extra={"per_kernel_s": by}))
+            self.guarded("conv", "short_conv", shape, one)
+
+    def rmsnorm(self):
+        kern = library.get("rmsnorm_saved")
+        bwd = grad(kern, ["x", "w"], ["y"])
+        d, ts = self._rows()
+        for t in ts:
+            shape = f"T{t} D{d}"
+
+            def one(t=t, shape=shape):
+                e = self.engine
+                x = e.tensor(_rand(self.rng, (t, d)))
+                w = e.tensor(_rand(self.rng, (d,)))
+                s, timer, wall, _ = time_engine(e, lambda: e.run(kern, x=x, w=w, eps=1e-5), self.reps)
+                self.add(Line("rmsnorm", "rmsnorm_fwd", shape, s, timer, 4.0 * t * d, 4.0 * (2 * t * d + t + d),
+                              bound="memory", wall_seconds=wall))
+                r = e.run(kern, x=x, w=w, eps=1e-5)
+                dy = e.tensor(_rand(self.rng, (t, d)))
+                dwt = e.zero_(e.empty((d,)))
+                s, timer, wall, by = time_engine(
+                    e, lambda: e.run(bwd, x=x, w=w, inv=r["inv"], d_y=dy, out={"d_w": dwt}, accumulate={"d_w"}),
+                    self.reps)
+                self.add(Line("rmsnorm", "rmsnorm_bwd", shape, s, timer, 8.0 * t * d, 4.0 * (3 * t * d + t + 2 * d),
+                              bound="memory", wall_seconds=wall, extra={"per_kernel_s": by}))
+            self.guarded("rmsnorm", "rmsnorm", shape, one)
+
+    def pointwise(self):
+        kern = library.get("add")
+        for t, d in (((64, 64),) if self.quick else ((2048, 1024), (16384, 4096))):
+            shape = f"T{t} D{d}"
+
+            def one(t=t, d=d, shape=shape):
+                e = self.engine
+                x, z = e.tensor(_rand(self.rng, (t, d))), e.tensor(_rand(self.rng, (t, d)))
+                y = e.empty((t, d))
+                s, timer, wall, _ = time_engine(e, lambda: e.run(kern, x=x, z=z, out={"y": y}), self.reps)
+                self.add(Line("pointwise", "add", shape, s, timer, 1.0 * t * d, 12.0 * t * d, bound="memory",
+                              wall_seconds=wall))
+            self.guarded("pointwise", "add", shape, one)
+
+    # ---- fused LM head + cross-entropy ----
+    def xent(self):
+        from lfm2jit.ops.lmhead import lm_head_cross_entropy
+        v, d = (1024, 64) if self.quick else (65536, 1024)
+        chunk = 256 if self.quick else 4096
+        for t in ((64,) if self.quick else (512, 2048)):
+            shape = f"T{t} V{v} D{d} chunk{chunk}"
+
+            def one(t=t, shape=shape):
+                e = self.engine
+                h = e.tensor(_rand(self.rng, (t, d)))
+                E = e.tensor(_rand(self.rng, (v, d), 0.02))
+                targets = self.rng.integers(0, v, t).astype(np.int32)
+                dh, dE = e.empty((t, d)), e.empty((v, d))
+                run = lambda: lm_head_cross_entropy(e, h, E, targets, None, normalizer=float(t), chunk=chunk,
+                                                    dh=dh, dE=dE)
+                s, timer, wall, by = time_engine(e, run, max(2, self.reps // 2))
+                # useful work: logits, dh and dE products (6 T V D); the kernel recomputes logits once more
+                self.add(Line("xent", "lm_head_xent", shape, s, timer, 6.0 * t * v * d,
+                              4.0 * (2 * v * d + 2 * t * d), wall_seconds=wall,
+                              extra={"executed_flops": 8.0 * t * v * d, "per_kernel_s": by}))
+            self.guarded("xent", "lm_head_xent", shape, one)
+
+    # ---- AdamW over LFM2-350M's parameter tensors ----
+    def adamw(self):
+        from lfm2jit.model.checkpoint import parameter_shapes
+        from lfm2jit.model.config import Lfm2Config
+        from lfm2jit.ops.optim import adamw_step, global_grad_norm
+        cfg = Lfm2Config.preset("tiny" if self.quick else "350M")
+        shapes = list(parameter_shapes(cfg).values())
+        n = sum(math.prod(s) for s in shapes)
+        shape = f"{len(shapes)} tensors, {n / 1e6:.1f}M elements"
+
+        def one():
+            e = self.engine
+            by_shape: dict[tuple, np.ndarray] = {}
+            ps, gs, ms, vs = [], [], [], []
+            for s in shapes:
+                if s not in by_shape:
+                    by_shape[s] = _rand(self.rng, s, 0.02)
+                a = by_shape[s]
+                ps.append(e.tensor(a))
+                gs.append(e.tensor(a * 0.5))
+                ms.append(e.tensor(a * 0.1))
+                vs.append(e.tensor(np.abs(a) * 0.01))
+            kw = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, gscale=1.0)
+            step = [0]
+
+            def run():
+                step[0] += 1
+                adamw_step(e, ps, gs, ms, vs, step=step[0], **kw)
+            s, timer, wall, _ = time_engine(e, run, max(2, self.reps // 2))
+            self.add(Line("adamw", "adamw_step", shape, s, timer, 16.0 * n, 28.0 * n, bound="memory",
+                          wall_seconds=wall, extra={"dispatches": len(shapes)}))
+            # the global grad norm reads every gradient once and reads back 8 bytes (a synchronisation)
+            e.synchronize()
+            e.timings.clear()
+            walls = []
+            for _ in range(3):
+                t0 = time.perf_counter()
+                global_grad_norm(e, gs)
+                walls.append(time.perf_counter() - t0)
+            gpu = sum(s for _, s in e.timings) / 3 if e.timing and e.timings else None
+            e.timings.clear()
+            self.add(Line("adamw", "global_grad_norm", shape, gpu or statistics.median(walls),
+                          "gpu" if gpu else "wall", 2.0 * n, 4.0 * n, bound="memory",
+                          wall_seconds=statistics.median(walls), extra={"dispatches": len(shapes) + 2}))
+        self.guarded("adamw", "adamw_step", shape, one)
+
+
+# ---------------------------------------------------------------- whole train steps
+
+class _QueueProxy:
+    """ctx.queue with read_buffer timed (a read-back is where the host waits for the GPU)."""
+
+    def __init__(self, queue, acc: dict):
+        self._queue, self._acc = queue, acc
+
+    def read_buffer(self, *a, **k):
+        t0 = time.perf_counter()
+        try:
+            return self._queue.read_buffer(*a, **k)
+        finally:
+            self._acc["wait"] += time.perf_counter() - t0
+
+    def __getattr__(self, name):
+        return getattr(self._queue, name)
+
+
+@contextlib.contextmanager
+def host_breakdown(ctx, engine):
+    """Split host wall time into: encode+submit (flush), wait for read-backs, and the rest (Python
+    recording: argument checks, specialisation lookups, bind groups, uniform buffers)."""
+    acc = {"flush": 0.0, "wait": 0.0}
+    original_flush = engine.flush
+
+    def flush():
+        t0 = time.perf_counter()
+        try:
+            original_flush()
+        finally:
+            acc["flush"] += time.perf_counter() - t0
+    engine.flush = flush
+    queue = ctx.queue
+    ctx.queue = _QueueProxy(queue, acc)
+    try:
+        yield acc
+    finally:
+        engine.flush = original_flush
+        del engine.flush            # back to the class method
+        ctx.queue = queue
+
+
+def _kernel_class(name: str) -> str:
+    """The profile class of a kernel, by its name (an f16 variant, "xent_dh_f16_E32", by its base's)."""
+    name = name.split("_f16")[0]
+    if "attention" in name:
+        return "attention"
+    if name.startswith("linear"):
+        return "linear (matmul)"
+    if name in ("xent_logits", "xent_dh", "xent_dE"):
+        return "lm head (matmul)"
+    if name.startswith("xent"):
+        return "lm head (softmax)"
+    if name in ("adamw", "sumsq_rows", "sum_rows", "sum_partials"):
+        return "optimizer + grad norm"
+    return "other (norms, conv, rope, pointwise, embedding)"
+
+
+def train_bench(ctx, cfg, shapes, steps: int = 3, warmup: int = 1, seed: int = 0, log=print,
+                profile: bool = True, clip: float | None = 1.0, probe=None,
+                activation_dtype: str = "f32", replay: int | None = None,
+                recompute_mlp: bool = False) -> tuple[list[Line], dict]:
+    """Trainer.train_sequences on a fresh random-init model, for each (batch, T) in ``shapes``, in order.
+
+    batch > 1 means that many sequences of T with grad_accum_steps = batch: one optimizer step per
+    window, the sequences packed into passes of up to Trainer.pack_tokens rows. Per shape: first-window wall time and compile stats (a new bucket compiles), that the
+    second window compiles nothing, tokens/s over ``steps`` windows after ``warmup``, the host
+    breakdown, GPU busy time per window from timestamps (one extra window), and peak memory.
+    ``probe()``, if given, is called after each shape (model alive) and its dict added to the line.
+    ``activation_dtype="f16"`` runs the mixed-precision path (with a GradScaler, as --f16 does).
+    ``replay`` passes Trainer.with_replay (None: the trainer's default): from the third window on,
+    a shape's steps replay their recorded programs. ``recompute_mlp`` builds the model with it.
+    """
+    from trainer import AdamW, GradScaler, Trainer
+
+    from lfm2jit.model import Lfm2Model
+    from lfm2jit.model.checkpoint import parameter_shapes
+    engine = ComputeEngine(ctx)
+    t0 = time.perf_counter()
+    model = Lfm2Model(cfg, ctx, engine, seed=seed, activation_dtype=activation_dtype, recompute_mlp=recompute_mlp)
+    init_s = time.perf_counter() - t0
+    params = model.parameters()
+    n_params = sum(p.size for p in params)
+    param_bytes = sum(p.buffer.size for p in params)
+    opt = AdamW(lr=1e-4, weight_decay=0.01)
+    rng = np.random.default_rng(seed + 1)
+    lines: list[Line] = []
+    meta = {"adapter": ctx.name, "n_params": n_params, "param_bytes": param_bytes, "model_init_s": init_s,
+            "config": cfg.to_dict(), "clip_grad_norm": clip, "activation_dtype": activation_dtype, "replay": replay,
+            "recompute_mlp": recompute_mlp}
+    log(f"# model: {n_params / 1e6:.1f}M parameters, host init + upload {init_s:.1f}s")
+
+    for batch, t in shapes:
+        name = f"{batch}x{t}"
+        tokens = batch * t
+        tr = Trainer(model, opt, ctx, engine).with_grad_accum_steps(batch).with_length_bucket(64)
+        tr.with_clip_grad_norm(clip)
+        if replay is not None:
+            tr.with_replay(replay)
+        if activation_dtype == "f16":
+            tr.with_grad_scaler(GradScaler())
+        losses: list[float] = []
+
+        def window():           # the window's sequences, packed (Trainer.pack_tokens rows per pass)
+            seqs = [(ids[:-1], ids[1:], np.ones(t, np.float32))
+                    for ids in (rng.integers(0, cfg.vocab_size, t + 1) for _ in range(batch))]
+            stats = tr.train_sequences(seqs, params)
+            losses.extend(st.loss for st in stats)
+            assert stats[-1].stepped, "the window should end with an optimizer step"
+            return stats[-1]
+
+        try:
+            engine.synchronize()
+            engine.pool.peak_bytes = engine.pool.in_use_bytes
+            pool_alloc0 = engine.pool.allocated_bytes
+            s0 = engine.stats.as_dict()
+            t_a = time.perf_counter()
+            window()
+            engine.synchronize()
+            first_s = time.perf_counter() - t_a
+            s1 = engine.stats.as_dict()
+            d0 = engine.dispatches
+            t_a = time.perf_counter()
+            window()
+            engine.synchronize()
+            second_s = time.perf_counter() - t_a
+            s2 = engine.stats.as_dict()
+            dispatches = engine.dispatches - d0
+            for _ in range(max(0, warmup - 1)):
+                window()
+            engine.synchronize()
+            walls = []
+            with host_breakdown(ctx, engine) as acc:
+                for _ in range(steps):
+                    t_a = time.perf_counter()
+                    window()
+                    engine.synchronize()
+                    walls.append(time.perf_counter() - t_a)
+            host = {k: v / steps for k, v in acc.items()}
+            wall = statistics.median(walls)
+            gpu_s, by_kernel, by_class = None, {}, {}
+            if profile and ctx.has_timestamps:
+                engine.synchronize()
+                engine.timings.clear()
+                engine.timing = True
+                try:
+                    window()
+                    engine.synchronize()
+                finally:
+                    engine.timing = False
+                gpu_s = sum(s for _, s in engine.timings)
+                for k, s in engine.timings:
+                    by_kernel.setdefault(k, [0.0, 0])
+                    by_kernel[k][0] += s
+                    by_kernel[k][1] += 1
+                    c = _kernel_class(k)
+                    by_class[c] = by_class.get(c, 0.0) + s
+                engine.timings.clear()
+            peak_in_use = engine.pool.peak_bytes
+            top = sorted(by_kernel.items(), key=lambda kv: -kv[1][0])[:12]
+            extra = {
+                "tokens": tokens, "tokens_per_s": tokens / wall, "window_wall_s": walls,
+                "first_window_s": first_s, "first_window_compiles": s1["misses"] - s0["misses"],
+                "first_window_compile_s": s1["compile_seconds"] - s0["compile_seconds"],
+                "second_window_s": second_s, "second_window_compiles": s2["misses"] - s1["misses"],
+                "dispatches_per_window": dispatches, "replayed_pieces": tr.recorded.replays,
+                "host_flush_s": host["flush"], "host_wait_s": host["wait"],
+                "host_python_s": wall - host["flush"] - host["wait"],
+                "host_python_us_per_dispatch": 1e6 * (wall - host["flush"] - host["wait"]) / max(dispatches, 1),
+                "gpu_busy_s": gpu_s, "gpu_busy_by_class_s": by_class,
+                "gpu_top_kernels": [{"kernel": k, "seconds": v[0], "dispatches": v[1]} for k, v in top],
+                "peak_pool_in_use_bytes": peak_in_use, "param_bytes": param_bytes,
+                "peak_bytes": peak_in_use + param_bytes,
+                "pool_allocated_bytes": engine.pool.allocated_bytes,
+                "pool_allocated_new_bytes": engine.pool.allocated_bytes - pool_alloc0,
+                "losses_first_last": [losses[0], losses[-1]],
+            }
+            flops = 6.0 * n_params * tokens + 6.0 * 2 * len(cfg.attention_layers) * t * t * cfg.hidden_size * batch
+            line = Line("train", f"train_step_{name}", name, wall, "wall", flops, bound="compute",
+                        wall_seconds=wall, extra=extra)
+            line.extra["gpu_busy_fraction"] = gpu_s / wall if gpu_s else None
+            if probe is not None:
+                line.extra.update(probe())
+        except Exception as e:   # noqa: BLE001
+            traceback.print_exc(file=sys.stderr)
+            line = Line("train", f"train_step_{name}", name, error=f"{type(e).__name__}: {e}".splitlines()[0][:300])
+        tr.recorded.clear()      # this shape's recorded passes give their activations back before the next one
+        lines.append(line)
+        log(format_train(line))
+    return lines, meta
+
+
+# ---------------------------------------------------------------- output
+
+def _fmt_time(s):
+    if s is None:
+        return "-"
+    return f"{s * 1e3:9.3f} ms" if s >= 1e-4 else f"{s * 1e6:9.2f} us"
+
+
+def format_line(line: Line, ceil: Ceilings) -> str:
+    if line.error:
+        return f"{line.group:9s} {line.name:28s} {line.shape:26s} ERROR {line.error}"
+    tf, gb, frac = line.tflops(), line.gbs(), ceil.fraction(line)
+    if line.bound == "compute" and tf:
+        rate = f"{tf:7.2f} TFLOP/s" if tf >= 0.1 else f"{tf * 1e3:7.2f} GFLOP/s"
+    else:
+        rate = f"{gb:8.1f} GB/s  " if gb else " " * 15
+    frac_s = f"{100 * frac:5.1f}%" if frac is not None else "    -"
+    wall = f" (wall {_fmt_time(line.wall_seconds).strip()})" if line.wall_seconds and line.timer == "gpu" else ""
+    return f"{line.group:9s} {line.name:28s} {line.shape:26s} {_fmt_time(line.seconds)} [{line.timer:4s}] {rate} {frac_s}{wall}"
+
+
+def format_train(line: Line) -> str:
+    if line.error:
+        return f"train     {line.name:28s} ERROR {line.error}"
+    x = line.extra
+    gpu = f"{x['gpu_busy_s'] * 1e3:.0f} ms ({100 * x['gpu_busy_fraction']:.0f}%)" if x.get("gpu_busy_s") else "-"
+    return (f"train     {line.name:28s} {x['tokens_per_s']:9.0f} tok/s  window {line.seconds * 1e3:8.1f} ms  "
+            f"gpu busy {gpu}  peak {x['peak_bytes'] / GiB:6.2f} GiB  first {x['first_window_s']:.1f}s "
+            f"({x['first_window_compiles']} compiles, {x['first_window_compile_s']:.1f}s)  "
+            f"2nd-window compiles {x['second_window_compiles']}  {x['dispatches_per_window']} dispatches "
+            f"({x['host_python_us_per_dispatch']:.1f} us host each)")
+
+
+def table(lines: list[Line], ceil: Ceilings) -> str:
+    out = [f"{'group':9s} {'name':28s} {'shape':26s} {'time':>12s} {'timer':6s} {'rate':>15s} {'ceil%':>6s}"]
+    torch_gemm = {l.shape: l.tflops() for l in lines if l.name == "torch_gemm" and l.seconds}
+    for line in lines:
+        if line.group == "train":
+            out.append(format_train(line))
+            continue
+        s = format_line(line, ceil)
+        if line.group in ("matmul", "tiles") and line.shape in torch_gemm and line.tflops():
+            s += f"  {100 * line.tflops() / torch_gemm[line.shape]:.0f}% of torch"
+        out.append(s)
+    out.append(f"# ceilings: {ceil.source}" + (f"; fp32 {ceil.flops / 1e12:.0f} TFLOP/s" if ceil.flops else ""))
+    return "\n".join(out)
+
+
+def environment(ctx) -> dict:
+    return {"adapter": ctx.name, "adapter_info": {k: str(v) for k, v in ctx.info.items()},
+            "features": sorted(ctx.features), "python": platform.python_version(),
+            "time": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m lfm2jit.bench", description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="a tiny set that runs on lavapipe in under a minute")
+    ap.add_argument("--json", metavar="PATH", help="write every line (and the environment) as JSON")
+    ap.add_argument("--only", nargs="+", metavar="NAME", help=f"groups: {', '.join(GROUPS)}")
+    ap.add_argument("--reps", type=int, default=None, help="timed calls per kernel line (default 10, quick 3)")
+    ap.add_argument("--steps", type=int, default=None, help="timed train windows per shape (default 3, quick 2)")
+    ap.add_argument("--no-tiles", action="store_true", help="skip the tile-configuration sweep")
+    ap.add_argument("--f16", action="store_true", help="train steps with f16 activations (mixed precision, "
+                    "loss scaling on), as python -m trainer --f16 runs them")
+    ap.add_argument("--replay", type=int, metavar="N", default=None,
+                    help="train steps: Trainer.with_replay(N); 0 runs every step's Python (default: the trainer's)")
+    ap.add_argument("--recompute-mlp", action="store_true", help="train steps: backward recomputes the MLP's "
+                    "up-projections (less memory, two more matmuls per layer)")
+    ap.add_argument("--tile-shapes", nargs="+", metavar="MxNxK", help="shapes for the tiles group "
+                    "(default 4096x4096x4096 2048x4608x1024 2048x1024x4608)")
+    args = ap.parse_args(argv)
+    reps = args.reps or (3 if args.quick else 10)
+    ctx = WgpuContext.create()
+    print(f"# adapter: {ctx.name}; features: {', '.join(sorted(ctx.features))}", flush=True)
+    wanted = args.only or list(GROUPS if not args.quick else QUICK_GROUPS)
+    if args.no_tiles:
+        wanted = [w for w in wanted if w != "tiles"]
+
+    def selected(group):
+        return any(group == w or group.startswith(w) or w.startswith(group) for w in wanted)
+
+    tile_shapes = [tuple(int(v) for v in t.lower().split("x")) for t in args.tile_shapes] if args.tile_shapes else None
+    bench = Bench(ctx, args.quick, reps, log=lambda s: print(s, flush=True), tile_shapes=tile_shapes)
+    t_start = time.perf_counter()
+    state = {"lines": [], "meta": {}}
+
+    def write_json():
+        if not args.json:
+            return
+        lines = state["lines"]
+        doc = {"environment": environment(ctx), "ceilings": {"flops": bench.ceil.flops, "bytes_per_s": bench.ceil.bw,
+                                                            "source": bench.ceil.source},
+               "argv": sys.argv[1:] if argv is None else list(argv), "seconds": time.perf_counter() - t_start,
+               "train_meta": state["meta"],
+               "lines": [dict(asdict(l), tflops=l.tflops(), gbs=l.gbs(), ceiling_fraction=bench.ceil.fraction(l))
+                         for l in lines]}
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=1, default=str)
+
+    for group in GROUPS:
+        if group == "train" or not selected(group):
+            continue
+        getattr(bench, group)()
+        state["lines"] = list(bench.lines)
+        write_json()                     # after every group, so a run cut short keeps what it measured
+    if selected("train"):
+        from lfm2jit.model.config import Lfm2Config
+        cfg = Lfm2Config.preset("tiny" if args.quick else "350M")
+        shapes = [(1, 64), (4, 64), (1, 128)] if args.quick else [(1, 512), (8, 512), (1, 2048)]
+        train_lines, state["meta"] = train_bench(ctx, cfg, shapes, steps=args.steps or (2 if args.quick else 3),
+                                                 log=lambda s: print(s, flush=True), replay=args.replay,
+                                                 recompute_mlp=args.recompute_mlp,
+                                                 activation_dtype="f16" if args.f16 else "f32")
+        state["lines"] = list(bench.lines) + train_lines
+        write_json()
+    lines = state["lines"]
+    total = time.perf_counter() - t_start
+    print(f"\n# {len(lines)} lines in {total:.1f}s on {ctx.name}")
+    print(table(lines, bench.ceil))
+    if args.json:
+        print(f"# wrote {args.json}")
+    return 0 if not any(l.error for l in lines) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

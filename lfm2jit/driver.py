@@ -1,0 +1,296 @@
+"""The staged driver: source -> AST -> IR (checked) -> parts -> per-specialization KernelSpec -> WGSL.
+
+Each stage is a separate call so every intermediate can be inspected or dumped (``dump``). Kernels
+are the user-facing objects: ``compile_source`` makes them, ``grad`` differentiates one, and both
+run as the parts ``ir.partition`` splits them into. Two cache levels: specs in memory per
+specialization (on the Kernel), generated WGSL on disk by a hash of the compiler's own source and
+the spec, so editing the compiler invalidates every kernel it generated before.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .codegen.render import render, templates_dir
+from .dsl import ast
+from .dsl.errors import DslError
+from .dsl.parser import parse
+from .ir import intrinsics
+from .ir.check import build_kernel
+from .ir.grad import grad_ir
+from .ir.nodes import KernelIR, TensorArg, format_ir
+from .ir.ops import Op
+from .ir.partition import Partition, partition
+from .ir.retype import retype
+from .schedule import KernelSpec, specialize
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+
+
+class Kernel:
+    """One checked kernel and the parts it runs as; specializations are made per (sizes, bucket,
+    accumulate, tiles) and memoised."""
+
+    def __init__(self, ir: KernelIR, source: ast.KernelDef | None = None, split: Partition | None = None):
+        self.split = split if split is not None else partition(ir)
+        one = len(self.split.parts) == 1 and not self.split.temps
+        self.ir = self.split.parts[0] if one else ir      # one part: the kernel itself, with its structure
+        self.ast = source
+        self._specs: dict[tuple, KernelSpec] = {}
+        self._variants: dict[tuple, Kernel] = {}
+
+    @functools.cached_property
+    def kernels(self) -> list["Kernel"]:
+        """The parts, each a one-part kernel (this kernel itself when it is one part)."""
+        if len(self.split.parts) == 1 and not self.split.temps:
+            return [self]
+        return [Kernel(p, split=Partition((p,), ())) for p in self.split.parts]
+
+    @property
+    def part(self) -> KernelIR:
+        """The one part of a one-part kernel."""
+        if len(self.kernels) != 1:
+            raise ValueError(f"{self.name} runs as {len(self.kernels)} kernels "
+                             f"({', '.join(k.name for k in self.kernels)}); use each of .kernels")
+        return self.split.parts[0]
+
+    @functools.cached_property
+    def add_only_outputs(self) -> frozenset[str]:
+        """Outputs only added into (scatters): they must be passed in out= and accumulated."""
+        return frozenset(name for name, n in self.ir.results.items()
+                         if n.op == Op.PROJ and intrinsics.get(n.srcs[0].arg).adds_only)
+
+    def variant(self, storage: str, keep=frozenset()) -> "Kernel":
+        """This kernel with f32 tensors stored as ``storage`` ("f16"), computing in f32; the
+        tensors named in ``keep`` stay f32 (see ir/retype.py)."""
+        if storage == "f32":
+            return self
+        if storage not in ("f16",):
+            raise ValueError(f"{self.name}: storage precision must be f32 or f16, got {storage!r}")
+        unknown = sorted(set(keep) - self.tensor_names)
+        if unknown:
+            raise ValueError(f"{self.name}: cannot keep {unknown} in f32: the kernel has no such tensors")
+        key = (storage, frozenset(keep))
+        if all(t.name in key[1] for t in self.ir.inputs + self.ir.outputs if t.dtype == "f32"):
+            return self                   # nothing left to retype
+        if key not in self._variants:
+            self._variants[key] = self._retyped(retype(self.ir, storage, key[1]))
+        return self._variants[key]
+
+    def _retyped(self, ir: KernelIR) -> "Kernel":
+        return Kernel(ir, self.ast)
+
+    @property
+    def tensor_names(self) -> frozenset[str]:
+        return frozenset(t.name for t in self.ir.inputs + self.ir.outputs)
+
+    @property
+    def name(self) -> str:
+        return self.ir.name
+
+    @property
+    def inputs(self) -> list[str]:
+        return [t.name for t in self.ir.inputs]
+
+    @property
+    def scalars(self) -> list[str]:
+        return list(self.ir.scalars)
+
+    @property
+    def outputs(self) -> list[str]:
+        return [t.name for t in self.ir.outputs]
+
+    @property
+    def temps(self) -> tuple[TensorArg, ...]:
+        return self.split.temps
+
+    def __repr__(self) -> str:
+        ins = ", ".join(f"{t.name}: {t.dtype}[{', '.join(t.shape)}]" for t in self.ir.inputs)
+        ins += "".join(f", {s}: f32" for s in self.ir.scalars)
+        outs = ", ".join(f"{t.name}: {t.dtype}[{', '.join(t.shape)}]" for t in self.ir.outputs)
+        return f"kernel {self.name}({ins}) -> ({outs})"
+
+    def specialize(self, dims: dict[str, int], bucket: int = 1,
+                   accumulate: frozenset[str] = frozenset(), tiles=None) -> KernelSpec:
+        """The spec of a one-part kernel at these sizes. ``tiles`` overrides the schedule's tile
+        choice: a TileConfig for a matmul, an AttentionTiles for attention (see schedule.specialize)."""
+        # dims in the caller's order: callers pass them in a fixed order, and another order only
+        # makes a second entry for the same specialization
+        key = (tuple(dims.items()), bucket, frozenset(accumulate), tiles)
+        spec = self._specs.get(key)
+        if spec is None:
+            spec = self._specs[key] = specialize(self.part, dims, bucket, frozenset(accumulate), tiles)
+        return spec
+
+    def wgsl(self, dims: dict[str, int], bucket: int = 1, accumulate: frozenset[str] = frozenset()) -> str:
+        return render(self.specialize(dims, bucket, accumulate))
+
+    def format_ir(self) -> str:
+        return format_ir(self.ir)
+
+
+class Backward(Kernel):
+    """The backward pass of a kernel, run as one or more parts like any kernel.
+
+    Inputs are the forward inputs it reads, the forward outputs it reuses, and cotangents
+    ``d_<output>``; outputs are gradients ``d_<input>``.
+    """
+
+    def __init__(self, forward: Kernel, ir: KernelIR, split: Partition | None = None):
+        super().__init__(ir, forward.ast, split)
+        self.forward = forward
+
+    def _retyped(self, ir: KernelIR) -> "Backward":
+        return Backward(self.forward, ir)
+
+    def __repr__(self) -> str:
+        return f"backward of {self.forward.name}: " + "; ".join(Kernel.__repr__(k) for k in self.kernels)
+
+
+def grad(kernel: Kernel, wrt: list[str] | None = None, cotangents: list[str] | None = None) -> Backward:
+    """Reverse-mode derivative of a kernel: gradients for ``wrt`` inputs (default all float inputs)
+    given cotangents for ``cotangents`` outputs (default all outputs)."""
+    return Backward(kernel, grad_ir(kernel.ir, wrt, cotangents))
+
+
+class Module:
+    """The kernels of one source, by name (``module.rmsnorm`` or ``module["rmsnorm"]``)."""
+
+    def __init__(self, kernels: dict[str, Kernel], filename: str):
+        self.kernels = kernels
+        self.filename = filename
+
+    def __getitem__(self, name: str) -> Kernel:
+        try:
+            return self.kernels[name]
+        except KeyError:
+            raise KeyError(f"no kernel {name!r} in {self.filename}; it has: {', '.join(self.kernels)}") from None
+
+    def __getattr__(self, name: str) -> Kernel:
+        if name.startswith("_") or name in ("kernels", "filename"):
+            raise AttributeError(name)
+        try:
+            return self[name]
+        except KeyError as e:
+            raise AttributeError(str(e)) from None
+
+    def __iter__(self):
+        return iter(self.kernels.values())
+
+    def __len__(self) -> int:
+        return len(self.kernels)
+
+
+def compile_source(text: str, filename: str = "<source>") -> Module:
+    """Parse and check every kernel in ``text``; raises DslError with file:line:col on any problem."""
+    src = parse(text, filename)
+    kernels: dict[str, Kernel] = {}
+    for kdef in src.kernels:
+        if kdef.name in kernels:
+            raise DslError(f"kernel {kdef.name!r} is defined twice", filename=filename, line=kdef.loc.line,
+                           column=kdef.loc.column, source=text, expected="unique kernel names")
+        kernels[kdef.name] = Kernel(build_kernel(kdef, src), kdef)
+    return Module(kernels, filename)
+
+
+# ---- the WGSL disk cache ----
+
+@functools.lru_cache(maxsize=1)
+def compiler_fingerprint() -> str:
+    h = hashlib.sha256()
+    files = sorted(PACKAGE_DIR.rglob("*.py")) + sorted(PACKAGE_DIR.rglob("*.lark")) \
+        + sorted(templates_dir().glob("*.wgsl.j2"))
+    for f in files:
+        h.update(f.name.encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+@dataclass
+class CacheStats:
+    hits: int = 0
+    misses: int = 0
+    disk_hits: int = 0
+    compile_seconds: float = 0.0
+
+    def as_dict(self) -> dict:
+        return dict(vars(self))
+
+
+class WgslDiskCache:
+    """Generated WGSL as files named by a hash of (compiler fingerprint, spec key)."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+
+    def path(self, spec: KernelSpec) -> Path:
+        digest = hashlib.sha256(f"{compiler_fingerprint()}:{spec.key}".encode()).hexdigest()[:32]
+        return self.root / f"{spec.kernel}-{digest}.wgsl"
+
+    def load(self, spec: KernelSpec) -> str | None:
+        p = self.path(spec)
+        return p.read_text() if p.exists() else None
+
+    def store(self, spec: KernelSpec, wgsl: str) -> None:
+        p = self.path(spec)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        tmp = p.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(wgsl)
+        tmp.replace(p)    # atomic: a reader never sees half a file
+
+
+def generate_wgsl(spec: KernelSpec, disk: WgslDiskCache | None, stats: CacheStats) -> str:
+    if disk is not None:
+        cached = disk.load(spec)
+        if cached is not None:
+            stats.disk_hits += 1
+            return cached
+    wgsl = render(spec)
+    if disk is not None:
+        disk.store(spec, wgsl)
+    return wgsl
+
+
+class Timer:
+    def __enter__(self):
+        self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        self.seconds = time.perf_counter() - self.start
+
+
+# ---- dumps ----
+
+STAGES = ("ast", "ir", "spec", "wgsl")
+
+
+def stages(kernel: Kernel, dims: dict[str, int], bucket: int = 1) -> dict[str, str]:
+    """Every stage of a kernel as text: its source (AST unparsed), its IR and its parts' IR, each
+    part's spec, and each part's WGSL (the parts separated by a comment naming them)."""
+    source = ast.unparse(ast.SourceFile("", "", (kernel.ast,))) if kernel.ast is not None else ""
+    ir = [format_ir(kernel.ir)]
+    specs, shaders = [], []
+    for k in kernel.kernels:
+        spec = k.specialize({a: dims[a] for a in k.ir.axes}, bucket)
+        if len(kernel.kernels) > 1:
+            ir.append(f"part {k.name} ({k.ir.structure.kind})\n" + format_ir(k.ir))
+        specs.append(_describe_spec(spec))
+        shaders.append(render(spec))
+    temps = "".join(f"temporary {t.name}: {t.dtype}[{', '.join(t.shape)}]\n" for t in kernel.temps)
+    return {"ast": source, "ir": temps + "\n".join(ir) + "\n", "spec": "\n".join(specs), "wgsl": "".join(shaders)}
+
+
+def _describe_spec(spec: KernelSpec) -> str:
+    lines = [f"spec {spec.kernel}: template {spec.template}, key {spec.key}",
+             f"  dims: {', '.join(f'{a}={n}' for a, n in spec.dims)}",
+             f"  entry points: {', '.join(f'{e.name} {e.grid}' for e in spec.entry_points)}"]
+    lines += [f"  binding {b.binding}: {b.tensor} {b.access} {b.dtype}" + (f"x{b.vector}" if b.vector > 1 else "")
+              for b in spec.bindings]
+    lines += [f"  scratch {s.tensor}: {s.elements} x {s.dtype}" for s in spec.scratch]
+    lines.append(f"  params: {spec.params!r}")
+    return "\n".join(lines) + "\n"

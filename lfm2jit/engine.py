@@ -1,0 +1,208 @@
+"""ComputeEngine: the compile driver over the runtime. ``run`` checks a call, compiles each part of
+the kernel once per specialization, and records one dispatch per part.
+
+Arguments are validated before any GPU work. A kernel that partition() split into parts runs them
+in order, with the temporaries between them taken from the buffer pool and given back when the
+call is recorded. Kernels never read or write rows at or past ``t_valid`` (the real sequence
+length), so inputs need no padding copies and padded rows of outputs are never written.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+import struct
+from dataclasses import dataclass
+
+from .driver import Backward, CacheStats, Kernel, Timer, WgslDiskCache, generate_wgsl
+from .ir.nodes import SEQ_AXIS
+from .ops import library
+from .runtime.recorder import Compiled, Recorder, Shader
+from .runtime.tensor import Tensor
+from .schedule import KernelSpec, bucketed
+from .settings import settings
+from .tune.autotune import Tuner
+
+
+@dataclass
+class CompiledKernel:
+    """One part's spec and the pipelines made from its WGSL."""
+    spec: KernelSpec
+    pipelines: Compiled
+
+    @property
+    def wgsl(self) -> str:
+        return self.pipelines.wgsl
+
+
+def shader_of(spec: KernelSpec, wgsl: str) -> Shader:
+    return Shader(spec.kernel, spec.key, wgsl, tuple((b.binding, b.access == "read") for b in spec.bindings),
+                  tuple((e.name, e.grid) for e in spec.entry_points))
+
+
+class ComputeEngine(Recorder):
+    def __init__(self, ctx, timing: bool | None = None):
+        opts = settings()
+        super().__init__(ctx, opts.timing if timing is None else timing)
+        self.stats = CacheStats()
+        self.disk = WgslDiskCache(opts.cache_dir) if opts.cache_dir else None
+        self.dump_dir = opts.dump_dir
+        self._specs: dict[str, KernelSpec] = {}
+        self.tuner = Tuner(self) if opts.autotune else None
+
+    # ---- compilation ----
+    def compile(self, kernel: Kernel | str, dims: dict[str, int], bucket: int = 1,
+                accumulate: frozenset[str] = frozenset(), tiles=None) -> CompiledKernel:
+        """The pipelines of a one-part kernel at these sizes (made once per specialization)."""
+        kernel = library.get(kernel) if isinstance(kernel, str) else kernel
+        if tiles is None and self.tuner is not None:    # stays None where the template has no candidates
+            tiles = self.tuner.tiles(kernel, dims, bucket, accumulate)
+        spec = kernel.specialize(dims, bucket, accumulate, tiles)
+        probe = Shader(spec.kernel, spec.key, "", (), ())
+        compiled = self.pipeline(probe)
+        if compiled is not None:
+            self.stats.hits += 1
+            return CompiledKernel(spec, compiled)
+        self.stats.misses += 1
+        with Timer() as t:
+            wgsl = generate_wgsl(spec, self.disk, self.stats)
+            compiled = self.build(shader_of(spec, wgsl))
+        self.stats.compile_seconds += t.seconds
+        if self.dump_dir is not None:
+            self.dump_dir.mkdir(parents=True, exist_ok=True)
+            (self.dump_dir / f"{spec.kernel}-{spec.key}.wgsl").write_text(wgsl)
+        return CompiledKernel(spec, compiled)
+
+    # ---- recording ----
+    def run(self, kernel: Kernel | str, *, bucket: int = 1, dims: dict[str, int] | None = None,
+            out: dict[str, Tensor] | None = None, accumulate=(), tiles=None, **args) -> dict[str, Tensor]:
+        """Record one kernel call; returns its outputs by name. Bad arguments raise before GPU work.
+
+        ``out`` supplies output tensors to write into; outputs named in ``accumulate`` (which must
+        be in ``out``) are added to instead of overwritten.
+        """
+        kernel = library.get(kernel) if isinstance(kernel, str) else kernel
+        ir = kernel.ir
+        out = dict(out or {})
+        args = self._own_arguments(kernel, args)
+        if tiles is not None and len(kernel.kernels) > 1:
+            raise ValueError(f"{kernel.name}: tiles= applies to one kernel, and this one runs "
+                             f"{len(kernel.kernels)} ({', '.join(k.name for k in kernel.kernels)}); run them "
+                             "one by one (kernel.kernels) to choose each one's tiles")
+        accumulate = frozenset(accumulate)
+        missing_out = sorted(accumulate - set(out))
+        if missing_out:
+            raise ValueError(f"{ir.name}: accumulating into {missing_out} needs those tensors in out=")
+        unknown_acc = sorted(accumulate - {o.name for o in ir.outputs})
+        if unknown_acc:
+            raise ValueError(f"{ir.name}: cannot accumulate into {unknown_acc}: not outputs")
+        scatter = sorted(kernel.add_only_outputs - accumulate)
+        if scatter:
+            raise ValueError(f"{ir.name}: the kernel adds into {scatter}; pass them in out= (zeroed, or holding "
+                             f"what to add to) with accumulate={set(scatter)}")
+        sizes, t_valid = self._bind(ir, args, dims or {})
+        scalars = {}
+        for name in ir.scalars:
+            v = args[name]
+            if not isinstance(v, numbers.Real) or isinstance(v, bool) or not math.isfinite(float(v)):
+                raise ValueError(f"{ir.name}: scalar {name!r} must be a finite number, got {v!r}")
+            scalars[name] = float(v)
+        outputs = self._outputs(ir, sizes, bucket, out, args)
+        env = {**args, **outputs}
+        parts = [(k, self.compile(k, {a: sizes[a] for a in k.ir.axes if a in sizes}, bucket,
+                                  accumulate & set(k.outputs), tiles)) for k in kernel.kernels]
+        for k, _ in parts:
+            written = {id(env[n].buffer): n for n in k.outputs if n in env and n not in k.ir.inouts}
+            for n in k.inputs:
+                if n in env and id(env[n].buffer) in written:
+                    raise ValueError(f"{ir.name}: output {written[id(env[n].buffer)]!r} shares a buffer with input "
+                                     f"{n!r}; WebGPU cannot read and write one buffer in a dispatch")
+        for t in kernel.temps:         # back in the pool once recorded: later work runs after this call's
+            env[t.name] = self.empty(tuple(sizes[a] for a in t.shape), t.dtype,
+                                     capacity=math.prod(_padded(sizes, bucket, t.shape)))
+        for k, compiled in parts:
+            spec = compiled.spec
+            tensors = [env[n] for n in spec.inputs] + [env[n] for n, _, _ in spec.outputs]
+            tensors += [self.empty((s.elements,), s.dtype) for s in spec.scratch]
+            values = tuple(scalars[s] for s in k.ir.scalars)
+            info = struct.pack(f"<I{len(values)}f", t_valid, *values)
+            self.dispatch(compiled.pipelines, tensors, info, k.ir.scalars, values)
+        return outputs
+
+    def _own_arguments(self, kernel: Kernel, args: dict) -> dict:
+        """The arguments a kernel takes. A backward also accepts (and drops) the forward's."""
+        if not isinstance(kernel, Backward):
+            return args
+        fwd = kernel.forward.ir
+        known = set(kernel.inputs) | set(kernel.scalars) | set(fwd.scalars) | {t.name for t in fwd.inputs + fwd.outputs}
+        unknown = sorted(set(args) - known)
+        if unknown:
+            raise TypeError(f"{kernel.name}: unknown arguments {unknown} (it takes {', '.join(sorted(known))})")
+        return {n: v for n, v in args.items() if n in set(kernel.inputs) | set(kernel.scalars)}
+
+    def _bind(self, ir, args: dict, dims: dict[str, int]) -> tuple[dict[str, int], int]:
+        expected = [t.name for t in ir.inputs] + list(ir.scalars)
+        unknown = [k for k in args if k not in expected]
+        missing = [k for k in expected if k not in args]
+        if unknown or missing:
+            raise TypeError(f"{ir.name}: " + "; ".join(
+                part for part in (f"unknown arguments {unknown}" if unknown else "",
+                                  f"missing arguments {missing}" if missing else "") if part)
+                + f" (it takes {', '.join(expected)})")
+        sizes: dict[str, int] = dict(ir.fixed_dims)          # integer axes written in the source
+        source: dict[str, str] = {a: "the kernel's type" for a in ir.fixed_dims}
+        for name, value in dims.items():
+            sizes[name], source[name] = value, "dims="
+        for t in ir.inputs:
+            x = args[t.name]
+            if not isinstance(x, Tensor):
+                raise TypeError(f"{ir.name}: input {t.name!r} must be a Tensor, got {type(x).__name__}")
+            if x.dtype != t.dtype:
+                raise ValueError(f"{ir.name}: input {t.name!r} has dtype {x.dtype}, expected {t.dtype}")
+            if len(x.shape) != len(t.shape):
+                raise ValueError(f"{ir.name}: input {t.name!r} has shape {list(x.shape)}, expected "
+                                 f"{len(t.shape)} axes [{', '.join(t.shape)}]")
+            for axis, size in zip(t.shape, x.shape):
+                fixed = ir.fixed_dims.get(axis)
+                if fixed is not None and fixed != size:
+                    raise ValueError(f"{ir.name}: input {t.name!r} has size {size} on axis {axis}, expected {fixed}")
+                if axis in sizes and sizes[axis] != size:
+                    raise ValueError(f"{ir.name}: input {t.name!r} has {axis}={size} but {source[axis]} "
+                                     f"says {axis}={sizes[axis]}")
+                sizes[axis], source[axis] = size, f"input {t.name!r}"
+        missing_axes = [a for a in ir.axes if a not in sizes]
+        if missing_axes:
+            raise ValueError(f"kernel {ir.name!r} needs sizes for axes {', '.join(missing_axes)} "
+                             f"(pass dims={{{missing_axes[0]!r}: ...}})")
+        t_valid = sizes.get(SEQ_AXIS, 1)
+        if t_valid < 1:
+            raise ValueError(f"{ir.name}: sequence length T must be at least 1, got {t_valid}")
+        return sizes, t_valid
+
+    def _outputs(self, ir, sizes: dict[str, int], bucket: int, out: dict[str, Tensor],
+                 args: dict) -> dict[str, Tensor]:
+        result = {}
+        for decl in ir.outputs:
+            name, dtype = decl.name, decl.dtype
+            shape = tuple(sizes[a] for a in decl.shape)
+            if name in ir.inouts:
+                if name in out:
+                    raise ValueError(f"{ir.name}: {name!r} is updated in place; pass it as an input, not in out=")
+                result[name] = args[name]
+                continue
+            given = out.get(name)
+            if given is None:
+                result[name] = self.empty(shape, dtype, capacity=math.prod(_padded(sizes, bucket, decl.shape)))
+            else:
+                if given.dtype != dtype or given.shape != shape:
+                    raise ValueError(f"{ir.name}: out[{name!r}] is {given.dtype}{list(given.shape)}, "
+                                     f"expected {dtype}{list(shape)}")
+                result[name] = given
+        extra = set(out) - set(result)
+        if extra:
+            raise ValueError(f"{ir.name}: out has unknown outputs {sorted(extra)}")
+        return result
+
+
+def _padded(sizes: dict[str, int], bucket: int, shape: tuple[str, ...]) -> tuple[int, ...]:
+    """A tensor's shape with T rounded up to the bucket: the rows a kernel of that bucket may address."""
+    return tuple(bucketed(sizes[a], bucket) if a == SEQ_AXIS else sizes[a] for a in shape)

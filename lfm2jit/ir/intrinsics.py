@@ -1,0 +1,179 @@
+"""Intrinsic declarations: operations whose kernel is a hand-written, parameterised template.
+
+An intrinsic is called from the DSL like a function and may return several tensors
+(``o, lse = causal_attention(q, k, v)``). Here it is declared as the IR sees it: its operands, how
+output types follow from operand types, and its gradient rule, which is itself a call of other
+intrinsics, so backward kernels still come from differentiating the IR. How each is launched
+(its template and tiles) lives with the schedules (schedule/attention.py, schedule/scatter.py).
+
+    o, lse = causal_attention(q, k, v)     q: [T, H, E]   k, v: [T, G, E]   (G divides H)
+        o: [T, H, E] (q's dtype), lse: [T, H] f32, the log-sum-exp of each query's scaled scores;
+        every operand may carry a leading batch axis ([B, S, H, E]: B sequences stored back to back)
+    dE = embedding_grad(g, order, bounds, rows)     g: [T, D]   order, rows: i32[T]   bounds: i32[T, 2]
+        the embedding table's gradient as a deterministic scatter-add (only ever added into)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from .graph import GraphBuilder
+from .nodes import KernelIR, Node, TensorArg
+from .ops import FLOAT_DTYPES, Op
+
+
+class IntrinsicError(ValueError):
+    """Operands that an intrinsic cannot take; the message says which and what was expected."""
+
+
+@dataclass(frozen=True)
+class Intrinsic:
+    name: str
+    params: tuple[str, ...]
+    outputs: tuple[str, ...]
+    # operand (dtype, shape)s -> output (dtype, shape)s; raises IntrinsicError
+    infer: Callable[[list[tuple[str, tuple[str, ...]]]], list[tuple[str, tuple[str, ...]]]]
+    # (GraphBuilder, INTRINSIC node, its PROJ nodes by output index, adjoint per output or None)
+    # -> adjoint per operand or None, built from other intrinsic calls; None when not differentiable
+    grad: Callable | None = None
+    differentiable_outputs: tuple[str, ...] = field(default=())
+    # outputs the template only adds into (a scatter): callers must pass them and accumulate
+    adds_only: bool = False
+
+
+REGISTRY: dict[str, Intrinsic] = {}
+
+
+def register(intrinsic: Intrinsic) -> Intrinsic:
+    if intrinsic.name in REGISTRY:
+        raise RuntimeError(f"intrinsic {intrinsic.name!r} registered twice")
+    REGISTRY[intrinsic.name] = intrinsic
+    return intrinsic
+
+
+def get(name: str) -> Intrinsic | None:
+    return REGISTRY.get(name)
+
+
+def names() -> list[str]:
+    return sorted(REGISTRY)
+
+
+def call_nodes(intrinsic: Intrinsic, operands: list[Node]) -> list[Node]:
+    """The IR of one call: an INTRINSIC node over the operands and one PROJ node per output."""
+    results = intrinsic.infer([(n.dtype, n.shape) for n in operands])
+    call = Node(Op.INTRINSIC, tuple(operands), (), "tuple", intrinsic.name)
+    return [Node(Op.PROJ, (call,), shape, dtype, i) for i, (dtype, shape) in enumerate(results)]
+
+
+def kernel_ir(name: str, intrinsic: str, inputs: list[TensorArg], outputs: list[str]) -> KernelIR:
+    """A kernel whose body is ``outputs... = intrinsic(inputs...)``, built without DSL source."""
+    intr = get(intrinsic)
+    if intr is None:
+        raise IntrinsicError(f"no intrinsic named {intrinsic!r}; known: {', '.join(names())}")
+    operands = [Node(Op.INPUT, (), t.shape, t.dtype, t.name) for t in inputs]
+    projs = call_nodes(intr, operands)
+    if len(outputs) != len(projs):
+        raise IntrinsicError(f"{intrinsic} returns {len(projs)} values ({', '.join(intr.outputs)}), "
+                             f"got {len(outputs)} names")
+    results = dict(zip(outputs, projs))
+    return KernelIR(name, tuple(inputs), (), tuple(TensorArg(n, p.dtype, p.shape) for n, p in results.items()),
+                    results)
+
+
+# ---- causal_attention and its backward kernels ----
+
+ATTENTION = "causal_attention"
+ATTENTION_DQ = "causal_attention_bwd_dq"
+ATTENTION_DKDV = "causal_attention_bwd_dkdv"
+ATTENTION_BWD_PARAMS = ("q", "k", "v", "o", "lse", "do")
+
+
+def _check_attention(name: str, operands, params: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Validate q/k/v (and o, lse, do for the backward); returns q's and k's shapes."""
+    if len(operands) != len(params):
+        raise IntrinsicError(f"{name} takes {len(params)} operands ({', '.join(params)}), got {len(operands)}")
+    by = dict(zip(params, operands))
+    for p, (dtype, shape) in by.items():
+        if dtype not in FLOAT_DTYPES:
+            raise IntrinsicError(f"{name}: {p} must be a float tensor, got {dtype}")
+    (_, q), (_, k), (_, v) = by["q"], by["k"], by["v"]
+    if len(q) not in (3, 4):
+        raise IntrinsicError(f"{name}: q must be [T, H, E] or [B, T, H, E], got [{', '.join(q)}]")
+    if len(k) != len(q) or len(v) != len(q):
+        want = "[T, G, E]" if len(q) == 3 else "[B, T, G, E]"
+        raise IntrinsicError(f"{name}: k and v must be {want} like q, got [{', '.join(k)}] and [{', '.join(v)}]")
+    if k != v:
+        raise IntrinsicError(f"{name}: k and v must have the same shape, got [{', '.join(k)}] and [{', '.join(v)}]")
+    if k[:-3] != q[:-3]:
+        raise IntrinsicError(f"{name}: q and k must share the batch axis, got {q[0]} and {k[0]}")
+    if k[-3] != q[-3]:
+        raise IntrinsicError(f"{name}: q and k must share the sequence axis, got {q[-3]} and {k[-3]}")
+    if k[-1] != q[-1]:
+        raise IntrinsicError(f"{name}: q and k must share the head-dim axis, got {q[-1]} and {k[-1]}")
+    for p, want in (("o", q), ("do", q), ("lse", q[:-1])):
+        if p in by and by[p][1] != want:
+            raise IntrinsicError(f"{name}: {p} must be [{', '.join(want)}], got [{', '.join(by[p][1])}]")
+    return q, k
+
+
+def _infer_attention(operands):
+    q, _ = _check_attention(ATTENTION, operands, ("q", "k", "v"))
+    return [(operands[0][0], q), ("f32", q[:-1])]
+
+
+def _infer_dq(operands):
+    q, _ = _check_attention(ATTENTION_DQ, operands, ATTENTION_BWD_PARAMS)
+    return [(operands[0][0], q)]
+
+
+def _infer_dkdv(operands):
+    _, k = _check_attention(ATTENTION_DKDV, operands, ATTENTION_BWD_PARAMS)
+    return [(operands[1][0], k), (operands[2][0], k)]
+
+
+def _grad_attention(b: GraphBuilder, call: Node, projs: dict[int, Node], outs: list) -> list:
+    """Adjoints of (q, k, v): the dq and dkdv calls over the forward's saved o and lse."""
+    d_o, d_lse = outs
+    if d_lse is not None:
+        raise IntrinsicError(f"{ATTENTION}: lse is not differentiable (it is saved for the backward); "
+                             "take a cotangent for o only")
+    q, k, v = call.srcs
+    (o_type, o_shape), (l_type, l_shape) = _infer_attention([(n.dtype, n.shape) for n in call.srcs])
+    o = projs.get(0) or b.node(Op.PROJ, (call,), o_shape, o_type, 0)
+    lse = projs.get(1) or b.node(Op.PROJ, (call,), l_shape, l_type, 1)
+    operands = (q, k, v, o, lse, d_o)
+    dq_call = b.node(Op.INTRINSIC, operands, (), "tuple", ATTENTION_DQ)
+    dkdv_call = b.node(Op.INTRINSIC, operands, (), "tuple", ATTENTION_DKDV)
+    dq = b.node(Op.PROJ, (dq_call,), q.shape, q.dtype, 0)
+    dk = b.node(Op.PROJ, (dkdv_call,), k.shape, k.dtype, 0)
+    dv = b.node(Op.PROJ, (dkdv_call,), v.shape, v.dtype, 1)
+    return [dq, dk, dv]
+
+
+register(Intrinsic(ATTENTION, ("q", "k", "v"), ("o", "lse"), _infer_attention, grad=_grad_attention,
+                   differentiable_outputs=("o",)))
+register(Intrinsic(ATTENTION_DQ, ATTENTION_BWD_PARAMS, ("dq",), _infer_dq))
+register(Intrinsic(ATTENTION_DKDV, ATTENTION_BWD_PARAMS, ("dk", "dv"), _infer_dkdv))
+
+
+# ---- embedding_grad ----
+
+EMBEDDING_GRAD = "embedding_grad"
+
+
+def _infer_embedding_grad(operands):
+    if len(operands) != 4:
+        raise IntrinsicError(f"{EMBEDDING_GRAD} takes 4 operands (g, order, bounds, rows), got {len(operands)}")
+    (gd, g), (od, order), (bd, bounds), (rd, rows) = operands
+    if len(g) != 2 or gd not in FLOAT_DTYPES:
+        raise IntrinsicError(f"{EMBEDDING_GRAD}: g must be a float [T, D], got {gd}[{', '.join(g)}]")
+    if (od, order) != ("i32", g[:1]) or (rd, rows) != ("i32", g[:1]):
+        raise IntrinsicError(f"{EMBEDDING_GRAD}: order and rows must be i32[{g[0]}]")
+    if bd != "i32" or len(bounds) != 2 or bounds[0] != g[0]:
+        raise IntrinsicError(f"{EMBEDDING_GRAD}: bounds must be i32[{g[0]}, 2], got {bd}[{', '.join(bounds)}]")
+    return [(gd, ("V", g[1]))]
+
+
+register(Intrinsic(EMBEDDING_GRAD, ("g", "order", "bounds", "rows"), ("dE",), _infer_embedding_grad,
+                   adds_only=True))

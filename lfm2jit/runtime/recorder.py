@@ -1,0 +1,303 @@
+"""Recorder: compiles shaders into pipelines once, records dispatches, submits them together.
+
+Work is recorded, not run: ``dispatch`` appends one command (pipeline, bind group, workgroups,
+info block). What is recorded goes into one command encoder when ``flush`` is called, which
+reading a tensor does by itself, and every SUBMIT_EVERY dispatches, so the GPU works through a
+step while the host is still recording it. Nothing here knows the compiler: a shader arrives as
+WGSL text with its binding table and entry points (``Shader``).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+import wgpu
+
+from .pool import BufferPool
+from .program import Program
+from .tensor import ITEMSIZE, Tensor, buffer_bytes, infer_dtype
+
+MAX_GROUPS_PER_DIM = 65535
+INFO_BYTES = 256           # one info block (t_valid + scalars) per dispatch: the uniform offset alignment
+SUBMIT_EVERY = 32          # recorded dispatches per submission (and info blocks in the ring): the GPU starts
+                           # on them while Python records more
+MAX_QUERIES = 4096
+
+
+class ShaderCompileError(RuntimeError):
+    """The adapter's shader compiler rejected generated WGSL (a compiler bug, not a user error)."""
+
+
+@dataclass(frozen=True)
+class Shader:
+    """What the runtime needs to make pipelines: WGSL, the storage bindings (number, read-only),
+    each entry point with its workgroup grid (an int is folded into x and y), and a cache key."""
+    label: str
+    key: str
+    wgsl: str
+    bindings: tuple[tuple[int, bool], ...]
+    entry_points: tuple[tuple[str, int | tuple[int, int, int]], ...]
+
+
+@dataclass
+class Compiled:
+    shader: Shader
+    pipelines: tuple          # one per entry point, dispatched in order ("main", then e.g. "reduce")
+    layout: object
+
+    @property
+    def wgsl(self) -> str:
+        return self.shader.wgsl
+
+    @functools.cached_property
+    def stages(self) -> list[tuple[object, tuple[int, int, int]]]:
+        """(pipeline, workgroups) of each dispatch one call of this shader records."""
+        groups = [grid if isinstance(grid, tuple) else fold_workgroups(grid) + (1,)
+                  for _, grid in self.shader.entry_points]
+        return list(zip(self.pipelines, groups))
+
+
+class LRU:
+    """A small least-recently-used map."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.items: OrderedDict = OrderedDict()
+
+    def get(self, key):
+        value = self.items.get(key)
+        if value is not None:
+            self.items.move_to_end(key)
+        return value
+
+    def put(self, key, value):
+        self.items[key] = value
+        if len(self.items) > self.capacity:
+            self.items.popitem(last=False)
+        return value
+
+
+def fold_workgroups(total: int) -> tuple[int, int]:
+    """Split a workgroup count over x and y so neither exceeds the per-dimension limit."""
+    if total <= MAX_GROUPS_PER_DIM:
+        return max(total, 1), 1
+    y = -(-total // MAX_GROUPS_PER_DIM)
+    if y > MAX_GROUPS_PER_DIM:
+        raise ValueError(f"{total} workgroups exceed {MAX_GROUPS_PER_DIM}**2, the most one dispatch can fold")
+    return -(-total // y), y
+
+
+class Recorder:
+    def __init__(self, ctx, timing: bool = False):
+        self.ctx = ctx
+        self.device = ctx.device
+        self.pool = BufferPool(ctx.device)
+        self.timing = bool(timing and ctx.has_timestamps)
+        self.timings: list[tuple[str, float]] = []   # (shader label, GPU seconds) per timed dispatch
+        self._pipelines: dict[tuple[str, str], Compiled] = {}
+        self._commands: list[tuple] = []
+        self._keepalive: list = []
+        self.dispatches = 0
+        self._fence = None
+        self._infos: list[bytes] = []     # info block of each recorded dispatch, in order
+        self._ring = None                 # uniform buffer the info blocks are written to at flush
+        self._bind_groups = LRU(8192)     # (layout, ring, bindings) -> bind group
+        self.capturing: Program | None = None
+        ctx.register(self)
+
+    # ---- pipelines ----
+    def pipeline(self, shader: Shader) -> Compiled | None:
+        """The pipelines made for this shader before, or None."""
+        return self._pipelines.get((shader.key, self.ctx.name))
+
+    def build(self, shader: Shader) -> Compiled:
+        try:
+            module = self.device.create_shader_module(code=shader.wgsl, label=shader.label)
+        except Exception as e:  # wgpu raises its own validation error types
+            raise ShaderCompileError(f"the shader compiler rejected kernel {shader.label!r} "
+                                     f"(spec {shader.key}):\n{e}\n--- WGSL ---\n{shader.wgsl}") from None
+        compute = wgpu.ShaderStage.COMPUTE
+        entries = [{"binding": 0, "visibility": compute,
+                    "buffer": {"type": wgpu.BufferBindingType.uniform, "has_dynamic_offset": True}}]
+        for binding, read_only in shader.bindings:
+            kind = wgpu.BufferBindingType.read_only_storage if read_only else wgpu.BufferBindingType.storage
+            entries.append({"binding": binding, "visibility": compute, "buffer": {"type": kind}})
+        layout = self.device.create_bind_group_layout(entries=entries)
+        pipeline_layout = self.device.create_pipeline_layout(bind_group_layouts=[layout])
+        try:
+            pipelines = tuple(self.device.create_compute_pipeline(layout=pipeline_layout, label=shader.label,
+                                                                  compute={"module": module, "entry_point": name})
+                              for name, _ in shader.entry_points)
+        except Exception as e:  # noqa: BLE001 - e.g. a workgroup over the adapter's limits
+            raise ShaderCompileError(f"the adapter refused a pipeline for kernel {shader.label!r} "
+                                     f"(spec {shader.key}):\n{e}\n--- WGSL ---\n{shader.wgsl}") from None
+        compiled = Compiled(shader, pipelines, layout)
+        self._pipelines[(shader.key, self.ctx.name)] = compiled
+        return compiled
+
+    # ---- tensors ----
+    def empty(self, shape, dtype: str = "f32", capacity: int | None = None) -> Tensor:
+        """A pooled tensor (contents undefined); ``capacity`` elements reserved, at least its size."""
+        n = max(math.prod(shape), capacity or 0)
+        buf = self.pool.acquire(buffer_bytes(n, dtype))
+        return Tensor(self.ctx, buf, shape, dtype, capacity=buf.size // ITEMSIZE[dtype], on_free=self.pool.release)
+
+    def tensor(self, array, dtype: str | None = None) -> Tensor:
+        """Upload a numpy array into a pooled tensor."""
+        arr = np.asarray(array)
+        t = self.empty(arr.shape, dtype or infer_dtype(arr))
+        t.write(arr)
+        return t
+
+    # ---- recording ----
+    def dispatch(self, compiled: Compiled, tensors: list[Tensor], info: bytes,
+                 scalar_names: tuple[str, ...] = (), scalars: tuple[float, ...] = ()) -> None:
+        """Record one call of a compiled shader over ``tensors`` (in binding order) with one info block."""
+        if len(info) > INFO_BYTES:
+            raise ValueError(f"{compiled.shader.label}: {len(scalars)} scalars do not fit the {INFO_BYTES}-byte "
+                             "info block")
+        stages = compiled.stages
+        for _, groups in stages:
+            if max(groups) > MAX_GROUPS_PER_DIM:
+                raise ValueError(f"{compiled.shader.label}: dispatch of {groups} workgroups exceeds "
+                                 f"{MAX_GROUPS_PER_DIM} per dimension")
+        bind_group = self._bind_group(compiled, tensors)
+        for pipeline, groups in stages:      # every stage reads the same info block
+            self._commands.append(("dispatch", compiled, pipeline, bind_group, groups, len(self._infos) * INFO_BYTES))
+        self._infos.append(info)
+        if self.capturing is not None:
+            self.capturing.add_call(compiled, tensors, stages, scalar_names, scalars, info)
+        self._keepalive.extend(t.buffer for t in tensors)   # buffers, not tensors: freed tensors recycle at once
+        self.dispatches += 1
+        if len(self._infos) == SUBMIT_EVERY:
+            self.flush()          # submit, so the GPU starts; the info ring is then reused
+
+    def _bind_group(self, compiled: Compiled, tensors: list[Tensor]):
+        """The bind group for these bindings, made once and reused while cached: a training step
+        repeats the same kernels over the same buffers, so most dispatches hit. The info block
+        (real length, scalars) is not part of it: it sits in a ring buffer at a dynamic offset."""
+        ring = self._info_ring()
+        key = (id(compiled.layout), id(ring), tuple((id(t.buffer), t.offset, t.binding_size) for t in tensors))
+        hit = self._bind_groups.get(key)
+        if hit is not None:
+            return hit[0]
+        group = self.make_bind_group(compiled, ring, [(t.buffer, t.offset, t.binding_size) for t in tensors])
+        # the entry keeps the buffers alive, so their ids in the key cannot be reused by others
+        self._bind_groups.put(key, (group, ring, [t.buffer for t in tensors]))
+        return group
+
+    def make_bind_group(self, compiled: Compiled, info_buffer, bindings):
+        """Binding 0: one info block of ``info_buffer`` (at a dynamic offset); bindings 1..: the
+        (buffer, byte offset, byte size) of each tensor, in the shader's binding order."""
+        entries = [{"binding": 0, "resource": {"buffer": info_buffer, "offset": 0, "size": INFO_BYTES}}]
+        entries += [{"binding": i + 1, "resource": {"buffer": b, "offset": o, "size": n}}
+                    for i, (b, o, n) in enumerate(bindings)]
+        return self.device.create_bind_group(layout=compiled.layout, entries=entries)
+
+    def _info_ring(self):
+        """The uniform ring holding one info block per recorded dispatch (SUBMIT_EVERY of them; the
+        recorder flushes when it is full, so a flush never needs more)."""
+        if self._ring is None:
+            self._ring = self.device.create_buffer(size=SUBMIT_EVERY * INFO_BYTES,
+                                                   usage=wgpu.BufferUsage.UNIFORM | wgpu.BufferUsage.COPY_DST)
+        return self._ring
+
+    # ---- submission ----
+    def flush(self) -> None:
+        """Encode every recorded dispatch into one command encoder and submit it."""
+        if not self._commands:
+            return
+        commands, self._commands = self._commands, []
+        infos, self._infos = self._infos, []
+        if infos:
+            blob = b"".join(i.ljust(INFO_BYTES, b"\0") for i in infos)
+            self.device.queue.write_buffer(self._info_ring(), 0, blob)
+        step = MAX_QUERIES // 2 if self.timing else len(commands)
+        for start in range(0, len(commands), step):
+            self._submit(commands[start:start + step])
+        self._keepalive.clear()
+
+    def zero_(self, tensor: Tensor) -> Tensor:
+        """Record clearing a tensor's elements to zero (in order with the recorded dispatches)."""
+        nbytes = -(-tensor.size * ITEMSIZE[tensor.dtype] // 4) * 4
+        self._commands.append(("clear", tensor.buffer, tensor.offset, nbytes))
+        if self.capturing is not None:
+            self.capturing.add_clear(tensor.buffer, tensor.offset, nbytes)
+        self._keepalive.append(tensor.buffer)
+        return tensor
+
+    @contextlib.contextmanager
+    def capture(self):
+        """Record the work done inside into a replayable Program (see program.py); the work also
+        runs as usual. If the block raises, no program is kept."""
+        if self.capturing is not None:
+            raise RuntimeError("engine.capture() is already open on this engine; captures do not nest")
+        self.flush()
+        program = self.capturing = Program(self, INFO_BYTES)
+        try:
+            yield program
+        finally:
+            self.capturing = None
+        program.finish()
+
+    def _submit(self, commands) -> None:
+        encoder = self.device.create_command_encoder()
+        if not self.timing:
+            cpass = None
+            for command in commands:
+                if command[0] == "clear":      # clears run between compute passes
+                    if cpass is not None:
+                        cpass.end()
+                        cpass = None
+                    _, buffer, offset, nbytes = command
+                    encoder.clear_buffer(buffer, offset, nbytes)
+                    continue
+                _, compiled, pipeline, bind_group, groups, info_at = command
+                if cpass is None:
+                    cpass = encoder.begin_compute_pass()
+                cpass.set_pipeline(pipeline)
+                cpass.set_bind_group(0, bind_group, [info_at])
+                cpass.dispatch_workgroups(*groups)
+            if cpass is not None:
+                cpass.end()
+            self.device.queue.submit([encoder.finish()])
+            return
+        # Timed: one pass per dispatch, and resolve exactly the queries written in this submission.
+        dispatches = [c for c in commands if c[0] == "dispatch"]
+        n = 2 * len(dispatches)
+        qs = self.device.create_query_set(type=wgpu.QueryType.timestamp, count=max(n, 2))
+        i = 0
+        for command in commands:
+            if command[0] == "clear":
+                _, buffer, offset, nbytes = command
+                encoder.clear_buffer(buffer, offset, nbytes)
+                continue
+            _, compiled, pipeline, bind_group, groups, info_at = command
+            cpass = encoder.begin_compute_pass(timestamp_writes={
+                "query_set": qs, "beginning_of_pass_write_index": 2 * i, "end_of_pass_write_index": 2 * i + 1})
+            cpass.set_pipeline(pipeline)
+            cpass.set_bind_group(0, bind_group, [info_at])
+            cpass.dispatch_workgroups(*groups)
+            cpass.end()
+            i += 1
+        if n == 0:
+            self.device.queue.submit([encoder.finish()])
+            return
+        resolved = self.device.create_buffer(size=8 * n, usage=wgpu.BufferUsage.QUERY_RESOLVE | wgpu.BufferUsage.COPY_SRC)
+        encoder.resolve_query_set(qs, 0, n, resolved, 0)
+        self.device.queue.submit([encoder.finish()])
+        stamps = np.frombuffer(self.device.queue.read_buffer(resolved), dtype=np.uint64)
+        for i, (_, compiled, _, _, _, _) in enumerate(dispatches):
+            self.timings.append((compiled.shader.label, float(stamps[2 * i + 1] - stamps[2 * i]) * 1e-9))
+
+    def synchronize(self) -> None:
+        """Flush and wait until the GPU has finished everything submitted."""
+        self.flush()
+        # Reading a buffer back waits for the queue (wgpu 0.32's on_submitted_work_done_sync is broken).
+        if self._fence is None:
+            self._fence = self.device.create_buffer(size=16, usage=wgpu.BufferUsage.COPY_SRC)
+        self.device.queue.read_buffer(self._fence, 0, 4)

@@ -1,0 +1,256 @@
+"""Causal grouped-query attention: the flash-style templates that run the attention intrinsics.
+
+    o, lse = causal_attention(q, k, v)        q: [T, H, E]   k, v: [T, G, E]   (G divides H)
+    o: [T, H, E] (q's dtype)   lse: [T, H] f32, log-sum-exp of each query's scaled scores
+
+Every operand may carry a leading batch axis ([B, S, H, E] and so on): B independent sequences of
+S positions stored one after another (packed rows), run by one dispatch (workgroup z is the
+sequence), so short packed sequences fill a big GPU. Sequence b's rows start at b * S.
+
+Roles are positional; the axis names are the caller's. Query head h reads kv head h // (H/G);
+scores are q.k / sqrt(E); query t sees keys 0..t. No T x T matrix ever reaches device memory:
+the forward keeps a running max and sum per query (online softmax) and saves lse, and the two
+backward kernels (FlashAttention-2) recompute probabilities from lse:
+
+    P = exp(S - lse)   D_i = sum_e dO*O   dS = P * (dO V^T - D)
+    dQ = dS K / sqrt(E)      (causal_attention_bwd_dq:   a workgroup per query block and head)
+    dK = dS^T Q / sqrt(E), dV = P^T dO
+                             (causal_attention_bwd_dkdv: a workgroup per key block, kv head and
+                              query head of its group; a second pass sums the group's partials
+                              in a fixed order, no atomics)
+
+Thread layout (the same in all three kernels): a workgroup owns a block of rows (queries, or keys
+for dk/dv); each row is served by ``row_threads`` adjacent invocations. The row being dotted
+against the streamed tiles (q; q and dO; k and v) lives whole in named registers, and each of the
+row's invocations takes every row_threads-th row of the tile for its dot products, so the dots
+are straight-line code over E. Accumulators (o, dq, dk, dv) are split by interleaved columns:
+invocation ``part`` owns columns part, part + row_threads, ... (EPT = E / row_threads of them).
+Scores of one tile pass through workgroup memory; tiles read with a different row per lane have
+their rows padded by one word, so lanes hit different banks.
+
+Block sizes (AttentionTiles) come from ``choose_tiles(mode, E)`` unless the caller passes tiles
+(``engine.run(..., tiles=...)``, the autotuner); ``tiles_problem`` holds the rules any tiles must
+keep; the autotuner's candidates are in tune/candidates.py.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from ..ir.intrinsics import ATTENTION_BWD_PARAMS, IntrinsicError
+from .code import Index
+from .matmul import REDUCE_THREADS
+from .spec import EntryPoint, IntrinsicCall, Plan, Scratch, extent, strides
+
+WORKGROUP_BYTES = 16384      # portable maxComputeWorkgroupStorageSize
+MAX_THREADS = 256            # portable maxComputeInvocationsPerWorkgroup
+MAX_HEAD_DIM = 128
+TARGET_THREADS = 128         # invocations per workgroup to aim for
+SLICE_COLUMNS = 16           # accumulator columns per invocation to aim for (E / row_threads)
+TEMPLATES = ("attention_fwd", "attention_bwd")
+
+
+# ---- tiling ----
+
+@dataclass(frozen=True)
+class AttentionTiles:
+    """Block sizes of one attention kernel; ``tiles_problem`` states the rules they must keep.
+
+    rows: rows a workgroup owns (queries; keys for dkdv); tile: rows streamed per step (keys;
+    queries for dkdv); row_threads: invocations per owned row; threads = rows * row_threads.
+    """
+    rows: int
+    tile: int
+    row_threads: int
+
+    @property
+    def threads(self) -> int:
+        return self.rows * self.row_threads
+
+
+def _row_threads(e: int) -> int:
+    """Invocations per row: enough that each owns about SLICE_COLUMNS accumulator columns (at most 8)."""
+    s = 1
+    while s < 8 and e % (2 * s) == 0 and e // (2 * s) >= SLICE_COLUMNS:
+        s *= 2
+    return s
+
+
+def workgroup_words(mode: str, t: AttentionTiles, e: int) -> int:
+    """f32 words of workgroup memory the template declares for ``mode`` (fwd, dq, dkdv)."""
+    if mode == "fwd":      # k tile [tile][E+1], v tile [tile][E], scores [rows][tile+1]
+        return t.tile * (e + 1) + t.tile * e + t.rows * (t.tile + 1)
+    if mode == "dq":       # k, v tiles [tile][E+1], dS [rows][tile+1]
+        return 2 * t.tile * (e + 1) + t.rows * (t.tile + 1)
+    # q, dO tiles [tile][E+1], P and dS [rows][tile+1], lse [tile], D partial sums [threads]
+    return 2 * t.tile * (e + 1) + 2 * t.rows * (t.tile + 1) + t.tile + t.threads
+
+
+def tiles_problem(mode: str, t: AttentionTiles, e: int) -> str | None:
+    """The first rule of the ``mode`` template that ``t`` breaks at head dim ``e``; None if it keeps
+    them all. Tiles that break one would compute garbage or fail to build, so they are refused."""
+    if not all(isinstance(v, int) and v >= 1 for v in (t.rows, t.tile, t.row_threads)):
+        return "rows, tile and row_threads must be positive integers"
+    if e % t.row_threads:
+        return f"row_threads must divide the head dim {e} (each invocation owns E / row_threads columns)"
+    if t.tile % t.row_threads:
+        return "row_threads must divide tile (each invocation of a row takes tile / row_threads of its rows)"
+    if t.threads > MAX_THREADS:
+        return f"rows * row_threads = {t.threads} invocations, expected at most {MAX_THREADS}"
+    if mode == "dkdv" and t.threads % t.tile:
+        return (f"tile must divide rows * row_threads = {t.threads} "
+                "(threads / tile invocations sum each query's D = dO.O)")
+    need = 4 * workgroup_words(mode, t, e)
+    if need > WORKGROUP_BYTES:
+        return f"{need} bytes of workgroup memory, expected at most {WORKGROUP_BYTES}"
+    return None
+
+
+def check_tiles(name: str, mode: str, t: AttentionTiles, e: int) -> None:
+    """Raise an IntrinsicError (a ValueError) naming the tiles and the rule they break."""
+    problem = tiles_problem(mode, t, e)
+    if problem is not None:
+        raise IntrinsicError(f"{name}: tiles {t} do not fit the {mode} template at head dim {e}: {problem}")
+
+
+def choose_tiles(mode: str, e: int) -> AttentionTiles:
+    """Rows per workgroup for about TARGET_THREADS invocations, then the largest streamed tile
+    (at most 64) that keeps the template's rules (workgroup memory within the portable 16 KiB)."""
+    s = _row_threads(e)
+    rows = max(16, min(64, TARGET_THREADS // s))
+    tile = 64
+    while tile > 1:
+        t = AttentionTiles(rows, tile, s)
+        if tiles_problem(mode, t, e) is None:
+            return t
+        tile //= 2
+    raise IntrinsicError(f"no attention tiling for head dim {e} fits {WORKGROUP_BYTES} bytes")
+
+
+
+# ---- plans ----
+
+@dataclass(frozen=True)
+class Strides:
+    t: int
+    h: int
+    e: int = 0
+
+
+@dataclass(frozen=True)
+class AttnTensor:
+    """A tensor as the templates see it: storage type and strides by role (sequence, head, column).
+    A batch axis needs no stride of its own: sequences are stored back to back, T rows apart."""
+    tensor: str
+    dtype: str
+    strides: Strides
+    accumulate: bool = False
+
+    @property
+    def convert(self) -> bool:
+        return self.dtype != "f32"
+
+
+@dataclass(frozen=True)
+class AttentionParams:
+    mode: str                     # fwd, dq, dkdv
+    tiles: AttentionTiles
+    head_dim: int
+    heads: int
+    kv_heads: int
+    t_ext: Index                  # the real sequence length (of each packed sequence)
+    scale: float                  # 1 / sqrt(head_dim)
+    q: AttnTensor
+    k: AttnTensor
+    v: AttnTensor
+    o: AttnTensor | None = None
+    lse: AttnTensor | None = None
+    do: AttnTensor | None = None
+    dq: AttnTensor | None = None
+    dk: AttnTensor | None = None
+    dv: AttnTensor | None = None
+    split: int = 1                # dkdv: workgroups per (key block, kv head), partials summed by "reduce"
+    batch: int = 1
+    t_pad: int = 0
+    workspace: int = 0
+    reduce_threads: int = REDUCE_THREADS
+
+    @property
+    def threads(self) -> int:
+        return self.tiles.threads
+
+    @property
+    def ept(self) -> int:         # accumulator columns per invocation
+        return self.head_dim // self.tiles.row_threads
+
+    @property
+    def group(self) -> int:       # query heads per kv head
+        return self.heads // self.kv_heads
+
+    @property
+    def smem_bytes(self) -> int:
+        return 4 * workgroup_words(self.mode, self.tiles, self.head_dim)
+
+
+def _tensor(arg, sizes: dict[str, int], roles: int, accumulate=frozenset()) -> AttnTensor:
+    st = strides(arg.shape, sizes)
+    axes = arg.shape[-roles:]
+    return AttnTensor(arg.name, arg.dtype, Strides(*(st[a] for a in axes)), arg.name in accumulate)
+
+
+def _sizes(call: IntrinsicCall) -> tuple[int, int, int, int, int]:
+    """(batch, T, H, G, E) of a call."""
+    q, k = call.operands[0], call.operands[1]
+    t, h, e = (call.sizes[a] for a in q.shape[-3:])
+    g = call.sizes[k.shape[-2]]
+    batch = call.sizes[q.shape[0]] if len(q.shape) == 4 else 1
+    if h % g:
+        raise IntrinsicError(f"{call.name}: the {h} query heads ({q.shape[-2]}) must split evenly over "
+                             f"the {g} kv heads ({k.shape[-2]})")
+    if e > MAX_HEAD_DIM:
+        raise IntrinsicError(f"{call.name}: head dim {q.shape[-1]}={e} is over the supported {MAX_HEAD_DIM}")
+    return batch, t, h, g, e
+
+
+ROLES = {"q": 3, "k": 3, "v": 3, "o": 3, "do": 3, "lse": 2, "dq": 3, "dk": 3, "dv": 3}
+
+
+def _params(call: IntrinsicCall, mode: str, params: tuple[str, ...], outputs: tuple[str, ...]) -> AttentionParams:
+    batch, t, h, g, e = _sizes(call)
+    tiles = call.tiles or choose_tiles(mode, e)
+    check_tiles(call.name, mode, tiles, e)
+    tensors = {p: _tensor(a, call.sizes, ROLES[p]) for p, a in zip(params, call.operands)}
+    for p, a in zip(outputs, call.outputs):
+        tensors[p] = _tensor(a, call.sizes, ROLES[p], call.accumulate) if a is not None else None
+    return AttentionParams(mode, tiles, e, h, g, extent(call.operands[0].shape[-3], call.sizes), 1.0 / math.sqrt(e),
+                           batch=batch, **tensors)
+
+
+def plan_forward(call: IntrinsicCall) -> Plan:
+    p = _params(call, "fwd", ("q", "k", "v"), ("o", "lse"))
+    blocks = -(-call.sizes[call.operands[0].shape[-3]] // p.tiles.rows)
+    return Plan("attention_fwd", p, (EntryPoint("main", (blocks, p.heads, p.batch)),))
+
+
+def plan_dq(call: IntrinsicCall) -> Plan:
+    p = _params(call, "dq", ATTENTION_BWD_PARAMS, ("dq",))
+    blocks = -(-call.sizes[call.operands[0].shape[-3]] // p.tiles.rows)
+    return Plan("attention_bwd", p, (EntryPoint("main", (blocks, p.heads, p.batch)),))
+
+
+def plan_dkdv(call: IntrinsicCall) -> Plan:
+    """One workgroup per (key block, kv head, query head of its group), so a group's heads run in
+    parallel rather than one after another (a short sequence otherwise leaves most of a big GPU
+    idle); their partial dk, dv meet in a workspace and a second pass sums them in a fixed order."""
+    p = _params(call, "dkdv", ATTENTION_BWD_PARAMS, ("dk", "dv"))
+    t_pad = call.sizes[call.operands[0].shape[-3]]
+    blocks = -(-t_pad // p.tiles.rows)
+    split = p.group
+    main = EntryPoint("main", (blocks, p.kv_heads, p.batch * split))
+    if split == 1:
+        return Plan("attention_bwd", p, (main,))
+    elements = p.batch * t_pad * p.kv_heads * p.head_dim
+    p = replace(p, split=split, t_pad=t_pad, workspace=2 * split * elements)
+    return Plan("attention_bwd", p, (main, EntryPoint("reduce", -(-elements // REDUCE_THREADS))),
+                (Scratch("ws", "f32", 2 * split * elements),))
+

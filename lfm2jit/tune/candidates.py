@@ -1,0 +1,45 @@
+"""The tiles the autotuner tries for each schedule with knobs: the matmul and attention templates."""
+from __future__ import annotations
+
+import math
+
+from ..schedule.attention import TARGET_THREADS, AttentionTiles, choose_tiles, tiles_problem
+from ..schedule.matmul import TileConfig
+
+MIN_THREADS = 64             # fewest invocations per workgroup an attention candidate has
+MAX_CANDIDATES = 8           # attention candidates per (mode, head dim)
+
+MATMUL = (TileConfig(), TileConfig(bm=128, bn=128, bk=8, tm=8, tn=8), TileConfig(128, 64, 16, 8, 4),
+          TileConfig(64, 128, 16, 4, 8), TileConfig(32, 32, 16, 2, 2), TileConfig(128, 128, 8, 8, 8, vec=True),
+          TileConfig(64, 64, 16, 4, 4, vec=True), TileConfig(128, 128, 16, 8, 8, vec=True),
+          TileConfig(128, 64, 16, 8, 8, vec=True), TileConfig(64, 128, 16, 8, 8, vec=True),
+          TileConfig(64, 64, 16, 8, 8, vec=True), TileConfig(64, 64, 8, 4, 4, vec=True),
+          TileConfig(64, 64, 8, 4, 4, vec=True, split=2), TileConfig(64, 64, 8, 4, 4, vec=True, split=4),
+          TileConfig(64, 128, 16, 8, 8, vec=True, split=2), TileConfig(64, 128, 16, 8, 8, vec=True, split=4),
+          TileConfig(64, 128, 8, 8, 8, vec=True), TileConfig(64, 128, 8, 8, 8, vec=True, double=True),
+          TileConfig(128, 128, 8, 8, 8, vec=True, double=True), TileConfig(64, 64, 16, 4, 4, vec=True, double=True),
+          TileConfig(128, 64, 8, 8, 8, vec=True, double=True))
+
+
+def attention(mode: str, e: int) -> tuple[AttentionTiles, ...]:
+    """What the autotuner tries for ``mode`` at head dim ``e``: choose_tiles' pick first, then the
+    valid tiles of a small grid nearest it (row_threads, then threads per workgroup), with at least
+    MIN_THREADS invocations, MAX_CANDIDATES in all, so tuning stays quick."""
+    default = choose_tiles(mode, e)
+    grid = {AttentionTiles(r, t, s) for r in {16, 32, 64, default.rows} for t in {16, 32, 64, default.tile}
+            for s in {1, 2, 4, 8, default.row_threads}}
+    fits = [t for t in grid if t != default and t.threads >= MIN_THREADS and tiles_problem(mode, t, e) is None]
+
+    def distance(t: AttentionTiles):
+        return (abs(math.log2(t.row_threads / default.row_threads)), abs(math.log2(t.threads / TARGET_THREADS)),
+                -t.tile, t.rows, t.row_threads)
+    return (default, *sorted(fits, key=distance)[:MAX_CANDIDATES - 1])
+
+
+def for_spec(spec) -> tuple:
+    """The tiles worth trying for an (untuned) specialization; empty where its template has no knobs."""
+    if spec.template == "matmul":
+        return MATMUL
+    if spec.template in ("attention_fwd", "attention_bwd"):
+        return attention(spec.params.mode, spec.params.head_dim)
+    return ()
