@@ -83,7 +83,7 @@ class ComputeEngine(Recorder):
         kernel = library.get(kernel) if isinstance(kernel, str) else kernel
         ir = kernel.ir
         out = dict(out or {})
-        args = self._own_arguments(kernel, args)
+        args, sizing = self._own_arguments(kernel, args)
         if tiles is not None and len(kernel.kernels) > 1:
             raise ValueError(f"{kernel.name}: tiles= applies to one kernel, and this one runs "
                              f"{len(kernel.kernels)} ({', '.join(k.name for k in kernel.kernels)}); run them "
@@ -99,7 +99,7 @@ class ComputeEngine(Recorder):
         if scatter:
             raise ValueError(f"{ir.name}: the kernel adds into {scatter}; pass them in out= (zeroed, or holding "
                              f"what to add to) with accumulate={set(scatter)}")
-        sizes, t_valid = self._bind(ir, args, dims or {})
+        sizes, t_valid = self._bind(ir, args, dims or {}, sizing)
         scalars = {}
         for name in ir.scalars:
             v = args[name]
@@ -128,18 +128,23 @@ class ComputeEngine(Recorder):
             self.dispatch(compiled.pipelines, tensors, info, k.ir.scalars, values)
         return outputs
 
-    def _own_arguments(self, kernel: Kernel, args: dict) -> dict:
-        """The arguments a kernel takes. A backward also accepts (and drops) the forward's."""
+    def _own_arguments(self, kernel: Kernel, args: dict) -> tuple[dict, list]:
+        """The arguments a kernel takes, and (for a backward, which also accepts the forward's
+        arguments) the forward tensors it does not read, as (declaration, tensor) pairs: they still
+        give sizes (dx of y = mean(x, T) reads no tensor that has T)."""
         if not isinstance(kernel, Backward):
-            return args
+            return args, []
         fwd = kernel.forward.ir
         known = set(kernel.inputs) | set(kernel.scalars) | set(fwd.scalars) | {t.name for t in fwd.inputs + fwd.outputs}
         unknown = sorted(set(args) - known)
         if unknown:
             raise TypeError(f"{kernel.name}: unknown arguments {unknown} (it takes {', '.join(sorted(known))})")
-        return {n: v for n, v in args.items() if n in set(kernel.inputs) | set(kernel.scalars)}
+        own = set(kernel.inputs) | set(kernel.scalars)
+        decls = {t.name: t for t in fwd.inputs + fwd.outputs}
+        sizing = [(decls[n], v) for n, v in args.items() if n not in own and n in decls and isinstance(v, Tensor)]
+        return {n: v for n, v in args.items() if n in own}, sizing
 
-    def _bind(self, ir, args: dict, dims: dict[str, int]) -> tuple[dict[str, int], int]:
+    def _bind(self, ir, args: dict, dims: dict[str, int], sizing=()) -> tuple[dict[str, int], int]:
         expected = [t.name for t in ir.inputs] + list(ir.scalars)
         unknown = [k for k in args if k not in expected]
         missing = [k for k in expected if k not in args]
@@ -169,6 +174,13 @@ class ComputeEngine(Recorder):
                     raise ValueError(f"{ir.name}: input {t.name!r} has {axis}={size} but {source[axis]} "
                                      f"says {axis}={sizes[axis]}")
                 sizes[axis], source[axis] = size, f"input {t.name!r}"
+        for t, x in sizing:
+            for axis, size in zip(t.shape, x.shape):
+                if axis in sizes and sizes[axis] != size:
+                    raise ValueError(f"{ir.name}: forward argument {t.name!r} has {axis}={size} but {source[axis]} "
+                                     f"says {axis}={sizes[axis]}")
+                sizes.setdefault(axis, size)
+                source.setdefault(axis, f"forward argument {t.name!r}")
         missing_axes = [a for a in ir.axes if a not in sizes]
         if missing_axes:
             raise ValueError(f"kernel {ir.name!r} needs sizes for axes {', '.join(missing_axes)} "

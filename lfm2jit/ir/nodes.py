@@ -61,10 +61,14 @@ class KernelIR:
 
     @property
     def axes(self) -> tuple[str, ...]:
-        """Every axis the signature names, in first-seen order."""
+        """Every axis the kernel needs a size for, in first-seen order: the signature's, then any
+        other its values use (a temporary's reduced axis, the axis of index() or of a mean)."""
         seen: dict[str, None] = {}
         for t in self.inputs + self.outputs:
             for a in t.shape:
+                seen.setdefault(a, None)
+        for n in toposort(self.results.values()):
+            for a in n.shape + ((n.arg,) if n.op in (Op.DIMSIZE, Op.INDEX) else ()):
                 seen.setdefault(a, None)
         return tuple(seen)
 
