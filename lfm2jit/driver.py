@@ -21,6 +21,7 @@ from .dsl.errors import DslError
 from .dsl.parser import parse
 from .ir import intrinsics
 from .ir.check import build_kernel
+from .ir.defaults import fix_defaults
 from .ir.grad import grad_ir
 from .ir.nodes import KernelIR, TensorArg, format_ir
 from .ir.ops import Op
@@ -78,10 +79,21 @@ class Kernel:
         if all(t.name in key[1] for t in self.ir.inputs + self.ir.outputs if t.dtype == "f32"):
             return self                   # nothing left to retype
         if key not in self._variants:
-            self._variants[key] = self._retyped(retype(self.ir, storage, key[1]))
+            self._variants[key] = self._derived(retype(self.ir, storage, key[1]))
         return self._variants[key]
 
-    def _retyped(self, ir: KernelIR) -> "Kernel":
+    def without(self, omitted) -> "Kernel":
+        """This kernel as a call that leaves out the defaulted inputs in ``omitted`` runs it: each
+        fixed to its default (see ir/defaults.py)."""
+        omitted = frozenset(omitted)
+        if not omitted:
+            return self
+        key = ("without", omitted)
+        if key not in self._variants:
+            self._variants[key] = self._derived(fix_defaults(self.ir, omitted))
+        return self._variants[key]
+
+    def _derived(self, ir: KernelIR) -> "Kernel":
         return Kernel(ir, self.ast)
 
     @property
@@ -144,7 +156,7 @@ class Backward(Kernel):
         super().__init__(ir, forward.ast, split)
         self.forward = forward
 
-    def _retyped(self, ir: KernelIR) -> "Backward":
+    def _derived(self, ir: KernelIR) -> "Backward":
         return Backward(self.forward, ir)
 
     def __repr__(self) -> str:

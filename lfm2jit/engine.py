@@ -81,9 +81,11 @@ class ComputeEngine(Recorder):
         be in ``out``) are added to instead of overwritten.
         """
         kernel = library.get(kernel) if isinstance(kernel, str) else kernel
+        kernel = kernel.without(n for n in kernel.ir.defaults if n not in args)
         ir = kernel.ir
-        out = dict(out or {})
         args, sizing = self._own_arguments(kernel, args)
+        args, left_out = self._leading_axes(ir, args)
+        out = {n: self._expand(ir, n, t) for n, t in (out or {}).items()}
         if tiles is not None and len(kernel.kernels) > 1:
             raise ValueError(f"{kernel.name}: tiles= applies to one kernel, and this one runs "
                              f"{len(kernel.kernels)} ({', '.join(k.name for k in kernel.kernels)}); run them "
@@ -106,6 +108,7 @@ class ComputeEngine(Recorder):
             if not isinstance(v, numbers.Real) or isinstance(v, bool) or not math.isfinite(float(v)):
                 raise ValueError(f"{ir.name}: scalar {name!r} must be a finite number, got {v!r}")
             scalars[name] = float(v)
+        self._check_packed_layout(ir, sizes, bucket)
         outputs = self._outputs(ir, sizes, bucket, out, args)
         env = {**args, **outputs}
         parts = [(k, self.compile(k, {a: sizes[a] for a in k.ir.axes if a in sizes}, bucket,
@@ -126,7 +129,42 @@ class ComputeEngine(Recorder):
             values = tuple(scalars[s] for s in k.ir.scalars)
             info = struct.pack(f"<I{len(values)}f", t_valid, *values)
             self.dispatch(compiled.pipelines, tensors, info, k.ir.scalars, values)
-        return outputs
+        return {n: _drop_leading(outputs[n], decl, left_out) for n, decl in zip(outputs, ir.outputs)}
+
+    def _leading_axes(self, ir, args: dict) -> tuple[dict, set[str]]:
+        """Inputs passed without some optional leading axes (``B?``), viewed with them (size 1),
+        and the axes left out."""
+        left_out: set[str] = set()
+        args = dict(args)
+        for t in ir.inputs:
+            x = args.get(t.name)
+            if isinstance(x, Tensor) and t.optional and len(x.shape) < len(t.shape):
+                k = len(t.shape) - len(x.shape)
+                if k <= len(t.optional):
+                    args[t.name] = x.view((1,) * k + x.shape)
+                    left_out.update(t.optional[:k])
+        return args, left_out
+
+    def _expand(self, ir, name: str, t):
+        """An out= tensor given without the output's optional leading axes, viewed with them."""
+        decl = next((o for o in ir.outputs if o.name == name), None)
+        if decl is None or not isinstance(t, Tensor) or not decl.optional or len(t.shape) >= len(decl.shape):
+            return t
+        k = len(decl.shape) - len(t.shape)
+        return t.view((1,) * k + t.shape) if k <= len(decl.optional) else t
+
+    @staticmethod
+    def _check_packed_layout(ir, sizes: dict[str, int], bucket: int) -> None:
+        """Tensors with axes before T hold one padded sequence per leading index, bucketed(T) rows
+        apart; a caller's tensor holds them T rows apart, so both agree only when T fills its bucket."""
+        t = sizes.get(SEQ_AXIS)
+        if t is None or bucketed(t, bucket) == t:
+            return
+        for decl in ir.inputs + ir.outputs:
+            if SEQ_AXIS in decl.shape and math.prod(sizes[a] for a in decl.shape[:decl.shape.index(SEQ_AXIS)]) > 1:
+                raise ValueError(f"{ir.name}: {decl.name!r} packs several sequences of T={t} positions, but T is not a "
+                                 f"multiple of the length bucket {bucket}: packed sequences must fill whole buckets "
+                                 f"(pad them to {bucketed(t, bucket)})")
 
     def _own_arguments(self, kernel: Kernel, args: dict) -> tuple[dict, list]:
         """The arguments a kernel takes, and (for a backward, which also accepts the forward's
@@ -213,6 +251,14 @@ class ComputeEngine(Recorder):
         if extra:
             raise ValueError(f"{ir.name}: out has unknown outputs {sorted(extra)}")
         return result
+
+
+def _drop_leading(t: Tensor, decl, left_out: set[str]) -> Tensor:
+    """An output returned without the optional leading axes the call's inputs left out."""
+    k = 0
+    while k < len(decl.optional) and decl.optional[k] in left_out:
+        k += 1
+    return t.view(t.shape[k:]) if k else t
 
 
 def _padded(sizes: dict[str, int], bucket: int, shape: tuple[str, ...]) -> tuple[int, ...]:

@@ -169,6 +169,20 @@ def evaluate(ir: KernelIR, inputs: dict[str, np.ndarray], scalars: dict[str, flo
             dst[ax] = slice(max(0, -off), min(n, n - off))
             srcsl[ax] = slice(max(0, off), min(n, n + off))
             v[tuple(dst)] = src[tuple(srcsl)]
+        elif op == Op.WINDOW:           # v[.., i, .., j] = src[.., i + sign * j, ..], zero outside the axis
+            axis, by, sign = node.arg
+            src = node.srcs[0]
+            x = align(values[id(src)], src.shape, tuple(a for a in shape if a in src.shape), sizes)
+            n, m = axis_size(axis, sizes), axis_size(by, sizes)
+            v = np.zeros(tuple(axis_size(a, sizes) for a in shape))
+            for idx in np.ndindex(v.shape):
+                at = dict(zip(shape, idx))
+                i = at[axis] + sign * at[by]
+                if 0 <= i < n:
+                    v[idx] = x[tuple(i if a == axis else at[a] for a in shape if a in src.shape)]
+            assert m == v.shape[shape.index(by)]
+        elif op == Op.FLIP:             # reverse one axis
+            v = np.flip(get(node.srcs[0], shape), axis=shape.index(node.arg))
         elif op == Op.TAKE:             # fix one entry of an axis, dropping it
             axis, at = node.arg
             src = node.srcs[0]

@@ -114,6 +114,11 @@ CASES = [
          {"a": normal(T, D)}),
     Case("shift", "kernel k(a: f32[T, D], w: f32[D]) -> (y: f32[T, D]) { y = a[T - 1, :] * w + a * a[T + 2, :] }",
          {"a": normal(T, D), "w": normal(D)}),
+    # a causal conv over a window axis (LFM2's short conv): x[T - L] reads x[t - l] for each tap l
+    Case("window_flip", "kernel k(x: f32[T, D], w: f32[D, L]) -> (y: f32[T, D]) { y = sum(flip(w, L) * x[T - L, :], L) }",
+         {"x": normal(T, D), "w": normal(D, 3)}),
+    Case("window_ahead", "kernel k(x: f32[T, D], w: f32[L]) -> (y: f32[T, D]) { y = sum(w * x[T + L, :] * x, L) }",
+         {"x": normal(T, D), "w": normal(2)}),
     # the adjoint of a sum over T does not vary along T: the shift's rule repeats it over T first
     Case("shift_of_sum", "kernel k(a: f32[T, D]) -> (y: f32[D]) { y = sum(a[T - 1, :], T) * sum(a, T) }",
          {"a": normal(T, D)}),

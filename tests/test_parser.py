@@ -284,8 +284,8 @@ SYNTAX_ERRORS = [
      1, 20, "9999", "is too large", "at most"),
     ("crlf_line_counting", f"{SIG}\r\n    y = x\r\n    z = x +\r\n}}\r\n",
      4, 1, "}", "unexpected '}'", "a name"),
-    ("formfeed_is_not_a_newline", f"{SIG}\n\x0c    y = x ?\n}}\n",
-     2, 12, "?", "unexpected character '?'", "'}'"),
+    ("formfeed_is_not_a_newline", f"{SIG}\n\x0c    y = x $\n}}\n",
+     2, 12, "$", "unexpected character '$'", "'}'"),
 ]
 
 

@@ -371,7 +371,8 @@ SEMANTIC_ERRORS = [
     ("shift_with_non_integer", D("""
         kernel k(x: f32[T, D]) -> (y: f32[T, D]) {
             y = x[T - 1.5, :]
-        }"""), 2, 13, "-", "cannot subscript axis T with this expression", "':', an integer index, or T - k / T + k with an integer k"),
+        }"""), 2, 13, "-", "cannot subscript axis T with this expression",
+     "':', an integer index, T - k / T + k with an integer k, or a window T - L / T + L over a new axis L"),
     ("subscript_wrong_arity", D("""
         kernel k(x: f32[T, D]) -> (y: f32[T, D]) {
             y = x[:]

@@ -9,8 +9,8 @@ from __future__ import annotations
 from functools import singledispatch
 
 from ..ir.ops import Op
-from ..schedule.code import (COMPUTE_TYPE, Apply, Bin, Compare, Const, Guard, IndexLet, IndexValue, Let, Lit, Load,
-                             Ref, ScalarArg, SeqLen, Store, Var)
+from ..schedule.code import (COMPUTE_TYPE, Apply, Bin, Compare, Const, Fold, Guard, IndexLet, IndexValue, Let, Lit,
+                             Load, Ref, ScalarArg, SeqLen, Store, Var)
 from ..schedule.spec import Binding, ident
 
 SPELLING: dict[Op, str] = {
@@ -73,8 +73,11 @@ def _(x: SeqLen) -> str:
 
 @spell.register
 def _(x: Bin) -> str:
+    if x.op in ("max", "min"):
+        return f"{x.op}({spell(x.a)}, {spell(x.b)})"
+
     def part(y):
-        return f"({spell(y)})" if isinstance(y, Bin) else spell(y)
+        return f"({spell(y)})" if isinstance(y, Bin) and y.op not in ("max", "min") else spell(y)
     return f"{part(x.a)} {x.op} {part(x.b)}"
 
 
@@ -123,6 +126,15 @@ def _(x: Guard) -> str:
 @spell.register
 def _(x: Let) -> str:
     return f"let {x.name}: {x.ctype} = {spell(x.value)};"
+
+
+@spell.register
+def _(x: Fold) -> str:
+    body = "".join("\n    " + spell(item).replace("\n", "\n    ") for item in x.lets)
+    combine = REDUCE_COMBINE[x.op].format(x.name, spell(x.value))
+    return (f"var {x.name}: f32 = {REDUCE_INIT[x.op]};\n"
+            f"for (var {x.var} = 0u; {x.var} < {spell(x.extent)}; {x.var} += 1u) {{{body}\n"
+            f"    {x.name} = {combine};\n}}")
 
 
 @spell.register

@@ -15,12 +15,14 @@ class Loc:
 class TypeSpec:
     """``f32[T, D]``; ``dims`` is empty for a scalar. A dim is an axis name or an integer size.
 
-    ``loc`` is the dtype's location; ``dim_locs`` (one per dim, when parsed) locate the dims.
+    ``loc`` is the dtype's location; ``dim_locs`` (one per dim, when parsed) locate the dims;
+    ``optional`` names the axes written ``B?`` (a caller may leave them out: size 1).
     """
     dtype: str
     dims: tuple[str | int, ...]
     loc: Loc
     dim_locs: tuple[Loc, ...] = ()
+    optional: tuple[str, ...] = ()
 
     def dim_loc(self, i: int) -> Loc:
         return self.dim_locs[i] if i < len(self.dim_locs) else self.loc
@@ -31,6 +33,7 @@ class Param:
     name: str
     type: TypeSpec
     loc: Loc
+    default: float | None = None     # ``b: f32[D] = 0``: the value of an input the caller leaves out
 
 
 @dataclass(frozen=True)
@@ -131,11 +134,15 @@ def unparse_expr(e: Expr) -> str:
 def unparse(src: SourceFile) -> str:
     """Source text for a whole file, used by the round-trip tests and by ``dump --ast``."""
     def typ(t: TypeSpec) -> str:
-        return t.dtype + (f"[{', '.join(str(d) for d in t.dims)}]" if t.dims else "")
+        dims = ", ".join(f"{d}?" if d in t.optional else str(d) for d in t.dims)
+        return t.dtype + (f"[{dims}]" if t.dims else "")
+
+    def default(p: Param) -> str:
+        return "" if p.default is None else f" = {p.default!r}"
 
     out = []
     for k in src.kernels:
-        ins = ", ".join(f"{p.name}: {typ(p.type)}" for p in k.inputs)
+        ins = ", ".join(f"{p.name}: {typ(p.type)}{default(p)}" for p in k.inputs)
         outs = ", ".join(f"{p.name}: {typ(p.type)}" for p in k.outputs)
         out.append(f"kernel {k.name}({ins}) -> ({outs}) {{")
         out.extend(f"    {', '.join(s.targets)} = {unparse_expr(s.value)}" for s in k.body)

@@ -68,20 +68,30 @@ class _ToAst(Transformer_NonRecursive):
         return tuple(items)
 
     def param(self, meta, children):
-        name, typ = children
-        return ast.Param(str(name), typ, _loc(name))
+        name, typ, default = children
+        return ast.Param(str(name), typ, _loc(name), default)
+
+    def default_number(self, meta, children):
+        return float(children[0])
+
+    def default_negative(self, meta, children):
+        return -float(children[0])
 
     def type(self, meta, children):
         dtype, dims = children
         dims = dims or ()
-        return ast.TypeSpec(str(dtype), tuple(d for d, _ in dims), _loc(dtype), tuple(loc for _, loc in dims))
+        return ast.TypeSpec(str(dtype), tuple(d for d, _, _ in dims), _loc(dtype), tuple(loc for _, loc, _ in dims),
+                            tuple(d for d, _, optional in dims if optional))
 
     def shape(self, meta, dims):
         return tuple(dims)
 
-    # a dim is passed up as (name or size, location) and split by ``type``
+    # a dim is passed up as (name or size, location, optional) and split by ``type``
     def dim_name(self, meta, children):
-        return str(children[0]), _loc(children[0])
+        return str(children[0]), _loc(children[0]), False
+
+    def dim_optional(self, meta, children):
+        return str(children[0]), _loc(children[0]), True
 
     def dim_size(self, meta, children):
         tok = children[0]
@@ -90,7 +100,7 @@ class _ToAst(Transformer_NonRecursive):
             raise DslError(f"axis size {str(tok)[:20]}{'...' * (len(tok) > 20)} is too large",
                            filename=self.filename, line=tok.line, column=tok.column, source=self.text,
                            expected=f"a size of at most {MAX_AXIS_SIZE}")
-        return int(tok), _loc(tok)
+        return int(tok), _loc(tok), False
 
     def stmt(self, meta, children):
         *names, value = children

@@ -27,6 +27,7 @@ class _Builder:
         self.graph = GraphBuilder()
         self.fixed_dims: dict[str, int] = {}
         self.inouts: set[str] = set()
+        self.defaults: dict[str, float] = {}
 
     def error(self, loc: ast.Loc, message: str, expected: str | None = None) -> DslError:
         return DslError(message, filename=self.src.filename, line=loc.line, column=loc.column,
@@ -51,9 +52,17 @@ class _Builder:
                 raise self.error(t.dim_loc(i), f"axis {name} appears twice in the type of {p.name!r}",
                                  "each axis name once per tensor")
             shape.append(name)
-        if SEQ_AXIS in shape and shape[0] != SEQ_AXIS:
+        lead = len(t.optional)
+        if tuple(shape[:lead]) != t.optional:
+            at = next(i for i, d in enumerate(shape) if d in t.optional and i >= lead)
+            raise self.error(t.dim_loc(at), f"optional axis {shape[at]} of {p.name!r} follows a required one",
+                             "optional axes (B?) first: a caller leaves out leading axes")
+        if SEQ_AXIS in t.optional:
+            raise self.error(t.dim_loc(shape.index(SEQ_AXIS)), f"axis {SEQ_AXIS} of {p.name!r} is optional",
+                             f"{SEQ_AXIS} as a required axis")
+        if SEQ_AXIS in shape and shape.index(SEQ_AXIS) != lead:
             raise self.error(t.dim_loc(shape.index(SEQ_AXIS)), f"axis {SEQ_AXIS} of {p.name!r} is not the leading axis",
-                             f"{SEQ_AXIS} first, so that padding a sequence pads a suffix")
+                             f"{SEQ_AXIS} first (after optional batch axes), so that padding a sequence pads a suffix")
         return tuple(shape)
 
     def signature(self):
@@ -76,8 +85,10 @@ class _Builder:
                 self.inouts.add(p.name)
         for p in self.kdef.inputs:
             shape = self.shape_of(p)
+            if p.default is not None:
+                self.check_default(p)
             if shape:
-                inputs.append(TensorArg(p.name, p.type.dtype, shape))
+                inputs.append(TensorArg(p.name, p.type.dtype, shape, p.type.optional))
                 self.env[p.name] = self.node(Op.INPUT, (), shape, p.type.dtype, p.name)
             else:
                 if p.type.dtype != "f32":
@@ -89,8 +100,22 @@ class _Builder:
             shape = self.shape_of(p)
             if not shape:
                 raise self.error(p.type.loc, f"output {p.name!r} is a scalar", "outputs are tensors, e.g. f32[T]")
-            outputs.append(TensorArg(p.name, p.type.dtype, shape))
+            if p.default is not None:
+                raise self.error(p.loc, f"output {p.name!r} has a default", "defaults on inputs only")
+            outputs.append(TensorArg(p.name, p.type.dtype, shape, p.type.optional))
         return tuple(inputs), tuple(scalars), tuple(outputs)
+
+    def check_default(self, p: ast.Param) -> None:
+        if p.name in self.inouts:
+            raise self.error(p.loc, f"in-place parameter {p.name!r} has a default", "a parameter the caller passes")
+        if not math.isfinite(p.default) or abs(p.default) >= F32_OVERFLOW:
+            raise self.error(p.loc, f"default {p.default} of {p.name!r} is out of range", "a finite f32 value")
+        if p.type.dtype in INT_RANGE:
+            lo, hi = INT_RANGE[p.type.dtype]
+            if p.default != int(p.default) or not lo <= p.default <= hi:
+                raise self.error(p.loc, f"default {p.default} of {p.name!r} is not representable as {p.type.dtype}",
+                                 f"a whole number in [{lo}, {hi}]")
+        self.defaults[p.name] = float(p.default)
 
     # ---- expressions ----
     def unify_dtype(self, loc, what: str, a: Node, b: Node) -> str:
@@ -152,9 +177,17 @@ class _Builder:
                     and item.lhs.name == axis and _is_int(item.rhs):
                 k = int(item.rhs.value)
                 x = self.node(Op.SHIFT, (x,), x.shape, x.dtype, (axis, k if item.op == "add" else -k))
+            elif isinstance(item, ast.BinOp) and item.op in ("add", "sub") and isinstance(item.lhs, ast.Var) \
+                    and item.lhs.name == axis and isinstance(item.rhs, ast.Var) and item.rhs.name not in self.env:
+                by = item.rhs.name
+                if by in x.shape:
+                    raise self.error(item.rhs.loc, f"window axis {by} is already an axis of the value",
+                                     f"a new axis name (the window x[{axis} - {by}] adds it)")
+                x = self.node(Op.WINDOW, (x,), x.shape + (by,), x.dtype, (axis, by, 1 if item.op == "add" else -1))
             else:
                 raise self.error(item.loc, f"cannot subscript axis {axis} with this expression",
-                                 f"':', an integer index, or {axis} - k / {axis} + k with an integer k")
+                                 f"':', an integer index, {axis} - k / {axis} + k with an integer k, or a window "
+                                 f"{axis} - L / {axis} + L over a new axis L")
         for axis, index in takes:
             x = self.node(Op.TAKE, (x,), tuple(a for a in x.shape if a != axis), x.dtype, (axis, index))
         return x
@@ -217,6 +250,14 @@ class _Builder:
             self.arity(e, 1)
             x = self.expr(args[0])
             return x if x.dtype == f else self.node(Op.CAST, (x,), x.shape, f, f)
+        if f == "flip":
+            self.arity(e, 2)
+            x = self.expr(args[0])
+            axis = self.axis_name(args[1])
+            if axis not in x.shape:
+                raise self.error(args[1].loc, f"flip() along axis {axis}, which {_fmt(x.dtype, x.shape)} does not have",
+                                 "an axis of the value: " + (", ".join(x.shape) or "none (it is a scalar)"))
+            return self.node(Op.FLIP, (x,), x.shape, x.dtype, axis)
         if f == "index":
             self.arity(e, 1)
             axis = self.axis_name(args[0])
@@ -260,7 +301,7 @@ class _Builder:
         if f in REDUCE_FUNCS:
             raise self.error(e.loc, f"{f}() needs a value and an axis name", f"{f}(value, AXIS), e.g. {f}(x, D)")
         known = sorted(set(UNARY_FUNCS) | set(BINARY_FUNCS) | set(REDUCE_FUNCS) | set(DTYPES)
-                       | {"where", "index", "gather", "stack"} | set(intrinsics.names()))
+                       | {"where", "index", "gather", "stack", "flip"} | set(intrinsics.names()))
         raise self.error(e.loc, f"unknown function {f!r}", "one of " + ", ".join(known))
 
     def axis_name(self, arg: ast.Expr, count: int | None = None) -> str:
@@ -337,7 +378,7 @@ class _Builder:
                 p = next(p for p in self.kdef.outputs if p.name == o.name)
                 raise self.error(p.loc, f"output {o.name!r} is never assigned", f"an assignment '{o.name} = ...'")
         return KernelIR(self.kdef.name, inputs, scalars, outputs, results, self.src.text, self.src.filename,
-                        self.kdef.loc.line, dict(self.fixed_dims), tuple(sorted(self.inouts)))
+                        self.kdef.loc.line, dict(self.fixed_dims), tuple(sorted(self.inouts)), dict(self.defaults))
 
     def assigned_values(self, st: ast.Assign) -> list[Node]:
         if len(st.targets) == 1:

@@ -63,6 +63,9 @@ RULES: dict[Op, Rule] = {
     # not vary along the axis is first repeated over it, so the shift sees where the axis ends
     Op.SHIFT: lambda b, n, g: [_shift(b, g, n.srcs[0].shape, n.arg[0], -n.arg[1])],
     Op.BROADCAST: lambda b, n, g: [g],
+    # x[T - L][t, l] = x[t - l]: x[t] collects g[t + l, l] over l (a window back, summed over L)
+    Op.WINDOW: lambda b, n, g: [_window_back(b, g, n)],
+    Op.FLIP: lambda b, n, g: [_flip(b, _with(b, g, n.shape, n.arg), n.arg)],
     # taking entry i of an axis puts the adjoint back at entry i, zero elsewhere, and vice versa
     Op.TAKE: lambda b, n, g: [b.node(Op.EMBED, (g,), _with_axis(n.srcs[0].shape, g.shape, n.arg[0]), g.dtype, n.arg)],
     Op.EMBED: lambda b, n, g: [b.node(Op.TAKE, (g,), tuple(a for a in g.shape if a != n.arg[0]), g.dtype, n.arg)],
@@ -81,10 +84,31 @@ class AutodiffError(DslError):
                          source=ir.source or None, expected=expected)
 
 
+def _with(b: GraphBuilder, g: Node, shape: tuple[str, ...], axis: str) -> Node:
+    """``g`` repeated over ``axis`` (placed as in ``shape``) if it lacks it: an op that moves along
+    an axis must see where the axis ends."""
+    return g if axis in g.shape else b.broadcast(g, _with_axis(shape, g.shape, axis))
+
+
 def _shift(b: GraphBuilder, g: Node, src_shape: tuple[str, ...], axis: str, offset: int) -> Node:
-    if axis not in g.shape:
-        g = b.broadcast(g, _with_axis(src_shape, g.shape, axis))
+    g = _with(b, g, src_shape, axis)
     return b.node(Op.SHIFT, (g,), g.shape, g.dtype, (axis, offset))
+
+
+def _flip(b: GraphBuilder, g: Node, axis: str) -> Node:
+    """flip(g) along ``axis``; through a sum over another axis, flip(sum(x, T)) = sum(flip(x), T), so
+    the flip is read inside the sum's loop rather than needing the sum materialised first."""
+    if g.op == Op.SUM and g.arg != axis:
+        return b.sum(_flip(b, g.srcs[0], axis), g.arg)
+    return b.node(Op.FLIP, (g,), g.shape, g.dtype, axis)
+
+
+def _window_back(b: GraphBuilder, g: Node, n: Node) -> Node:
+    axis, by, sign = n.arg
+    g = _with(b, g, n.shape, axis)
+    shape = g.shape if by in g.shape else g.shape + (by,)
+    back = b.node(Op.WINDOW, (g,), shape, g.dtype, (axis, by, -sign))
+    return back if by in n.srcs[0].shape else b.sum(back, by)
 
 
 def _with_axis(src_shape: tuple[str, ...], adj_shape: tuple[str, ...], axis: str) -> tuple[str, ...]:
@@ -129,7 +153,7 @@ def grad_ir(ir: KernelIR, wrt: list[str] | None = None, cotangents: list[str] | 
     for name in cotangents:
         out = outputs[name]
         seed = b.node(Op.INPUT, (), out.shape, out.dtype, f"d_{name}")
-        seeds.append(TensorArg(f"d_{name}", out.dtype, out.shape))
+        seeds.append(TensorArg(f"d_{name}", out.dtype, out.shape, out.optional))
         adjoints.setdefault(id(ir.results[name]), []).append(seed)
 
     order = toposort(ir.results.values())
@@ -168,7 +192,7 @@ def grad_ir(ir: KernelIR, wrt: list[str] | None = None, cotangents: list[str] | 
         value = _total(b, pending, t.shape) if pending else b.const(0)
         value = b.node(Op.CAST, (value,), value.shape, t.dtype, t.dtype) if value.dtype != t.dtype else value
         results[f"d_{name}"] = value
-        grad_outputs.append(TensorArg(f"d_{name}", t.dtype, t.shape))
+        grad_outputs.append(TensorArg(f"d_{name}", t.dtype, t.shape, t.optional))
 
     # Reuse forward outputs the backward needs instead of recomputing them (saved values). An output
     # declared wider than its value (z = exp(w) stored as [T, D]) cannot stand in for the narrower node.
@@ -181,8 +205,10 @@ def grad_ir(ir: KernelIR, wrt: list[str] | None = None, cotangents: list[str] | 
     new_inputs = tuple(t for t in ir.inputs if t.name in used) \
         + tuple(outputs[o] for o in outputs if o in used) \
         + tuple(s for s in seeds if s.name in used)
+    kept = {t.name for t in new_inputs} | scalars_used
     return KernelIR(f"{ir.name}_bwd", new_inputs, tuple(s for s in ir.scalars if s in scalars_used),
-                    tuple(grad_outputs), results, ir.source, ir.filename, ir.line, dict(ir.fixed_dims))
+                    tuple(grad_outputs), results, ir.source, ir.filename, ir.line, dict(ir.fixed_dims),
+                    defaults={n: v for n, v in ir.defaults.items() if n in kept})
 
 
 def _intrinsic_rule(ir: KernelIR, b: GraphBuilder, call: Node, projs: dict[int, Node], adjoints) -> list:

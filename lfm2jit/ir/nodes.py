@@ -27,6 +27,7 @@ class TensorArg:
     name: str
     dtype: str
     shape: tuple[str, ...]
+    optional: tuple[str, ...] = ()   # leading axes a caller may leave out (size 1)
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,7 @@ class KernelIR:
     line: int = 0
     fixed_dims: dict[str, int] = field(default_factory=dict)   # integer axes written in the source
     inouts: tuple[str, ...] = ()     # parameters that are both input and output: updated in place
+    defaults: dict[str, float] = field(default_factory=dict)   # inputs a caller may leave out: their value
     structure: "Structure | None" = None   # set on the parts partition() makes: how the part iterates
 
     @property

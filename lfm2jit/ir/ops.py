@@ -25,6 +25,11 @@ class Op(Enum):
     # at the other entries (arg = (axis, index)); INDEX is the index along an axis (arg = axis);
     # GATHER reads rows of a table (srcs: table, ids) by integer ids
     SHIFT = auto(); TAKE = auto(); EMBED = auto(); INDEX = auto(); GATHER = auto()  # noqa: E702
+    # WINDOW reads at index + sign * (the index along another axis), zero outside: x[T - L] is
+    # x[t - l] for every l (arg = (axis, by, sign)); the by axis is new (appended last), or one the
+    # source has, read at the same index (a diagonal, which the window's gradient needs).
+    # FLIP reverses an axis (arg = axis): flip(w, L)[l] = w[|L| - 1 - l].
+    WINDOW = auto(); FLIP = auto()  # noqa: E702
     # BROADCAST repeats its source over the axes of its shape it lacks (named broadcasting does
     # this implicitly; autodiff makes it explicit where an op must see the axis, e.g. a SHIFT)
     BROADCAST = auto()
@@ -52,7 +57,7 @@ BINOP_NAMES = {"add": Op.ADD, "sub": Op.SUB, "mul": Op.MUL, "div": Op.DIV, "pow"
                "lt": Op.LT, "gt": Op.GT}
 
 # Ops that read their source at another index than their own (or a table by ids).
-MOVING = frozenset({Op.SHIFT, Op.TAKE, Op.GATHER})
+MOVING = frozenset({Op.SHIFT, Op.TAKE, Op.GATHER, Op.WINDOW, Op.FLIP})
 
 DTYPES = ("f32", "f16", "i32", "u32")
 FLOAT_DTYPES = ("f32", "f16")

@@ -29,7 +29,7 @@ def retype(ir: KernelIR, storage: str, keep: frozenset[str] = frozenset()) -> Ke
         memo[id(n)] = Node(n.op, srcs, n.shape, n.dtype if kept else swap.get(n.dtype, n.dtype), arg)
 
     def arg_of(t: TensorArg) -> TensorArg:
-        return t if t.name in keep else TensorArg(t.name, swap.get(t.dtype, t.dtype), t.shape)
+        return t if t.name in keep else dataclasses.replace(t, dtype=swap.get(t.dtype, t.dtype))
 
     suffix = f"_{storage}" + "".join(f"_{n}32" for n in sorted(keep))
     return dataclasses.replace(ir, name=f"{ir.name}{suffix}", inputs=tuple(arg_of(t) for t in ir.inputs),

@@ -34,7 +34,7 @@ class SeqLen:
 
 @dataclass(frozen=True)
 class Bin:
-    op: str            # "+", "-", "*", "/", "%"
+    op: str            # "+", "-", "*", "/", "%", "max", "min"
     a: "Index"
     b: "Index"
 
@@ -133,6 +133,18 @@ class Store:
     value_type: str
     dtype: str
     accumulate: bool
+
+
+@dataclass(frozen=True)
+class Fold:
+    """``name`` = the ``op`` reduction of ``value`` over ``var`` in 0..extent-1, computed by ``lets``
+    at each index: a reduction each invocation runs itself (a conv's taps)."""
+    name: str
+    op: Op
+    var: str
+    extent: Index
+    lets: tuple
+    value: "Value"
 
 
 @dataclass(frozen=True)

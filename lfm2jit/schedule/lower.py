@@ -8,21 +8,30 @@ from __future__ import annotations
 
 from ..ir.nodes import SEQ_AXIS, Node, toposort
 from ..ir.ops import REDUCE, Op
-from .code import (COMPUTE_TYPE, Apply, Bin, Compare, Const, Guard, Index, IndexValue, Let, Lit, Load, Ref,
+from .code import (COMPUTE_TYPE, Apply, Bin, Compare, Const, Fold, Guard, Index, IndexValue, Let, Lit, Load, Ref,
                    ScalarArg, SeqLen, Var, add)
 from .spec import extent, offset
 
 # Ops that change where their source is evaluated, lowered by ``indexing``.
-INDEXING = frozenset({Op.SHIFT, Op.TAKE, Op.EMBED, Op.GATHER, Op.INDEX})
+INDEXING = frozenset({Op.SHIFT, Op.TAKE, Op.EMBED, Op.GATHER, Op.INDEX, Op.WINDOW, Op.FLIP})
 
 
 def _same_index_sources(n: Node) -> tuple[Node, ...]:
-    """The sources evaluated at the node's own index (the others are lowered under a moved index)."""
-    if n.op in (Op.TAKE, Op.SHIFT):
+    """The sources evaluated at the node's own index (the others are lowered under a moved index,
+    or inside a reduction's own loop)."""
+    if n.op in (Op.TAKE, Op.SHIFT, Op.WINDOW, Op.FLIP) or n.op in REDUCE:
         return ()
     if n.op == Op.GATHER:
         return n.srcs[1:]
     return n.srcs
+
+
+def _moved(here: Index, step: Index, sign: int, end: Index) -> tuple[Compare, Index]:
+    """Where ``here + sign * step`` is inside 0..end-1, and that index clamped into the axis, so a
+    read masked away is still a read in bounds (no reliance on the device's robustness)."""
+    if sign < 0:
+        return Compare(">=", here, step), Bin("-", Bin("max", here, step), step)
+    return Compare("<", add(here, step), end), Bin("min", add(here, step), Bin("-", end, Const(1)))
 
 
 class Lowerer:
@@ -68,8 +77,9 @@ class Lowerer:
         for n in toposort(roots, stop=bound.keys(), children=_same_index_sources):
             if id(n) in bound or n.op in (Op.CONST, Op.DIMSIZE):
                 continue
-            if n.op in REDUCE:
-                raise AssertionError(f"the reduction {n} reached lowering unbound: partition() cuts such values")
+            if n.op in REDUCE:         # a reduction the planner did not schedule: each invocation loops
+                self.fold(n, bound, lets)
+                continue
             if n.op == Op.BROADCAST and n.srcs[0].op not in (Op.CONST, Op.DIMSIZE):
                 self.bind(bound, n, bound[id(n.srcs[0])])    # the source's value, repeated
                 continue
@@ -88,6 +98,16 @@ class Lowerer:
             self.bind(bound, n, name)
             lets.append(Let(name, ctype, value))
         return lets
+
+    def fold(self, n: Node, bound: dict[int, str], lets: list) -> None:
+        """An inline reduction (see ir.partition.is_inline) as a loop of this invocation's own."""
+        var = f"j{self.counter[0]}"
+        self.counter[0] += 1
+        child, scope = self.moved(n.arg, Var(var), bound)
+        inner = tuple(child.emit([n.srcs[0]], scope))
+        name = self.fresh()
+        lets.append(Fold(name, n.op, var, extent(n.arg, self.sizes), inner, child.ref(n.srcs[0], "f32", scope)))
+        self.bind(bound, n, name)
 
     def apply(self, n: Node, ctype: str, bound: dict[int, str]) -> Apply:
         if n.op == Op.WHERE:               # the condition keeps its own type, the branches take the result's
@@ -112,13 +132,22 @@ class Lowerer:
             child, scope = self.moved(axis, Const(at), bound)
             lets.extend(child.emit([n.srcs[0]], scope))
             return child.ref(n.srcs[0], ctype, scope)
+        if n.op == Op.FLIP:
+            axis = n.arg
+            last = Bin("-", extent(axis, self.sizes), Const(1))
+            child, scope = self.moved(axis, Bin("-", last, self.index_of[axis]), bound)
+            lets.extend(child.emit([n.srcs[0]], scope))
+            return child.ref(n.srcs[0], ctype, scope)
+        if n.op == Op.WINDOW:
+            axis, by, sign = n.arg
+            here, step = self.index_of[axis], self.index_of[by]
+            valid, moved = _moved(here, step, sign, extent(axis, self.sizes))
+            child, scope = self.moved(axis, moved, bound)
+            lets.extend(child.emit([n.srcs[0]], scope))
+            return Guard(valid, child.ref(n.srcs[0], ctype, scope), ctype)
         if n.op == Op.SHIFT:
             axis, off = n.arg
-            here = self.index_of[axis]
-            if off < 0:
-                valid, moved = Compare(">=", here, Const(-off)), Bin("-", here, Const(-off))
-            else:
-                valid, moved = Compare("<", add(here, Const(off)), extent(axis, self.sizes)), add(here, Const(off))
+            valid, moved = _moved(self.index_of[axis], Const(abs(off)), -1 if off < 0 else 1, extent(axis, self.sizes))
             child, scope = self.moved(axis, moved, bound)
             lets.extend(child.emit([n.srcs[0]], scope))
             return Guard(valid, child.ref(n.srcs[0], ctype, scope), ctype)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from ..ir.nodes import SEQ_AXIS, KernelIR, Node, toposort
 from ..ir.ops import REDUCE, Op
-from ..ir.partition import reduction_chain, use_counts
+from ..ir.partition import is_inline, reduction_chain, use_counts
 from .code import Bin, Compare, Const, Index, IndexLet, Let, SeqLen, Store, Var
 from .lower import Lowerer
 from .pointwise import result_store
@@ -66,20 +66,23 @@ class ColReduceParams:
 
 def _phases(ir: KernelIR, sizes, axes: tuple[str, ...], index_of: dict):
     """Lets before the first reduction, one phase per reduction (nested sums over several axes,
-    as undoing a broadcast makes, are one loop over all of them), and the bound outer values."""
+    as undoing a broadcast makes, are one loop over all of them), and the bound outer values.
+    Inline reductions (a conv's taps) are not phases: each invocation loops over them itself."""
     order = toposort(ir.results.values())
     users = use_counts(ir.results.values())
-    links = {id(x) for r in order if r.op in REDUCE for x in reduction_chain(r, users)[2]}
-    reductions = [r for r in order if r.op in REDUCE and id(r) not in links]
+    scheduled = [r for r in order if r.op in REDUCE and not is_inline(r)]
+    links = {id(x) for r in scheduled for x in reduction_chain(r, users)[2]}
+    reductions = [r for r in scheduled if id(r) not in links]
     lower = Lowerer(sizes, index_of)
     bound: dict[int, str] = {}
 
     def outer(n: Node) -> bool:      # computable once: no reduced axis, every reduction under it done
-        return not set(axes) & set(n.shape) and n.op not in REDUCE and \
+        return not set(axes) & set(n.shape) and (n.op not in REDUCE or is_inline(n)) and \
             all(id(s) in bound or s.op in (Op.CONST, Op.DIMSIZE) or outer(s) for s in n.srcs)
 
-    def outer_lets():
-        todo = [n for n in order if id(n) not in bound and n.op not in (Op.CONST, Op.DIMSIZE) and outer(n)]
+    def outer_lets():   # values over the kernel's own axes (those inside an inline loop stay there)
+        todo = [n for n in order if id(n) not in bound and n.op not in (Op.CONST, Op.DIMSIZE)
+                and set(n.shape) <= set(index_of) and outer(n)]
         return tuple(lower.emit(todo, bound))
 
     pre = outer_lets()
