@@ -303,7 +303,7 @@ class Bench:
         return d, ((64, 100) if self.quick else (512, 2048))
 
     def conv(self):
-        kern = library.get("short_conv_nobias")
+        kern = library.get("short_conv")
         bwd = grad(kern, ["bcx", "w"])
         d, ts = self._rows()
         for t in ts:
@@ -326,7 +326,7 @@ class Bench:
             self.guarded("conv", "short_conv", shape, one)
 
     def rmsnorm(self):
-        kern = library.get("rmsnorm_saved")
+        kern = library.get("rmsnorm")
         bwd = grad(kern, ["x", "w"], ["y"])
         d, ts = self._rows()
         for t in ts:

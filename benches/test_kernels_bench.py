@@ -52,20 +52,20 @@ def test_attention_backward(benchmark, engine, rng):
 
 def test_short_conv_forward_backward(benchmark, engine, rng):
     bcx, w, dy = _t(engine, rng, T, 3, D), _t(engine, rng, D, 3), _t(engine, rng, T, D)
-    bwd = grad(library.get("short_conv_nobias"), ["bcx"])
+    bwd = grad(library.get("short_conv"), ["bcx"])
 
     def both():
-        engine.run("short_conv_nobias", bcx=bcx, w=w)
+        engine.run("short_conv", bcx=bcx, w=w)
         return engine.run(bwd, bcx=bcx, w=w, d_y=dy)
     run_synced(benchmark, engine, both)
 
 
 def test_rmsnorm_forward_backward(benchmark, engine, rng):
     x, w, dy = _t(engine, rng, T, D), _t(engine, rng, D), _t(engine, rng, T, D)
-    bwd = grad(library.get("rmsnorm_saved"), ["x"], ["y"])
+    bwd = grad(library.get("rmsnorm"), ["x"], ["y"])
 
     def both():
-        r = engine.run("rmsnorm_saved", x=x, w=w, eps=1e-5)
+        r = engine.run("rmsnorm", x=x, w=w, eps=1e-5)
         return engine.run(bwd, x=x, w=w, inv=r["inv"], d_y=dy)
     run_synced(benchmark, engine, both)
 

@@ -56,8 +56,8 @@ def test_side_by_side_quick_against_torch_on_cpu(tmp_path):
 @pytest.mark.parametrize("kernel,cls", [
     ("linear_bwd", "linear (matmul)"), ("linear_f16_w32", "linear (matmul)"),
     ("xent_dh", "lm head (matmul)"), ("xent_dE_f16_dE32_h32", "lm head (matmul)"),
-    ("xent_lse_next", "lm head (softmax)"), ("attention_packed_bwd_d_k_d_v", "attention"),
-    ("adamw", "optimizer + grad norm"), ("rmsnorm_saved_f16_inv32", "other (norms, conv, rope, pointwise, embedding)"),
+    ("xent_lse_next", "lm head (softmax)"), ("attention_bwd_d_k_d_v", "attention"),
+    ("adamw", "optimizer + grad norm"), ("rmsnorm_f16_inv32", "other (norms, conv, rope, pointwise, embedding)"),
 ])
 def test_profile_classes_see_through_f16_variants(kernel, cls):
     assert bench._kernel_class(kernel) == cls

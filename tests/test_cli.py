@@ -86,10 +86,10 @@ def test_dim_for_an_axis_the_kernel_lacks_exits_2():
 
 
 def test_dump_backward_prints_every_backward_kernel():
-    out = cli("dump", "rmsnorm_saved", "--backward", "--dim", "D=33", "--bucket", "16")
+    out = cli("dump", "rmsnorm", "--backward", "--dim", "D=33", "--bucket", "16")
     assert out.returncode == 0, out.stderr
-    assert "kernel rmsnorm_saved_bwd_d_x" in out.stdout and "template rowreduce" in out.stdout
-    assert "kernel rmsnorm_saved_bwd_d_w" in out.stdout and "template colreduce" in out.stdout
+    assert "kernel rmsnorm_bwd_d_x" in out.stdout and "template rowreduce" in out.stdout
+    assert "kernel rmsnorm_bwd_d_w" in out.stdout and "template colreduce" in out.stdout
     assert out.stdout.count("@compute") == 2
 
 

@@ -28,18 +28,21 @@ def run_backward(engine, kernel, bucket, cotangents, wrt=None, **args):
 
 @pytest.mark.parametrize("T,bucket", SHAPES_T)
 @pytest.mark.parametrize("bias", [True, False])
-def test_short_conv_matches_torch(engine, rng, T, bucket, bias):
+@pytest.mark.parametrize("taps", [1, 2, 3, 4, 6])
+def test_short_conv_matches_torch(engine, rng, T, bucket, bias, taps):
+    """Any kernel length (conv_L_cache) is a specialization of the one kernel; no bias = b left out."""
     D = 20
     bcx = rng.standard_normal((T, 3, D)).astype(np.float32)
-    w = rng.standard_normal((D, 3)).astype(np.float32)
+    w = rng.standard_normal((D, taps)).astype(np.float32)
     b = rng.standard_normal(D).astype(np.float32)
-    kernel = library.get("short_conv" if bias else "short_conv_nobias")
+    kernel = library.get("short_conv")
     args = {"bcx": bcx, "w": w, **({"b": b} if bias else {})}
     y = engine.run(kernel, bucket=bucket, **{k: engine.tensor(v) for k, v in args.items()})["y"].numpy()
 
     tb, tw, tbias = t64(bcx, True), t64(w, True), t64(b, True)
     B, C, x = tb[:, 0], tb[:, 1], tb[:, 2]        # in_proj's chunk order
-    conv = F.conv1d((B * x).T[None], tw[:, None, :], tbias if bias else None, padding=2, groups=D)[0, :, :T].T
+    conv = F.conv1d((B * x).T[None], tw[:, None, :], tbias if bias else None, padding=taps - 1,
+                    groups=D)[0, :, :T].T
     ref = C * conv
     assert rel_err(y, ref.detach().numpy()) < TOL
     dy = rng.standard_normal((T, D)).astype(np.float32)
@@ -49,6 +52,28 @@ def test_short_conv_matches_torch(engine, rng, T, bucket, bias):
     assert rel_err(got["d_w"], tw.grad.numpy()) < TOL
     if bias:
         assert rel_err(got["d_b"], tbias.grad.numpy()) < TOL
+
+
+def test_packed_short_conv_runs_every_sequence_on_its_own(engine, rng):
+    """B sequences in one dispatch ([B, T, 3, D]): each convolves only within itself."""
+    B, T, D, taps = 3, 16, 8, 3
+    bcx = rng.standard_normal((B, T, 3, D)).astype(np.float32)
+    w = rng.standard_normal((D, taps)).astype(np.float32)
+    kernel = library.get("short_conv")
+    dy = rng.standard_normal((B, T, D)).astype(np.float32)
+    y = engine.run(kernel, bucket=16, bcx=engine.tensor(bcx), w=engine.tensor(w))["y"].numpy()
+    got = run_backward(engine, kernel, 16, {"y": dy}, bcx=bcx, w=w)
+    assert y.shape == (B, T, D) and got["d_bcx"].shape == (B, T, 3, D)
+    d_w = np.zeros_like(w, dtype=np.float64)
+    for i in range(B):
+        one = engine.run(kernel, bucket=16, bcx=engine.tensor(bcx[i]), w=engine.tensor(w))["y"].numpy()
+        assert rel_err(y[i], one) < TOL
+        alone = run_backward(engine, kernel, 16, {"y": dy[i]}, bcx=bcx[i], w=w)
+        assert rel_err(got["d_bcx"][i], alone["d_bcx"]) < TOL
+        d_w += alone["d_w"]
+    assert rel_err(got["d_w"], d_w) < TOL
+    with pytest.raises(ValueError, match="fill whole buckets"):     # sequences 13 rows apart, not 16
+        engine.run(kernel, bucket=16, bcx=engine.tensor(bcx[:, :13]), w=engine.tensor(w))
 
 
 def rope_tables(T, R, theta=10000.0):
@@ -162,7 +187,7 @@ def test_f16_variants(ctx, engine, rng, name):
         pytest.skip("adapter has no shader-f16")
     kernel = library.get(name)
     k16 = kernel.variant("f16")
-    sizes = {"T": 37, "D": 40, "K": 40, "N": 24, "F": 40}
+    sizes = {"B": 1, "T": 37, "D": 40, "K": 40, "N": 24, "F": 40, "L": 3}
     args = {}
     for t in kernel.ir.inputs:
         shape = tuple(int(a) if a.isdigit() else sizes[a] for a in t.shape)

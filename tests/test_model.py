@@ -484,7 +484,7 @@ def test_config_aliases():
     ({"layer_types": ["conv", "conv"]}, "layer_types"),
     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}}, "rope_type"),
     ({"model_type": "llama"}, "model_type"),
-    ({"conv_L_cache": 4}, "conv_L_cache"),
+    ({"conv_L_cache": 0}, "conv_L_cache"),
     ({"num_key_value_heads": 3}, "num_key_value_heads"),
     ({"num_attention_heads": 5}, "num_attention_heads"),
     ({"vocab_size": 0}, "vocab_size"),

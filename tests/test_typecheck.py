@@ -47,7 +47,8 @@ def test_rmsnorm_ir():
     ir = ir_of(text, "rmsnorm")
     assert [(t.name, t.dtype, t.shape) for t in ir.inputs] == [("x", "f32", ("T", "D")), ("w", "f32", ("D",))]
     assert ir.scalars == ("eps",)
-    assert [(t.name, t.dtype, t.shape) for t in ir.outputs] == [("y", "f32", ("T", "D"))]
+    assert [(t.name, t.dtype, t.shape) for t in ir.outputs] == [("y", "f32", ("T", "D")), ("inv", "f32", ("T",))]
+    assert ir.defaults == {"eps": 1e-5}
     y = ir.results["y"]
     assert (y.op, y.shape, y.dtype) == (Op.MUL, ("T", "D"), "f32")
     (rsqrt,) = nodes(ir, Op.RSQRT)

@@ -82,9 +82,6 @@ class Lfm2Config:
         bad = [t for t in self.layer_types if t not in LAYER_TYPES]
         if bad:
             raise ConfigError(f"layer_types has unknown values {sorted(set(bad))}; expected {', '.join(LAYER_TYPES)}")
-        if self.conv_L_cache != 3:
-            raise ConfigError(f"conv_L_cache {self.conv_L_cache} is not supported: the fused conv kernel "
-                              "is written for kernel length 3 (every published LFM2)")
         if not self.norm_eps > 0:
             raise ConfigError(f"norm_eps must be positive, got {self.norm_eps!r}")
         if not self.rope_theta > 0:

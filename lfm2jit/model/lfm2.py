@@ -13,9 +13,9 @@ H query heads, G kv heads, E head dim (E = 2R for RoPE), V vocabulary.
 
 Several sequences of one length run packed: B sequences of S positions are T = B*S rows, one
 after another. Every kernel but two works row by row, so it runs once over all rows (bigger
-matmuls, B times fewer dispatches). The causal conv and attention mix positions: attention runs
-once over a [B, S, ...] view (attention_packed, one workgroup grid per sequence), the conv per
-sequence on row views of the packed tensors. RoPE reads position tables repeated per sequence.
+matmuls, B times fewer dispatches). The causal conv and attention mix positions: both run once
+over a [B, S, ...] view (their kernels' optional batch axis; each sequence is its own length
+bucket there). RoPE reads position tables repeated per sequence.
 """
 from __future__ import annotations
 
@@ -74,12 +74,13 @@ class Trace:
     inv: Tensor | None = None                     # (T,) final norm's 1/rms
 
     @property
-    def attention(self) -> str:
-        """The attention kernel: one dispatch for all packed sequences (workgroup z is the sequence)."""
-        return "attention" if self.batch == 1 else "attention_packed"
+    def seq_bucket(self) -> int:
+        """The bucket of the kernels that mix positions: packed sequences are S rows apart, so
+        each is a whole bucket of S."""
+        return self.bucket if self.batch == 1 else self.seq
 
     def by_sequence(self, x: Tensor) -> Tensor:
-        """x (T, ...) as the attention kernel takes it: (B, S, ...) when sequences are packed."""
+        """x (T, ...) as the conv and attention kernels take it: (B, S, ...) when sequences are packed."""
         return x if self.batch == 1 else x.view(self.batch, self.seq, *x.shape[1:])
 
 
@@ -248,13 +249,13 @@ class Lfm2Model:
                 del s["a"], s["b"]      # and so are a and b
             trace.layers.append(s)
         trace.h_out = h
-        fin = run(_k("rmsnorm_saved"), bucket=bucket, x=h, w=self.p("model.embedding_norm.weight"), eps=cfg.norm_eps)
+        fin = run(_k("rmsnorm"), bucket=bucket, x=h, w=self.p("model.embedding_norm.weight"), eps=cfg.norm_eps)
         trace.hn, trace.inv = fin["y"], fin["inv"]                                                  # (T, D), (T,)
         return trace
 
     def _norm(self, x: Tensor, name: str, bucket: int) -> tuple[Tensor, Tensor]:
         """rmsnorm(x) * w and the rows' 1/rms."""
-        out = self._run(_k("rmsnorm_saved"), bucket=bucket, x=x, w=self.p(name), eps=self.cfg.norm_eps)
+        out = self._run(_k("rmsnorm"), bucket=bucket, x=x, w=self.p(name), eps=self.cfg.norm_eps)
         return out["y"], out["inv"]
 
     def _recompute(self, s: dict, bucket: int) -> None:
@@ -277,34 +278,15 @@ class Lfm2Model:
             self._run(_k("bias_add"), bucket=bucket, y=y, b=self.p(name + ".bias"))
         return y
 
-    def _sequences(self, trace: Trace, kernel, rows: tuple[str, ...], new: dict[str, tuple], *,
-                   out: dict | None = None, accumulate=(), **args) -> dict[str, Tensor]:
-        """Run a kernel that mixes positions (the conv) once per packed sequence: the
-        arguments named in ``rows`` and the outputs in ``new`` (name -> (shape, dtype), made here
-        for all rows) are viewed as each sequence's rows; outputs in ``out`` (weight gradients)
-        are shared and accumulate."""
-        if trace.batch == 1:
-            return self._run(kernel, bucket=trace.bucket, out=out, accumulate=accumulate, **args)
-        packed = {n: self.engine.empty(shape, dtype) for n, (shape, dtype) in new.items()}
-        for i in range(trace.batch):
-            a, b = i * trace.seq, (i + 1) * trace.seq
-            self._run(kernel, bucket=trace.bucket, out={**(out or {}), **{n: t.rows(a, b) for n, t in packed.items()}},
-                      accumulate=accumulate, **{n: v.rows(a, b) if n in rows else v for n, v in args.items()})
-        return packed
-
     def _conv_forward(self, pre: str, s: dict, trace: Trace) -> Tensor:
-        t, d = s["xn"].shape[0], self.cfg.hidden_size
+        t, d, taps = s["xn"].shape[0], self.cfg.hidden_size, self.cfg.conv_L_cache
         s["bcx"] = self._linear(s["xn"], pre + "conv.in_proj", trace.bucket)                        # (T, 3D) = B, C, x
-        args = {"bcx": s["bcx"].view(t, 3, d), "w": self.p(pre + "conv.conv.weight").view(d, 3)}   # (T, 3, D), (D, 3)
+        args = {"bcx": trace.by_sequence(s["bcx"].view(t, 3, d)),                                    # (T, 3, D)
+                "w": self.p(pre + "conv.conv.weight").view(d, taps)}                                 # (D, L)
         if self.cfg.conv_bias:
             args["b"] = self.p(pre + "conv.conv.bias")
-        s["c"] = self._sequences(trace, _k(self._conv_kernel), ("bcx",), {"y": ((t, d), self.activation_dtype)},
-                                 **args)["y"]                                                      # (T, D) C * conv(B x)
+        s["c"] = self._run(_k("short_conv"), bucket=trace.seq_bucket, **args)["y"].view(t, d)      # (T, D) C * conv(B x)
         return self._linear(s["c"], pre + "conv.out_proj", trace.bucket)                           # (T, D)
-
-    @property
-    def _conv_kernel(self) -> str:
-        return "short_conv" if self.cfg.conv_bias else "short_conv_nobias"
 
     def _attention_forward(self, pre: str, s: dict, trace: Trace) -> Tensor:
         cfg, run, bucket = self.cfg, self._run, trace.bucket
@@ -322,7 +304,7 @@ class Lfm2Model:
         kr = run(_k("rope"), bucket=bucket, x=s["kn"].view(t, g, 2, e // 2), cos=s["cos"], sin=s["sin"])["y"]
         s["qr"], s["kr"] = qr.view(t, h, e), kr.view(t, g, e)                                      # (T, H, E), (T, G, E)
         by_seq = trace.by_sequence
-        att = run(_k(trace.attention), bucket=bucket, q=by_seq(s["qr"]), k=by_seq(s["kr"]), v=by_seq(s["v"]))
+        att = run(_k("attention"), bucket=trace.seq_bucket, q=by_seq(s["qr"]), k=by_seq(s["kr"]), v=by_seq(s["v"]))
         s["o"], s["lse"] = att["o"].view(t, h, e), att["lse"].view(t, h)                           # (T, H, E), (T, H)
         return self._linear(s["o"].view(t, h * e), a + "out_proj", bucket)                         # (T, D)
 
@@ -412,26 +394,26 @@ class Lfm2Model:
         if self._trained(name):
             out["d_w"] = w.grad
             acc.add("d_w")
-            kernel = _grad("rmsnorm_saved", ("x", "w"), ("y",))
+            kernel = _grad("rmsnorm", ("x", "w"), ("y",))
         else:
-            kernel = _grad("rmsnorm_saved", ("x",), ("y",))
+            kernel = _grad("rmsnorm", ("x",), ("y",))
         return self._run(kernel, bucket=bucket, x=x, w=w, inv=inv, d_y=dy, out=out, accumulate=acc)["d_x"]
 
     def _conv_backward(self, pre: str, s: dict, d_op: Tensor, trace: Trace) -> Tensor:
-        t, d, bucket = s["xn"].shape[0], self.cfg.hidden_size, trace.bucket
+        t, d, taps, bucket = s["xn"].shape[0], self.cfg.hidden_size, self.cfg.conv_L_cache, trace.bucket
         # op = out_proj(c)
         dc = self._linear_backward(s["c"], pre + "conv.out_proj", d_op, bucket)                    # (T, D)
         # c = C * conv(B x)
         names = {"w": pre + "conv.conv.weight", "b": pre + "conv.conv.bias"}
         wrt = ["bcx"] + [k for k, n in names.items() if n in self._params and self._trained(n)]
-        args = {"bcx": s["bcx"].view(t, 3, d), "w": self.p(names["w"]).view(d, 3)}
+        args = {"bcx": trace.by_sequence(s["bcx"].view(t, 3, d)), "w": self.p(names["w"]).view(d, taps),
+                "d_y": trace.by_sequence(dc)}
         if self.cfg.conv_bias:
             args["b"] = self.p(names["b"])
-        out = {"d_w": self.p(names["w"]).grad.view(d, 3)} if "w" in wrt else {}
+        out = {"d_w": self.p(names["w"]).grad.view(d, taps)} if "w" in wrt else {}
         if "b" in wrt:
             out["d_b"] = self.p(names["b"]).grad
-        g = self._sequences(trace, _grad(self._conv_kernel, tuple(wrt)), ("bcx", "d_y"),
-                            {"d_bcx": ((t, 3, d), self.activation_dtype)}, d_y=dc, out=out, accumulate=set(out), **args)
+        g = self._run(_grad("short_conv", tuple(wrt)), bucket=trace.seq_bucket, out=out, accumulate=set(out), **args)
         # bcx = in_proj(xn)
         return self._linear_backward(s["xn"], pre + "conv.in_proj", g["d_bcx"].view(t, 3 * d), bucket)  # (T, D)
 
@@ -443,7 +425,7 @@ class Lfm2Model:
         do = self._linear_backward(s["o"].view(t, h * e), a + "out_proj", d_op, bucket)           # (T, H*E)
         # o, lse = attention(qr, kr, v)
         by_seq = trace.by_sequence
-        ga = run(_grad(trace.attention, ("q", "k", "v"), ("o",)), bucket=bucket, q=by_seq(s["qr"]), k=by_seq(s["kr"]),
+        ga = run(_grad("attention", ("q", "k", "v"), ("o",)), bucket=trace.seq_bucket, q=by_seq(s["qr"]), k=by_seq(s["kr"]),
                  v=by_seq(s["v"]), o=by_seq(s["o"]), lse=by_seq(s["lse"]), d_o=by_seq(do.view(t, h, e)))
         ga = {x: ga[x].view(t, *ga[x].shape[-2:]) for x in ("d_q", "d_k", "d_v")}                # (T, heads, E)
         draw = {}

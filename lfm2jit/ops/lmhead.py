@@ -150,14 +150,13 @@ def lm_head_cross_entropy(engine, h: Tensor, E: Tensor, targets, mask=None, *, n
             run("xent_lse_next", bucket=bucket, out=out, x=x, tgt=targets,
                 m=old["m"], s=old["s"], tl=old["tl"], c0=float(c0))
     tl = state[(len(chunks) - 1) % 2]["tl"]
-    # dims names the output's fixed axis: engine.run sizes outputs from its inputs only (KeyError '1')
+    loss = engine.empty((segments,), "f32")      # f32 whatever the activations' dtype
     if segments == 1:
-        loss = run("xent_loss", bucket=bucket, dims={"1": 1}, out={"loss": engine.empty((1,), "f32")}, lse=lse, tl=tl,
-                   mask=mask, inv_norm=scalars["inv_norm"])["loss"]
-    else:
-        loss = run("xent_loss_segments", out={"loss": engine.empty((segments,), "f32")},
-                   lse=lse.view(segments, T // segments), tl=tl.view(segments, T // segments),
-                   mask=mask.view(segments, T // segments), inv_norm=scalars["inv_norm"])["loss"]
+        run("xent_loss", bucket=bucket, out={"loss": loss}, lse=lse, tl=tl, mask=mask, inv_norm=scalars["inv_norm"])
+    else:               # every position of a packed segment is real: each fills its own bucket
+        seg = T // segments
+        run("xent_loss", bucket=seg, out={"loss": loss}, lse=lse.view(segments, seg), tl=tl.view(segments, seg),
+            mask=mask.view(segments, seg), inv_norm=scalars["inv_norm"])
 
     if not grads:
         return LMHeadResult(loss, None, None)

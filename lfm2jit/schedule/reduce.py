@@ -122,7 +122,9 @@ def plan_rows(ir: KernelIR, sizes, accumulate: frozenset[str], tiles=None) -> Pl
 
 
 def plan_columns(ir: KernelIR, sizes, accumulate: frozenset[str], tiles=None) -> Plan:
-    out_axes, axes = ir.structure.space, ir.structure.reduced
+    out_axes = ir.structure.space
+    # T outermost: the loop then runs to its real length (an inner axis runs to its baked size)
+    axes = tuple(sorted(ir.structure.reduced, key=lambda a: a != SEQ_AXIS))
     index_of = index_vars(out_axes + axes)
     # one loop over the reduced axes together: r runs over their product, the first outermost
     loop_indices = []

@@ -1,0 +1,96 @@
+"""Language features that let one kernel serve what used to be forks: inputs with defaults, optional
+leading axes, windows over a new axis and flip. Each checked against numpy float64 forward and,
+where it has one, backward (against numpy's own derivative or the torch reference)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import rel_err
+from dsl_errors import assert_dsl_error
+from lfm2jit import compile_source, grad, library
+
+TOL = 2e-5
+
+
+def one(src: str):
+    (k,) = list(compile_source(src))
+    return k
+
+
+def test_a_left_out_input_takes_its_default(engine, rng):
+    k = one("kernel k(x: f32[T, D], b: f32[D] = 0.5, s: f32 = -2) -> (y: f32[T, D]) { y = s * x + b }")
+    x = rng.standard_normal((7, 4)).astype(np.float32)
+    b = rng.standard_normal(4).astype(np.float32)
+    full = engine.run(k, bucket=4, x=engine.tensor(x), b=engine.tensor(b), s=3.0)["y"].numpy()
+    bare = engine.run(k, bucket=4, x=engine.tensor(x))["y"].numpy()
+    assert rel_err(full, 3.0 * x + b) < TOL and rel_err(bare, -2.0 * x + 0.5) < TOL
+    # the default is folded in: the kernel that runs has no binding for b
+    assert [t.name for t in k.without({"b", "s"}).ir.inputs] == ["x"]
+
+
+def test_gradients_of_a_kernel_run_without_its_defaulted_input(engine, rng):
+    k = one("kernel k(x: f32[T, D], b: f32[D] = 0) -> (y: f32[T, D]) { y = x * (x + b) }")
+    bwd = grad(k, ["x"])
+    x = rng.standard_normal((5, 3)).astype(np.float32)
+    dy = rng.standard_normal((5, 3)).astype(np.float32)
+    got = engine.run(bwd, bucket=4, x=engine.tensor(x), d_y=engine.tensor(dy))["d_x"].numpy()
+    assert rel_err(got, dy * 2 * x) < TOL
+
+
+def test_optional_leading_axes_may_be_left_out(engine, rng):
+    k = one("kernel k(x: f32[B?, T, D]) -> (y: f32[B?, T, D], s: f32[B, D]) { y = x * 2.0\n s = sum(x, T) }")
+    x = rng.standard_normal((6, 3)).astype(np.float32)
+    out = engine.run(k, bucket=2, x=engine.tensor(x))
+    assert out["y"].shape == (6, 3) and out["s"].shape == (1, 3)     # s does not mark B optional
+    assert rel_err(out["y"].numpy(), 2 * x) < TOL and rel_err(out["s"].numpy(), x.sum(0)[None]) < TOL
+    xb = rng.standard_normal((3, 6, 3)).astype(np.float32)
+    out = engine.run(k, bucket=2, x=engine.tensor(xb))
+    assert out["y"].shape == (3, 6, 3) and rel_err(out["s"].numpy(), xb.sum(1)) < TOL
+
+
+def test_window_and_flip_are_a_causal_conv(engine, rng):
+    k = one("kernel k(x: f32[T, D], w: f32[D, L]) -> (y: f32[T, D]) { y = sum(flip(w, L) * x[T - L, :], L) }")
+    for taps in (1, 2, 5):
+        x = rng.standard_normal((9, 4)).astype(np.float32)
+        w = rng.standard_normal((4, taps)).astype(np.float32)
+        y = engine.run(k, bucket=8, x=engine.tensor(x), w=engine.tensor(w))["y"].numpy()
+        pad = np.concatenate([np.zeros((taps - 1, 4)), x])
+        want = sum(w[:, j] * pad[j:j + 9] for j in range(taps))
+        assert rel_err(y, want) < TOL
+
+
+def test_a_window_reaching_ahead_stops_at_the_real_length(engine, rng):
+    k = one("kernel k(x: f32[T], w: f32[L]) -> (y: f32[T]) { y = sum(w * x[T + L], L) }")
+    x = rng.standard_normal(6).astype(np.float32)
+    w = rng.standard_normal(3).astype(np.float32)
+    y = engine.run(k, bucket=8, x=engine.tensor(x), w=engine.tensor(w))["y"].numpy()
+    ext = np.concatenate([x, np.zeros(3)])
+    assert rel_err(y, sum(w[j] * ext[j:j + 6] for j in range(3))) < TOL
+
+
+def test_rmsnorm_eps_defaults_to_lfm2s(engine, rng):
+    x = engine.tensor(rng.standard_normal((5, 8)).astype(np.float32))
+    w = engine.tensor(rng.standard_normal(8).astype(np.float32))
+    a = engine.run("rmsnorm", x=x, w=w)["y"].numpy()
+    b = engine.run("rmsnorm", x=x, w=w, eps=1e-5)["y"].numpy()
+    assert np.array_equal(a, b)
+    assert library.get("rmsnorm").ir.defaults == {"eps": 1e-5}
+
+
+@pytest.mark.parametrize("text,line,col,token,message,expected", [
+    ("kernel k(x: f32[T, B?]) -> (y: f32[T]) {\n    y = x[:, 0]\n}", 1, 20, "B",
+     "optional axis B of 'x' follows a required one", "optional axes (B?) first"),
+    ("kernel k(x: f32[T?, D]) -> (y: f32[T, D]) {\n    y = x\n}", 1, 17, "T", "axis T of 'x' is optional",
+     "T as a required axis"),
+    ("kernel k(x: f32[T, D]) -> (y: f32[T, D] = 1) {\n    y = x\n}", 1, 28, "y", "output 'y' has a default",
+     "defaults on inputs only"),
+    ("kernel k(x: f32[T, D], i: i32[D] = 0.5) -> (y: f32[T, D]) {\n    y = x\n}", 1, 24, "i",
+     "default 0.5 of 'i' is not representable as i32", "a whole number"),
+    ("kernel k(x: f32[T, L]) -> (y: f32[T, L]) {\n    y = x[T - L, :]\n}", 2, 15, "L",
+     "window axis L is already an axis of the value", "a new axis name"),
+    ("kernel k(x: f32[T, D]) -> (y: f32[T, D]) {\n    y = flip(x, E)\n}", 2, 17, "E",
+     "flip() along axis E, which f32[T, D] does not have", "an axis of the value"),
+])
+def test_feature_errors_are_located(text, line, col, token, message, expected):
+    assert_dsl_error(text, line, col, token, message, expected)
