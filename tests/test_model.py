@@ -244,6 +244,10 @@ LIVE = [
     ("untied_bias_g2_attn_first", dict(pad_token_id=None), 101),     # no padding_idx at all
     ("tied_bias_g4_attn_last", dict(pad_token_id=7), 102),
     ("tied_g1_attn_mid", dict(pad_token_id=0, norm_eps=1e-6), 103),
+    # conv kernel lengths other than the published 3 (the conv's taps are a specialization)
+    ("untied_bias_g2_attn_first", dict(pad_token_id=None, conv_L_cache=2), 104),
+    ("tied_g1_attn_mid", dict(pad_token_id=0, conv_L_cache=4), 105),
+    ("tied_bias_g4_attn_last", dict(pad_token_id=7, conv_L_cache=6), 106),
 ]
 
 
