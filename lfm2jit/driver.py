@@ -288,7 +288,7 @@ def stages(kernel: Kernel, dims: dict[str, int], bucket: int = 1) -> dict[str, s
     ir = [format_ir(kernel.ir)]
     specs, shaders = [], []
     for k in kernel.kernels:
-        spec = k.specialize({a: dims[a] for a in k.ir.axes}, bucket)
+        spec = k.specialize({a: dims[a] for a in k.ir.axes if a in dims}, bucket)
         if len(kernel.kernels) > 1:
             ir.append(f"part {k.name} ({k.ir.structure.kind})\n" + format_ir(k.ir))
         specs.append(_describe_spec(spec))

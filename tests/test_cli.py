@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from lfm2jit import library
+from lfm2jit import grad, library
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -97,3 +97,22 @@ def test_dump_backward_of_a_kernel_without_one_is_a_clear_error():
     out = cli("dump", "embedding", "--backward")
     assert out.returncode == 2
     assert "scatter-add" in out.stderr and "Traceback" not in out.stderr
+
+
+NOT_DIFFERENTIABLE = {"in place", "no gradient through gather()", "has no gradient rule"}
+
+
+def test_dump_backward_of_every_shipped_kernel(capsys):
+    """Every differentiable shipped kernel dumps its backward WGSL (one shader per part); the others
+    (in-place optimizer kernels, the embedding and its scatter) say why, never with a traceback."""
+    from lfm2jit.cli import main
+    dumped = 0
+    for kernel in library.kernels().values():
+        status = main(["dump", kernel.name, "--backward", "--bucket", "8"])
+        out, err = capsys.readouterr()
+        if status == 0:
+            assert out.count("@compute") >= len(grad(kernel, cotangents=[kernel.outputs[0]]).kernels), kernel.name
+            dumped += 1
+        else:
+            assert status == 2 and any(reason in err for reason in NOT_DIFFERENTIABLE), (kernel.name, err)
+    assert dumped >= 20
