@@ -95,6 +95,13 @@ def cmd_dump(args) -> None:
         print(f"wrote {path} ({describe_sizes(own)}, bucket {args.bucket})")
 
 
+def cmd_fuzz(args) -> None:
+    from .fuzz.cli import fuzz_main
+    status = fuzz_main(args)
+    if status:
+        raise SystemExit(status)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m lfm2jit",
                                 description="List lfm2jit's shipped kernels and dump the WGSL they generate.")
@@ -115,6 +122,14 @@ def parser() -> argparse.ArgumentParser:
                       help="dump the backward kernels autodiff derives: gradients of every float input "
                            "given a cotangent for the first output")
     dump.set_defaults(run=cmd_dump)
+    from .fuzz.cli import add_arguments as add_fuzz_arguments
+    fuzz = sub.add_parser("fuzz", help="differential fuzzing: random kernels checked against a float64 reference",
+                          description="Generate N random kernels, run each (and its backward) on the engine, compare "
+                                      "with the fuzzer's own float64 meaning, count the outcome classes and write "
+                                      "every failing case (wrong/invalid_wgsl/unlocated/foreign) as a .lk file. "
+                                      "Exit status 1 if any case fails.")
+    add_fuzz_arguments(fuzz)
+    fuzz.set_defaults(run=cmd_fuzz)
     return p
 
 
