@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import gc
 import re
+import traceback
 from dataclasses import dataclass
 
 import numpy as np
@@ -69,6 +70,12 @@ class Outcome:
             return f"invalid_wgsl: {shader_error(self.detail)}"
         first = self.detail.strip().splitlines()[0] if self.detail.strip() else ""
         return f"{self.cls}: {first}" if first else self.cls
+
+    def kind(self) -> str:
+        """A coarse key: the class, and for foreign errors the exception type (``foreign: KeyError``)."""
+        if self.cls == "foreign":
+            return f"foreign: {self.detail.split(':', 1)[0]}"
+        return self.cls
 
     def cause(self) -> str:
         """A short normalised key that groups outcomes with the same cause."""
@@ -108,6 +115,7 @@ def normalise(detail: str) -> str:
         line = line.split("; = ")[0]
     line = re.sub(rf"{re.escape(FILENAME)}:\d+:\d+: ", "", line)
     line = re.sub(r"\[[^\]]*\]", "[..]", line)
+    line = re.sub(r"\b[A-Z][A-Z0-9]+\[\.\.\]\S*", "NODE", line)       # IR nodes rendered in a message
     line = re.sub(r"\([A-Z0-9]\)", "(AXIS)", line)
     line = re.sub(r"'[A-Za-z_][A-Za-z0-9_]*'", "'NAME'", line)
     line = re.sub(r"`[^`]*`", "`ID`", line)
@@ -124,7 +132,19 @@ def classify(exc: BaseException) -> Outcome:
     if name == "DslError":
         line, col = getattr(exc, "line", 0) or 0, getattr(exc, "column", 0) or 0
         return Outcome("refused" if line >= 1 and col >= 1 else "unlocated", text)
-    return Outcome("foreign", text)
+    return Outcome("foreign", text + _where(exc))
+
+
+def _where(exc: BaseException) -> str:
+    """The innermost compiler frames an exception came through (not the fuzzer's own)."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if "lfm2jit" in f.filename.replace("\\", "/") and "lfm2jit/fuzz/" not in f.filename.replace("\\", "/")]
+    if not frames:
+        return ""
+    def short(f):
+        path = f.filename.replace("\\", "/")
+        return f"{path[path.rindex('lfm2jit/'):]}:{f.lineno} in {f.name}"
+    return "\n" + "\n".join(f"  at {short(f)}" for f in frames[-3:])
 
 
 # ---------------------------------------------------------------- the reference side
