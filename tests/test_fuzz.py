@@ -17,7 +17,7 @@ from lfm2jit.fuzz import FAILING, Runner, case_from_text, corpus, generate
 from lfm2jit.fuzz.cli import case_seed, causes_table, counts_table
 from lfm2jit.fuzz.expr import Checker, Evaluator, ModelError, check, kernel_text, merge, parse
 from lfm2jit.fuzz.generate import Case
-from lfm2jit.fuzz.shrink import failure_of, same_failure, shrink
+from lfm2jit.fuzz.shrink import failure_of, shrink
 
 BATCH_SEED = 0
 BATCH_SIZE = 400

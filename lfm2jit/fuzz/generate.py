@@ -283,7 +283,7 @@ class Generator:
 
     def literal(self, dt) -> Num:
         if dt in INTS:
-            return num(int(self.rng.integers(0 if dt == "u32" else 0, 4)), style=1)
+            return num(int(self.rng.integers(0, 4)), style=1)
         v = self.pick([0.5, 1.0, 2.0, 0.1, 0.25, 3.0, 1.5, 0.75, 0.3, 1e-3, 0.0])
         return num(v, style=int(self.rng.integers(2)))
 
@@ -525,8 +525,6 @@ class Generator:
                 return x
             i = self.pick(sym)
             items[i] = self.shift_item(t.shape[i])
-        if isinstance(x, (Bin, Neg)) and not self.p(0.5):
-            pass
         return Sub(x, tuple(items))
 
     def cond(self, S, d) -> Expr:
