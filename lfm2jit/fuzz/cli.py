@@ -97,8 +97,9 @@ def fuzz_main(args) -> int:
                 small = shrink(case, runner, same_failure(side, cls, cause))
                 r = runner.run(small)
                 case = small
-            name = f"{label if args.replay else f'{int(label):05d}'}-{r.forward.cls}-{r.backward.cls}.lk"
-            write_case(out_dir / Path(name).name.replace("/", "_"), case, r)
+            stem = Path(label).stem if args.replay else f"{int(label):05d}"
+            name = f"{stem}-{r.forward.cls}-{r.backward.cls}".replace("/", "")     # n/a -> na
+            write_case(out_dir / f"{name}.lk", case, r)
             written += 1
         if bar is not None:
             bar.update(1)
