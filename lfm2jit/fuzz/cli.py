@@ -47,13 +47,13 @@ def counts_table(results: list[Result]) -> str:
     return "\n".join(rows)
 
 
-def causes_table(results: list[Result], failing_only: bool = True) -> str:
-    """One line per distinct cause, with its count and the first case that showed it."""
+def causes_table(results: list[Result], classes=FAILING) -> str:
+    """One line per distinct cause among outcomes of ``classes``, with its count and the first case."""
     seen: dict[tuple, list] = {}
     for r in results:
         for side in SIDES:
             o = getattr(r, side)
-            if (o.cls in FAILING) if failing_only else (o.cls not in ("ok", "n/a", "skipped")):
+            if o.cls in classes:
                 key = (side, o.cause())
                 seen.setdefault(key, []).append(r)
     lines = []
@@ -115,6 +115,10 @@ def fuzz_main(args) -> int:
     if causes:
         print("\nfailures by cause:")
         print(causes)
+    refusals = causes_table(results, ("refused",))
+    if refusals:
+        print("\nrefusals by cause (located DslErrors: not failures, but limitations to know):")
+        print(refusals)
     if written:
         print(f"\n{written} failing case{'s' * (written != 1)} written to {out_dir}/")
     return 1 if any(r.failing for r in results) else 0
