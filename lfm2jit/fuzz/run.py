@@ -5,8 +5,8 @@ Classes (forward and backward separately):
     ok            the numbers agree
     wrong         numbers off (the detail gives the max error and the tolerance)
     invalid_wgsl  the shader compiler rejected the generated WGSL (an exception named ShaderCompileError)
-    refused       a DslError with a location (line >= 1 and column >= 1): a legitimate refusal
-    unlocated     a DslError without a location
+    refused       a DslError (or subclass) with a location (line >= 1 and column >= 1): a legitimate refusal
+    unlocated     a DslError (or subclass) without a location
     foreign       any other exception (KeyError, ValueError, AssertionError, AutodiffError, wgpu errors...)
     skipped       no numeric verdict: the inputs sit within the rounding (forward) or FD step (backward)
                   of a discontinuity or kink, or a reduction max has a tie (its gradient is a convention)
@@ -125,11 +125,12 @@ def normalise(detail: str) -> str:
 
 
 def classify(exc: BaseException) -> Outcome:
+    from .. import DslError            # the public one; subclasses (a located AutodiffError, say) count too
     name = type(exc).__name__
     text = f"{name}: {exc}"
     if name == "ShaderCompileError":
         return Outcome("invalid_wgsl", text)
-    if name == "DslError":
+    if isinstance(exc, DslError):
         line, col = getattr(exc, "line", 0) or 0, getattr(exc, "column", 0) or 0
         return Outcome("refused" if line >= 1 and col >= 1 else "unlocated", text)
     return Outcome("foreign", text + _where(exc))
