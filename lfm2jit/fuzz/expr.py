@@ -1,0 +1,944 @@
+"""The fuzzer's own model of the kernel language: expression tree, type rules, printer, parser and a
+float64 reference evaluator over named axes.
+
+Nothing here imports the compiler: the reference must stay independent of its IR. The rules are
+restated from the language's documentation (README, grammar.lark) and its checker's behaviour:
+
+- a value has a dtype (f32 f16 i32 u32, or ``float`` for a literal-only value) and a shape, a tuple
+  of axis names (an integer size is the axis named by its digits, e.g. "3");
+- operands broadcast by name (``merge``): shared axes keep their order, an axis only the right
+  operand has goes before the next shared axis (or at the end);
+- comparisons give 0/1 in their operands' dtype; ``where(c, a, b)`` selects a where c != 0;
+- ``stack(v1, .., vn, n)`` puts the new axis "n" before the last axis of the values' broadcast shape;
+- a subscript has one item per axis: ``:`` (or the axis' own name), an integer (takes that entry,
+  dropping the axis) or ``A - k`` / ``A + k`` (reads k earlier / later, zero outside 0..size-1; for T
+  the size is the real length);
+- ``mean`` divides by the axis' size (T: the real length); reductions need a float value.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+
+import numpy as np
+
+SEQ = "T"
+DTYPES = ("f32", "f16", "i32", "u32")
+FLOATS = ("f32", "f16")
+INTS = ("i32", "u32")
+ABSTRACT = "float"
+UNARY_FUNCS = ("exp", "log", "sqrt", "rsqrt", "abs", "sigmoid", "silu", "tanh", "recip", "cos", "sin")
+FLOAT_ONLY_FUNCS = tuple(f for f in UNARY_FUNCS if f != "abs")
+BINARY_FUNCS = ("max", "min", "eq")
+REDUCE_FUNCS = ("sum", "mean", "max")
+BINOPS = ("+", "-", "*", "/", "**", "<", ">")
+INT_RANGE = {"i32": (-2**31, 2**31 - 1), "u32": (0, 2**32 - 1)}
+
+
+class ModelError(Exception):
+    """The fuzzer's model says a kernel is ill-typed (or a source does not parse)."""
+
+
+# ---------------------------------------------------------------- tree
+@dataclass(frozen=True)
+class Expr:
+    pass
+
+
+@dataclass(frozen=True)
+class Num(Expr):
+    value: float
+    text: str
+
+
+@dataclass(frozen=True)
+class Ref(Expr):
+    name: str
+
+
+@dataclass(frozen=True)
+class Neg(Expr):
+    x: Expr
+
+
+@dataclass(frozen=True)
+class Bin(Expr):
+    op: str
+    a: Expr
+    b: Expr
+
+
+@dataclass(frozen=True)
+class Fn(Expr):
+    """A call: unary functions, max/min/eq (binary), where (3 args), casts f32/f16/i32/u32."""
+    name: str
+    args: tuple
+
+
+@dataclass(frozen=True)
+class Red(Expr):
+    fn: str
+    x: Expr
+    axis: str
+
+
+@dataclass(frozen=True)
+class Idx(Expr):
+    axis: str
+
+
+@dataclass(frozen=True)
+class Stk(Expr):
+    values: tuple
+    n: int
+
+
+@dataclass(frozen=True)
+class Sub(Expr):
+    """items, one per axis of x: ("full",) for ':', ("name", A) for the axis' own name, ("take", i)
+    for an integer, ("shift", A, k) for ``A + k`` (k > 0) or ``A - |k|`` (k < 0)."""
+    x: Expr
+    items: tuple
+
+
+def children(e: Expr) -> tuple:
+    if isinstance(e, Neg):
+        return (e.x,)
+    if isinstance(e, Bin):
+        return (e.a, e.b)
+    if isinstance(e, Fn):
+        return e.args
+    if isinstance(e, Red):
+        return (e.x,)
+    if isinstance(e, Stk):
+        return e.values
+    if isinstance(e, Sub):
+        return (e.x,)
+    return ()
+
+
+def with_children(e: Expr, kids: tuple) -> Expr:
+    if isinstance(e, Neg):
+        return Neg(kids[0])
+    if isinstance(e, Bin):
+        return Bin(e.op, kids[0], kids[1])
+    if isinstance(e, Fn):
+        return Fn(e.name, tuple(kids))
+    if isinstance(e, Red):
+        return Red(e.fn, kids[0], e.axis)
+    if isinstance(e, Stk):
+        return Stk(tuple(kids), e.n)
+    if isinstance(e, Sub):
+        return Sub(kids[0], e.items)
+    return e
+
+
+def walk(e: Expr):
+    yield e
+    for c in children(e):
+        yield from walk(c)
+
+
+@dataclass(frozen=True)
+class Param:
+    name: str
+    dtype: str
+    shape: tuple          # () for a runtime scalar
+
+
+@dataclass
+class KernelDef:
+    name: str
+    inputs: list
+    outputs: list
+    body: list            # [(target, Expr)]
+
+    @property
+    def inplace(self) -> list[str]:
+        ins = {p.name for p in self.inputs}
+        return [o.name for o in self.outputs if o.name in ins]
+
+    def axes(self) -> list[str]:
+        seen: dict[str, None] = {}
+        for p in self.inputs + self.outputs:
+            for a in p.shape:
+                seen.setdefault(a, None)
+        for _, e in self.body:
+            for n in walk(e):
+                if isinstance(n, (Red, Idx)):
+                    seen.setdefault(n.axis, None)
+                elif isinstance(n, Stk):
+                    seen.setdefault(str(n.n), None)
+        return list(seen)
+
+    def uses_f16(self) -> bool:
+        if any(p.dtype == "f16" for p in self.inputs + self.outputs):
+            return True
+        return any(isinstance(n, Fn) and n.name == "f16" for _, e in self.body for n in walk(e))
+
+
+def is_fixed(axis: str) -> bool:
+    return axis.isdigit()
+
+
+# ---------------------------------------------------------------- shapes
+def merge(a: tuple, b: tuple):
+    """Broadcast shape of a and b by axis name, or None when their shared axes are ordered differently."""
+    shared_a = [x for x in a if x in b]
+    shared_b = [x for x in b if x in a]
+    if shared_a != shared_b:
+        return None
+    before: dict[str, list] = {}
+    pending: list = []
+    for x in b:
+        if x in a:
+            before[x] = pending
+            pending = []
+        else:
+            pending.append(x)
+    out: list = []
+    for x in a:
+        out.extend(before.get(x, []))
+        out.append(x)
+    out.extend(pending)
+    return tuple(out)
+
+
+def is_subseq(small, big) -> bool:
+    it = iter(big)
+    return all(a in it for a in small)
+
+
+@dataclass(frozen=True)
+class Ty:
+    shape: tuple
+    dtype: str
+
+
+def _unify(a: str, b: str) -> str:
+    if a == ABSTRACT:
+        return b
+    if b == ABSTRACT or a == b:
+        return a
+    raise ModelError(f"dtype mismatch {a} and {b}")
+
+
+def _literal_value(e: Expr):
+    if isinstance(e, Num):
+        return e.value
+    if isinstance(e, Neg) and isinstance(e.x, Num):
+        return -e.x.value
+    return None
+
+
+class Checker:
+    """Types every node of a kernel (keyed by structure: the same subtree has one type)."""
+
+    def __init__(self, k: KernelDef):
+        self.k = k
+        self.env: dict[str, Ty] = {}
+        self.types: dict[Expr, Ty] = {}
+        self.fixed = {a: int(a) for p in k.inputs + k.outputs for a in p.shape if is_fixed(a)}
+
+    def check(self) -> dict[str, Ty]:
+        k = self.k
+        names = [p.name for p in k.inputs]
+        if len(set(names)) != len(names) or len({o.name for o in k.outputs}) != len(k.outputs):
+            raise ModelError("duplicate parameter")
+        for p in k.inputs + k.outputs:
+            if p.dtype not in DTYPES:
+                raise ModelError(f"dtype {p.dtype}")
+            if len(set(p.shape)) != len(p.shape):
+                raise ModelError("axis twice")
+            if SEQ in p.shape and p.shape[0] != SEQ:
+                raise ModelError("T not leading")
+            if any(is_fixed(a) and int(a) < 1 for a in p.shape):
+                raise ModelError("axis size < 1")
+        ins = {p.name: p for p in k.inputs}
+        for o in k.outputs:
+            if not o.shape:
+                raise ModelError("scalar output")
+            if o.name in ins and (ins[o.name].dtype, ins[o.name].shape) != (o.dtype, o.shape):
+                raise ModelError("in-place type differs")
+        for p in k.inputs:
+            if not p.shape and p.dtype != "f32":
+                raise ModelError("scalar must be f32")
+            self.env[p.name] = Ty(p.shape, p.dtype)
+        decl = {o.name: o for o in k.outputs}
+        assigned: set = set()
+        for target, e in k.body:
+            if (target in self.env and not (target in decl and target in ins and target not in assigned)):
+                raise ModelError(f"{target} assigned twice")
+            t = self.ty(e)
+            if target in decl:
+                o = decl[target]
+                if t.dtype not in (o.dtype, ABSTRACT):
+                    raise ModelError(f"output {target} dtype {t.dtype} vs {o.dtype}")
+                if not is_subseq(t.shape, o.shape):
+                    raise ModelError(f"output {target} shape {t.shape} vs {o.shape}")
+                if o.dtype in INTS:
+                    self._adopt(e, o.dtype)
+            self.env[target] = t
+            assigned.add(target)
+        for o in k.outputs:
+            if o.name not in assigned:
+                raise ModelError(f"output {o.name} never assigned")
+        return self.env
+
+    def _adopt(self, e: Expr, dtype: str):
+        if dtype not in INTS:
+            return
+        v = _literal_value(e)
+        if v is None:
+            return
+        lo, hi = INT_RANGE[dtype]
+        if v != int(v) or not lo <= v <= hi:
+            raise ModelError(f"literal {v} not {dtype}")
+
+    def _binary(self, a: Expr, b: Expr, float_only=False) -> Ty:
+        ta, tb = self.ty(a), self.ty(b)
+        dt = _unify(ta.dtype, tb.dtype)
+        if float_only and dt in INTS:
+            raise ModelError("float-only op on ints")
+        shape = merge(ta.shape, tb.shape)
+        if shape is None:
+            raise ModelError(f"cannot broadcast {ta.shape} {tb.shape}")
+        if ta.dtype == ABSTRACT:
+            self._adopt(a, dt)
+        if tb.dtype == ABSTRACT:
+            self._adopt(b, dt)
+        return Ty(shape, dt)
+
+    def ty(self, e: Expr) -> Ty:
+        t = self.types.get(e)
+        if t is None:
+            t = self.types[e] = self._ty(e)
+        return t
+
+    def _ty(self, e: Expr) -> Ty:
+        if isinstance(e, Num):
+            if not math.isfinite(e.value) or e.value < 0:
+                raise ModelError("bad literal")
+            return Ty((), ABSTRACT)
+        if isinstance(e, Ref):
+            if e.name not in self.env:
+                raise ModelError(f"unknown name {e.name}")
+            return self.env[e.name]
+        if isinstance(e, Neg):
+            t = self.ty(e.x)
+            if t.dtype == "u32":
+                raise ModelError("negating u32")
+            return t
+        if isinstance(e, Bin):
+            return self._binary(e.a, e.b, float_only=e.op == "**")
+        if isinstance(e, Fn):
+            f, args = e.name, e.args
+            if f in UNARY_FUNCS:
+                if len(args) != 1:
+                    raise ModelError("arity")
+                t = self.ty(args[0])
+                if f in FLOAT_ONLY_FUNCS and t.dtype in INTS:
+                    raise ModelError(f"{f} of ints")
+                return t
+            if f in BINARY_FUNCS:
+                if len(args) != 2:
+                    raise ModelError("arity")
+                return self._binary(args[0], args[1])
+            if f == "where":
+                if len(args) != 3:
+                    raise ModelError("arity")
+                tc, ta, tb = (self.ty(x) for x in args)
+                dt = _unify(ta.dtype, tb.dtype)
+                shape = ()
+                for t in (tc, ta, tb):
+                    shape = merge(shape, t.shape)
+                    if shape is None:
+                        raise ModelError("where broadcast")
+                if ta.dtype == ABSTRACT:
+                    self._adopt(args[1], dt)
+                if tb.dtype == ABSTRACT:
+                    self._adopt(args[2], dt)
+                return Ty(shape, dt)
+            if f in DTYPES:
+                if len(args) != 1:
+                    raise ModelError("arity")
+                return Ty(self.ty(args[0]).shape, f)
+            raise ModelError(f"unknown function {f}")
+        if isinstance(e, Red):
+            t = self.ty(e.x)
+            if e.axis not in t.shape or is_fixed(e.axis):
+                raise ModelError("reduce over a missing or fixed-size axis (a reduction names its axis)")
+            if t.dtype not in FLOATS:
+                raise ModelError("reduce of non-float")
+            return Ty(tuple(a for a in t.shape if a != e.axis), t.dtype)
+        if isinstance(e, Idx):
+            if is_fixed(e.axis):
+                raise ModelError("index() names its axis: not a fixed-size one")
+            return Ty((e.axis,), "i32")
+        if isinstance(e, Stk):
+            if len(e.values) < 2 or len(e.values) != e.n:
+                raise ModelError("stack count")
+            ts = [self.ty(v) for v in e.values]
+            dt = ABSTRACT
+            for t in ts:
+                dt = _unify(dt, t.dtype)
+            base = ()
+            for t in ts:
+                base = merge(base, t.shape)
+                if base is None:
+                    raise ModelError("stack broadcast")
+            axis = str(e.n)
+            if axis in base:
+                raise ModelError("stack axis exists")
+            if axis in self.fixed and self.fixed[axis] != e.n:
+                raise ModelError("stack size")
+            shape = base[:-1] + (axis,) + base[-1:] if base else (axis,)
+            return Ty(shape, dt)
+        if isinstance(e, Sub):
+            t = self.ty(e.x)
+            if len(e.items) != len(t.shape):
+                raise ModelError("subscript arity")
+            shape = list(t.shape)
+            for axis, it in zip(t.shape, e.items):
+                if it[0] == "take":
+                    if is_fixed(axis) and it[1] >= int(axis):
+                        raise ModelError("index out of range")
+                    shape.remove(axis)
+                elif it[0] == "shift" and (is_fixed(axis) or it[1] != axis):
+                    raise ModelError("shift along a fixed axis or by another axis' name")
+                elif it[0] == "name" and it[1] != axis:
+                    raise ModelError("subscript by another axis' name")
+            return Ty(tuple(shape), t.dtype)
+        raise ModelError(f"unknown node {e!r}")
+
+
+def check(k: KernelDef) -> Checker:
+    c = Checker(k)
+    c.check()
+    return c
+
+
+# ---------------------------------------------------------------- printing
+def fmt_type(p: Param) -> str:
+    return p.dtype + (f"[{', '.join(p.shape)}]" if p.shape else "")
+
+
+def _p(e: Expr, level: int) -> str:
+    """Source text of e where the context needs at least ``level`` (0 compare, 1 sum, 2 product,
+    3 unary, 4 power, 5 atom)."""
+    own, text = _text(e)
+    return text if own >= level else f"({text})"
+
+
+def _text(e: Expr) -> tuple[int, str]:
+    if isinstance(e, Num):
+        return 5, e.text
+    if isinstance(e, Ref):
+        return 5, e.name
+    if isinstance(e, Neg):
+        return 3, "-" + _p(e.x, 3)
+    if isinstance(e, Bin):
+        if e.op in ("<", ">"):
+            return 0, f"{_p(e.a, 1)} {e.op} {_p(e.b, 1)}"
+        if e.op in ("+", "-"):
+            return 1, f"{_p(e.a, 1)} {e.op} {_p(e.b, 2)}"
+        if e.op in ("*", "/"):
+            return 2, f"{_p(e.a, 2)} {e.op} {_p(e.b, 3)}"
+        return 4, f"{_p(e.a, 5)} ** {_p(e.b, 3)}"
+    if isinstance(e, Fn):
+        return 5, f"{e.name}({', '.join(_p(a, 0) for a in e.args)})"
+    if isinstance(e, Red):
+        return 5, f"{e.fn}({_p(e.x, 0)}, {e.axis})"
+    if isinstance(e, Idx):
+        return 5, f"index({e.axis})"
+    if isinstance(e, Stk):
+        return 5, f"stack({', '.join(_p(v, 0) for v in e.values)}, {e.n})"
+    if isinstance(e, Sub):
+        return 5, f"{_p(e.x, 5)}[{', '.join(_item_text(it, None) for it in e.items)}]"
+    raise TypeError(e)
+
+
+def _item_text(it, axis) -> str:
+    if it[0] == "full":
+        return ":"
+    if it[0] == "name":
+        return it[1]
+    if it[0] == "take":
+        return str(it[1])
+    axis, k = it[1], it[2]
+    return f"{axis} - {-k}" if k < 0 else f"{axis} + {k}"
+
+
+def expr_text(e: Expr) -> str:
+    return _p(e, 0)
+
+
+def kernel_text(k: KernelDef) -> str:
+    ins = ", ".join(f"{p.name}: {fmt_type(p)}" for p in k.inputs)
+    outs = ", ".join(f"{p.name}: {fmt_type(p)}" for p in k.outputs)
+    body = "".join(f"    {t} = {expr_text(e)}\n" for t, e in k.body)
+    return f"kernel {k.name}({ins}) -> ({outs}) {{\n{body}}}\n"
+
+
+# ---------------------------------------------------------------- parsing (a small recursive descent parser)
+_TOKEN = re.compile(r"\s+|#[^\n]*|(?P<num>([0-9]+\.[0-9]*|\.[0-9]+|[0-9]+)([eE][-+]?[0-9]+)?)"
+                    r"|(?P<name>[A-Za-z_][A-Za-z0-9_]*)|(?P<op>\*\*|->|[-+*/<>()\[\]{},:=])")
+
+
+def _tokens(text: str) -> list[tuple[str, str]]:
+    out, pos = [], 0
+    while pos < len(text):
+        m = _TOKEN.match(text, pos)
+        if not m:
+            raise ModelError(f"unexpected character {text[pos]!r}")
+        pos = m.end()
+        for kind in ("num", "name", "op"):
+            if m.group(kind) is not None:
+                out.append((kind, m.group(kind)))
+    out.append(("end", ""))
+    return out
+
+
+class _Parser:
+    def __init__(self, text: str):
+        self.toks = _tokens(text)
+        self.i = 0
+
+    def peek(self, k=0):
+        return self.toks[self.i + k]
+
+    def take(self, want=None):
+        tok = self.toks[self.i]
+        if want is not None and tok[1] != want:
+            raise ModelError(f"expected {want!r}, got {tok[1]!r}")
+        self.i += 1
+        return tok
+
+    def name(self) -> str:
+        kind, v = self.take()
+        if kind != "name":
+            raise ModelError(f"expected a name, got {v!r}")
+        return v
+
+    def kernels(self) -> list[KernelDef]:
+        out = []
+        while self.peek()[0] != "end":
+            out.append(self.kernel())
+        return out
+
+    def kernel(self) -> KernelDef:
+        self.take("kernel")
+        name = self.name()
+        self.take("(")
+        ins = self.params(")")
+        self.take(")")
+        self.take("->")
+        self.take("(")
+        outs = self.params(")")
+        self.take(")")
+        self.take("{")
+        body = []
+        while self.peek()[1] != "}":
+            target = self.name()
+            self.take("=")
+            body.append((target, self.expr()))
+        self.take("}")
+        return KernelDef(name, ins, outs, body)
+
+    def params(self, close) -> list[Param]:
+        out = []
+        while self.peek()[1] != close:
+            name = self.name()
+            self.take(":")
+            dtype = self.name()
+            shape = []
+            if self.peek()[1] == "[":
+                self.take("[")
+                while True:
+                    shape.append(self.take()[1])
+                    if self.peek()[1] == ",":
+                        self.take(",")
+                        continue
+                    break
+                self.take("]")
+            out.append(Param(name, dtype, tuple(shape)))
+            if self.peek()[1] == ",":
+                self.take(",")
+        return out
+
+    def expr(self) -> Expr:
+        a = self.sum()
+        if self.peek()[1] in ("<", ">"):
+            op = self.take()[1]
+            return Bin(op, a, self.sum())
+        return a
+
+    def sum(self) -> Expr:
+        a = self.product()
+        while self.peek()[1] in ("+", "-"):
+            op = self.take()[1]
+            a = Bin(op, a, self.product())
+        return a
+
+    def product(self) -> Expr:
+        a = self.unary()
+        while self.peek()[1] in ("*", "/"):
+            op = self.take()[1]
+            a = Bin(op, a, self.unary())
+        return a
+
+    def unary(self) -> Expr:
+        if self.peek()[1] == "-":
+            self.take()
+            return Neg(self.unary())
+        a = self.atom()
+        if self.peek()[1] == "**":
+            self.take()
+            return Bin("**", a, self.unary())
+        return a
+
+    def atom(self) -> Expr:
+        kind, v = self.take()
+        if kind == "num":
+            e = Num(float(v), v)
+        elif kind == "name":
+            if self.peek()[1] == "(":
+                self.take("(")
+                args = []
+                while self.peek()[1] != ")":
+                    args.append(self.expr())
+                    if self.peek()[1] == ",":
+                        self.take(",")
+                self.take(")")
+                e = Fn(v, tuple(args))          # resolved (reductions, index, stack) later
+            else:
+                e = Ref(v)
+        elif v == "(":
+            e = self.expr()
+            self.take(")")
+        else:
+            raise ModelError(f"unexpected {v!r}")
+        while self.peek()[1] == "[":
+            self.take("[")
+            items = []
+            while True:
+                if self.peek()[1] == ":":
+                    self.take()
+                    items.append(("full",))
+                else:
+                    items.append(("expr", self.expr()))
+                if self.peek()[1] == ",":
+                    self.take(",")
+                    continue
+                break
+            self.take("]")
+            e = Sub(e, tuple(items))
+        return e
+
+
+def _resolve(e: Expr, env: set) -> Expr:
+    """Parsed calls and subscripts -> Red / Idx / Stk / subscript items, given the names in scope."""
+    if isinstance(e, Fn):
+        args = e.args
+        if e.name in REDUCE_FUNCS and len(args) == 2 and isinstance(args[1], Ref) and args[1].name not in env:
+            return Red(e.name, _resolve(args[0], env), args[1].name)
+        if e.name == "index" and len(args) == 1 and isinstance(args[0], Ref):
+            return Idx(args[0].name)
+        if e.name == "stack" and len(args) >= 3 and isinstance(args[-1], Num):
+            return Stk(tuple(_resolve(a, env) for a in args[:-1]), int(args[-1].value))
+        return Fn(e.name, tuple(_resolve(a, env) for a in args))
+    if isinstance(e, Sub):
+        items = []
+        for it in e.items:
+            if it[0] == "full":
+                items.append(it)
+                continue
+            x = it[1]
+            if isinstance(x, Num):
+                items.append(("take", int(x.value)))
+            elif isinstance(x, Ref):
+                items.append(("name", x.name))
+            elif isinstance(x, Bin) and x.op in "+-" and isinstance(x.a, Ref) and isinstance(x.b, Num):
+                k = int(x.b.value)
+                items.append(("shift", x.a.name, k if x.op == "+" else -k))
+            else:
+                raise ModelError(f"unsupported subscript item {expr_text(x)}")
+        return Sub(_resolve(e.x, env), tuple(items))
+    kids = children(e)
+    return with_children(e, tuple(_resolve(c, env) for c in kids)) if kids else e
+
+
+def parse(text: str) -> list[KernelDef]:
+    ks = _Parser(text).kernels()
+    for k in ks:
+        env = {p.name for p in k.inputs}
+        body = []
+        for t, e in k.body:
+            body.append((t, _resolve(e, env)))
+            env.add(t)
+        k.body = body
+    return ks
+
+
+# ---------------------------------------------------------------- reference evaluation
+@dataclass
+class Val:
+    arr: np.ndarray     # float64 for float dtypes, int64 for integer ones
+    axes: tuple
+    dtype: str
+
+
+# per-op relative rounding modelled by the noise (see run.py for the precision model)
+EPS = {"f32": 2.0**-23, "f16": 2.0**-11, ABSTRACT: 2.0**-23}
+TRANSCENDENTAL = {"exp", "log", "sqrt", "rsqrt", "sigmoid", "silu", "tanh", "recip", "cos", "sin", "**"}
+
+
+@dataclass
+class Noise:
+    """Relative perturbations of every rounding op, keyed by the node's structure (so a subtree
+    written twice gets the same perturbation, as the compiler computes it once)."""
+    rng: np.random.Generator
+    scale: float
+    cache: dict = field(default_factory=dict)
+
+    def rel(self, node, shape, dtype, op=None) -> np.ndarray | float:
+        key = (node, "rel")
+        u = self.cache.get(key)
+        if u is None:
+            u = self.cache[key] = self.rng.uniform(-1.0, 1.0, size=shape)
+        eps = EPS.get(dtype, EPS["f32"]) * (4.0 if op in TRANSCENDENTAL and dtype != "f16" else 1.0)
+        return 1.0 + self.scale * eps * u
+
+    def absolute(self, node, shape, dtype) -> np.ndarray:
+        key = (node, "abs")
+        u = self.cache.get(key)
+        if u is None:
+            u = self.cache[key] = self.rng.uniform(-1.0, 1.0, size=shape)
+        return self.scale * EPS.get(dtype, EPS["f32"]) * u
+
+
+def _sigmoid(x):
+    return 0.5 * (1.0 + np.tanh(0.5 * x))
+
+
+_UNARY = {
+    "exp": np.exp, "log": np.log, "sqrt": np.sqrt, "rsqrt": lambda x: 1.0 / np.sqrt(x), "abs": np.abs,
+    "sigmoid": _sigmoid, "silu": lambda x: x * _sigmoid(x), "tanh": np.tanh, "recip": lambda x: 1.0 / x,
+    "cos": np.cos, "sin": np.sin,
+}
+
+
+class Evaluator:
+    """Evaluates a checked kernel in float64 at given sizes (T = the real length) and inputs.
+
+    ``decisions`` collects, per discontinuous or kinked node, what it decided: 'disc' entries
+    (comparisons, where on a float condition, float->int casts) change the value when they flip;
+    'kink' entries (abs, max/min, reduction max) change only the derivative. ``ties`` counts reduction
+    maxima with a tie for the largest entry (where the derivative is a convention).
+    """
+
+    def __init__(self, k: KernelDef, checker: Checker, sizes: dict[str, int], noise: Noise | None = None):
+        self.k = k
+        self.types = checker.types
+        self.sizes = dict(sizes)
+        for a in k.axes():
+            if is_fixed(a):
+                self.sizes[a] = int(a)
+        self.noise = noise
+        self.decisions: dict = {}
+        self.ties = 0
+        self.memo: dict = {}
+
+    # -- helpers
+    def expand(self, v: Val, axes: tuple) -> np.ndarray:
+        assert is_subseq(v.axes, axes), (v.axes, axes)
+        shape = [self.sizes[a] if a in v.axes else 1 for a in axes]
+        return np.asarray(v.arr).reshape(shape)
+
+    def full(self, v: Val, axes: tuple) -> np.ndarray:
+        return np.broadcast_to(self.expand(v, axes), tuple(self.sizes[a] for a in axes))
+
+    def record(self, kind: str, node, arr):
+        self.decisions[(kind, node)] = np.asarray(arr).copy()
+
+    def rounded(self, node, arr, dtype, op=None):
+        if self.noise is None or dtype in INTS:
+            return arr
+        return arr * self.noise.rel(node, np.shape(arr), dtype, op)
+
+    # -- evaluation
+    def run(self, inputs: dict) -> dict[str, np.ndarray]:
+        env: dict[str, Val] = {}
+        for p in self.k.inputs:
+            x = inputs[p.name]
+            arr = np.asarray(x, dtype=np.int64 if p.dtype in INTS else np.float64)
+            env[p.name] = Val(arr, p.shape, p.dtype)
+        decl = {o.name: o for o in self.k.outputs}
+        outs = {}
+        for target, e in self.k.body:
+            v = self.ev(e, env)
+            env[target] = v
+            if target in decl:
+                o = decl[target]
+                arr = np.array(self.full(v, o.shape), dtype=np.int64 if o.dtype in INTS else np.float64)
+                if o.dtype == "f16" and self.noise is not None:
+                    arr = arr * self.noise.rel(("store", target), arr.shape, "f16")
+                if o.dtype == "u32":
+                    arr = np.mod(arr, 2**32)
+                outs[target] = arr
+        return outs
+
+    def ev(self, e: Expr, env) -> Val:
+        key = e
+        if isinstance(e, Ref):
+            return env[e.name]
+        hit = self.memo.get(key)
+        if hit is not None:
+            return hit
+        v = self._ev(e, env)
+        self.memo[key] = v
+        return v
+
+    def _binop(self, e, op, a: Val, b: Val, dtype: str, shape: tuple) -> np.ndarray:
+        x, y = self.expand(a, shape), self.expand(b, shape)
+        is_int = dtype in INTS
+        if is_int:
+            x, y = x.astype(np.int64), y.astype(np.int64)
+        if op == "+":
+            r = x + y
+        elif op == "-":
+            r = x - y
+        elif op == "*":
+            r = x * y
+        elif op == "/":
+            if is_int:
+                if np.any(y == 0):
+                    raise FloatingPointError("integer division by zero")
+                r = np.trunc(x / y).astype(np.int64)
+            else:
+                r = x / y
+        elif op == "**":
+            r = np.power(x, y)
+        elif op in ("<", ">", "eq"):
+            r = (x < y) if op == "<" else (x > y) if op == ">" else (x == y)
+            if not is_int:
+                self.record("disc", e, np.broadcast_to(r, tuple(self.sizes[a] for a in shape)))
+            return r.astype(np.int64 if is_int else np.float64)
+        elif op in ("max", "min"):
+            if not is_int:
+                self.record("kink", e, np.sign(np.broadcast_to(x - y, tuple(self.sizes[a] for a in shape))))
+            return np.maximum(x, y) if op == "max" else np.minimum(x, y)
+        else:
+            raise ValueError(op)
+        if is_int:
+            return r
+        return self.rounded(e, r, dtype, op)
+
+    def _ev(self, e: Expr, env) -> Val:
+        t = self.types[e]
+        if isinstance(e, Num):
+            r = np.float64(e.value)
+            if self.noise is not None and float(np.float32(e.value)) != e.value:
+                r = r * self.noise.rel(e, (), ABSTRACT)
+            return Val(np.asarray(r), (), t.dtype)
+        if isinstance(e, Neg):
+            x = self.ev(e.x, env)
+            return Val(-x.arr, x.axes, t.dtype)
+        if isinstance(e, Bin):
+            a, b = self.ev(e.a, env), self.ev(e.b, env)
+            return Val(self._binop(e, e.op, a, b, t.dtype, t.shape), t.shape, t.dtype)
+        if isinstance(e, Fn):
+            f = e.name
+            if f in UNARY_FUNCS:
+                x = self.ev(e.args[0], env)
+                if f == "abs":
+                    if t.dtype not in INTS:
+                        self.record("kink", e, np.sign(x.arr))
+                    return Val(np.abs(x.arr), x.axes, t.dtype)
+                r = _UNARY[f](x.arr.astype(np.float64))
+                return Val(self.rounded(e, r, t.dtype, f), x.axes, t.dtype)
+            if f in BINARY_FUNCS:
+                a, b = self.ev(e.args[0], env), self.ev(e.args[1], env)
+                return Val(self._binop(e, f, a, b, t.dtype, t.shape), t.shape, t.dtype)
+            if f == "where":
+                c, a, b = (self.ev(x, env) for x in e.args)
+                cond = self.expand(c, t.shape) != 0
+                if c.dtype not in INTS:
+                    self.record("disc", e, np.broadcast_to(cond, tuple(self.sizes[x] for x in t.shape)))
+                r = np.where(cond, self.expand(a, t.shape), self.expand(b, t.shape))
+                return Val(r, t.shape, t.dtype)
+            if f in DTYPES:
+                x = self.ev(e.args[0], env)
+                if f in INTS:
+                    if x.dtype in INTS:
+                        r = x.arr.astype(np.int64)
+                    else:
+                        r = np.trunc(x.arr)
+                        self.record("disc", e, r)
+                        lo, hi = INT_RANGE[f]
+                        r = np.clip(r, lo, hi).astype(np.int64)
+                    if f == "u32":
+                        r = np.mod(r, 2**32)
+                    elif x.dtype == "u32":
+                        r = np.where(r >= 2**31, r - 2**32, r)
+                    return Val(r, x.axes, f)
+                r = x.arr.astype(np.float64)
+                if f == "f16" and x.dtype != "f16" and self.noise is not None:
+                    r = r * self.noise.rel(e, np.shape(r), "f16")
+                return Val(r, x.axes, f)
+            raise ValueError(f)
+        if isinstance(e, Red):
+            x = self.ev(e.x, env)
+            ax = x.axes.index(e.axis)
+            arr = x.arr
+            if e.fn == "max":
+                r = arr.max(axis=ax)
+                self.record("kink", e, arr.argmax(axis=ax))
+                if arr.shape[ax] > 1:
+                    top2 = np.sort(arr, axis=ax)
+                    gap = np.take(top2, -1, axis=ax) - np.take(top2, -2, axis=ax)
+                    if np.any(gap <= 1e-12 * np.maximum(1.0, np.abs(r))):
+                        self.ties += 1
+                return Val(r, t.shape, t.dtype)
+            r = arr.sum(axis=ax)
+            if self.noise is not None:
+                mag = 2.0 * np.abs(arr).sum(axis=ax)
+                r = r + mag * self.noise.absolute(e, np.shape(r), t.dtype)
+            if e.fn == "mean":
+                r = self.rounded(("mean", e), r / self.sizes[e.axis], t.dtype)
+            return Val(r, t.shape, t.dtype)
+        if isinstance(e, Idx):
+            return Val(np.arange(self.sizes[e.axis], dtype=np.int64), (e.axis,), "i32")
+        if isinstance(e, Stk):
+            vals = [self.ev(v, env) for v in e.values]
+            base = tuple(a for a in t.shape if a != str(e.n))
+            parts = [np.array(self.full(v, base), dtype=np.int64 if t.dtype in INTS else np.float64)
+                     for v in vals]
+            return Val(np.stack(parts, axis=max(len(base) - 1, 0)), t.shape, t.dtype)
+        if isinstance(e, Sub):
+            x = self.ev(e.x, env)
+            arr = x.arr
+            for ax, (axis, it) in enumerate(zip(x.axes, e.items)):
+                if it[0] == "shift":
+                    arr = _shift(arr, ax, it[2])
+            for ax in reversed(range(len(x.axes))):
+                it = e.items[ax]
+                if it[0] == "take":
+                    arr = np.take(arr, it[1], axis=ax)
+            return Val(arr, t.shape, t.dtype)
+        raise TypeError(e)
+
+
+def _shift(arr: np.ndarray, ax: int, k: int) -> np.ndarray:
+    """out[i] = arr[i + k], zero where i + k is outside 0..n-1."""
+    n = arr.shape[ax]
+    out = np.zeros_like(arr)
+    src = slice(max(k, 0), n + min(k, 0))
+    dst = slice(max(-k, 0), n - max(k, 0))
+    if src.start < src.stop and dst.start < dst.stop:
+        idx_src = [slice(None)] * arr.ndim
+        idx_dst = [slice(None)] * arr.ndim
+        idx_src[ax], idx_dst[ax] = src, dst
+        out[tuple(idx_dst)] = arr[tuple(idx_src)]
+    return out

@@ -1,0 +1,669 @@
+"""Random well-typed kernels, each with its own float64 meaning (expr.Evaluator over the same tree).
+
+A kernel draws a global axis order (T first when present, then symbolic axes D N K M H and
+fixed-size axes "2".."4" shuffled); every tensor's shape is a subsequence of it, so shared axes keep
+one order. Expressions are generated top-down for a target shape S: the result's shape is a
+subsequence of S (broadcasting fills the rest) and is checked with the fuzzer's own type rules
+(expr.Checker) before it is accepted. Static value intervals (inputs in [-2, 2], sizes known) keep
+every domain safe: log/sqrt/rsqrt/recip/division get a positive, bounded-away-from-zero argument,
+exp/sin/cos/tanh a bounded one, and values are scaled back when their bound exceeds 1e3.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .expr import (ABSTRACT, FLOATS, INTS, SEQ, UNARY_FUNCS, Bin, Checker, Expr, Fn, Idx, KernelDef,
+                   ModelError, Neg, Num, Param, Red, Ref, Stk, Sub, Ty, is_fixed, is_subseq, kernel_text)
+
+SYMBOLIC = ("D", "N", "K", "M", "H")
+INPUT_RANGE = {"f32": (-2.0, 2.0), "f16": (-2.0, 2.0), "i32": (-3, 3), "u32": (0, 5)}
+SCALAR_RANGE = (-2.0, 2.0)
+CAP = 1e3
+
+
+@dataclass
+class Case:
+    """One generated (or replayed) kernel with the sizes and bucket it runs at."""
+    kernel: KernelDef
+    sizes: dict            # symbolic axis -> size (T: the real length)
+    bucket: int
+    seed: int | None = None
+    data_seed: int = 0
+    note: str = ""
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def source(self) -> str:
+        return kernel_text(self.kernel)
+
+
+# ---------------------------------------------------------------- intervals
+def _hull(*ivs):
+    return (min(i[0] for i in ivs), max(i[1] for i in ivs))
+
+
+def _mul(a, b):
+    c = (a[0] * b[0], a[0] * b[1], a[1] * b[0], a[1] * b[1])
+    return (min(c), max(c))
+
+
+def _sig(x):
+    return 1.0 / (1.0 + math.exp(-max(min(x, 700), -700)))
+
+
+def _mono(f, iv):
+    a, b = f(iv[0]), f(iv[1])
+    return (min(a, b), max(a, b))
+
+
+class Intervals:
+    """Sound value bounds of expressions, given bounds of the names in scope and the axis sizes."""
+
+    def __init__(self, sizes: dict):
+        self.sizes = sizes
+        self.env: dict[str, tuple] = {}
+        self.memo: dict = {}
+
+    def size(self, axis):
+        return int(axis) if is_fixed(axis) else self.sizes[axis]
+
+    def of(self, e: Expr):
+        if isinstance(e, Ref):
+            return self.env[e.name]
+        hit = self.memo.get(e)
+        if hit is None:
+            hit = self.memo[e] = self._of(e)
+        return hit
+
+    def _of(self, e: Expr):
+        if isinstance(e, Num):
+            return (e.value, e.value)
+        if isinstance(e, Neg):
+            lo, hi = self.of(e.x)
+            return (-hi, -lo)
+        if isinstance(e, Bin):
+            a, b = self.of(e.a), self.of(e.b)
+            if e.op == "+":
+                return (a[0] + b[0], a[1] + b[1])
+            if e.op == "-":
+                return (a[0] - b[1], a[1] - b[0])
+            if e.op == "*":
+                return _mul(a, b)
+            if e.op == "/":
+                if b[0] <= 0 <= b[1]:
+                    return (-math.inf, math.inf)
+                return _mul(a, (1.0 / b[1], 1.0 / b[0]))
+            if e.op == "**":
+                if a[0] <= 0:
+                    return (-math.inf, math.inf)
+                c = [x ** y for x in a for y in b]
+                return (min(c), max(c))
+            return (0.0, 1.0)
+        if isinstance(e, Fn):
+            f, args = e.name, e.args
+            if f in ("max", "min"):
+                a, b = self.of(args[0]), self.of(args[1])
+                return (max(a[0], b[0]), max(a[1], b[1])) if f == "max" else (min(a[0], b[0]), min(a[1], b[1]))
+            if f == "eq":
+                return (0.0, 1.0)
+            if f == "where":
+                return _hull(self.of(args[1]), self.of(args[2]))
+            if f in ("f32", "f16"):
+                return self.of(args[0])
+            if f in INTS:
+                lo, hi = self.of(args[0])
+                return (math.trunc(lo), math.trunc(hi)) if f == "i32" else (max(0, math.trunc(lo)), max(0, math.trunc(hi)))
+            iv = self.of(args[0])
+            if f == "abs":
+                lo = 0.0 if iv[0] <= 0 <= iv[1] else min(abs(iv[0]), abs(iv[1]))
+                return (lo, max(abs(iv[0]), abs(iv[1])))
+            if f in ("cos", "sin"):
+                return (-1.0, 1.0)
+            if f == "sigmoid":
+                return _mono(_sig, iv)
+            if f == "tanh":
+                return _mono(math.tanh, iv)
+            if f == "silu":
+                lo = min(iv[0] * _sig(iv[0]), iv[1] * _sig(iv[1]), 0.0 if iv[0] <= 0 <= iv[1] else math.inf)
+                return (min(lo, -0.2785) if iv[0] < -1.0 else lo, max(iv[0] * _sig(iv[0]), iv[1] * _sig(iv[1])))
+            if iv[1] > 700 and f == "exp":
+                return (0.0, math.inf)
+            if f == "exp":
+                return (math.exp(iv[0]), math.exp(iv[1]))
+            if iv[0] <= 0:
+                return (-math.inf, math.inf)
+            if f == "log":
+                return (math.log(iv[0]), math.log(iv[1]))
+            if f == "sqrt":
+                return (math.sqrt(iv[0]), math.sqrt(iv[1]))
+            if f == "rsqrt":
+                return (1.0 / math.sqrt(iv[1]), 1.0 / math.sqrt(iv[0]))
+            if f == "recip":
+                return (1.0 / iv[1], 1.0 / iv[0])
+            raise ValueError(f)
+        if isinstance(e, Red):
+            lo, hi = self.of(e.x)
+            if e.fn in ("mean", "max"):
+                return (lo, hi)
+            n = self.size(e.axis)
+            return (min(lo, n * lo), max(hi, n * hi))
+        if isinstance(e, Idx):
+            return (0, self.size(e.axis) - 1)
+        if isinstance(e, Stk):
+            return _hull(*(self.of(v) for v in e.values))
+        if isinstance(e, Sub):
+            lo, hi = self.of(e.x)
+            if any(it[0] == "shift" for it in e.items):
+                return (min(lo, 0.0), max(hi, 0.0))
+            return (lo, hi)
+        raise TypeError(e)
+
+
+def nice(x: float) -> Num:
+    """A short positive literal close below x."""
+    for v in (4.0, 3.0, 2.0, 1.5, 1.0, 0.75, 0.5, 0.3, 0.25, 0.2, 0.1, 0.05, 0.03, 0.02, 0.01, 0.005,
+              0.003, 0.002, 0.001, 0.0005, 0.0002, 0.0001, 1e-5, 1e-6):
+        if v <= x:
+            return num(v)
+    return num(1e-7)
+
+
+def num(v: float, style: int = 0) -> Num:
+    v = float(v)
+    if v == int(v) and abs(v) < 1e6:
+        text = f"{int(v)}.0" if style == 0 else str(int(v))
+    else:
+        text = repr(v)
+    return Num(v, text)
+
+
+# ---------------------------------------------------------------- the generator
+class Generator:
+    def __init__(self, seed: int, has_f16: bool = True, max_inputs: int = 6):
+        self.seed = seed
+        self.rng = np.random.default_rng(seed)
+        self.has_f16 = has_f16
+        self.max_inputs = max_inputs
+        r = self.rng
+        self.bucket = int(r.choice([4, 8]))
+        axes = []
+        if r.random() < 0.85:
+            axes.append(SEQ)
+        nsym = int(r.choice([1, 1, 2, 2, 2, 3, 3]))
+        syms = list(r.choice(SYMBOLIC, size=nsym, replace=False))
+        nfix = int(r.choice([0, 0, 1, 1, 2]))
+        fixed = [str(v) for v in r.choice([2, 3, 4], size=nfix, replace=False)]
+        rest = syms + fixed
+        r.shuffle(rest)
+        self.axes = tuple(str(a) for a in axes + rest)
+        self.sizes = {}
+        for a in self.axes:
+            if a == SEQ:
+                self.sizes[str(a)] = int(r.choice([t for t in range(1, 14) if t % self.bucket]))
+            elif not is_fixed(a):
+                self.sizes[str(a)] = int(r.integers(1, 7))
+        self.inputs: list[Param] = []
+        self.reserved: set[str] = set()          # names leaves may not read (an in-place input)
+        self.temps: list[tuple[str, object]] = []  # (name, Ty) readable by later statements
+        self.kernel = KernelDef("k", self.inputs, [], [])
+        self.checker = Checker(self.kernel)
+        self.iv = Intervals(self.sizes)
+
+    # -- small helpers
+    def p(self, x: float) -> bool:
+        return self.rng.random() < x
+
+    def pick(self, seq):
+        return seq[int(self.rng.integers(len(seq)))]
+
+    def order(self, axes) -> tuple:
+        return tuple(a for a in self.axes if a in set(axes))
+
+    def subseq(self, S, keep=0.6, nonempty=False) -> tuple:
+        out = tuple(a for a in S if self.p(keep))
+        if nonempty and not out and S:
+            out = (self.pick(S),)
+        return out
+
+    def ty(self, e: Expr):
+        return self.checker.ty(e)
+
+    def fits(self, e: Expr, S, dt, need=()) -> bool:
+        try:
+            t = self.ty(e)
+        except (ModelError, KeyError):
+            return False
+        if not is_subseq(t.shape, S) or any(a not in t.shape for a in need):
+            return False
+        if SEQ in t.shape and t.shape[0] != SEQ:
+            return False
+        return t.dtype == dt or (t.dtype == ABSTRACT and not need)
+
+    def bound(self, e: Expr) -> float:
+        lo, hi = self.iv.of(e)
+        return max(abs(lo), abs(hi))
+
+    # -- leaves
+    def new_input(self, shape, dtype) -> Ref:
+        name = f"x{len([p for p in self.inputs if p.name.startswith('x')])}"
+        p = Param(name, dtype, tuple(shape))
+        self.inputs.append(p)
+        self.checker.env[name] = Ty(p.shape, dtype)
+        self.iv.env[name] = INPUT_RANGE[dtype]
+        return Ref(name)
+
+    def scalar(self) -> Ref:
+        scalars = [p for p in self.inputs if not p.shape]
+        if scalars and (self.p(0.6) or len(scalars) >= 3):
+            return Ref(self.pick(scalars).name)
+        name = f"s{len(scalars)}"
+        self.inputs.append(Param(name, "f32", ()))
+        self.checker.env[name] = Ty((), "f32")
+        self.iv.env[name] = SCALAR_RANGE
+        return Ref(name)
+
+    def tensor_leaf(self, S, dt, exact=False) -> Expr:
+        if not S:
+            return self.exact(S, dt)
+        cands = [p for p in self.inputs if p.shape and p.dtype == dt and p.name not in self.reserved
+                 and (p.shape == tuple(S) if exact else is_subseq(p.shape, S))]
+        n_tensors = len([p for p in self.inputs if p.shape])
+        if cands and (self.p(0.6) or n_tensors >= self.max_inputs):
+            return Ref(self.pick(cands).name)
+        if exact or not S:
+            shape = tuple(S)
+        else:
+            shape = tuple(S) if self.p(0.5) else self.subseq(S, 0.6, nonempty=True)
+        if not shape:
+            shape = tuple(S)
+        return self.new_input(shape, dt)
+
+    def literal(self, dt) -> Num:
+        if dt in INTS:
+            return num(int(self.rng.integers(0, 4)), style=1)
+        v = self.pick([0.5, 1.0, 2.0, 0.1, 0.25, 3.0, 1.5, 0.75, 0.3, 1e-3, 0.0])
+        return num(v, style=int(self.rng.integers(2)))
+
+    def temp_leaf(self, S, dt):
+        cands = [n for n, t in self.temps if t.dtype == dt and is_subseq(t.shape, S)]
+        return Ref(self.pick(cands)) if cands else None
+
+    def leaf(self, S, dt) -> Expr:
+        r = self.rng.random()
+        if r < 0.18:
+            t = self.temp_leaf(S, dt)
+            if t is not None:
+                return t
+        if dt in FLOATS:
+            if r < 0.30:
+                lit = self.literal(dt)
+                return lit if dt == "f32" or self.p(0.7) else Fn("f16", (lit,))
+            if r < 0.40:
+                s = self.scalar()
+                return s if dt == "f32" else Fn("f16", (s,))
+            sym = [a for a in S if not is_fixed(a)]
+            if r < 0.46 and sym and dt == "f32":
+                return Fn("f32", (Idx(self.pick(sym)),))
+            return self.tensor_leaf(S, dt)
+        sym = [a for a in S if not is_fixed(a)]
+        if r < 0.35 and sym:
+            idx = Idx(self.pick(sym))
+            return idx if dt == "i32" else Fn("u32", (idx,))
+        if r < 0.5:
+            return self.literal(dt)
+        return self.tensor_leaf(S, dt)
+
+    def exact(self, S, dt) -> Expr:
+        """A value of exactly shape S and dtype dt."""
+        if not S:
+            if dt == "f32":
+                return self.scalar() if self.p(0.5) else self.literal(dt)
+            if dt == "f16":
+                return Fn("f16", (self.scalar(),))
+            return Fn(dt, (self.scalar(),)) if dt == "i32" and self.p(0.3) else Fn(dt, (self.literal(dt),))
+        if dt == "i32" and len(S) == 1 and not is_fixed(S[0]) and self.p(0.4):
+            return Idx(S[0])
+        return self.tensor_leaf(S, dt, exact=True)
+
+    # -- safety rewrites (by static bounds)
+    def positive(self, e: Expr, margin: float) -> Expr:
+        lo, hi = self.iv.of(e)
+        if lo > margin:
+            return e
+        if lo >= 0:
+            return Bin("+", e, num(margin * 5 if margin < 0.1 else 0.5))
+        if self.p(0.7):
+            return Bin("+", Fn("abs", (e,)), num(0.5 if margin >= 0.1 else 0.1))
+        return Bin("+", Bin("*", e, e), num(0.5))
+
+    def nonzero(self, e: Expr) -> Expr:
+        lo, hi = self.iv.of(e)
+        if lo > 0.2 or hi < -0.2:
+            return e
+        p = self.positive(e, 0.2)
+        return Neg(p) if self.p(0.3) else p
+
+    def within(self, e: Expr, limit: float) -> Expr:
+        m = self.bound(e)
+        if m <= limit:
+            return e
+        if not math.isfinite(m):
+            return Fn("tanh", (e,))
+        if self.p(0.3):
+            return Bin("*", num(limit), Fn("tanh", (Bin("*", e, nice(1.0 / m)),)))
+        return Bin("*", e, nice(limit / m))
+
+    def capped(self, e: Expr) -> Expr:
+        try:
+            t = self.ty(e)
+        except ModelError:
+            return e
+        if t.dtype in INTS:
+            m = self.bound(e)
+            if m > 1e4:
+                return Fn("max", (Fn("min", (e, num(100, 1))), Neg(num(100, 1)))) if t.dtype == "i32" \
+                    else Fn("min", (e, num(100, 1)))
+            return e
+        return self.within(e, CAP)
+
+    # -- expressions
+    def gen(self, S, dt, depth, need=()) -> Expr:
+        S = tuple(S)
+        for _ in range(5):
+            try:
+                e = self._gen(S, dt, depth, need)
+            except ModelError:
+                e = None
+            if e is not None and self.fits(e, S, dt, need):
+                e = self.capped(e)
+                if self.fits(e, S, dt, need):
+                    return e
+        return self.exact(S, dt)
+
+    def _gen(self, S, dt, depth, need) -> Expr | None:
+        if depth <= 0 or (not need and self.p(0.12)):
+            return self.leaf(S, dt)
+        if dt in FLOATS:
+            return self.gen_float(S, dt, depth, need)
+        return self.gen_int(S, dt, depth, need)
+
+    def gen_float(self, S, dt, depth, need):
+        free = [a for a in self.axes if a not in S]
+        free_sym = [a for a in free if not is_fixed(a)]     # reductions name their axis: never a fixed one
+        choices = ["unary"] * 6 + ["binary"] * 9 + ["neg"] + ["where"] * 2 + ["cast"] * 2 + ["shift"] * 2
+        if free_sym:
+            choices += ["reduce"] * 5 + ["contract"] * 2
+        if free:
+            choices += ["take"] * 2
+        if any(is_fixed(a) and 2 <= int(a) <= 4 for a in S):
+            choices += ["stack"] * 5
+        kind = self.pick(choices)
+        d = depth - 1
+        if kind == "unary":
+            f = self.pick(UNARY_FUNCS)
+            x = self.gen(S, dt, d, need)
+            if f == "exp":
+                x = self.within(x, 5.0)
+            elif f == "log":
+                x = self.positive(x, 0.05)
+            elif f in ("sqrt", "rsqrt"):
+                x = self.positive(x, 0.05)
+            elif f == "recip":
+                x = self.nonzero(x)
+            elif f in ("sin", "cos"):
+                x = self.within(x, 3.0)
+            elif f in ("tanh", "sigmoid", "silu"):
+                x = self.within(x, 15.0)
+            return Fn(f, (x,))
+        if kind == "neg":
+            return Neg(self.gen(S, dt, d, need))
+        if kind == "binary":
+            op = self.pick(["+", "+", "-", "-", "*", "*", "*", "/", "**", "max", "min", "eq", "<", ">"])
+            na, nb = self.split_need(need)
+            a = self.gen(S, dt, d, na)
+            if op == "**":
+                a = self.positive(a, 0.1)
+                if self.p(0.6):
+                    b = num(self.pick([2, 3, 0.5, 1.5, -1, -0.5, 2.5]))
+                    if b.value < 0:
+                        b = Neg(Num(-b.value, repr(-b.value)))
+                else:
+                    b = self.within(self.gen(S, dt, d, nb), 2.0)
+                e = Bin("**", a, b)
+                return e if self.bound(e) <= CAP else Bin("**", Fn("min", (a, num(4.0))), b)
+            b = self.gen(S, dt, d, nb)
+            if op == "eq" and self.p(0.5):      # make equality happen: compare with a copy or a rounded value
+                b = a if self.p(0.5) else b
+            if op == "/":
+                b = self.nonzero(b)
+            if self.p(0.5) and op in ("+", "*", "max", "min", "eq"):
+                a, b = b, a
+            if op in ("max", "min", "eq"):
+                return Fn(op, (a, b))
+            return Bin(op, a, b)
+        if kind == "where":
+            c = self.cond(S, d)
+            na, nb = self.split_need(need)
+            return Fn("where", (c, self.gen(S, dt, d, na), self.gen(S, dt, d, nb)))
+        if kind == "cast":
+            if dt == "f32":
+                src = self.pick(["i32", "i32", "u32"] + (["f16"] if self.has_f16 else []))
+                return Fn("f32", (self.gen(S, src, d, need),))
+            return Fn("f16", (self.gen(S, "f32", d, need),))
+        if kind == "shift":
+            x = self.gen(S, dt, d, need)
+            return self.shifted(x)
+        if kind == "reduce":
+            A = self.pick(free_sym)
+            S2 = self.order(S + (A,))
+            fn = self.pick(["sum", "sum", "mean", "max"])
+            inner = self.gen(S2, dt, d, tuple(need) + (A,))
+            return Red(fn, inner, A)
+        if kind == "contract":
+            K = self.pick(free_sym)
+            sa = self.subseq(S, 0.5)
+            sb = tuple(a for a in S if a not in sa or self.p(0.2))
+            a = self.gen(self.order(sa + (K,)), dt, max(d - 1, 0), (K,))
+            b = self.gen(self.order(sb + (K,)), dt, max(d - 1, 0), (K,))
+            return Red("sum", Bin("*", a, b), K)
+        if kind == "take":
+            fixed = [a for a in free if is_fixed(a)]
+            A = self.pick(fixed) if fixed and self.p(0.8) else self.pick(free)
+            x = self.gen(self.order(S + (A,)), dt, d, tuple(need) + (A,))
+            t = self.ty(x)
+            items = []
+            for axis in t.shape:
+                if axis == A:
+                    items.append(("take", int(self.rng.integers(int(A))) if is_fixed(A) else 0))
+                elif not is_fixed(axis) and self.p(0.2):
+                    items.append(self.shift_item(axis))
+                else:
+                    items.append(("full",))
+            return Sub(x, tuple(items))
+        if kind == "stack":
+            F = self.pick([a for a in S if is_fixed(a) and 2 <= int(a) <= 4])
+            base = tuple(a for a in S if a != F)
+            vals = tuple(self.gen(base, dt, d) for _ in range(int(F)))
+            return Stk(vals, int(F))
+        raise ValueError(kind)
+
+    def split_need(self, need):
+        na = tuple(a for a in need if self.p(0.5))
+        return na, tuple(a for a in need if a not in na)
+
+    def shift_item(self, axis):
+        k = int(self.rng.integers(1, 4))
+        if axis != SEQ or self.p(0.3):
+            k = k if self.p(0.5) else -k
+        else:
+            k = -k
+        if self.p(0.05):
+            k = self.sizes.get(axis, 1) + 1 if self.p(0.5) else 0
+        return ("shift", axis, k)
+
+    def shifted(self, x: Expr) -> Expr:
+        try:
+            t = self.ty(x)
+        except ModelError:
+            return x
+        if not t.shape:
+            return x
+        items = []
+        for axis in t.shape:
+            if not is_fixed(axis) and self.p(0.5):
+                items.append(self.shift_item(axis))
+            elif self.p(0.1):
+                items.append(("name", axis) if not is_fixed(axis) else ("full",))
+            else:
+                items.append(("full",))
+        if all(it[0] != "shift" for it in items):
+            sym = [i for i, a in enumerate(t.shape) if not is_fixed(a)]
+            if not sym:
+                return x
+            i = self.pick(sym)
+            items[i] = self.shift_item(t.shape[i])
+        return Sub(x, tuple(items))
+
+    def cond(self, S, d) -> Expr:
+        """A where() condition: mostly a comparison, sometimes a raw float or int value."""
+        r = self.rng.random()
+        if r < 0.55:
+            dt = "f32" if self.p(0.7) else "i32"
+            a = self.gen(S, dt, max(d - 1, 0))
+            b = self.gen(S, dt, max(d - 1, 0)) if self.p(0.5) else self.literal(dt)
+            return Bin(self.pick(["<", ">"]), a, b)
+        if r < 0.7:
+            return self.gen(S, "i32", d)
+        return self.gen(S, "f32", d)
+
+    def gen_int(self, S, dt, depth, need):
+        d = depth - 1
+        choices = ["binary"] * 6 + ["abs", "where", "cast", "cast", "shift"]
+        if dt == "i32":
+            choices += ["neg", "div"]
+        kind = self.pick(choices)
+        if kind == "binary":
+            op = self.pick(["+", "+", "*", "max", "min", "eq", "<", ">"] + (["-"] if dt == "i32" else []))
+            na, nb = self.split_need(need)
+            a, b = self.gen(S, dt, d, na), self.gen(S, dt, d, nb)
+            if op in ("max", "min", "eq"):
+                return Fn(op, (a, b))
+            return Bin(op, a, b)
+        if kind == "div":
+            return Bin("/", self.gen(S, dt, d, need), num(self.pick([2, 3]), 1))
+        if kind == "neg":
+            return Neg(self.gen(S, dt, d, need))
+        if kind == "abs":
+            return Fn("abs", (self.gen(S, dt, d, need),))
+        if kind == "where":
+            na, nb = self.split_need(need)
+            return Fn("where", (self.cond(S, d), self.gen(S, dt, d, na), self.gen(S, dt, d, nb)))
+        if kind == "cast":
+            if dt == "u32":
+                if self.p(0.5):
+                    return Fn("u32", (Fn("abs", (self.gen(S, "i32", d, need),)),))
+                x = self.gen(S, "f32", d, need)
+                return Fn("u32", (Fn("abs", (Bin("*", x, num(2.0)),)),))
+            if self.p(0.3):
+                return Fn("i32", (self.gen(S, "u32", d, need),))
+            x = self.gen(S, "f32", d, need)
+            return Fn("i32", (Bin("*", x, num(self.pick([1.0, 2.0, 3.0]))),))
+        if kind == "shift":
+            return self.shifted(self.gen(S, dt, d, need))
+        raise ValueError(kind)
+
+    # -- statements
+    def statement(self, target: str, S, dt, depth) -> Expr:
+        e = self.gen(S, dt, depth)
+        t = self.ty(e)
+        lo, hi = self.iv.of(e)
+        self.iv.env[target] = (lo, hi)
+        self.checker.env[target] = t
+        return e
+
+    def out_dtype(self):
+        r = self.rng.random()
+        if r < 0.10 and self.has_f16:
+            return "f16"
+        if r < 0.17:
+            return "i32"
+        if r < 0.20:
+            return "u32"
+        return "f32"
+
+    def out_shape(self):
+        S = self.subseq(self.axes, 0.6, nonempty=True)
+        if SEQ in self.axes and SEQ not in S and self.p(0.6):
+            S = self.order(S + (SEQ,))
+        return S
+
+    def build(self) -> Case:
+        r = self.rng
+        n_out = int(r.choice([1, 1, 1, 2, 2, 3]))
+        n_tmp = int(r.choice([0, 0, 1, 1, 2, 3]))
+        inplace = self.p(0.04)
+        O0 = self.out_shape()
+        outs = []
+        for i in range(n_out):
+            S = O0 if i == 0 or inplace or self.p(0.65) else self.out_shape()
+            outs.append(Param(f"y{i}", self.out_dtype(), S))
+        slots = ["t"] * n_tmp + ["y"] * (n_out - 1)
+        r.shuffle(slots)
+        slots.append("y")
+        order_out = list(outs)
+        r.shuffle(order_out)
+        body = []
+        ti = 0
+        for slot in slots:
+            if slot == "t":
+                S = self.subseq(self.axes, 0.55)
+                dt = "f32" if self.p(0.8) else self.pick(["i32"] + (["f16"] if self.has_f16 else []))
+                name = f"t{ti}"
+                ti += 1
+                e = self.statement(name, S, dt, int(r.integers(1, 4)))
+                self.temps.append((name, self.ty(e)))
+            else:
+                o = order_out.pop(0)
+                S = o.shape if self.p(0.85) else self.subseq(o.shape, 0.6)
+                e = self.statement(o.name, S, o.dtype, int(r.integers(1, 5)))
+                self.temps.append((o.name, self.ty(e)))
+                name = o.name
+            body.append((name, e))
+        if inplace:
+            p = Param("p", "f32", O0)
+            self.reserved.add("p")
+            e = self.gen(O0, "f32", 2)
+            op = self.pick(["+", "*", "-"])
+            val = Bin(op, Ref("p"), e) if self.p(0.7) else Bin(op, e, Ref("p"))
+            self.checker.env["p"] = Ty(O0, "f32")
+            self.iv.env["p"] = INPUT_RANGE["f32"]
+            self.inputs.append(p)
+            val = self.capped(val)
+            body.append(("p", val))
+            outs.append(p)
+        self.kernel.outputs = outs
+        self.kernel.body = body
+        self.kernel.inputs = self.inputs
+        # sizes of every symbolic axis the kernel names (an output-only axis comes from dims=)
+        axes = self.kernel.axes()
+        sizes = {a: self.sizes[a] for a in self.axes if a in axes and not is_fixed(a)}
+        return Case(self.kernel, sizes, self.bucket, seed=self.seed,
+                    data_seed=int(r.integers(2**31)))
+
+
+def generate(seed: int, has_f16: bool = True) -> Case:
+    """The kernel of one seed (deterministic): well-typed by the fuzzer's own rules."""
+    for attempt in range(20):
+        g = Generator(seed * 1000 + attempt, has_f16)
+        case = g.build()
+        try:
+            Checker(case.kernel).check()
+        except ModelError:
+            continue
+        case.seed = seed
+        # drop inputs nothing reads (they would only be dead parameters)
+        return case
+    raise RuntimeError(f"seed {seed}: no well-typed kernel in 20 attempts")

@@ -1,0 +1,419 @@
+"""Run a case through the compiler's public API and judge it against the fuzzer's float64 meaning.
+
+Classes (forward and backward separately):
+
+    ok            the numbers agree
+    wrong         numbers off (the detail gives the max error and the tolerance)
+    invalid_wgsl  the shader compiler rejected the generated WGSL (an exception named ShaderCompileError)
+    refused       a DslError (or subclass) with a location (line >= 1 and column >= 1): a legitimate refusal
+    unlocated     a DslError (or subclass) without a location
+    foreign       any other exception (KeyError, ValueError, AssertionError, AutodiffError, wgpu errors...)
+    skipped       no numeric verdict: the inputs sit within the rounding (forward) or FD step (backward)
+                  of a discontinuity or kink, or a reduction max has a tie (its gradient is a convention)
+    n/a           (backward only) nothing to differentiate: no float tensor input or no float output,
+                  or the forward did not compile
+
+Precision model. The reference is float64 over the exact input values (f32 inputs are drawn as f32,
+f16 inputs as f16, scalars as f32). The compiler is taken to compute every float value in f32, f16
+values included, rounding to f16 only where an f16 buffer is written (f16 outputs) and possibly at
+f16(...) casts; both rounding choices pass. Conditioning is estimated, not assumed: the reference is
+evaluated again with every rounding op (arithmetic, transcendental functions, sums, f16 stores and
+casts) perturbed by a random relative error 32x larger than the op's own (2^-23 for f32, 4x that for
+transcendental functions, 2^-11 for f16), with the perturbation of a subtree keyed by its structure.
+Those runs must make the same decisions (comparisons, where, float->int casts, abs/max/min branches)
+as the exact one, else the inputs are drawn again (up to 8 times); their spread, scaled back by 32,
+is the rounding error a correct f32 kernel may show. An output passes when
+
+    max|got - want| <= rtol * max|want| + 8 * spread + 1e-6,   rtol = 1e-4 (3e-3 when f16 is involved)
+
+and integer outputs must match exactly. The backward is checked along 3 random directions v (N(0,1)
+entries) per differentiated input with central differences of the reference, step 1e-4:
+
+    |<grad, v> - (L(x + h v) - L(x - h v)) / 2h| <= btol * max(|grad|_2, |fd|),
+
+L = sum over float outputs of <cotangent, output>, btol = max(1e-3 (1.5e-2 with f16), 100 * the
+forward's relative spread). A direction whose x +- h v changes any decision is skipped.
+"""
+from __future__ import annotations
+
+import gc
+import re
+import traceback
+from dataclasses import dataclass
+
+import numpy as np
+
+from .expr import FLOATS, INTS, Checker, Evaluator, ModelError, Noise, Red, check, kernel_text, walk
+from .generate import INPUT_RANGE, SCALAR_RANGE, Case
+
+CLASSES = ("ok", "wrong", "invalid_wgsl", "refused", "unlocated", "foreign", "skipped", "n/a")
+FAILING = ("wrong", "invalid_wgsl", "unlocated", "foreign")
+NOISE_SCALE = 32.0
+FD_STEP = 1e-4
+DIRECTIONS = 3
+FILENAME = "fuzz.lk"
+
+
+@dataclass
+class Outcome:
+    cls: str
+    detail: str = ""
+    error: float | None = None      # wrong: the worst error / tolerance ratio
+
+    @property
+    def failing(self) -> bool:
+        return self.cls in FAILING
+
+    def summary(self) -> str:
+        """One line: the class and the telling part of the detail."""
+        if self.cls == "invalid_wgsl":
+            return f"invalid_wgsl: {shader_error(self.detail)}"
+        first = self.detail.strip().splitlines()[0] if self.detail.strip() else ""
+        return f"{self.cls}: {first}" if first else self.cls
+
+    def kind(self) -> str:
+        """A coarse key: the class, and for foreign errors the exception type (``foreign: KeyError``)."""
+        if self.cls == "foreign":
+            return f"foreign: {self.detail.split(':', 1)[0]}"
+        return self.cls
+
+    def cause(self) -> str:
+        """A short normalised key that groups outcomes with the same cause."""
+        if self.cls in ("ok", "skipped", "n/a"):
+            return self.cls
+        if self.cls == "wrong":
+            return "wrong"
+        return f"{self.cls}: {normalise(self.detail)}"
+
+
+@dataclass
+class Result:
+    case: Case
+    forward: Outcome
+    backward: Outcome
+
+    @property
+    def failing(self) -> bool:
+        return self.forward.failing or self.backward.failing
+
+
+def shader_error(detail: str) -> str:
+    """The shader compiler's own complaint (and the WGSL line it points at) from a ShaderCompileError."""
+    text = detail.split("--- WGSL ---")[0]
+    lines = [l.strip() for l in text.splitlines()]
+    msgs = [l for l in lines if ("error" in l or "Error" in l or l.startswith("= ")) and "rejected kernel" not in l
+            and l not in ("Validation Error", "Caused by:")]
+    code = [l.split("│", 1)[1].strip() for l in lines if re.match(r"^\d+\s*│", l)]
+    out = "; ".join(dict.fromkeys(msgs)) or (lines[0] if lines else "")
+    return "ShaderCompileError: " + out + (f" at `{code[0]}`" if code else "")
+
+
+def normalise(detail: str) -> str:
+    line = detail.strip().splitlines()[0] if detail.strip() else ""
+    if "ShaderCompileError" in detail:
+        line = shader_error(detail).split(" at `")[0]
+        line = line.split("; = ")[0]
+    line = re.sub(rf"{re.escape(FILENAME)}:\d+:\d+: ", "", line)
+    line = re.sub(r"\[[^\]]*\]", "[..]", line)
+    line = re.sub(r"\b[A-Z][A-Z0-9]+\[\.\.\]\S*", "NODE", line)       # IR nodes rendered in a message
+    line = re.sub(r"\([A-Z0-9]\)", "(AXIS)", line)
+    line = re.sub(r"'[A-Za-z_][A-Za-z0-9_]*'", "'NAME'", line)
+    line = re.sub(r"`[^`]*`", "`ID`", line)
+    line = re.sub(r"\b[0-9a-f]{12,}\b", "HASH", line)
+    line = re.sub(r"\d+", "#", line)
+    return line[:160]
+
+
+def classify(exc: BaseException) -> Outcome:
+    from .. import DslError            # the public one; subclasses (a located AutodiffError, say) count too
+    name = type(exc).__name__
+    text = f"{name}: {exc}"
+    if name == "ShaderCompileError":
+        return Outcome("invalid_wgsl", text)
+    if isinstance(exc, DslError):
+        line, col = getattr(exc, "line", 0) or 0, getattr(exc, "column", 0) or 0
+        return Outcome("refused" if line >= 1 and col >= 1 else "unlocated", text)
+    return Outcome("foreign", text + _where(exc))
+
+
+def _where(exc: BaseException) -> str:
+    """The innermost compiler frames an exception came through (not the fuzzer's own)."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if "lfm2jit" in f.filename.replace("\\", "/") and "lfm2jit/fuzz/" not in f.filename.replace("\\", "/")]
+    if not frames:
+        return ""
+    def short(f):
+        path = f.filename.replace("\\", "/")
+        return f"{path[path.rindex('lfm2jit/'):]}:{f.lineno} in {f.name}"
+    return "\n" + "\n".join(f"  at {short(f)}" for f in frames[-3:])
+
+
+# ---------------------------------------------------------------- the reference side
+@dataclass
+class Reference:
+    inputs: dict                  # name -> numpy array (f32/f16/i32/u32 values) or float (scalar)
+    outputs: dict                 # name -> float64 / int64 array
+    spread: dict                  # name -> realistic rounding spread (max abs)
+    decisions: dict
+    disc_stable: bool
+    kink_stable: bool
+    tries: int
+
+
+def sample_inputs(case: Case, rng: np.random.Generator) -> dict:
+    out = {}
+    for p in case.kernel.inputs:
+        if not p.shape:
+            out[p.name] = float(np.float32(rng.uniform(*SCALAR_RANGE)))
+            continue
+        shape = tuple(case_size(case, a) for a in p.shape)
+        lo, hi = INPUT_RANGE[p.dtype]
+        if p.dtype in INTS:
+            out[p.name] = rng.integers(lo, hi + 1, size=shape).astype(np.int32 if p.dtype == "i32" else np.uint32)
+        else:
+            out[p.name] = rng.uniform(lo, hi, size=shape).astype(np.float32 if p.dtype == "f32" else np.float16)
+    return out
+
+
+def case_size(case: Case, axis: str) -> int:
+    return int(axis) if axis.isdigit() else case.sizes[axis]
+
+
+def all_sizes(case: Case) -> dict:
+    return {a: case_size(case, a) for a in case.kernel.axes()}
+
+
+def _same(d1: dict, d2: dict, kinds) -> bool:
+    for key, v in d1.items():
+        if key[0] in kinds:
+            w = d2.get(key)
+            if w is None or w.shape != v.shape or not np.array_equal(v, w):
+                return False
+    return True
+
+
+def reference(case: Case, checker: Checker, tries: int = 8) -> Reference:
+    rng = np.random.default_rng(case.data_seed)
+    sizes = all_sizes(case)
+    best = None
+    for attempt in range(1, tries + 1):
+        inputs = sample_inputs(case, rng)
+        ev = Evaluator(case.kernel, checker, sizes)
+        with np.errstate(all="ignore"):
+            outs = ev.run(inputs)
+        if not all(np.all(np.isfinite(v)) for v in outs.values()):
+            continue
+        spread = {n: 0.0 for n in outs}
+        disc = kink = True
+        for _ in range(3):
+            nev = Evaluator(case.kernel, checker, sizes, Noise(rng, NOISE_SCALE))
+            with np.errstate(all="ignore"):
+                nouts = nev.run(inputs)
+            for n, v in outs.items():
+                d = np.abs(nouts[n] - v)
+                spread[n] = max(spread[n], float(np.nanmax(d, initial=0.0)) / NOISE_SCALE
+                                if np.all(np.isfinite(d)) else np.inf)
+            disc &= _same(ev.decisions, nev.decisions, ("disc",))
+            kink &= _same(ev.decisions, nev.decisions, ("kink",))
+        kink &= ev.ties == 0
+        ref = Reference(inputs, outs, spread, ev.decisions, disc, kink and disc, attempt)
+        if disc and kink:
+            return ref
+        if best is None or (disc and not best.disc_stable):
+            best = ref
+    if best is None:
+        raise ModelError("the reference is not finite for any sampled input")
+    return best
+
+
+# ---------------------------------------------------------------- the engine side
+class Runner:
+    """Runs cases on one wgpu device; a fresh engine after any failure, so no state leaks."""
+
+    def __init__(self, ctx=None, backward: bool = True):
+        from .. import WgpuContext
+        self.ctx = ctx if ctx is not None else WgpuContext.create()
+        self.backward = backward
+        self.engine = None
+        self._fresh_engine()
+
+    @property
+    def has_f16(self) -> bool:
+        return bool(self.ctx.has_f16)
+
+    def _fresh_engine(self):
+        from .. import ComputeEngine
+        self.engine = None
+        gc.collect()
+        self.engine = ComputeEngine(self.ctx)
+
+    def upload(self, arr, dtype):
+        return self.engine.tensor(np.ascontiguousarray(arr), dtype=dtype)
+
+    def run(self, case: Case) -> Result:
+        checker = check(case.kernel)            # the case must be well-typed by the fuzzer's model
+        ref = reference(case, checker)
+        src = kernel_text(case.kernel)
+        from .. import compile_source
+        try:
+            kernel = compile_source(src, FILENAME)[case.kernel.name]
+        except Exception as e:  # noqa: BLE001 - every exception is a verdict
+            return Result(case, classify(e), Outcome("n/a", "the forward did not compile"))
+        fwd, got = self.forward(case, kernel, ref)
+        if fwd.cls not in ("ok", "wrong", "skipped", "refused"):
+            self._fresh_engine()
+        bwd = self.backward_check(case, kernel, ref, got) if self.backward else Outcome("n/a", "--no-backward")
+        if bwd.cls not in ("ok", "wrong", "skipped", "n/a", "refused"):
+            self._fresh_engine()
+        return Result(case, fwd, bwd)
+
+    def _args(self, case: Case, ref: Reference) -> dict:
+        args = {}
+        for p in case.kernel.inputs:
+            v = ref.inputs[p.name]
+            args[p.name] = v if not p.shape else self.upload(v, p.dtype)
+        return args
+
+    def forward(self, case: Case, kernel, ref: Reference) -> tuple[Outcome, dict | None]:
+        try:
+            args = self._args(case, ref)
+            out = self.engine.run(kernel, bucket=case.bucket, dims=dict(case.sizes), **args)
+            got = {o.name: out[o.name].numpy() for o in case.kernel.outputs}
+        except Exception as e:  # noqa: BLE001
+            return classify(e), None
+        if not ref.disc_stable:
+            return Outcome("skipped", "inputs within rounding of a discontinuity"), got
+        return compare_outputs(case, ref, got), got
+
+    def backward_check(self, case: Case, kernel, ref: Reference, fwd_got: dict | None = None) -> Outcome:
+        """The saved forward outputs a backward reads are the engine's own forward results, as a user
+        passes them (a reduction max's gradient compares entries with the saved maximum bit for bit);
+        the reference's values stand in only where the forward did not run."""
+        k = case.kernel
+        wrt = [p.name for p in k.inputs if p.shape and p.dtype in FLOATS]
+        cots = [o.name for o in k.outputs if o.dtype in FLOATS]
+        if not wrt or not cots:
+            return Outcome("n/a", "no float input or no float output")
+        from .. import grad
+        rng = np.random.default_rng(case.data_seed + 1)
+        cot = {}
+        for o in k.outputs:
+            if o.name in cots:
+                shape = tuple(case_size(case, a) for a in o.shape)
+                cot[o.name] = rng.uniform(-1, 1, size=shape).astype(np.float32 if o.dtype == "f32" else np.float16)
+        try:
+            bwd = grad(kernel, wrt=wrt, cotangents=cots)
+            args = self._args(case, ref)
+            outputs = {o.name: o for o in k.outputs}
+            for name in bwd.inputs:
+                if name in outputs and name not in args:
+                    o = outputs[name]
+                    saved = fwd_got[name] if fwd_got is not None else ref.outputs[name].astype(_np_dtype(o.dtype))
+                    args[name] = self.upload(saved, o.dtype)
+            for name, v in cot.items():    # only the cotangents the backward reads (it refuses others)
+                if f"d_{name}" in bwd.inputs:
+                    args[f"d_{name}"] = self.upload(v, outputs[name].dtype)
+            res = self.engine.run(bwd, bucket=case.bucket, dims=dict(case.sizes), **args)
+            got = {name: res[f"d_{name}"].numpy() for name in wrt}
+        except Exception as e:  # noqa: BLE001
+            return classify(e)
+        if not ref.kink_stable:
+            return Outcome("skipped", "inputs within rounding of a kink or a max tie")
+        saved = [n for n in bwd.inputs if n in outputs and n not in {p.name for p in k.inputs}]
+        if fwd_got is None and saved and any(isinstance(n, Red) and n.fn == "max" for _, e in k.body for n in walk(e)):
+            # a max reduction's gradient compares entries with the saved maximum bit for bit: the
+            # reference's rounding of it is no stand-in for the engine's own forward result
+            return Outcome("skipped", f"the forward did not run and the backward reads saved {saved} of a max reduction")
+        return compare_gradients(case, ref, got, cot, rng)
+
+
+def _np_dtype(dtype):
+    return {"f32": np.float32, "f16": np.float16, "i32": np.int32, "u32": np.uint32}[dtype]
+
+
+def compare_outputs(case: Case, ref: Reference, got: dict) -> Outcome:
+    rtol = 3e-3 if case.kernel.uses_f16() else 1e-4
+    worst = (0.0, "")
+    for o in case.kernel.outputs:
+        want = ref.outputs[o.name]
+        g = np.asarray(got[o.name])
+        if g.shape != want.shape:
+            return Outcome("wrong", f"output {o.name}: shape {list(g.shape)}, expected {list(want.shape)}", np.inf)
+        if o.dtype in INTS:
+            bad = g.astype(np.int64) != want
+            if np.any(bad):
+                i = np.argwhere(bad)[0]
+                return Outcome("wrong", f"output {o.name} ({o.dtype}): {int(bad.sum())} of {bad.size} entries differ, "
+                               f"e.g. at {tuple(int(x) for x in i)} got {g[tuple(i)]} want {want[tuple(i)]}", np.inf)
+            continue
+        g = g.astype(np.float64)
+        if not np.all(np.isfinite(g)):
+            i = np.argwhere(~np.isfinite(g))[0]
+            return Outcome("wrong", f"output {o.name}: non-finite {g[tuple(i)]} at {tuple(int(x) for x in i)}, "
+                           f"want {want[tuple(i)]:.6g}", np.inf)
+        scale = float(np.abs(want).max(initial=0.0))
+        err = np.abs(g - want)
+        tol = rtol * scale + 8.0 * ref.spread[o.name] + 1e-6
+        emax = float(err.max(initial=0.0))
+        ratio = emax / tol
+        if ratio > worst[0]:
+            i = np.unravel_index(int(err.argmax()), err.shape) if err.size else ()
+            at = tuple(int(x) for x in i)
+            worst = (ratio, f"output {o.name}: max error {emax:.3g} (relative {emax / max(scale, 1e-30):.3g}) at {at}: "
+                            f"got {g[at]:.6g} want {want[at]:.6g}; tolerance {tol:.3g}")
+    if worst[0] > 1.0:
+        return Outcome("wrong", worst[1], worst[0])
+    return Outcome("ok", worst[1], worst[0])
+
+
+def compare_gradients(case: Case, ref: Reference, got: dict, cot: dict, rng) -> Outcome:
+    k = case.kernel
+    checker = check(k)
+    sizes = all_sizes(case)
+    f16 = k.uses_f16()
+    rel_spread = max((ref.spread[n] / max(float(np.abs(v).max(initial=0.0)), 1e-30)
+                      for n, v in ref.outputs.items() if n in cot), default=0.0)
+    btol = max(1.5e-2 if f16 else 1e-3, 100.0 * rel_spread)
+    cots = {n: v.astype(np.float64) for n, v in cot.items()}
+
+    def loss(inputs):
+        ev = Evaluator(k, checker, sizes)
+        with np.errstate(all="ignore"):
+            outs = ev.run(inputs)
+        return sum(float((outs[n] * c).sum()) for n, c in cots.items()), ev.decisions
+
+    base_inputs = {n: (v if np.isscalar(v) else np.asarray(v, dtype=np.float64)) for n, v in ref.inputs.items()}
+    worst = (0.0, "")
+    checked = skipped = 0
+    for name, g in got.items():
+        g = np.asarray(g, dtype=np.float64)
+        x = base_inputs[name]
+        if g.shape != x.shape:
+            return Outcome("wrong", f"d_{name}: shape {list(g.shape)}, expected {list(x.shape)}", np.inf)
+        if not np.all(np.isfinite(g)):
+            return Outcome("wrong", f"d_{name}: non-finite entries", np.inf)
+        gnorm = float(np.sqrt((g * g).sum()))
+        for _ in range(DIRECTIONS):
+            v = rng.standard_normal(x.shape)
+            plus, minus = dict(base_inputs), dict(base_inputs)
+            plus[name] = x + FD_STEP * v
+            minus[name] = x - FD_STEP * v
+            lp, dp = loss(plus)
+            lm, dm = loss(minus)
+            if not (_same(ref.decisions, dp, ("disc", "kink")) and _same(ref.decisions, dm, ("disc", "kink"))):
+                skipped += 1
+                continue
+            checked += 1
+            fd = (lp - lm) / (2 * FD_STEP)
+            an = float((g * v).sum())
+            scale = max(gnorm, abs(fd))
+            err = abs(an - fd)
+            ratio = 0.0 if scale < 1e-9 and err < 1e-9 else err / (btol * max(scale, 1e-30))
+            if ratio > worst[0]:
+                worst = (ratio, f"d_{name}: <grad, v> = {an:.6g} but finite differences give {fd:.6g} "
+                                f"(|grad| {gnorm:.4g}, error {err / max(scale, 1e-30):.3g} relative, tolerance {btol:.3g})")
+    if checked == 0:
+        return Outcome("skipped", f"every direction crosses a kink ({skipped} skipped)")
+    if worst[0] > 1.0:
+        return Outcome("wrong", worst[1], worst[0])
+    return Outcome("ok", worst[1], worst[0])

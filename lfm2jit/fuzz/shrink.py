@@ -1,0 +1,219 @@
+"""A greedy delta-debugging shrinker over the fuzzer's expression tree.
+
+Each step tries smaller variants of a failing case (drop a statement or an output, replace a
+subexpression by one of its children or by a leaf, inline a temporary, drop an unused parameter,
+make an axis smaller, use the smaller bucket) and keeps the first that still fails the same way
+(same side, same class and, for exceptions, the same normalised message). Variants that the
+fuzzer's own type rules reject are never run.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Callable
+
+from .expr import (INTS, Checker, Expr, Fn, KernelDef, ModelError, Num, Param, Ref, children, walk,
+                   with_children)
+from .generate import Case
+from .run import Result, Runner
+
+
+def same_failure(side: str, cls: str, cause: str) -> Callable[[Result], bool]:
+    def pred(r: Result) -> bool:
+        o = r.forward if side == "forward" else r.backward
+        return o.cls == cls and (cls == "wrong" or o.cause() == cause)
+    return pred
+
+
+def failure_of(r: Result) -> tuple[str, str, str] | None:
+    for side, o in (("forward", r.forward), ("backward", r.backward)):
+        if o.failing:
+            return side, o.cls, o.cause()
+    return None
+
+
+def _paths(e: Expr, prefix=()):
+    yield prefix, e
+    for i, c in enumerate(children(e)):
+        yield from _paths(c, prefix + (i,))
+
+
+def _replace(e: Expr, path, new: Expr) -> Expr:
+    if not path:
+        return new
+    kids = list(children(e))
+    kids[path[0]] = _replace(kids[path[0]], path[1:], new)
+    return with_children(e, tuple(kids))
+
+
+def _clone(case: Case, kernel: KernelDef | None = None, sizes=None, bucket=None) -> Case:
+    k = kernel if kernel is not None else copy.deepcopy(case.kernel)
+    return Case(k, dict(sizes if sizes is not None else case.sizes), bucket or case.bucket, case.seed,
+                case.data_seed, case.note, dict(case.meta))
+
+
+def _well_typed(k: KernelDef) -> bool:
+    try:
+        Checker(k).check()
+        return True
+    except (ModelError, KeyError):
+        return False
+
+
+def prune(k: KernelDef) -> KernelDef:
+    """Drop inputs nobody reads (in-place parameters stay)."""
+    used = {n.name for _, e in k.body for n in walk(e) if isinstance(n, Ref)}
+    keep = [p for p in k.inputs if p.name in used or p.name in k.inplace]
+    return KernelDef(k.name, keep, list(k.outputs), list(k.body))
+
+
+def variants(case: Case):
+    k = case.kernel
+    outs = {o.name for o in k.outputs}
+    # 1. drop a statement (a temporary, or an output with its declaration)
+    for i, (t, _) in enumerate(k.body):
+        body = k.body[:i] + k.body[i + 1:]
+        if t in outs:
+            if len(k.outputs) == 1:
+                continue
+            yield KernelDef(k.name, list(k.inputs), [o for o in k.outputs if o.name != t], body)
+        else:
+            yield KernelDef(k.name, list(k.inputs), list(k.outputs), body)
+    # 2. inline a temporary into its uses
+    for i, (t, e) in enumerate(k.body):
+        if t in outs:
+            continue
+        rest = []
+        for t2, e2 in k.body[i + 1:]:
+            rest.append((t2, _subst(e2, t, e)))
+        yield KernelDef(k.name, list(k.inputs), list(k.outputs), k.body[:i] + rest)
+    # 3. replace subexpressions: by a child, by a literal, by a parameter of the same type
+    types = None
+    try:
+        types = Checker(k)
+        types.check()
+    except ModelError:
+        return
+    for i, (t, e) in enumerate(k.body):
+        for path, node in _paths(e):
+            kids = children(node)
+            for c in kids:
+                yield _with_stmt(k, i, _replace(e, path, c))
+            if isinstance(node, (Num, Ref)):
+                continue
+            ty = types.types.get(node)
+            if ty is None:
+                continue
+            if not ty.shape:
+                lit = Num(1.0, "1") if ty.dtype in INTS else Num(0.5, "0.5")
+                yield _with_stmt(k, i, _replace(e, path, lit))
+                if ty.dtype == "f32":
+                    yield _with_stmt(k, i, _replace(e, path, Fn("f32", (Num(1.0, "1"),))))
+            for p in k.inputs:
+                if p.shape == ty.shape and p.dtype == ty.dtype and p.name not in k.inplace:
+                    yield _with_stmt(k, i, _replace(e, path, Ref(p.name)))
+            if ty.shape and ty.dtype != "float":
+                name = _fresh(k, "z")
+                k2 = _with_stmt(k, i, _replace(e, path, Ref(name)))
+                k2.inputs = k2.inputs + [Param(name, ty.dtype, ty.shape)]
+                yield k2
+    # 4. drop an axis from an input (every use must still type)
+    for j, p in enumerate(k.inputs):
+        for a in p.shape:
+            q = Param(p.name, p.dtype, tuple(x for x in p.shape if x != a))
+            if not q.shape:
+                continue
+            yield KernelDef(k.name, k.inputs[:j] + [q] + k.inputs[j + 1:], list(k.outputs), list(k.body))
+    # 5. drop an axis from an output
+    for j, o in enumerate(k.outputs):
+        for a in o.shape:
+            q = Param(o.name, o.dtype, tuple(x for x in o.shape if x != a))
+            if q.shape:
+                yield KernelDef(k.name, list(k.inputs), k.outputs[:j] + [q] + k.outputs[j + 1:], list(k.body))
+
+
+def _fresh(k: KernelDef, stem: str) -> str:
+    names = {p.name for p in k.inputs} | {t for t, _ in k.body}
+    i = 0
+    while f"{stem}{i}" in names:
+        i += 1
+    return f"{stem}{i}"
+
+
+def _with_stmt(k: KernelDef, i: int, e: Expr) -> KernelDef:
+    body = list(k.body)
+    body[i] = (body[i][0], e)
+    return KernelDef(k.name, list(k.inputs), list(k.outputs), body)
+
+
+def _subst(e: Expr, name: str, value: Expr) -> Expr:
+    if isinstance(e, Ref) and e.name == name:
+        return value
+    kids = children(e)
+    return with_children(e, tuple(_subst(c, name, value) for c in kids)) if kids else e
+
+
+def size_variants(case: Case):
+    if case.bucket == 8:
+        T = case.sizes.get("T")
+        if T is None or T % 4:
+            yield _clone(case, bucket=4)
+    for a, n in case.sizes.items():
+        for m in range(1, n):
+            if a == "T" and m % case.bucket == 0:
+                continue
+            s = dict(case.sizes)
+            s[a] = m
+            yield _clone(case, sizes=s)
+
+
+def _complexity(case: Case) -> tuple:
+    k = case.kernel
+    nodes = sum(1 for _, e in k.body for _ in walk(e))
+    return (len(k.body) + len(k.outputs), nodes, len(k.inputs), sum(case.sizes.values()))
+
+
+def shrink(case: Case, runner: Runner, pred: Callable[[Result], bool], budget: int = 600,
+           log: Callable[[str], None] | None = None) -> Case:
+    """The smallest variant of ``case`` found within ``budget`` runs for which ``pred`` holds."""
+    runs = 0
+
+    def fails(c: Case) -> bool:
+        nonlocal runs
+        runs += 1
+        try:
+            return pred(runner.run(c))
+        except ModelError:
+            return False
+
+    best = _clone(case, prune(case.kernel))
+    if not fails(best):
+        best = case
+    improved = True
+    while improved and runs < budget:
+        improved = False
+        for k2 in variants(best):
+            if runs >= budget:
+                break
+            k2 = prune(k2)
+            if not _well_typed(k2):
+                continue
+            cand = _clone(best, k2, sizes={a: n for a, n in best.sizes.items() if a in k2.axes()})
+            if _complexity(cand) >= _complexity(best):
+                continue
+            if fails(cand):
+                best = cand
+                improved = True
+                if log:
+                    log(f"  shrunk to {_complexity(best)} after {runs} runs")
+                break
+        if improved:
+            continue
+        for cand in size_variants(best):
+            if runs >= budget:
+                break
+            if fails(cand):
+                best = cand
+                improved = True
+                break
+    return best
+
