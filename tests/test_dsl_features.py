@@ -94,3 +94,18 @@ def test_rmsnorm_eps_defaults_to_lfm2s(engine, rng):
 ])
 def test_feature_errors_are_located(text, line, col, token, message, expected):
     assert_dsl_error(text, line, col, token, message, expected)
+
+
+@pytest.mark.parametrize("body,ref", [
+    ("p = p[T - 1, :] + p", lambda p: np.concatenate([np.zeros((1, 4)), p[:-1]]) + p),      # reads another row
+    ("p = p - mean(p, D)", lambda p: p - p.mean(1, keepdims=True)),                        # a reduction
+    ("p = p * sum(p * p, T)", lambda p: p * (p * p).sum(0)),                               # over T: two parts
+    ("p = p * 2.0 + 1.0", lambda p: 2 * p + 1),                                            # one pass, no copy
+])
+def test_in_place_updates_read_the_old_values(engine, rng, body, ref):
+    k = one(f"kernel k(p: f32[T, D]) -> (p: f32[T, D]) {{ {body} }}")
+    p0 = rng.standard_normal((6, 4)).astype(np.float32)
+    p = engine.tensor(p0)
+    out = engine.run(k, bucket=4, p=p)["p"]
+    assert out is p and rel_err(p.numpy(), ref(p0.astype(np.float64))) < TOL
+    assert (len(k.kernels) == 1) == (body == "p = p * 2.0 + 1.0")

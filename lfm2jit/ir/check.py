@@ -279,9 +279,9 @@ class _Builder:
             values = [self.expr(a) for a in args[:-1]]
             axis = self.axis_name(args[-1], count=len(values))
             dtype = values[0].dtype
-            for v, a in zip(values[1:], args[1:-1]):
-                dtype = self.unify_dtype(a.loc, "stack", self.node(Op.CONST, (), (), dtype, 0.0), v) \
-                    if dtype == ABSTRACT else self.unify_dtype(a.loc, "stack", values[0], v)
+            for v, a in zip(values[1:], args[1:-1]):     # unify with the dtype of the values so far
+                dtype = self.unify_dtype(a.loc, "stack", self.node(Op.CONST, (), (), dtype, 0.0), v)
+            values = [self.adopt(a.loc, v, dtype) for v, a in zip(values, args)]
             base = self.broadcast(e.loc, "stack", *values)
             if axis in base:
                 raise self.error(args[-1].loc, f"stack() axis {axis} is already an axis of the values", "a new axis")

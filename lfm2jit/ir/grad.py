@@ -14,7 +14,7 @@ from ..dsl.errors import DslError
 from . import intrinsics
 from .graph import GraphBuilder
 from .nodes import ABSTRACT, KernelIR, Node, TensorArg, substitute, toposort
-from .ops import FLOAT_DTYPES, Op
+from .ops import FLOAT_DTYPES, REDUCE, Op
 
 
 Rule = Callable[[GraphBuilder, Node, Node], list]
@@ -69,8 +69,9 @@ RULES: dict[Op, Rule] = {
     # taking entry i of an axis puts the adjoint back at entry i, zero elsewhere, and vice versa
     Op.TAKE: lambda b, n, g: [b.node(Op.EMBED, (g,), _with_axis(n.srcs[0].shape, g.shape, n.arg[0]), g.dtype, n.arg)],
     Op.EMBED: lambda b, n, g: [b.node(Op.TAKE, (g,), tuple(a for a in g.shape if a != n.arg[0]), g.dtype, n.arg)],
-    # a sum broadcasts its adjoint back over the reduced axis (named broadcasting does it)
-    Op.SUM: lambda b, n, g: [g],
+    # a sum repeats its adjoint over the reduced axis (explicitly: an operand of the sum that lacks
+    # the axis must collect the adjoint once per entry, sum(z + x, M) gives z |M| times)
+    Op.SUM: lambda b, n, g: [b.broadcast(g, b.layout(g.shape, n.srcs[0].shape))],
     # max: the adjoint goes to the entries equal to the maximum
     Op.RMAX: lambda b, n, g: [b.mul(g, b.sub(b.const(1), b.binary(Op.LT, n.srcs[0], n)))],
 }
@@ -177,7 +178,9 @@ def grad_ir(ir: KernelIR, wrt: list[str] | None = None, cotangents: list[str] | 
             rule = RULES.get(node.op)
             if rule is None:
                 raise AutodiffError(ir, f"{ir.name}: no gradient rule for {node.op.name}", "a differentiable op")
+            b.order = node.srcs[0].shape if node.op in REDUCE else node.shape
             src_adjoints = rule(b, node, g)
+            b.order = None
         for src, adj in zip(node.srcs, src_adjoints):
             if adj is not None and src.op not in (Op.CONST, Op.DIMSIZE, Op.SCALAR):
                 adjoints.setdefault(id(src), []).append(adj)
@@ -195,10 +198,12 @@ def grad_ir(ir: KernelIR, wrt: list[str] | None = None, cotangents: list[str] | 
         grad_outputs.append(TensorArg(f"d_{name}", t.dtype, t.shape, t.optional))
 
     # Reuse forward outputs the backward needs instead of recomputing them (saved values). An output
-    # declared wider than its value (z = exp(w) stored as [T, D]) cannot stand in for the narrower node.
+    # declared wider than its value (z = exp(w) stored as [T, D]) cannot stand in for the narrower node,
+    # nor can a maximum stored as f16: its rule compares entries with it, and rounding breaks the ties.
     saved = {id(ir.results[o]): b.node(Op.INPUT, (), outputs[o].shape, outputs[o].dtype, o)
              for o in outputs if ir.results[o].op not in (Op.INPUT, Op.CAST)
-             and ir.results[o].shape == outputs[o].shape}
+             and ir.results[o].shape == outputs[o].shape
+             and not (ir.results[o].op == Op.RMAX and outputs[o].dtype == "f16")}
     results = substitute(results, saved)
     used = {n.arg for n in toposort(results.values()) if n.op == Op.INPUT}
     scalars_used = {n.arg for n in toposort(results.values()) if n.op == Op.SCALAR}

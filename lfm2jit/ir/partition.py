@@ -21,7 +21,6 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, replace
 
-from ..dsl.errors import DslError
 from .nodes import ABSTRACT, SEQ_AXIS, KernelIR, Node, Structure, TensorArg, substitute, toposort
 from .ops import MOVING, REDUCE, Op
 
@@ -98,9 +97,9 @@ class _Planner:
         self.ir = ir
         self.users = use_counts(ir.results.values())
 
-    def plan(self, root: Node, shape: tuple[str, ...]) -> tuple[Structure, dict[int, Node]]:
-        """The root's structure and the nodes cut from its graph (by id)."""
-        cut: dict[int, Node] = {}
+    def plan(self, root: Node, shape: tuple[str, ...], seed=()) -> tuple[Structure, dict[int, Node]]:
+        """The root's structure and the nodes cut from its graph (by id), starting from ``seed``."""
+        cut: dict[int, Node] = {id(n): n for n in seed if n is not root}
         while True:
             structure, more = self.classify(root, shape, set(cut))
             if not more:
@@ -142,6 +141,11 @@ class _Planner:
                 moved += [h for h in toposort([m.srcs[0]], stop=cut) if id(h) in head_ids and axis in h.shape]
         if moved:
             return None, moved
+        # a reduction whose result has an axis the output lacks (one an inline loop or a fixed index
+        # removes later) would be needed once per entry of that axis: compute it beforehand
+        wide = [h for h in heads if not set(h.shape) <= set(shape)]
+        if wide:
+            return None, wide
         top = _reachable(root, head_ids, cut)
         sets = [frozenset(chains[id(h)][0]) for h in top]
         fitting = next((s for s in sets if _fits(s, shape)), None)
@@ -210,7 +214,42 @@ def _merge_key(r: _Root):
 
 
 def partition(ir: KernelIR) -> Partition:
-    """The parts ``ir`` runs as, in dispatch order (one part, ``ir`` itself, when it needs one)."""
+    """The parts ``ir`` runs as, in dispatch order (one part, ``ir`` itself, when it needs one).
+
+    A kernel that updates a tensor in place is one elementwise pass when it reads that tensor only
+    at the element it writes; otherwise (another element, or several parts) the old values are
+    copied to a temporary first, which every part reads instead."""
+    split = _partition(ir)
+    if ir.inouts and (len(split.parts) > 1 or split.parts[0].structure.kind != "pointwise"
+                      or any(_read_elsewhere(ir, name) for name in ir.inouts)):
+        return _partition(ir, [n for n in toposort(ir.results.values()) if n.op == Op.INPUT and n.arg in ir.inouts])
+    return split
+
+
+def _read_elsewhere(ir: KernelIR, name: str) -> bool:
+    """Whether an element of input ``name`` is read by an invocation that writes another one:
+    under a shift, a window, a flip or a fixed index along one of its axes, or inside a reduction
+    over one of them."""
+    seen: set[tuple[int, frozenset]] = set()
+    stack = [(n, frozenset()) for n in ir.results.values()]
+    while stack:
+        n, moved = stack.pop()
+        if (id(n), moved) in seen:
+            continue
+        seen.add((id(n), moved))
+        if n.op == Op.INPUT and n.arg == name and moved & set(n.shape):
+            return True
+        if n.op in (Op.SHIFT, Op.TAKE, Op.WINDOW):
+            moved = moved | {n.arg[0]}
+        elif n.op in REDUCE or n.op == Op.FLIP:
+            moved = moved | {n.arg}
+        elif n.op == Op.GATHER:
+            moved = moved | {n.srcs[0].shape[0]}
+        stack.extend((s, moved) for s in n.srcs)
+    return False
+
+
+def _partition(ir: KernelIR, protected=()) -> Partition:
     planner = _Planner(ir)
     taken = {t.name for t in ir.inputs + ir.outputs} | set(ir.scalars)
     fresh = (f"tmp{i}" for i in itertools.count() if f"tmp{i}" not in taken)
@@ -219,7 +258,8 @@ def partition(ir: KernelIR) -> Partition:
     todo = [(o.name, ir.results[o.name], o.shape, o.dtype) for o in ir.outputs]
     while todo:
         name, node, shape, dtype = todo.pop(0)
-        structure, cut = planner.plan(node, shape)
+        graph = {id(n) for n in toposort([node])}
+        structure, cut = planner.plan(node, shape, [n for n in protected if id(n) in graph])
         roots.append(_Root(name, node, shape, dtype, structure, cut))
         for n in cut.values():
             if id(n) not in temp_names:
@@ -236,11 +276,6 @@ def partition(ir: KernelIR) -> Partition:
     position = {r.name: i for i, r in enumerate(roots)}      # outputs first, in declared order
     ordered = sorted(groups.items(), key=lambda kv: (kv[0][0], min(position[m.name] for m in kv[1])))
     parts = [_part(ir, members, writer) for _, members in ordered]
-    if ir.inouts and len(parts) > 1:
-        raise DslError(f"kernel {ir.name!r} updates {', '.join(ir.inouts)} in place but needs {len(parts)} dispatches "
-                       f"({', '.join(p.structure.kind for p in parts)})", filename=ir.filename, line=ir.line,
-                       column=1, source=ir.source or None,
-                       expected="an in-place kernel that is one elementwise pass (compute reductions in another kernel)")
     temps = tuple(TensorArg(r.name, r.dtype, r.shape) for r in roots[len(ir.outputs):])
     if len(parts) == 1:                  # one part after all (outputs merged): it keeps the kernel's name
         parts = [replace(parts[0], name=ir.name)]
@@ -282,4 +317,4 @@ def _part(ir: KernelIR, members: list[_Root], writer: dict[int, _Root]) -> Kerne
     name = ir.name + "_" + "_".join(r.name for r in members)
     return replace(ir, name=name, inputs=inputs, scalars=tuple(s for s in ir.scalars if s in used),
                    outputs=outputs, results=results, structure=members[0].structure,
-                   inouts=tuple(n for n in ir.inouts if n in results))
+                   inouts=tuple(n for n in ir.inouts if n in results and n in used))

@@ -76,9 +76,12 @@ def _phases(ir: KernelIR, sizes, axes: tuple[str, ...], index_of: dict):
     lower = Lowerer(sizes, index_of)
     bound: dict[int, str] = {}
 
-    def outer(n: Node) -> bool:      # computable once: no reduced axis, every reduction under it done
-        return not set(axes) & set(n.shape) and (n.op not in REDUCE or is_inline(n)) and \
-            all(id(s) in bound or s.op in (Op.CONST, Op.DIMSIZE) or outer(s) for s in n.srcs)
+    def outer(n: Node, reduced=frozenset(axes)) -> bool:
+        """Computable once, outside the loops: no reduced axis, every reduction under it done. A
+        fixed index (x[:, 0] of a reduced axis) pins the axis for what it reads."""
+        inner = reduced - {n.arg[0]} if n.op == Op.TAKE else reduced
+        return not reduced & set(n.shape) and (n.op not in REDUCE or is_inline(n)) and \
+            all(id(s) in bound or s.op in (Op.CONST, Op.DIMSIZE) or outer(s, inner) for s in n.srcs)
 
     def outer_lets():   # values over the kernel's own axes (those inside an inline loop stay there)
         todo = [n for n in order if id(n) not in bound and n.op not in (Op.CONST, Op.DIMSIZE)
