@@ -154,6 +154,8 @@ def evaluate(ir: KernelIR, inputs: dict[str, np.ndarray], scalars: dict[str, flo
             x = align(values[id(src)], src.shape, order, sizes)
             v = (np.sum if op == Op.SUM else np.max)(x, axis=-1)
             v = align(v, order[:-1], shape, sizes)
+        elif op == Op.MATERIALIZE:      # the source, stored
+            v = get(node.srcs[0], shape)
         elif op == Op.BROADCAST:        # the source repeated over the axes it lacks
             v = get(node.srcs[0], shape)
         elif op == Op.INDEX:

@@ -103,6 +103,9 @@ CASES = [
     Case("mean", "kernel k(a: f32[T, D]) -> (y: f32[T]) { y = mean(a * a, D) }", {"a": normal(T, D)}),
     Case("sum_t", f"kernel k({TD}) -> (y: f32[D]) {{ y = sum(a * b, T) }}", {"a": normal(T, D), "b": normal(T, D)}),
     Case("rmax", "kernel k(a: f32[T, D]) -> (y: f32[T]) { y = max(a, D) }", {"a": normal(T, D)}),
+    # the max of an expression: its gradient compares the stored (MATERIALIZE) entries with their max
+    Case("rmax_of_expression", "kernel k(a: f32[T, D]) -> (y: f32[T]) { y = max(sin(a) * a, D) }",
+         {"a": normal(T, D)}),
     Case("softmax", "kernel k(x: f32[T, D]) -> (y: f32[T, D]) "
          "{ m = max(x, D)\n e = exp(x - m)\n y = e / sum(e, D) }", {"x": normal(T, D)}),
     Case("broadcast_w", "kernel k(a: f32[T, D], w: f32[D]) -> (y: f32[T, D]) { y = a * w }",
@@ -232,8 +235,24 @@ def test_second_order_through_an_explicit_broadcast():
         assert err < TOL, f"second order d_{name}: rel err {err:.3g}"
 
 
+RMAX_OF_EXPRESSION = next(c for c in CASES if c.id == "rmax_of_expression")
+
+
+def test_second_order_through_a_materialized_maximum():
+    """Differentiating the backward of max(sin(a) * a, D) again passes through MATERIALIZE."""
+    r = np.random.default_rng(8)
+    bwd = grad_ir(RMAX_OF_EXPRESSION.kernel())
+    assert Op.MATERIALIZE in _ops(bwd)
+    inputs = {"a": r.standard_normal((T, D)), "d_y": r.standard_normal(T)}
+    cot = {"d_a": r.standard_normal((T, D))}
+    grads = evaluate(grad_ir(bwd, ["d_y"]), {**inputs, "d_d_a": cot["d_a"]}, {}, {})
+    err = rel_err(grads["d_d_y"], _fd_grad(bwd, inputs, {}, cot, "d_y"))
+    assert err < TOL, f"second order d_d_y: rel err {err:.3g}"
+
+
 def test_every_rule_is_exercised():
-    seen = set().union(*(_ops(c.kernel()) for c in CASES), _ops(grad_ir(SHIFT_OF_SUM.kernel())))
+    seen = set().union(*(_ops(c.kernel()) for c in CASES), _ops(grad_ir(SHIFT_OF_SUM.kernel())),
+                       _ops(grad_ir(RMAX_OF_EXPRESSION.kernel())))
     missing = sorted(op.name for op in RULES if op not in seen)
     assert not missing, f"no finite-difference case uses {missing}"
 

@@ -694,6 +694,9 @@ EPS = {"f32": 2.0**-23, "f16": 2.0**-11, ABSTRACT: 2.0**-23}
 TRANSCENDENTAL = {"exp", "log", "sqrt", "rsqrt", "sigmoid", "silu", "tanh", "recip", "cos", "sin", "**"}
 
 
+NEAR = 64 * 2.0 ** -23     # comparison operands closer than this (relative) are a decision f32 may flip
+
+
 @dataclass
 class Noise:
     """Relative perturbations of every rounding op, keyed by the node's structure (so a subtree
@@ -748,6 +751,7 @@ class Evaluator:
         self.noise = noise
         self.decisions: dict = {}
         self.ties = 0
+        self.near = 0            # float comparisons whose operands sit within rounding of each other
         self.memo: dict = {}
 
     # -- helpers
@@ -824,6 +828,9 @@ class Evaluator:
             r = (x < y) if op == "<" else (x > y) if op == ">" else (x == y)
             if not is_int:
                 self.record("disc", e, np.broadcast_to(r, tuple(self.sizes[a] for a in shape)))
+                # a random perturbation may miss a decision this close; an f32 computation may not
+                gap = np.abs(x - y) <= NEAR * np.maximum(np.abs(x), np.abs(y))
+                self.near += int(np.count_nonzero(gap & (x != y)))
             return r.astype(np.int64 if is_int else np.float64)
         elif op in ("max", "min"):
             if not is_int:

@@ -216,6 +216,7 @@ def reference(case: Case, checker: Checker, tries: int = 8) -> Reference:
             disc &= _same(ev.decisions, nev.decisions, ("disc",))
             kink &= _same(ev.decisions, nev.decisions, ("kink",))
         kink &= ev.ties == 0
+        disc &= ev.near == 0
         ref = Reference(inputs, outs, spread, ev.decisions, disc, kink and disc, attempt)
         if disc and kink:
             return ref

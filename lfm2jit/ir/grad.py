@@ -73,7 +73,8 @@ RULES: dict[Op, Rule] = {
     # the axis must collect the adjoint once per entry, sum(z + x, M) gives z |M| times)
     Op.SUM: lambda b, n, g: [b.broadcast(g, b.layout(g.shape, n.srcs[0].shape))],
     # max: the adjoint goes to the entries equal to the maximum
-    Op.RMAX: lambda b, n, g: [b.mul(g, b.sub(b.const(1), b.binary(Op.LT, n.srcs[0], n)))],
+    Op.RMAX: lambda b, n, g: [_max_back(b, n, g)],
+    Op.MATERIALIZE: lambda b, n, g: [g],
 }
 
 
@@ -94,6 +95,17 @@ def _with(b: GraphBuilder, g: Node, shape: tuple[str, ...], axis: str) -> Node:
 def _shift(b: GraphBuilder, g: Node, src_shape: tuple[str, ...], axis: str, offset: int) -> Node:
     g = _with(b, g, src_shape, axis)
     return b.node(Op.SHIFT, (g,), g.shape, g.dtype, (axis, offset))
+
+
+def _max_back(b: GraphBuilder, n: Node, g: Node) -> Node:
+    """g where the entry equals the maximum. An entry computed by an expression is compared with a
+    maximum of the same stored values: recomputed separately, the two could differ in the last bit
+    (WGSL does not promise one result for sin or exp in two shaders) and drop the gradient."""
+    src = n.srcs[0]
+    if src.op != Op.INPUT:
+        src = b.node(Op.MATERIALIZE, (src,), src.shape, src.dtype)
+        n = b.node(Op.RMAX, (src,), n.shape, n.dtype, n.arg)
+    return b.mul(g, b.sub(b.const(1), b.binary(Op.LT, src, n)))
 
 
 def _flip(b: GraphBuilder, g: Node, axis: str) -> Node:
@@ -198,12 +210,10 @@ def grad_ir(ir: KernelIR, wrt: list[str] | None = None, cotangents: list[str] | 
         grad_outputs.append(TensorArg(f"d_{name}", t.dtype, t.shape, t.optional))
 
     # Reuse forward outputs the backward needs instead of recomputing them (saved values). An output
-    # declared wider than its value (z = exp(w) stored as [T, D]) cannot stand in for the narrower node,
-    # nor can a maximum stored as f16: its rule compares entries with it, and rounding breaks the ties.
+    # declared wider than its value (z = exp(w) stored as [T, D]) cannot stand in for the narrower node.
     saved = {id(ir.results[o]): b.node(Op.INPUT, (), outputs[o].shape, outputs[o].dtype, o)
              for o in outputs if ir.results[o].op not in (Op.INPUT, Op.CAST)
-             and ir.results[o].shape == outputs[o].shape
-             and not (ir.results[o].op == Op.RMAX and outputs[o].dtype == "f16")}
+             and ir.results[o].shape == outputs[o].shape}
     results = substitute(results, saved)
     used = {n.arg for n in toposort(results.values()) if n.op == Op.INPUT}
     scalars_used = {n.arg for n in toposort(results.values()) if n.op == Op.SCALAR}

@@ -33,6 +33,10 @@ class Op(Enum):
     # BROADCAST repeats its source over the axes of its shape it lacks (named broadcasting does
     # this implicitly; autodiff makes it explicit where an op must see the axis, e.g. a SHIFT)
     BROADCAST = auto()
+    # MATERIALIZE is its source, stored to memory before use: every reader then sees the same bits
+    # (a maximum's gradient compares entries with the maximum; recomputing them in two kernels may
+    # round differently)
+    MATERIALIZE = auto()
     # a hand-tuned template (attention, ...): arg = intrinsic name; PROJ picks output arg of it
     INTRINSIC = auto(); PROJ = auto()  # noqa: E702
 

@@ -113,6 +113,9 @@ class _Planner:
         projs = [n for n in group if n.op == Op.PROJ]
         if projs:                                    # an intrinsic's result used in an expression
             return None, projs
+        stored = [n for n in group if n.op == Op.MATERIALIZE and n is not root]
+        if stored:                                   # values every reader must see with the same bits
+            return None, stored
         top = root.srcs[0] if root.op == Op.CAST and root.srcs[0].op == Op.SUM else root
         axes = gemm_axes(top, shape)
         if axes is not None:

@@ -80,11 +80,11 @@ class Lowerer:
             if n.op in REDUCE:         # a reduction the planner did not schedule: each invocation loops
                 self.fold(n, bound, lets)
                 continue
-            if n.op == Op.BROADCAST and n.srcs[0].op not in (Op.CONST, Op.DIMSIZE):
-                self.bind(bound, n, bound[id(n.srcs[0])])    # the source's value, repeated
+            if n.op in (Op.BROADCAST, Op.MATERIALIZE) and n.srcs[0].op not in (Op.CONST, Op.DIMSIZE):
+                self.bind(bound, n, bound[id(n.srcs[0])])    # the source's value (repeated, or stored)
                 continue
             ctype = COMPUTE_TYPE[n.dtype]
-            if n.op == Op.BROADCAST:
+            if n.op in (Op.BROADCAST, Op.MATERIALIZE):
                 value = self.ref(n.srcs[0], ctype, bound)
             elif n.op in INDEXING:
                 value = self.indexing(n, ctype, bound, lets)
