@@ -46,7 +46,6 @@ class ComputeEngine(Recorder):
         self.stats = CacheStats()
         self.disk = WgslDiskCache(opts.cache_dir) if opts.cache_dir else None
         self.dump_dir = opts.dump_dir
-        self._specs: dict[str, KernelSpec] = {}
         self.tuner = Tuner(self) if opts.autotune else None
 
     # ---- compilation ----
@@ -57,8 +56,7 @@ class ComputeEngine(Recorder):
         if tiles is None and self.tuner is not None:    # stays None where the template has no candidates
             tiles = self.tuner.tiles(kernel, dims, bucket, accumulate)
         spec = kernel.specialize(dims, bucket, accumulate, tiles)
-        probe = Shader(spec.kernel, spec.key, "", (), ())
-        compiled = self.pipeline(probe)
+        compiled = self.pipeline(spec.key)
         if compiled is not None:
             self.stats.hits += 1
             return CompiledKernel(spec, compiled)

@@ -110,9 +110,9 @@ class Recorder:
         ctx.register(self)
 
     # ---- pipelines ----
-    def pipeline(self, shader: Shader) -> Compiled | None:
-        """The pipelines made for this shader before, or None."""
-        return self._pipelines.get((shader.key, self.ctx.name))
+    def pipeline(self, key: str) -> Compiled | None:
+        """The pipelines made before for the shader with this key, or None."""
+        return self._pipelines.get((key, self.ctx.name))
 
     def build(self, shader: Shader) -> Compiled:
         try:
