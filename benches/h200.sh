@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# On the lent H200 (device tool), from the repository root, with the GPU kit carried:
+#   bash benches/h200.sh tests            the whole test suite on the H200's Vulkan adapter (f16 and
+#                                         every GPU path; the wheel tests are left out: the machine
+#                                         has no index to build a wheel from) -> $OUT/h200_tests.log
+#   bash benches/h200.sh speed [BASE]     benches/side_by_side.py fp32, lfm2jit and PyTorch in one run
+#                                         -> $OUT/h200_sbs_f32.json; with BASE (an older checkout) its
+#                                         lfm2jit side right after -> $OUT/h200_sbs_f32_base.json
+set -uo pipefail
+source .gpu-kit/env.sh
+export LFM2JIT_ADAPTER=H200 PYTHONUNBUFFERED=1
+python3 -c 'import wgpu; print([a.summary for a in wgpu.gpu.enumerate_adapters_sync()])'
+start=$(date +%s)
+case "${1:-}" in
+tests)
+    python3 -m pytest -q -p no:cacheprovider --deselect tests/test_packaging.py 2>&1 | tee "$OUT/h200_tests.log" | tail -5
+    ;;
+speed)
+    python3 benches/side_by_side.py --steps 3 --json "$OUT/h200_sbs_f32.json" 2>&1 | tail -12
+    if [ -n "${2:-}" ]; then
+        (cd "$2" && python3 benches/side_by_side.py --steps 3 --skip-torch --json "$OUT/h200_sbs_f32_base.json" \
+            2>&1 | tail -8)
+    fi
+    ;;
+*)
+    echo "usage: bash benches/h200.sh tests | speed [BASE]" >&2; exit 2 ;;
+esac
+echo "took $(( $(date +%s) - start )) s"
