@@ -521,7 +521,7 @@ def train_bench(ctx, cfg, shapes, steps: int = 3, warmup: int = 1, seed: int = 0
     opt = AdamW(lr=1e-4, weight_decay=0.01)
     rng = np.random.default_rng(seed + 1)
     lines: list[Line] = []
-    meta = {"adapter": ctx.name, "n_params": n_params, "param_bytes": param_bytes, "model_init_s": init_s,
+    meta = {"adapter": ctx.name, "webgpu": ctx.implementation, "n_params": n_params, "param_bytes": param_bytes, "model_init_s": init_s,
             "config": cfg.to_dict(), "clip_grad_norm": clip, "activation_dtype": activation_dtype, "replay": replay,
             "recompute_mlp": recompute_mlp}
     log(f"# model: {n_params / 1e6:.1f}M parameters, host init + upload {init_s:.1f}s")
@@ -675,8 +675,9 @@ def table(lines: list[Line], ceil: Ceilings) -> str:
 
 
 def environment(ctx) -> dict:
-    return {"adapter": ctx.name, "adapter_info": {k: str(v) for k, v in ctx.info.items()},
-            "features": sorted(ctx.features), "python": platform.python_version(),
+    return {"adapter": ctx.name, "webgpu": ctx.implementation,
+            "adapter_info": {k: str(v) for k, v in ctx.info.items()}, "features": sorted(ctx.features),
+            "subgroup_matrix_configs": [str(c) for c in ctx.subgroup_matrix_configs], "python": platform.python_version(),
             "time": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
 
 

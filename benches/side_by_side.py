@@ -172,7 +172,7 @@ def main(argv=None) -> int:
     ours, ours_meta = [], {}
     if not args.skip_ours:
         ctx = WgpuContext.create()
-        print(f"# lfm2jit adapter: {ctx.name}", flush=True)
+        print(f"# lfm2jit adapter: {ctx.name} ({ctx.implementation})", flush=True)
         probe = None
         if cuda:
             def probe():   # what the device really holds for lfm2jit (the pool keeps freed buffers), model alive

@@ -66,6 +66,30 @@ def describe_sizes(sizes: dict[str, int]) -> str:
     return ", ".join(f"{a}={s}" for a, s in sizes.items())
 
 
+def cmd_info(args) -> None:
+    """The WebGPU implementation and adapter lfm2jit would use, and what each implementation lists."""
+    from .runtime.context import AdapterError, WgpuContext, describe
+    from .runtime.implementations import IMPLEMENTATIONS
+    from .settings import settings
+    for name, impl in IMPLEMENTATIONS.items():
+        try:
+            found = [describe(a) for a in impl.adapters()]
+        except Exception as e:  # noqa: BLE001 - an implementation that cannot start is reported, not fatal
+            found = [f"(cannot start: {type(e).__name__}: {e})"]
+        print(f"{name}: {'; '.join(found) or '(no adapters)'}")
+    try:
+        ctx = WgpuContext.create()
+    except AdapterError as e:
+        raise UsageError(str(e)) from None
+    print(f"\nLFM2JIT_WEBGPU={settings().webgpu}: {ctx.implementation}, adapter {ctx.name}")
+    print(f"features: {', '.join(sorted(ctx.features)) or 'none'}")
+    print("subgroup matrix configs: " + ("; ".join(str(c) for c in ctx.subgroup_matrix_configs) or "none"))
+    for key in ("max-compute-workgroup-storage-size", "max-compute-invocations-per-workgroup",
+                "max-storage-buffer-binding-size", "min-storage-buffer-offset-alignment"):
+        if key in ctx.limits:
+            print(f"{key}: {ctx.limits[key]}")
+
+
 def cmd_list(args) -> None:
     for kernel in library.kernels().values():
         sizes = sizes_for(kernel, {}, DEFAULT_SIZE)
@@ -110,6 +134,8 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     ls = sub.add_parser("list", help="each shipped kernel's signature and the template it schedules to")
     ls.set_defaults(run=cmd_list)
+    info = sub.add_parser("info", help="the WebGPU implementation, adapter, features and subgroup-matrix configs in use")
+    info.set_defaults(run=cmd_info)
     dump = sub.add_parser("dump", help="print (or write) what one kernel compiles to (WGSL by default)",
                           description="Print the stages one shipped kernel compiles to at concrete sizes: "
                                       "the WGSL, and with --ast (the source as parsed), --ir (the IR, and each "

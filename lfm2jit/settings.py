@@ -7,12 +7,22 @@ LFM2JIT_TIMING     1 to time every dispatch with GPU timestamp queries (default:
 LFM2JIT_AUTOTUNE   1 to benchmark the matmul and attention tile candidates once per (adapter,
                    specialization) and keep the fastest; results are kept in LFM2JIT_CACHE_DIR or
                    ~/.cache/lfm2jit (default: off)
+LFM2JIT_WEBGPU     the WebGPU implementation: auto (Dawn when it finds a GPU adapter, else
+                   wgpu-native, which also reaches lavapipe), dawn or wgpu-native (default: auto)
+
+Dawn runs with the toggles below: experimental features (subgroup matrices) need allow_unsafe_apis,
+NVIDIA drivers below 615.71 get shader-f16 only with vulkan_enable_f16_on_nvidia, and GPU timestamps
+are quantized to about 65 us unless timestamp_quantization is off.
 """
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
 from pathlib import Path
+
+WEBGPU_IMPLEMENTATIONS = ("auto", "dawn", "wgpu-native")
+DAWN_INSTANCE_TOGGLES = ("allow_unsafe_apis", "vulkan_enable_f16_on_nvidia")
+DAWN_DEVICE_DISABLED_TOGGLES = ("timestamp_quantization",)
 
 
 @dataclass(frozen=True)
@@ -22,6 +32,7 @@ class Settings:
     dump_dir: Path | None
     timing: bool
     autotune: bool
+    webgpu: str
 
 
 def _path(name: str) -> Path | None:
@@ -37,4 +48,5 @@ def settings() -> Settings:
         dump_dir=_path("LFM2JIT_DUMP_DIR"),
         timing=os.environ.get("LFM2JIT_TIMING", "").strip() in ("1", "true", "yes"),
         autotune=os.environ.get("LFM2JIT_AUTOTUNE", "").strip() in ("1", "true", "yes"),
+        webgpu=os.environ.get("LFM2JIT_WEBGPU", "").strip().lower() or "auto",
     )

@@ -1,27 +1,43 @@
-"""WgpuContext: one adapter and device, chosen and configured for compute."""
+"""WgpuContext: one adapter and device, chosen and configured for compute, on one of the two
+WebGPU implementations (runtime/implementations.py; LFM2JIT_WEBGPU picks)."""
 from __future__ import annotations
 
 import functools
-
 import weakref
 
-import wgpu
-
-from ..settings import settings
+from ..settings import WEBGPU_IMPLEMENTATIONS, settings
+from .implementations import IMPLEMENTATIONS, SUBGROUP_MATRIX, is_gpu
 
 # Preference order: a discrete GPU beats an integrated one, which beats a CPU rasterizer.
 _TYPE_RANK = {"DiscreteGPU": 0, "IntegratedGPU": 1, "VirtualGPU": 2, "CPU": 3}
 _BACKEND_RANK = {"Vulkan": 0, "Metal": 0, "D3D12": 0, "OpenGL": 2}
-OPTIONAL_FEATURES = ("shader-f16", "subgroup", "timestamp-query")
+OPTIONAL_FEATURES = ("shader-f16", "subgroup", "subgroups", "timestamp-query", SUBGROUP_MATRIX)
 RAISED_LIMITS = ("max-storage-buffer-binding-size", "max-buffer-size", "max-compute-workgroup-storage-size",
                  "max-storage-buffers-per-shader-stage", "max-compute-invocations-per-workgroup",
                  "max-compute-workgroup-size-x", "max-compute-workgroup-size-y")
-NO_ADAPTER_HELP = ("wgpu found no adapter. Without a GPU, install Mesa's Vulkan CPU driver: "
+NO_ADAPTER_HELP = ("WebGPU found no adapter. Without a GPU, install Mesa's Vulkan CPU driver: "
                    "apt-get install -y mesa-vulkan-drivers libvulkan1")
 
 
 class AdapterError(RuntimeError):
     """No adapter, or none matching LFM2JIT_ADAPTER."""
+
+
+@functools.lru_cache(maxsize=1)
+def dawn_has_gpu() -> bool:
+    """Whether Dawn lists a GPU adapter here (asked once: each asking may print its warnings)."""
+    return any(is_gpu(a) for a in IMPLEMENTATIONS["dawn"].adapters())
+
+
+def choose_implementation(name: str):
+    """The implementation for LFM2JIT_WEBGPU ``name``; "auto" is Dawn when it finds a GPU adapter."""
+    if name == "auto":
+        return IMPLEMENTATIONS["dawn" if dawn_has_gpu() else "wgpu-native"]
+    if name == "dawn" and not IMPLEMENTATIONS["dawn"].available():
+        raise AdapterError("LFM2JIT_WEBGPU=dawn, but wgpudawn is not installed (pip install wgpudawn)")
+    if name not in IMPLEMENTATIONS:
+        raise AdapterError(f"LFM2JIT_WEBGPU={name!r}: expected one of {', '.join(WEBGPU_IMPLEMENTATIONS)}")
+    return IMPLEMENTATIONS[name]
 
 
 def describe(adapter) -> str:
@@ -34,9 +50,12 @@ def _rank(adapter) -> tuple[int, int]:
     return (_TYPE_RANK.get(info.get("adapter_type"), 4), _BACKEND_RANK.get(info.get("backend_type"), 1))
 
 
-def choose_adapter(adapters, wanted: str | None):
+def choose_adapter(adapters, wanted: str | None, implementation: str = "wgpu-native"):
     """The best adapter, or the best one whose name/vendor/backend contains ``wanted``."""
     if not adapters:
+        if implementation == "dawn":
+            raise AdapterError("LFM2JIT_WEBGPU=dawn, but Dawn found no adapter (it does not list Mesa's lavapipe; "
+                               "LFM2JIT_WEBGPU=auto or wgpu-native reaches it)")
         raise AdapterError(NO_ADAPTER_HELP)
     pool = list(adapters)
     if wanted:
@@ -54,28 +73,40 @@ def choose_adapter(adapters, wanted: str | None):
 class WgpuContext:
     """The device everything runs on, with the optional features it offers and raised limits."""
 
-    def __init__(self, adapter, device, features: frozenset[str]):
+    def __init__(self, adapter, device, features: frozenset[str], implementation: str = "wgpu-native",
+                 subgroup_matrix_configs: tuple[dict, ...] = ()):
         self.adapter = adapter
         self.device = device
         self.queue = device.queue
         self.features = features
         self.limits = dict(device.limits)
         self.info = dict(adapter.info)
+        self.implementation = implementation
+        self.subgroup_matrix_configs = subgroup_matrix_configs
         self._engines: weakref.WeakSet = weakref.WeakSet()
 
     @classmethod
-    def create(cls, adapter_substring: str | None = None) -> "WgpuContext":
-        wanted = adapter_substring if adapter_substring is not None else settings().adapter
-        adapter = choose_adapter(wgpu.gpu.enumerate_adapters_sync(), wanted)
+    def create(cls, adapter_substring: str | None = None, webgpu: str | None = None) -> "WgpuContext":
+        """The best adapter (or the best matching ``adapter_substring`` / LFM2JIT_ADAPTER) of the
+        implementation ``webgpu`` / LFM2JIT_WEBGPU: "dawn", "wgpu-native", or "auto" (Dawn when it
+        lists a GPU, else wgpu-native)."""
+        opts = settings()
+        wanted = adapter_substring if adapter_substring is not None else opts.adapter
+        impl = choose_implementation(webgpu or opts.webgpu)
+        adapter = choose_adapter(impl.adapters(), wanted, impl.name)
         features = frozenset(f for f in OPTIONAL_FEATURES if f in adapter.features)
         limits = {k: adapter.limits[k] for k in RAISED_LIMITS if k in adapter.limits}
-        device = adapter.request_device_sync(required_features=sorted(features), required_limits=limits)
-        return cls(adapter, device, features)
+        device = impl.request_device(adapter, features, limits)
+        return cls(adapter, device, features, impl.name, impl.subgroup_matrix_configs(adapter))
 
     @functools.cached_property
     def name(self) -> str:
         """The adapter's description (it keys pipeline caches, so it is computed once)."""
-        return describe(self.adapter)
+        return describe(self.adapter) + (", Dawn" if self.implementation == "dawn" else "")
+
+    @property
+    def has_subgroup_matrix(self) -> bool:
+        return bool(self.subgroup_matrix_configs)
 
     @property
     def has_f16(self) -> bool:

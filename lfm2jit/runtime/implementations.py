@@ -1,0 +1,74 @@
+"""The two WebGPU implementations behind one runtime: wgpu-native (wgpu-py) and Dawn (wgpudawn).
+
+Both packages present wgpu-py's API (their enums and flags have the same values), so everything
+but finding adapters and making a device is shared. Dawn reaches the matrix units through its
+experimental subgroup matrices; wgpu-native reaches Mesa's lavapipe, which Dawn does not list.
+"""
+from __future__ import annotations
+
+import functools
+
+from ..settings import DAWN_DEVICE_DISABLED_TOGGLES, DAWN_INSTANCE_TOGGLES
+
+SUBGROUP_MATRIX = "chromium-experimental-subgroup-matrix"
+
+
+class WgpuNative:
+    name = "wgpu-native"
+
+    @functools.cached_property
+    def module(self):
+        import wgpu
+        return wgpu
+
+    def adapters(self) -> list:
+        return list(self.module.gpu.enumerate_adapters_sync())
+
+    def request_device(self, adapter, features, limits):
+        return adapter.request_device_sync(required_features=sorted(features), required_limits=limits)
+
+    def subgroup_matrix_configs(self, adapter) -> tuple[dict, ...]:
+        return ()
+
+
+class Dawn:
+    name = "dawn"
+
+    @functools.cached_property
+    def module(self):
+        import wgpudawn
+        from wgpudawn.backends.dawn import extras
+        extras.set_instance_extras(enable_toggles=DAWN_INSTANCE_TOGGLES)    # before the instance exists
+        return wgpudawn
+
+    @property
+    def extras(self):
+        from wgpudawn.backends.dawn import extras
+        return extras
+
+    def available(self) -> bool:
+        try:
+            self.module
+        except ImportError:
+            return False
+        return True
+
+    def adapters(self) -> list:
+        return list(self.module.gpu.enumerate_adapters_sync()) if self.available() else []
+
+    def request_device(self, adapter, features, limits):
+        return self.extras.request_device_sync(adapter, required_features=sorted(features), required_limits=limits,
+                                               disable_toggles=DAWN_DEVICE_DISABLED_TOGGLES)
+
+    def subgroup_matrix_configs(self, adapter) -> tuple[dict, ...]:
+        """The adapter's subgroup-matrix shapes and types, as Dawn lists them (none without the feature)."""
+        if SUBGROUP_MATRIX not in adapter.features:
+            return ()
+        return tuple(self.extras.get_adapter_properties(adapter).get("subgroup_matrix_configs", ()))
+
+
+IMPLEMENTATIONS = {"wgpu-native": WgpuNative(), "dawn": Dawn()}
+
+
+def is_gpu(adapter) -> bool:
+    return adapter.info.get("adapter_type") not in ("CPU", "cpu")
