@@ -211,7 +211,9 @@ class ComputeEngine(Recorder):
                                      f"says {axis}={sizes[axis]}")
                 sizes[axis], source[axis] = size, f"input {t.name!r}"
         for t, x in sizing:
-            for axis, size in zip(t.shape, x.shape):
+            left_out = len(t.shape) - len(x.shape)     # optional leading axes the caller left out
+            shape = t.shape[left_out:] if 0 < left_out <= len(t.optional) else t.shape
+            for axis, size in zip(shape, x.shape):
                 if axis in sizes and sizes[axis] != size:
                     raise ValueError(f"{ir.name}: forward argument {t.name!r} has {axis}={size} but {source[axis]} "
                                      f"says {axis}={sizes[axis]}")

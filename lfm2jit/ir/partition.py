@@ -58,12 +58,14 @@ def gemm_axes(n: Node, out_shape: tuple[str, ...]) -> dict | None:
 INLINE_FIXED = 64     # reductions over a fixed axis at most this long run inside each invocation
 
 
-def is_inline(r: Node) -> bool:
+def is_inline(r: Node, stop=frozenset()) -> bool:
     """A reduction every invocation computes itself, in a loop: over a window axis (a conv's taps,
-    x[T - L]) or a short fixed-size axis. It needs no schedule of its own."""
+    x[T - L]) or a short fixed-size axis. It needs no schedule of its own. What is read from memory
+    (``stop``: cut nodes, and stored values) is not looked into, so a part sees what its kernel does."""
     if r.arg.isdigit():
         return int(r.arg) <= INLINE_FIXED
-    return any(n.op == Op.WINDOW and n.arg[1] == r.arg for n in toposort([r.srcs[0]]))
+    stored = {id(n) for n in toposort([r.srcs[0]], stop=stop) if n.op == Op.MATERIALIZE}
+    return any(n.op == Op.WINDOW and n.arg[1] == r.arg for n in toposort([r.srcs[0]], stop=set(stop) | stored))
 
 
 def use_counts(roots) -> dict[int, int]:
@@ -79,7 +81,7 @@ def reduction_chain(r: Node, users: dict[int, int], stop=frozenset()) -> tuple[t
     is one reduction of x over (a, b) (undoing a broadcast produces such chains)."""
     axes, src, links = [r.arg], r.srcs[0], []
     while r.op == Op.SUM and src.op == Op.SUM and users.get(id(src), 0) == 1 and id(src) not in stop \
-            and not is_inline(src):
+            and not is_inline(src, stop):
         links.append(src)
         axes.insert(0, src.arg)
         src = src.srcs[0]
@@ -128,7 +130,7 @@ class _Planner:
 
     def reduction_structure(self, root: Node, shape, group: list[Node], cut: set[int]):
         links: set[int] = set()
-        reds = [n for n in group if n.op in REDUCE and not is_inline(n)]
+        reds = [n for n in group if n.op in REDUCE and not is_inline(n, cut)]
         for r in reds:
             links.update(id(x) for x in reduction_chain(r, self.users, cut)[2])
         heads = [r for r in reds if id(r) not in links]

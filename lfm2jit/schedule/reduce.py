@@ -78,8 +78,9 @@ def _phases(ir: KernelIR, sizes, axes: tuple[str, ...], index_of: dict):
 
     def outer(n: Node, reduced=frozenset(axes)) -> bool:
         """Computable once, outside the loops: no reduced axis, every reduction under it done. A
-        fixed index (x[:, 0] of a reduced axis) pins the axis for what it reads."""
-        inner = reduced - {n.arg[0]} if n.op == Op.TAKE else reduced
+        fixed index (x[:, 0] of a reduced axis) pins the axis for what it reads, and an inline
+        reduction loops over its own axis itself."""
+        inner = reduced - {n.arg[0]} if n.op == Op.TAKE else reduced - {n.arg} if n.op in REDUCE else reduced
         return not reduced & set(n.shape) and (n.op not in REDUCE or is_inline(n)) and \
             all(id(s) in bound or s.op in (Op.CONST, Op.DIMSIZE) or outer(s, inner) for s in n.srcs)
 
