@@ -2,7 +2,10 @@
 WebGPU implementations (runtime/implementations.py; LFM2JIT_WEBGPU picks)."""
 from __future__ import annotations
 
+import contextlib
 import functools
+import os
+import sys
 import weakref
 
 from ..settings import WEBGPU_IMPLEMENTATIONS, settings
@@ -25,8 +28,25 @@ class AdapterError(RuntimeError):
 
 @functools.lru_cache(maxsize=1)
 def dawn_has_gpu() -> bool:
-    """Whether Dawn lists a GPU adapter here (asked once: each asking may print its warnings)."""
-    return any(is_gpu(a) for a in IMPLEMENTATIONS["dawn"].adapters())
+    """Whether Dawn lists a GPU adapter here. Asked once, and quietly: on a machine where it finds
+    none (lavapipe) Dawn prints why on stderr, which is no news to someone who did not ask for it."""
+    with _quiet_stderr():
+        return any(is_gpu(a) for a in IMPLEMENTATIONS["dawn"].adapters())
+
+
+@contextlib.contextmanager
+def _quiet_stderr():
+    """Native code's writes to file descriptor 2 go to /dev/null while inside."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
 
 
 def choose_implementation(name: str):
