@@ -11,6 +11,8 @@ Groups (``--only`` takes group names):
                measured ceilings the other lines are compared with
   matmul       ``linear`` (y = x W^T) at the LFM2-350M projection shapes for T = 512 and 2048,
                and 4096^3; its two backward products (dX = dY W, dW += dY^T X) at the same shapes
+  matrix       the same three products as --f16 runs them (f16 activations, f32 weights): on the
+               matrix units (subgroup matrices, under Dawn) where the device has them
   tiles        the matmul template at other TileConfigs (4096^3 and the MLP shapes): what the
                template reaches when the schedule picks bigger tiles
   attention    causal GQA flash attention forward and backward, T = 512/2048, H=16, G=8, E=64
@@ -48,7 +50,7 @@ from lfm2jit.tune.timing import warm_up
 
 # Datasheet ceilings per adapter-name substring: (fp32 FLOP/s without tensor cores, bytes/s)
 CEILINGS = {"H200": (67e12, 4.8e12), "H100": (67e12, 3.35e12)}
-GROUPS = ("ref", "matmul", "tiles", "attention", "conv", "rmsnorm", "pointwise", "xent", "adamw", "train")
+GROUPS = ("ref", "matmul", "matrix", "tiles", "attention", "conv", "rmsnorm", "pointwise", "xent", "adamw", "train")
 QUICK_GROUPS = ("matmul", "attention", "conv", "rmsnorm", "pointwise", "xent", "adamw", "train")
 GiB = float(1 << 30)
 
@@ -215,31 +217,43 @@ class Bench:
 
     # ---- matmul ----
     def matmul(self):
+        self._linear_products("matmul", "f32")
+
+    def matrix(self):
+        """The three products as --f16 runs them (activations and dY f16, weights and dW f32): on
+        the matrix units where the device has f16 subgroup matrices (Dawn), SIMT elsewhere."""
+        self._linear_products("matrix", "f16")
+
+    def _linear_products(self, group: str, act: str):
         lin = library.get("linear")
         dx_k, dw_k = grad(lin, ["x"]), grad(lin, ["w"])
+        if act == "f16":
+            lin, dx_k, dw_k = lin.variant("f16", {"w"}), dx_k.variant("f16", {"w"}), dw_k.variant("f16", {"d_w"})
+        size = 2 if act == "f16" else 4
         for m, n, k in self.gemm_shapes():
             shape = f"{m}x{n}x{k}"
             flops = 2.0 * m * n * k
 
             def one(m=m, n=n, k=k, shape=shape, flops=flops):
                 e = self.engine
-                x, w = e.tensor(_rand(self.rng, (m, k))), e.tensor(_rand(self.rng, (n, k)))
-                y = e.empty((m, n))
+                x, w = e.tensor(_rand(self.rng, (m, k)), act), e.tensor(_rand(self.rng, (n, k)))
+                y = e.empty((m, n), act)
+                template = lin.kernels[0].specialize({"T": m, "K": k, "N": n}, 1, target=e.target).template
                 s, timer, wall, _ = time_engine(e, lambda: e.run(lin, x=x, w=w, out={"y": y}), self.reps)
-                self.add(Line("matmul", "linear_fwd", shape, s, timer, flops, 4.0 * (m * k + n * k + m * n),
-                              wall_seconds=wall))
-                dy = e.tensor(_rand(self.rng, (m, n)))
-                dx = e.empty((m, k))
+                self.add(Line(group, "linear_fwd", shape, s, timer, flops, size * (m * k + m * n) + 4.0 * n * k,
+                              wall_seconds=wall, extra={"template": template}))
+                dy = e.tensor(_rand(self.rng, (m, n)), act)
+                dx = e.empty((m, k), act)
                 s, timer, wall, _ = time_engine(
                     e, lambda: e.run(dx_k, x=x, w=w, d_y=dy, out={"d_x": dx}), self.reps)
-                self.add(Line("matmul", "linear_dx", shape, s, timer, flops, 4.0 * (m * n + n * k + m * k),
+                self.add(Line(group, "linear_dx", shape, s, timer, flops, size * (m * n + m * k) + 4.0 * n * k,
                               wall_seconds=wall, extra={"product": f"dX[{m},{k}] = dY[{m},{n}] W[{n},{k}]"}))
                 dw = e.zero_(e.empty((n, k)))
                 s, timer, wall, _ = time_engine(
                     e, lambda: e.run(dw_k, x=x, w=w, d_y=dy, out={"d_w": dw}, accumulate={"d_w"}), self.reps)
-                self.add(Line("matmul", "linear_dw", shape, s, timer, flops, 4.0 * (m * n + m * k + 2 * n * k),
+                self.add(Line(group, "linear_dw", shape, s, timer, flops, size * (m * n + m * k) + 8.0 * n * k,
                               wall_seconds=wall, extra={"product": f"dW[{n},{k}] += dY^T X (sum over {m})"}))
-            self.guarded("matmul", "linear", shape, one)
+            self.guarded(group, "linear", shape, one)
 
     def tiles(self):
         """The same template at other tile configurations (4096^3 and the T=2048 MLP shapes)."""

@@ -3,6 +3,8 @@
 #   bash benches/h200.sh tests            the whole test suite on the H200's Vulkan adapter (f16 and
 #                                         every GPU path; the wheel tests are left out: the machine
 #                                         has no index to build a wheel from) -> $OUT/h200_tests.log
+#   bash benches/h200.sh matrix           on Dawn: lfm2jit info, the matrix-unit tests, and the matmul and
+#                                         matrix kernel benchmarks -> $OUT/h200_matrix.{log,json}
 #   bash benches/h200.sh speed [BASE]     benches/side_by_side.py fp32, lfm2jit and PyTorch in one run
 #                                         -> $OUT/h200_sbs_f32.json; with BASE (an older checkout) its
 #                                         lfm2jit side right after -> $OUT/h200_sbs_f32_base.json
@@ -14,6 +16,14 @@ start=$(date +%s)
 case "${1:-}" in
 tests)
     python3 -m pytest -q -p no:cacheprovider --deselect tests/test_packaging.py 2>&1 | tee "$OUT/h200_tests.log" | tail -5
+    ;;
+matrix)
+    export LFM2JIT_WEBGPU=dawn
+    python3 -m lfm2jit info 2>&1
+    python3 -c 'from lfm2jit import WgpuContext; c = WgpuContext.create(); print(c.info); print(c.subgroup_matrix_configs)'
+    python3 -m pytest -q -p no:cacheprovider tests/test_matrix_units.py tests/test_webgpu.py tests/test_kernels_basic.py \
+        tests/test_autotune.py -x 2>&1 | tee "$OUT/h200_matrix.log" | tail -30
+    python3 benches/bench.py --only matrix matmul --json "$OUT/h200_matrix.json" 2>&1 | tail -40
     ;;
 speed)
     python3 benches/side_by_side.py --steps 3 --json "$OUT/h200_sbs_f32.json" 2>&1 | tail -12

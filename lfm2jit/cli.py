@@ -17,6 +17,10 @@ from .fuzz.cli import add_arguments as add_fuzz_arguments
 from .fuzz.cli import fuzz_main
 from .ir.nodes import SEQ_AXIS
 from .ops import library
+from .schedule import PORTABLE, MatrixConfig, Target
+
+# A device like Dawn on an H200 lists: f16 x f16 -> f32 subgroup matrices of 16x16x16, subgroups of 32.
+MATRIX_UNITS = Target((MatrixConfig(16, 16, 16, "f16", "f32"),), 32, 49152)
 
 DEFAULT_SIZE = 64
 
@@ -108,7 +112,7 @@ def cmd_dump(args) -> None:
         except DslError as e:
             raise UsageError(f"{kernel.name} has no backward:\n{e}") from None
     wanted = [s for s in STAGES if s == "wgsl" or getattr(args, s)]
-    text = stages(kernel, sizes, args.bucket)
+    text = stages(kernel, sizes, args.bucket, MATRIX_UNITS if args.matrix_units else PORTABLE)
     for stage in wanted:
         if args.out is not None:
             args.out.mkdir(parents=True, exist_ok=True)
@@ -152,6 +156,9 @@ def parser() -> argparse.ArgumentParser:
     for stage, what in (("ast", "the kernel's source as parsed"), ("ir", "the typed IR and its parts"),
                         ("spec", "each part's spec: template, bindings, entry points, parameters")):
         dump.add_argument(f"--{stage}", action="store_true", help=f"also print {what}")
+    dump.add_argument("--matrix-units", action="store_true",
+                      help="schedule for a device with f16 subgroup matrices (16x16x16, subgroups of 32), as "
+                           "Dawn on an NVIDIA GPU has: contractions of f16 operands use the matrix units")
     dump.add_argument("--backward", action="store_true",
                       help="dump the backward kernels autodiff derives: gradients of every float input "
                            "given a cotangent for the first output")

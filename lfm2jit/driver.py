@@ -27,7 +27,7 @@ from .ir.nodes import KernelIR, TensorArg, format_ir
 from .ir.ops import Op
 from .ir.partition import Partition, partition
 from .ir.retype import retype
-from .schedule import KernelSpec, specialize
+from .schedule import PORTABLE, KernelSpec, Target, specialize
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 
@@ -126,16 +126,17 @@ class Kernel:
         outs = ", ".join(f"{t.name}: {t.dtype}[{', '.join(t.shape)}]" for t in self.ir.outputs)
         return f"kernel {self.name}({ins}) -> ({outs})"
 
-    def specialize(self, dims: dict[str, int], bucket: int = 1,
-                   accumulate: frozenset[str] = frozenset(), tiles=None) -> KernelSpec:
-        """The spec of a one-part kernel at these sizes. ``tiles`` overrides the schedule's tile
-        choice: a TileConfig for a matmul, an AttentionTiles for attention (see schedule.specialize)."""
+    def specialize(self, dims: dict[str, int], bucket: int = 1, accumulate: frozenset[str] = frozenset(),
+                   tiles=None, target: Target = PORTABLE) -> KernelSpec:
+        """The spec of a one-part kernel at these sizes, for a device offering ``target`` (the
+        portable target by default). ``tiles`` overrides the schedule's tile choice: a TileConfig
+        or MatrixTiles for a matmul, an AttentionTiles for attention (see schedule.specialize)."""
         # dims in the caller's order: callers pass them in a fixed order, and another order only
         # makes a second entry for the same specialization
-        key = (tuple(dims.items()), bucket, frozenset(accumulate), tiles)
+        key = (tuple(dims.items()), bucket, frozenset(accumulate), tiles, target)
         spec = self._specs.get(key)
         if spec is None:
-            spec = self._specs[key] = specialize(self.part, dims, bucket, frozenset(accumulate), tiles)
+            spec = self._specs[key] = specialize(self.part, dims, bucket, frozenset(accumulate), tiles, target)
         return spec
 
     def wgsl(self, dims: dict[str, int], bucket: int = 1, accumulate: frozenset[str] = frozenset()) -> str:
@@ -281,14 +282,14 @@ class Timer:
 STAGES = ("ast", "ir", "spec", "wgsl")
 
 
-def stages(kernel: Kernel, dims: dict[str, int], bucket: int = 1) -> dict[str, str]:
+def stages(kernel: Kernel, dims: dict[str, int], bucket: int = 1, target: Target = PORTABLE) -> dict[str, str]:
     """Every stage of a kernel as text: its source (AST unparsed), its IR and its parts' IR, each
     part's spec, and each part's WGSL (the parts separated by a comment naming them)."""
     source = ast.unparse(ast.SourceFile("", "", (kernel.ast,))) if kernel.ast is not None else ""
     ir = [format_ir(kernel.ir)]
     specs, shaders = [], []
     for k in kernel.kernels:
-        spec = k.specialize({a: dims[a] for a in k.ir.axes if a in dims}, bucket)
+        spec = k.specialize({a: dims[a] for a in k.ir.axes if a in dims}, bucket, target=target)
         if len(kernel.kernels) > 1:
             ir.append(f"part {k.name} ({k.ir.structure.kind})\n" + format_ir(k.ir))
         specs.append(_describe_spec(spec))

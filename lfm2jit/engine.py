@@ -18,7 +18,7 @@ from .ir.nodes import SEQ_AXIS
 from .ops import library
 from .runtime.recorder import Compiled, Recorder, Shader
 from .runtime.tensor import Tensor
-from .schedule import KernelSpec, bucketed
+from .schedule import KernelSpec, MatrixConfig, Target, bucketed
 from .settings import settings
 from .tune.autotune import Tuner
 
@@ -46,6 +46,7 @@ class ComputeEngine(Recorder):
         self.stats = CacheStats()
         self.disk = WgslDiskCache(opts.cache_dir) if opts.cache_dir else None
         self.dump_dir = opts.dump_dir
+        self.target = target_of(ctx)
         self.tuner = Tuner(self) if opts.autotune else None
 
     # ---- compilation ----
@@ -55,7 +56,7 @@ class ComputeEngine(Recorder):
         kernel = library.get(kernel) if isinstance(kernel, str) else kernel
         if tiles is None and self.tuner is not None:    # stays None where the template has no candidates
             tiles = self.tuner.tiles(kernel, dims, bucket, accumulate)
-        spec = kernel.specialize(dims, bucket, accumulate, tiles)
+        spec = kernel.specialize(dims, bucket, accumulate, tiles, self.target)
         compiled = self.pipeline(spec.key)
         if compiled is not None:
             self.stats.hits += 1
@@ -251,6 +252,33 @@ class ComputeEngine(Recorder):
         if extra:
             raise ValueError(f"{ir.name}: out has unknown outputs {sorted(extra)}")
         return result
+
+
+def target_of(ctx) -> Target:
+    """What the context's device offers the planners: its subgroup matrices (Dawn lists them per
+    adapter), the subgroup size they run at, and its workgroup memory."""
+    configs = tuple(c for c in (_matrix_config(d) for d in getattr(ctx, "subgroup_matrix_configs", ())) if c)
+    info = getattr(ctx, "info", {})
+    subgroup = int(info.get("subgroup_min_size") or info.get("subgroupMinSize") or (32 if configs else 0))
+    return Target(configs, subgroup if configs else 0,
+                  int(ctx.limits.get("max-compute-workgroup-storage-size", 16384)))
+
+
+def _matrix_config(d) -> MatrixConfig | None:
+    """A config as Dawn describes it (a dict; key spellings vary by version), or None if unreadable."""
+    if not isinstance(d, dict):
+        d = getattr(d, "__dict__", {})
+    get = {k.lower().replace("_", ""): v for k, v in d.items()}.get
+    try:
+        return MatrixConfig(int(get("m")), int(get("n")), int(get("k")), _dtype(get("componenttype")),
+                            _dtype(get("resultcomponenttype") or get("resulttype")))
+    except (TypeError, ValueError):
+        return None
+
+
+def _dtype(v) -> str:
+    """'f16', 'F16', 'SubgroupMatrixComponentType.F16' ... -> 'f16'."""
+    return str(v).rsplit(".", 1)[-1].lower()
 
 
 def _drop_leading(t: Tensor, decl, left_out: set[str]) -> Tensor:

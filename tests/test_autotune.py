@@ -56,8 +56,8 @@ def test_a_failing_candidate_scores_infinity(ctx, tmp_path, monkeypatch):
     bad = TileConfig(bm=64, bn=64, bk=16, tm=4, tn=4)
     real = SCHEDULES["contraction"]
 
-    def plan(ir, sizes, accumulate, tiles=None):      # this candidate's shader fails to build
-        planned = real.plan(ir, sizes, accumulate, tiles)
+    def plan(ir, sizes, accumulate, tiles=None, target=None):      # this candidate's shader fails to build
+        planned = real.plan(ir, sizes, accumulate, tiles, target=target)
         if tiles == bad:
             planned = replace(planned, params=replace(planned.params, m_ext=Var("no_such_variable")))
         return planned

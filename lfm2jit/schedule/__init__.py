@@ -13,37 +13,39 @@ from typing import Callable
 from ..ir.nodes import KernelIR, toposort
 from ..ir.ops import Op
 from . import intrinsic, matmul, pointwise, reduce
-from .spec import Binding, KernelSpec, Plan, bind_dims, bucketed, schedule_error
+from .spec import PORTABLE, Binding, KernelSpec, MatrixConfig, Plan, Target, bind_dims, bucketed, schedule_error
 
-__all__ = ["KernelSpec", "bind_dims", "bucketed", "specialize", "tiles_class"]
+__all__ = ["PORTABLE", "KernelSpec", "MatrixConfig", "Target", "bind_dims", "bucketed", "specialize", "tiles_class"]
 
 
 @dataclass(frozen=True)
 class Schedule:
     plan: Callable[..., Plan]
-    tiles: type | None = None
+    tiles: type | tuple[type, ...] | None = None
 
 
 SCHEDULES: dict[str, Schedule] = {
     "pointwise": Schedule(pointwise.plan),
     "rowreduce": Schedule(reduce.plan_rows),
     "colreduce": Schedule(reduce.plan_columns),
-    "contraction": Schedule(matmul.plan, matmul.TileConfig),
+    # SIMT tiles, or subgroup-matrix tiles (the matrix units, where the target has them)
+    "contraction": Schedule(matmul.plan, (matmul.TileConfig, matmul.MatrixTiles)),
     "intrinsic": Schedule(intrinsic.plan),
 }
 
 
-def tiles_class(ir: KernelIR) -> type | None:
-    """The class of tiles ``specialize`` accepts for this part (None: its layout is fixed)."""
+def tiles_class(ir: KernelIR) -> type | tuple[type, ...] | None:
+    """The class(es) of tiles ``specialize`` accepts for this part (None: its layout is fixed)."""
     if ir.structure.kind == "intrinsic":
         return intrinsic.PLANNERS[intrinsic.call_of(ir).arg].tiles
     return SCHEDULES[ir.structure.kind].tiles
 
 
 def specialize(ir: KernelIR, dims: dict[str, int], bucket: int = 1,
-               accumulate: frozenset[str] = frozenset(), tiles=None) -> KernelSpec:
-    """Plan one part at concrete sizes. ``accumulate`` names outputs whose existing contents the
-    kernel adds to (gradient accumulation); ``tiles`` overrides the planner's own tile choice."""
+               accumulate: frozenset[str] = frozenset(), tiles=None, target: Target = PORTABLE) -> KernelSpec:
+    """Plan one part at concrete sizes for a device (``target``: what it offers beyond portable
+    WebGPU). ``accumulate`` names outputs whose existing contents the kernel adds to (gradient
+    accumulation); ``tiles`` overrides the planner's own tile choice."""
     if ir.structure is None:
         raise ValueError(f"{ir.name}: specialize() takes the parts partition() makes, not a whole kernel")
     unknown = set(accumulate) - {o.name for o in ir.outputs}
@@ -51,7 +53,8 @@ def specialize(ir: KernelIR, dims: dict[str, int], bucket: int = 1,
         raise ValueError(f"{ir.name}: cannot accumulate into {sorted(unknown)}: not outputs")
     kind = tiles_class(ir)
     if tiles is not None and (kind is None or not isinstance(tiles, kind)):
-        expected = f"{kind.__name__} or None" if kind else "None (its layout is fixed)"
+        names = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,))) if kind else ""
+        expected = f"{names} or None" if kind else "None (its layout is fixed)"
         raise ValueError(f"{ir.name}: tiles={tiles!r} do not apply to a {ir.structure.kind} kernel; expected {expected}")
     sizes = bind_dims(ir, dims, bucket)
     for n in toposort(ir.results.values()):
@@ -61,7 +64,7 @@ def specialize(ir: KernelIR, dims: dict[str, int], bucket: int = 1,
     if ir.inouts and ir.structure.kind != "pointwise":
         raise schedule_error(ir, f"in-place outputs {list(ir.inouts)} in a {ir.structure.kind} kernel",
                              "in-place updates only in elementwise kernels")
-    plan = SCHEDULES[ir.structure.kind].plan(ir, sizes, frozenset(accumulate), tiles)
+    plan = SCHEDULES[ir.structure.kind].plan(ir, sizes, frozenset(accumulate), tiles, target=target)
     vectors = dict(plan.vectors)
     tensors = [(t, "read") for t in ir.inputs if t.name not in ir.inouts] + [(t, "read_write") for t in ir.outputs]
     bindings = tuple(Binding(t.name, i + 1, access, t.dtype, vectors.get(t.name, 1))

@@ -33,7 +33,7 @@ def call_of(ir: KernelIR):
     return ir.results[ir.outputs[0].name].srcs[0]
 
 
-def plan(ir: KernelIR, sizes: dict[str, int], accumulate: frozenset[str], tiles=None) -> Plan:
+def plan(ir: KernelIR, sizes: dict[str, int], accumulate: frozenset[str], tiles=None, target=None) -> Plan:
     call = call_of(ir)
     operands = tuple(TensorArg(src.arg, src.dtype, src.shape) for src in call.srcs)
     by_index = {ir.results[o.name].arg: o for o in ir.outputs}

@@ -1,19 +1,26 @@
 """Contraction schedule: ``out[.., m, n] = sum_k a[.., m, k] * b[.., n, k]`` as a tiled GEMM.
 
 The operands' axis order is free (x @ W^T, dY^T X and dY W are all the same template with other
-strides). One workgroup computes a BM x BN tile; each invocation a TM x TN micro-tile held in
-named accumulators; K advances BK at a time through workgroup memory. Edges are masked, and an
-axis that is T runs only to the real length, so padded rows never enter a sum.
+strides). Two templates, one planner:
+
+* ``matmul`` (SIMT, portable): one workgroup computes a BM x BN tile; each invocation a TM x TN
+  micro-tile held in named accumulators; K advances BK at a time through workgroup memory.
+* ``matmul_matrix`` (the matrix units, where the device has f16 subgroup matrices and an operand is
+  stored as f16): subgroups multiply 16x16 fragments of f16 tiles staged in workgroup memory into
+  f32 accumulators.
+
+Both mask the edges, run an axis that is T only to the real length (padded rows never enter a
+sum), and share the epilogue: accumulate, f16 or f32 output, split-K with a deterministic reduce.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..ir.nodes import SEQ_AXIS, KernelIR
 from ..ir.ops import Op
 from ..ir.partition import gemm_axes
 from .code import Index
-from .spec import EntryPoint, Plan, Scratch, extent, strides
+from .spec import EntryPoint, MatrixConfig, Plan, Scratch, extent, strides
 
 
 @dataclass(frozen=True)
@@ -130,23 +137,111 @@ class MatmulParams:
         return self.tiles.threads
 
 
-def vector_reads(tiles: TileConfig, op: Operand, row_axis: str, k: str, sizes: dict[str, int],
-                 rows: int) -> str | None:
-    """Whether an operand's tile can be read from device memory as vec4s, and along which axis:
-    "k" when k is contiguous, "m" when the tile's rows are, or None (scalar reads). Either needs a
-    float operand, a vec4 workgroup tile, a contiguous axis whose size is a known multiple of 4 (so a
-    vec4 is wholly inside or wholly outside the operand), the other strides multiples of 4, and
-    every invocation fetching the same number of vec4s. f16 operands are read as vec4<f16>."""
-    if not tiles.vec or op.dtype not in ("f32", "f16") or (rows * tiles.bk // 4) % tiles.threads or op.sb % 4:
+@dataclass(frozen=True)
+class MatrixTiles:
+    """Tiles of the subgroup-matrix (matrix-unit) GEMM: a WM x WN workgroup tile, SG_M x SG_N
+    subgroups each owning a (WM/SG_M) x (WN/SG_N) block of accumulator fragments, K staged through
+    workgroup memory BK at a time (as f16), and split-K as the SIMT tiles have it."""
+    wm: int = 128
+    wn: int = 128
+    sg_m: int = 2
+    sg_n: int = 2
+    bk: int = 32
+    split: int = 1
+
+    def __post_init__(self):
+        if min(self.wm, self.wn, self.sg_m, self.sg_n, self.bk) < 1 or self.split not in (1, 2, 4, 8):
+            raise ValueError(f"{self}: sizes must be positive and split 1, 2, 4 or 8")
+
+    def problem(self, frag: MatrixConfig, subgroup: int, workgroup_bytes: int) -> str | None:
+        """The first rule these tiles break for fragments ``frag`` and this subgroup size, or None."""
+        if self.wm % (self.sg_m * frag.m) or self.wn % (self.sg_n * frag.n):
+            return f"WM / SG_M and WN / SG_N must be multiples of the {frag.m}x{frag.n} fragment"
+        if self.bk % frag.k or self.bk % 4:
+            return f"BK must be a multiple of the fragment's K {frag.k} and of 4"
+        if self.sg_m * self.sg_n * subgroup > 256:
+            return f"{self.sg_m * self.sg_n} subgroups of {subgroup} exceed 256 invocations"
+        if self.workgroup_bytes(frag) > workgroup_bytes:
+            return f"{self.workgroup_bytes(frag)} bytes of workgroup memory, the device allows {workgroup_bytes}"
         return None
-    if op.sk == 1 and k != SEQ_AXIS and sizes[k] % 4 == 0 and op.sm % 4 == 0 and tiles.bk % 4 == 0:
+
+    @property
+    def stride(self) -> int:
+        """Row stride of the staged tiles, in f16: BK plus 8, so rows start in different banks."""
+        return self.bk + 8
+
+    def workgroup_bytes(self, frag) -> int:
+        return 2 * (self.wm + self.wn) * self.stride + 4 * self.sg_m * self.sg_n * frag.m * frag.n
+
+
+@dataclass(frozen=True)
+class MatrixParams:
+    tiles: MatrixTiles
+    frag: MatrixConfig
+    subgroup_size: int
+    m_ext: Index
+    n_ext: Index
+    k_ext: Index
+    a: Operand
+    b: Operand
+    c: Output
+    axes: tuple[str, str, str, str | None]
+    m_pad: int
+    n_size: int
+    batches: int
+    reduce_threads: int
+
+    @property
+    def threads(self) -> int:
+        return self.tiles.sg_m * self.tiles.sg_n * self.subgroup_size
+
+    @property
+    def fm(self) -> int:            # accumulator fragments per subgroup along M
+        return self.tiles.wm // self.tiles.sg_m // self.frag.m
+
+    @property
+    def fn(self) -> int:            # ... and along N
+        return self.tiles.wn // self.tiles.sg_n // self.frag.n
+
+
+def choose_matrix_tiles(m: int, n: int, k: int, frag) -> MatrixTiles:
+    """128x128 tiles (2x2 subgroups of 64x64) where they fill a big GPU; 64x64 tiles otherwise,
+    splitting K over 2 or 4 when even those leave it idle and K is long."""
+    if -(-m // 128) * -(-n // 128) >= 128:
+        return MatrixTiles(128, 128, 2, 2, 32)
+    groups = -(-m // 64) * -(-n // 64)
+    split = 4 if groups < 64 and k >= 2048 else 2 if groups < 128 and k >= 1024 else 1
+    return MatrixTiles(64, 64, 2, 2, 32, split)
+
+
+def contiguity(op: Operand, row_axis: str, k: str, sizes: dict[str, int]) -> str | None:
+    """Which axis of an operand vec4 reads can run along: "k" when k is contiguous, "m" when the
+    rows are, or None. The contiguous axis' size must be a known multiple of 4 (so a vec4 is wholly
+    inside or outside the operand), never T (its extent is the real length), and the other strides
+    multiples of 4."""
+    if op.dtype not in ("f32", "f16") or op.sb % 4:
+        return None
+    if op.sk == 1 and k != SEQ_AXIS and sizes[k] % 4 == 0 and op.sm % 4 == 0:
         return "k"
     if op.sm == 1 and row_axis != SEQ_AXIS and sizes[row_axis] % 4 == 0 and op.sk % 4 == 0:
         return "m"
     return None
 
 
-def plan(ir: KernelIR, sizes: dict[str, int], accumulate: frozenset[str], tiles: TileConfig | None = None) -> Plan:
+def vector_reads(tiles: TileConfig, op: Operand, row_axis: str, k: str, sizes: dict[str, int],
+                 rows: int) -> str | None:
+    """The contiguity the SIMT template reads an operand's tile by (see ``contiguity``), where its
+    tiles allow: vec4 workgroup tiles, k-steps of whole vec4s, every invocation fetching the same
+    number of vec4s. f16 operands are read as vec4<f16>."""
+    if not tiles.vec or (rows * tiles.bk // 4) % tiles.threads:
+        return None
+    mode = contiguity(op, row_axis, k, sizes)
+    return None if mode == "k" and tiles.bk % 4 else mode
+
+
+def plan(ir: KernelIR, sizes: dict[str, int], accumulate: frozenset[str], tiles=None, target=None) -> Plan:
+    """SIMT tiles, or the matrix units where the target has f16 subgroup matrices and an operand is
+    stored as f16 (the other is converted to f16 as it is staged; f32 contractions keep f32)."""
     out = ir.outputs[0]
     node = ir.results[out.name]
     if node.op == Op.CAST:                 # a contraction stored in another dtype
@@ -156,29 +251,49 @@ def plan(ir: KernelIR, sizes: dict[str, int], accumulate: frozenset[str], tiles:
     a, b = node.srcs[0].srcs
     if n_axis in a.shape:                      # A is the operand that carries M
         a, b = b, a
-    tiles = tiles or choose_tiles(sizes[m_axis], sizes[n_axis], sizes[k])
+    frag = target.matrix("f16", "f32") if target is not None and target.subgroup_size else None
+    matrix = isinstance(tiles, MatrixTiles) or (tiles is None and frag is not None and "f16" in (a.dtype, b.dtype))
+    if matrix and frag is None:
+        raise ValueError(f"{ir.name}: tiles={tiles!r} need a device with f16 subgroup matrices (the matrix units)")
+    if matrix:
+        tiles = tiles or choose_matrix_tiles(sizes[m_axis], sizes[n_axis], sizes[k], frag)
+        problem = tiles.problem(frag, target.subgroup_size, target.workgroup_bytes)
+        if problem:
+            raise ValueError(f"{ir.name}: tiles {tiles} do not fit the matrix template: {problem}")
+    else:
+        tiles = tiles or choose_tiles(sizes[m_axis], sizes[n_axis], sizes[k])
     sc = strides(out.shape, sizes)
 
     def operand(x, row_axis: str, rows: int, vectors: bool = True) -> Operand:
         st = strides(x.shape, sizes)
         op = Operand(x.arg, x.dtype, st[row_axis], st[k], st[bt] if bt else 0)
+        if matrix:
+            return replace(op, vec=contiguity(op, row_axis, k, sizes) if vectors else None)
         vec = vector_reads(tiles, op, row_axis, k, sizes, rows) if vectors else None
-        return Operand(op.tensor, op.dtype, op.sm, op.sk, op.sb, vec, rows * tiles.bk // (4 if vec else 1) // tiles.threads)
+        return replace(op, vec=vec, loads=rows * tiles.bk // (4 if vec else 1) // tiles.threads)
 
-    ops = operand(a, m_axis, tiles.bm), operand(b, n_axis, tiles.bn)
+    rows = (tiles.wm, tiles.wn) if matrix else (tiles.bm, tiles.bn)
+    ops = operand(a, m_axis, rows[0]), operand(b, n_axis, rows[1])
     if a.arg == b.arg and ops[0].vec != ops[1].vec:     # one binding has one element type
-        ops = operand(a, m_axis, tiles.bm, False), operand(b, n_axis, tiles.bn, False)
+        ops = operand(a, m_axis, rows[0], False), operand(b, n_axis, rows[1], False)
     batches = sizes[bt] if bt else 1
-    params = MatmulParams(
-        tiles, extent(m_axis, sizes), extent(n_axis, sizes), extent(k, sizes), ops[0], ops[1],
-        Output(out.name, out.dtype, sc[m_axis], sc[n_axis], sc[bt] if bt else 0, out.name in accumulate),
-        (m_axis, n_axis, k, bt), sizes[m_axis], sizes[n_axis], batches, REDUCE_THREADS)
+    common = dict(m_ext=extent(m_axis, sizes), n_ext=extent(n_axis, sizes), k_ext=extent(k, sizes), a=ops[0],
+                  b=ops[1], c=Output(out.name, out.dtype, sc[m_axis], sc[n_axis], sc[bt] if bt else 0,
+                                     out.name in accumulate),
+                  axes=(m_axis, n_axis, k, bt), m_pad=sizes[m_axis], n_size=sizes[n_axis], batches=batches,
+                  reduce_threads=REDUCE_THREADS)
+    if matrix:
+        template, params = "matmul_matrix", MatrixParams(tiles, frag, target.subgroup_size, **common)
+        tile_m, tile_n = tiles.wm, tiles.wn
+    else:
+        template, params = "matmul", MatmulParams(tiles, **common)
+        tile_m, tile_n = tiles.bm, tiles.bn
     vectors = tuple((op.tensor, 4) for op in dict.fromkeys(ops) if op.vec)
-    grid = (-(-sizes[n_axis] // tiles.bn), -(-sizes[m_axis] // tiles.bm), batches * tiles.split)
+    grid = (-(-sizes[n_axis] // tile_n), -(-sizes[m_axis] // tile_m), batches * tiles.split)
     if tiles.split == 1:
-        return Plan("matmul", params, (EntryPoint("main", grid),), vectors=vectors)
+        return Plan(template, params, (EntryPoint("main", grid),), vectors=vectors)
     # pass 1 writes each K slice's partial tile to a workspace [batch, split, M, N]; pass 2
     # ("reduce", one invocation per output element) sums the slices into the output
     elements = batches * sizes[m_axis] * sizes[n_axis]
-    return Plan("matmul", params, (EntryPoint("main", grid), EntryPoint("reduce", -(-elements // REDUCE_THREADS))),
+    return Plan(template, params, (EntryPoint("main", grid), EntryPoint("reduce", -(-elements // REDUCE_THREADS))),
                 (Scratch("ws", "f32", tiles.split * elements),), vectors)

@@ -19,7 +19,7 @@ class PointwiseParams:
     stores: tuple[Store, ...]
 
 
-def plan(ir: KernelIR, sizes: dict[str, int], accumulate: frozenset[str], tiles=None) -> Plan:
+def plan(ir: KernelIR, sizes: dict[str, int], accumulate: frozenset[str], tiles=None, target=None) -> Plan:
     space = ir.structure.space
     index_of = index_vars(space)
     lower = Lowerer(sizes, index_of)

@@ -102,7 +102,7 @@ def _phases(ir: KernelIR, sizes, axes: tuple[str, ...], index_of: dict):
     return lower, bound, pre, tuple(phases)
 
 
-def plan_rows(ir: KernelIR, sizes, accumulate: frozenset[str], tiles=None) -> Plan:
+def plan_rows(ir: KernelIR, sizes, accumulate: frozenset[str], tiles=None, target=None) -> Plan:
     space = ir.structure.space
     col_axis, row_axes = space[-1], space[:-1]
     index_of = index_vars(space)
@@ -125,7 +125,7 @@ def plan_rows(ir: KernelIR, sizes, accumulate: frozenset[str], tiles=None) -> Pl
     return Plan("rowreduce", params, (EntryPoint("main", rows),))
 
 
-def plan_columns(ir: KernelIR, sizes, accumulate: frozenset[str], tiles=None) -> Plan:
+def plan_columns(ir: KernelIR, sizes, accumulate: frozenset[str], tiles=None, target=None) -> Plan:
     out_axes = ir.structure.space
     # T outermost: the loop then runs to its real length (an inner axis runs to its baked size)
     axes = tuple(sorted(ir.structure.reduced, key=lambda a: a != SEQ_AXIS))

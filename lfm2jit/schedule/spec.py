@@ -88,6 +88,34 @@ class Plan:
 
 
 @dataclass(frozen=True)
+class MatrixConfig:
+    """One subgroup-matrix shape the device multiplies: left M x K times right K x N of
+    ``component`` into a ``result`` accumulator."""
+    m: int
+    n: int
+    k: int
+    component: str
+    result: str
+
+
+@dataclass(frozen=True)
+class Target:
+    """What the device offers the planners beyond portable WebGPU: subgroup matrices (the matrix
+    units) and the subgroup size they run at. The portable target has none."""
+    matrix_configs: tuple[MatrixConfig, ...] = ()
+    subgroup_size: int = 0
+    workgroup_bytes: int = 16384       # the device's maxComputeWorkgroupStorageSize
+
+    def matrix(self, component: str, result: str) -> MatrixConfig | None:
+        """The largest config of these types (16x16x16 before 16x8x16 ...), or None."""
+        fits = [c for c in self.matrix_configs if (c.component, c.result) == (component, result)]
+        return max(fits, key=lambda c: (c.m * c.n * c.k, c.m, c.n), default=None)
+
+
+PORTABLE = Target()
+
+
+@dataclass(frozen=True)
 class IntrinsicCall:
     """One intrinsic call as its planner sees it: operands and outputs with names, concrete sizes."""
     name: str

@@ -13,14 +13,14 @@ from dataclasses import asdict
 from pathlib import Path
 
 from ..schedule.attention import AttentionTiles
-from ..schedule.matmul import TileConfig
+from ..schedule.matmul import MatrixTiles, TileConfig
 from ..settings import settings
 from . import candidates
 from .timing import WARM_SECONDS, seconds_per_call, warm_up
 
 CANDIDATE_WARM_SECONDS = 0.02   # after the search's warm-up, each candidate runs this long before it is timed
 
-KINDS = {cls.__name__: cls for cls in (TileConfig, AttentionTiles)}   # how saved tiles name their class
+KINDS = {cls.__name__: cls for cls in (TileConfig, MatrixTiles, AttentionTiles)}   # how saved tiles name their class
 
 
 def cache_file() -> Path:
@@ -52,7 +52,7 @@ class Tuner:
 
     def tiles(self, kernel, dims: dict[str, int], bucket: int, accumulate: frozenset[str]):
         """The fastest candidate for this specialization (searched once), or None if it has none."""
-        spec = kernel.specialize(dims, bucket, accumulate)
+        spec = kernel.specialize(dims, bucket, accumulate, target=self.engine.target)
         options = candidates.for_spec(spec)
         if not options:
             return None

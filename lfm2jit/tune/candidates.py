@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 
 from ..schedule.attention import TARGET_THREADS, AttentionTiles, choose_tiles, tiles_problem
-from ..schedule.matmul import TileConfig
+from ..schedule.matmul import MatrixTiles, TileConfig
 
 MIN_THREADS = 64             # fewest invocations per workgroup an attention candidate has
 MAX_CANDIDATES = 8           # attention candidates per (mode, head dim)
@@ -36,10 +36,18 @@ def attention(mode: str, e: int) -> tuple[AttentionTiles, ...]:
     return (default, *sorted(fits, key=distance)[:MAX_CANDIDATES - 1])
 
 
+MATRIX = (MatrixTiles(128, 128, 2, 2, 32), MatrixTiles(64, 64, 2, 2, 32), MatrixTiles(128, 64, 2, 2, 32),
+          MatrixTiles(64, 128, 2, 2, 32), MatrixTiles(128, 128, 2, 4, 32), MatrixTiles(128, 128, 4, 2, 32),
+          MatrixTiles(64, 64, 2, 2, 32, split=2), MatrixTiles(64, 64, 2, 2, 32, split=4),
+          MatrixTiles(128, 128, 2, 2, 64), MatrixTiles(64, 64, 2, 2, 64))
+
+
 def for_spec(spec) -> tuple:
     """The tiles worth trying for an (untuned) specialization; empty where its template has no knobs."""
     if spec.template == "matmul":
         return MATMUL
+    if spec.template == "matmul_matrix":
+        return MATRIX
     if spec.template in ("attention_fwd", "attention_bwd"):
         return attention(spec.params.mode, spec.params.head_dim)
     return ()

@@ -1,0 +1,98 @@
+"""The subgroup-matrix (matrix-unit) GEMM schedule.
+
+What the scheduler decides runs everywhere: contractions with an f16 operand go to the matrix
+template on a device with f16 subgroup matrices, f32 ones stay SIMT, and every tile the autotuner
+may try renders. The numbers need such a device (Dawn on an NVIDIA GPU): those tests run there and
+are skipped elsewhere (lavapipe has no subgroup matrices); benches/results/h200_tests_dawn.log is
+the suite's run on the H200 under LFM2JIT_WEBGPU=dawn.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import rel_err
+from lfm2jit import grad, library
+from lfm2jit.cli import MATRIX_UNITS
+from lfm2jit.codegen.render import render
+from lfm2jit.schedule.matmul import MatrixTiles
+from lfm2jit.tune.candidates import MATRIX
+
+LINEAR = library.get("linear")
+PRODUCTS = {   # the three products of a linear layer in --f16 mode: activations f16, weights and their grads f32
+    "y": LINEAR.variant("f16", {"w"}),
+    "d_x": grad(LINEAR, ["x"]).variant("f16", {"w"}).kernels[0],
+    "d_w": grad(LINEAR, ["w"]).variant("f16", {"d_w"}).kernels[0],
+}
+
+
+@pytest.mark.parametrize("out", PRODUCTS)
+def test_f16_contractions_go_to_the_matrix_units(out):
+    spec = PRODUCTS[out].specialize({"T": 100, "K": 64, "N": 48}, 64, target=MATRIX_UNITS)
+    assert spec.template == "matmul_matrix"
+    wgsl = render(spec)
+    assert "subgroupMatrixMultiplyAccumulate" in wgsl and "enable chromium_experimental_subgroup_matrix;" in wgsl
+    assert PRODUCTS[out].specialize({"T": 100, "K": 64, "N": 48}, 64).template == "matmul"   # portable target
+
+
+def test_f32_contractions_stay_simt_on_a_device_with_matrix_units():
+    assert LINEAR.specialize({"T": 100, "K": 64, "N": 48}, 64, target=MATRIX_UNITS).template == "matmul"
+
+
+@pytest.mark.parametrize("tiles", MATRIX)
+def test_every_matrix_candidate_renders(tiles):
+    for k in PRODUCTS.values():
+        wgsl = render(k.specialize({"T": 70, "K": 96, "N": 40}, 16, frozenset(), tiles, MATRIX_UNITS))
+        assert wgsl.count("subgroupMatrixLoad") >= 2
+
+
+def test_matrix_tiles_that_do_not_fit_are_refused():
+    with pytest.raises(ValueError, match="fragment"):
+        PRODUCTS["y"].specialize({"T": 8, "K": 16, "N": 16}, 1, frozenset(), MatrixTiles(48, 64, 2, 2, 32),
+                                 MATRIX_UNITS)
+    with pytest.raises(ValueError, match="need a device with f16 subgroup matrices"):
+        PRODUCTS["y"].specialize({"T": 8, "K": 16, "N": 16}, 1, frozenset(), MatrixTiles())
+
+
+# ---- on the matrix units (a device that has them) ----
+
+@pytest.fixture
+def units(engine):
+    if not engine.target.matrix_configs:
+        pytest.skip(f"{engine.ctx.name} has no f16 subgroup matrices (lavapipe has none; Dawn on an NVIDIA GPU has)")
+    return engine
+
+
+def _f16(rng, shape):
+    return rng.standard_normal(shape).astype(np.float16)
+
+
+@pytest.mark.parametrize("T,K,N", [(100, 64, 48), (129, 40, 132), (7, 8, 12), (256, 1024, 96)])
+@pytest.mark.parametrize("tiles", [None, MatrixTiles(64, 64, 2, 2, 32, split=2), MatrixTiles(128, 128, 2, 2, 64)])
+def test_matrix_products_match_float64(units, rng, T, K, N, tiles):
+    """f16 activations (x, dY), f32 weights converted as they are staged; against float64 on the same
+    f16-rounded values, for all three products, ragged edges and split-K included."""
+    e = units
+    x, dy = _f16(rng, (T, K)), _f16(rng, (T, N))
+    w = rng.standard_normal((N, K)).astype(np.float32)
+    w16 = w.astype(np.float16).astype(np.float64)
+    want = {"y": x.astype(np.float64) @ w16.T, "d_x": dy.astype(np.float64) @ w16,
+            "d_w": dy.T.astype(np.float64) @ x.astype(np.float64)}
+    args = {"x": e.tensor(x), "w": e.tensor(w), "d_y": e.tensor(dy)}
+    for out, k in PRODUCTS.items():
+        assert k.specialize({"T": T, "K": K, "N": N}, 16, frozenset(), tiles, e.target).template == "matmul_matrix"
+        got = e.run(k, bucket=16, tiles=tiles, **{n: args[n] for n in k.inputs})[out].numpy()
+        assert rel_err(got, want[out]) < (2e-3 if out != "d_w" else 1e-5), (out, T, K, N, tiles)
+
+
+def test_matrix_weight_gradient_accumulates(units, rng):
+    e = units
+    T, K, N = 70, 36, 44
+    x, dy = _f16(rng, (T, K)), _f16(rng, (T, N))
+    base = rng.standard_normal((N, K)).astype(np.float32)
+    for tiles in (None, MatrixTiles(64, 64, 2, 2, 32, split=4)):
+        dw = e.tensor(base)
+        e.run(PRODUCTS["d_w"], bucket=16, tiles=tiles, x=e.tensor(x), d_y=e.tensor(dy), out={"d_w": dw},
+              accumulate={"d_w"})
+        want = base + dy.T.astype(np.float64) @ x.astype(np.float64)
+        assert rel_err(dw.numpy(), want) < 1e-5, tiles
