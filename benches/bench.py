@@ -46,11 +46,12 @@ from lfm2jit import ComputeEngine, WgpuContext, grad
 from lfm2jit.ops import library
 from lfm2jit.schedule.matmul import TileConfig
 from lfm2jit.tune.candidates import MATMUL as CANDIDATES
+from lfm2jit.tune.candidates import MATRIX as MATRIX_CANDIDATES
 from lfm2jit.tune.timing import warm_up
 
 # Datasheet ceilings per adapter-name substring: (fp32 FLOP/s without tensor cores, bytes/s)
 CEILINGS = {"H200": (67e12, 4.8e12), "H100": (67e12, 3.35e12)}
-GROUPS = ("ref", "matmul", "matrix", "tiles", "attention", "conv", "rmsnorm", "pointwise", "xent", "adamw", "train")
+GROUPS = ("ref", "matmul", "matrix", "tiles", "mtiles", "attention", "conv", "rmsnorm", "pointwise", "xent", "adamw", "train")
 QUICK_GROUPS = ("matmul", "attention", "conv", "rmsnorm", "pointwise", "xent", "adamw", "train")
 GiB = float(1 << 30)
 
@@ -286,6 +287,36 @@ class Bench:
                                   4.0 * (m * k + n * k + m * n), wall_seconds=wall,
                                   extra={"tiles": asdict(cfg), "rel_err_first_rows": err}))
                 self.guarded("tiles", f"linear[{tag}]", shape, one)
+
+    def mtiles(self):
+        """The matrix-unit template at each autotuner candidate, for the three products of a linear
+        layer in --f16 mode, and the forward with the weight stored as f16 too (no conversion while
+        staging): 4096^3 and the LFM2-350M shapes at T = 2048 (or --tile-shapes)."""
+        if not self.engine.target.matrix_configs:
+            self.add(Line("mtiles", "matrix_tiles", "-", error="the device has no f16 subgroup matrices"))
+            return
+        shapes = self.tile_shapes or [(4096, 4096, 4096), (2048, 4608, 1024), (2048, 1024, 4608), (2048, 3072, 1024)]
+        lin = library.get("linear")
+        products = {"fwd": lin.variant("f16", {"w"}), "fwd_w16": lin.variant("f16"),
+                    "dx": grad(lin, ["x"]).variant("f16", {"w"}).kernels[0],
+                    "dw": grad(lin, ["w"]).variant("f16", {"d_w"}).kernels[0]}
+        for m, n, k in shapes:
+            for cfg in MATRIX_CANDIDATES:
+                shape = f"{m}x{n}x{k}"
+                tag = f"{cfg.wm}x{cfg.wn}/sg{cfg.sg_m}x{cfg.sg_n}/bk{cfg.bk}" + (f"/split{cfg.split}" if cfg.split > 1 else "")
+
+                def one(m=m, n=n, k=k, shape=shape, cfg=cfg, tag=tag):
+                    e = self.engine
+                    xa, wa, dya = _rand(self.rng, (m, k)), _rand(self.rng, (n, k)), _rand(self.rng, (m, n))
+                    args = {"x": e.tensor(xa, "f16"), "w": e.tensor(wa), "d_y": e.tensor(dya, "f16")}
+                    w16 = e.tensor(wa, "f16")
+                    for name, kern in products.items():
+                        given = {t.name: (w16 if name == "fwd_w16" and t.name == "w" else args[t.name])
+                                 for t in kern.ir.inputs}
+                        s, timer, wall, _ = time_engine(e, lambda: e.run(kern, tiles=cfg, **given), self.reps)
+                        self.add(Line("mtiles", f"{name}[{tag}]", shape, s, timer, 2.0 * m * n * k,
+                                      2.0 * (m * k + n * k + m * n), wall_seconds=wall, extra={"tiles": asdict(cfg)}))
+                self.guarded("mtiles", f"matrix[{tag}]", shape, one)
 
     # ---- attention ----
     def attention(self):

@@ -21,9 +21,9 @@ matrix)
     export LFM2JIT_WEBGPU=dawn
     python3 -m lfm2jit info 2>&1
     python3 -c 'from lfm2jit import WgpuContext; c = WgpuContext.create(); print(c.info); print(c.subgroup_matrix_configs)'
-    python3 -m pytest -q -p no:cacheprovider tests/test_matrix_units.py tests/test_webgpu.py tests/test_kernels_basic.py \
-        tests/test_autotune.py -x 2>&1 | tee "$OUT/h200_matrix.log" | tail -30
-    python3 benches/bench.py --only matrix matmul --json "$OUT/h200_matrix.json" 2>&1 | tail -40
+    python3 -m pytest -q -p no:cacheprovider -rs tests/test_matrix_units.py tests/test_webgpu.py -x 2>&1 \
+        | tee "$OUT/h200_matrix.log" | tail -8
+    python3 benches/bench.py --only ${BENCH_GROUPS:-matrix mtiles} --json "$OUT/h200_matrix.json" 2>&1 | tail -80
     ;;
 speed)
     python3 benches/side_by_side.py --steps 3 --json "$OUT/h200_sbs_f32.json" 2>&1 | tail -12

@@ -159,6 +159,9 @@ class MatrixTiles:
             return f"WM / SG_M and WN / SG_N must be multiples of the {frag.m}x{frag.n} fragment"
         if self.bk % frag.k or self.bk % 4:
             return f"BK must be a multiple of the fragment's K {frag.k} and of 4"
+        threads = self.sg_m * self.sg_n * subgroup
+        if (self.wm * self.bk) % (4 * threads) or (self.wn * self.bk) % (4 * threads):
+            return f"each of the {threads} invocations must fetch the same number of vec4s of each tile"
         if self.sg_m * self.sg_n * subgroup > 256:
             return f"{self.sg_m * self.sg_n} subgroups of {subgroup} exceed 256 invocations"
         if self.workgroup_bytes(frag) > workgroup_bytes:
