@@ -84,6 +84,7 @@ class ComputeEngine(Recorder):
         ir = kernel.ir
         args, sizing = self._own_arguments(kernel, args)
         args, left_out = self._leading_axes(ir, args)
+        left_out |= _left_out_of(sizing)
         out = {n: self._expand(ir, n, t) for n, t in (out or {}).items()}
         if tiles is not None and len(kernel.kernels) > 1:
             raise ValueError(f"{kernel.name}: tiles= applies to one kernel, and this one runs "
@@ -279,6 +280,17 @@ def _matrix_config(d) -> MatrixConfig | None:
 def _dtype(v) -> str:
     """'f16', 'F16', 'SubgroupMatrixComponentType.F16' ... -> 'f16'."""
     return str(v).rsplit(".", 1)[-1].lower()
+
+
+def _left_out_of(sizing) -> set[str]:
+    """The optional leading axes left out of forward arguments a backward only sizes from: its
+    gradients are returned without them too, as the caller passed the forward's tensors."""
+    left_out: set[str] = set()
+    for decl, x in sizing:
+        k = len(decl.shape) - len(x.shape)
+        if 0 < k <= len(decl.optional):
+            left_out.update(decl.optional[:k])
+    return left_out
 
 
 def _drop_leading(t: Tensor, decl, left_out: set[str]) -> Tensor:

@@ -11,7 +11,7 @@ import numpy as np
 
 from .corpus import load_case, write_case
 from .expr import ModelError
-from .generate import generate
+from .generate import FEATURES, features, generate
 from .run import CLASSES, FAILING, Result, Runner
 
 SIDES = ("forward", "backward")
@@ -44,6 +44,17 @@ def counts_table(results: list[Result]) -> str:
             continue
         rows.append(f"{cls:<14}{f:>9}{b:>10}")
     rows.append(f"{'total':<14}{len(results):>9}{len(results):>10}")
+    return "\n".join(rows)
+
+
+def features_table(results: list[Result]) -> str:
+    """Per feature of the language (windows, defaults, optional axes, poison...): how many kernels
+    use it and how many of those fail, forward and backward."""
+    rows = [f"{'feature':<14}{'kernels':>9}{'fwd fail':>10}{'bwd fail':>10}"]
+    for name in FEATURES:
+        rs = [r for r in results if name in features(r.case)]
+        rows.append(f"{name:<14}{len(rs):>9}{sum(r.forward.failing for r in rs):>10}"
+                    f"{sum(r.backward.failing for r in rs):>10}")
     return "\n".join(rows)
 
 
@@ -109,6 +120,7 @@ def fuzz_main(args) -> int:
     print(f"{len(results)} kernels in {time.time() - start:.1f}s on {runner.ctx.name} "
           f"(seed {args.seed}{', forward only' if args.no_backward else ''})")
     print(counts_table(results))
+    print(features_table(results))
     refused = sum(r.forward.cls == "refused" for r in results)
     print(f"refused share (forward): {refused / max(len(results), 1):.1%}")
     causes = causes_table(results)

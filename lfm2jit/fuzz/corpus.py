@@ -4,12 +4,15 @@
     # sizes: T=5 D=3
     # bucket: 4
     # data-seed: 17
+    # left-out: b s0        (defaulted inputs the call leaves out; optional line)
+    # dropped: B            (optional leading axes the call leaves out; optional line)
+    # poison: on            (T-leading tensors with NaN padded rows; optional line)
     # seed: 42
     # forward: wrong: output y0: max error ...
     # backward: ok
     kernel k(...) -> (...) { ... }
 
-Only sizes, bucket and data-seed are read back (the rest records what was seen); the kernel is
+Only sizes, bucket, data-seed, left-out, dropped and poison are read back (the rest records what was seen); the kernel is
 parsed with the fuzzer's own parser, so its meaning does not depend on the compiler.
 """
 from __future__ import annotations
@@ -34,6 +37,12 @@ def case_text(case: Case, result=None, note: str = "") -> str:
     lines.append("# sizes: " + (" ".join(f"{a}={n}" for a, n in case.sizes.items()) or "-"))
     lines.append(f"# bucket: {case.bucket}")
     lines.append(f"# data-seed: {case.data_seed}")
+    if case.left_out:
+        lines.append("# left-out: " + " ".join(case.left_out))
+    if case.dropped:
+        lines.append("# dropped: " + " ".join(case.dropped))
+    if case.poison:
+        lines.append("# poison: on")
     if case.seed is not None:
         lines.append(f"# seed: {case.seed}")
     if result is not None:
@@ -60,6 +69,7 @@ def load_case(path: Path) -> Case:
 
 def case_from_text(text: str, origin: str = "<case>") -> Case:
     sizes, bucket, data_seed, seed, note = {}, 4, 0, None, ""
+    left_out, dropped, poison = (), (), False
     for line in text.splitlines():
         if not line.startswith("#"):
             continue
@@ -75,6 +85,12 @@ def case_from_text(text: str, origin: str = "<case>") -> Case:
             seed = int(value)
         elif key == "note":
             note = value
+        elif key == "left-out":
+            left_out = tuple(value.split())
+        elif key == "dropped":
+            dropped = tuple(value.split())
+        elif key == "poison":
+            poison = value.lower() in ("on", "yes", "1", "true")
     kernels = parse(text)
     if len(kernels) != 1:
         raise ValueError(f"{origin}: a case file holds one kernel, found {len(kernels)}")
@@ -82,7 +98,11 @@ def case_from_text(text: str, origin: str = "<case>") -> Case:
     missing = [a for a in k.axes() if not a.isdigit() and a not in sizes]
     if missing:
         raise ValueError(f"{origin}: no size for axes {missing} (a '# sizes: T=5 D=3' line)")
-    return Case(k, {a: sizes[a] for a in k.axes() if not a.isdigit()}, bucket, seed, data_seed, note)
+    defaulted = {p.name for p in k.inputs if p.default is not None}
+    if set(left_out) - defaulted:
+        raise ValueError(f"{origin}: left-out inputs {sorted(set(left_out) - defaulted)} have no default")
+    return Case(k, {a: sizes[a] for a in k.axes() if not a.isdigit()}, bucket, seed, data_seed, note,
+                left_out=left_out, dropped=dropped, poison=poison)
 
 
 def corpus_dir() -> Path:

@@ -13,7 +13,19 @@ restated from the language's documentation (README, grammar.lark) and its checke
 - a subscript has one item per axis: ``:`` (or the axis' own name), an integer (takes that entry,
   dropping the axis) or ``A - k`` / ``A + k`` (reads k earlier / later, zero outside 0..size-1; for T
   the size is the real length);
-- ``mean`` divides by the axis' size (T: the real length); reductions need a float value.
+- a subscript item ``A - L`` / ``A + L`` with L an axis name the value does not have (and no
+  variable's name) is a window: the value gains L as its LAST axis, x[.., a - l, ..] (resp. a + l),
+  zero outside 0..size(A)-1 (T: the real length); windows append their axes in item order, takes
+  drop theirs afterwards;
+- ``flip(x, A)`` reverses axis A: x[.., |A| - 1 - a, ..] (T: over the real length);
+- ``mean`` divides by the axis' size (T: the real length); reductions need a float value;
+- an input may have a default (``b: f32[D] = 0.5``, ``s: f32 = -2``; whole numbers for integer
+  dtypes; none on outputs or in-place parameters): a caller may leave it out, and it then holds that
+  value over all its axes;
+- a tensor may mark leading axes optional (``x: f32[B?, T, D]``): optional axes come first, T is never
+  optional and, when present, is the first axis after them. A caller may pass the tensor without a
+  prefix of its optional axes (they are then size 1); an output is returned without the prefix of its
+  declared optional axes that some input left out (see ``returned_shape``).
 """
 from __future__ import annotations
 
@@ -89,6 +101,12 @@ class Idx(Expr):
 
 
 @dataclass(frozen=True)
+class Flip(Expr):
+    x: Expr
+    axis: str
+
+
+@dataclass(frozen=True)
 class Stk(Expr):
     values: tuple
     n: int
@@ -97,7 +115,8 @@ class Stk(Expr):
 @dataclass(frozen=True)
 class Sub(Expr):
     """items, one per axis of x: ("full",) for ':', ("name", A) for the axis' own name, ("take", i)
-    for an integer, ("shift", A, k) for ``A + k`` (k > 0) or ``A - |k|`` (k < 0)."""
+    for an integer, ("shift", A, k) for ``A + k`` (k > 0) or ``A - |k|`` (k < 0), ("window", A, L, s)
+    for ``A + L`` (s = 1) or ``A - L`` (s = -1) over a new axis L."""
     x: Expr
     items: tuple
 
@@ -109,7 +128,7 @@ def children(e: Expr) -> tuple:
         return (e.a, e.b)
     if isinstance(e, Fn):
         return e.args
-    if isinstance(e, Red):
+    if isinstance(e, (Red, Flip)):
         return (e.x,)
     if isinstance(e, Stk):
         return e.values
@@ -127,6 +146,8 @@ def with_children(e: Expr, kids: tuple) -> Expr:
         return Fn(e.name, tuple(kids))
     if isinstance(e, Red):
         return Red(e.fn, kids[0], e.axis)
+    if isinstance(e, Flip):
+        return Flip(kids[0], e.axis)
     if isinstance(e, Stk):
         return Stk(tuple(kids), e.n)
     if isinstance(e, Sub):
@@ -145,6 +166,8 @@ class Param:
     name: str
     dtype: str
     shape: tuple          # () for a runtime scalar
+    optional: tuple = ()  # the leading axes marked ``?`` (a caller may leave out a prefix of them)
+    default: float | None = None   # an input's default (a caller may leave the input out)
 
 
 @dataclass
@@ -170,7 +193,22 @@ class KernelDef:
                     seen.setdefault(n.axis, None)
                 elif isinstance(n, Stk):
                     seen.setdefault(str(n.n), None)
+                elif isinstance(n, Sub):
+                    for it in n.items:
+                        if it[0] == "window":
+                            seen.setdefault(it[2], None)
         return list(seen)
+
+    def window_axes(self) -> list[str]:
+        """Axes some window introduces (x[T - L]): their sizes may come from dims= only."""
+        out: dict[str, None] = {}
+        for _, e in self.body:
+            for n in walk(e):
+                if isinstance(n, Sub):
+                    for it in n.items:
+                        if it[0] == "window":
+                            out.setdefault(it[2], None)
+        return list(out)
 
     def uses_f16(self) -> bool:
         if any(p.dtype == "f16" for p in self.inputs + self.outputs):
@@ -251,19 +289,36 @@ class Checker:
                 raise ModelError(f"dtype {p.dtype}")
             if len(set(p.shape)) != len(p.shape):
                 raise ModelError("axis twice")
-            if SEQ in p.shape and p.shape[0] != SEQ:
-                raise ModelError("T not leading")
+            lead = len(p.optional)
+            if tuple(p.shape[:lead]) != tuple(p.optional):
+                raise ModelError("optional axes lead")
+            if SEQ in p.optional or any(is_fixed(a) for a in p.optional):
+                raise ModelError("T (or a fixed axis) optional")
+            if SEQ in p.shape and p.shape.index(SEQ) != lead:
+                raise ModelError("T not leading (after optional axes)")
             if any(is_fixed(a) and int(a) < 1 for a in p.shape):
                 raise ModelError("axis size < 1")
         ins = {p.name: p for p in k.inputs}
         for o in k.outputs:
             if not o.shape:
                 raise ModelError("scalar output")
-            if o.name in ins and (ins[o.name].dtype, ins[o.name].shape) != (o.dtype, o.shape):
+            if o.default is not None:
+                raise ModelError("output with a default")
+            if o.name in ins and (ins[o.name].dtype, ins[o.name].shape, ins[o.name].optional) != \
+                    (o.dtype, o.shape, o.optional):
                 raise ModelError("in-place type differs")
+            if o.name in ins and ins[o.name].default is not None:
+                raise ModelError("in-place parameter with a default")
         for p in k.inputs:
             if not p.shape and p.dtype != "f32":
                 raise ModelError("scalar must be f32")
+            if p.default is not None:
+                if not math.isfinite(p.default) or abs(p.default) >= 2.0**127:
+                    raise ModelError("default out of range")
+                if p.dtype in INTS:
+                    lo, hi = INT_RANGE[p.dtype]
+                    if p.default != int(p.default) or not lo <= p.default <= hi:
+                        raise ModelError(f"default {p.default} not {p.dtype}")
             self.env[p.name] = Ty(p.shape, p.dtype)
         decl = {o.name: o for o in k.outputs}
         assigned: set = set()
@@ -372,6 +427,11 @@ class Checker:
             if t.dtype not in FLOATS:
                 raise ModelError("reduce of non-float")
             return Ty(tuple(a for a in t.shape if a != e.axis), t.dtype)
+        if isinstance(e, Flip):
+            t = self.ty(e.x)
+            if e.axis not in t.shape or is_fixed(e.axis) or e.axis in self.env:
+                raise ModelError("flip() along a missing or fixed-size axis")
+            return t
         if isinstance(e, Idx):
             if is_fixed(e.axis):
                 raise ModelError("index() names its axis: not a fixed-size one")
@@ -401,7 +461,14 @@ class Checker:
                 raise ModelError("subscript arity")
             shape = list(t.shape)
             for axis, it in zip(t.shape, e.items):
-                if it[0] == "take":
+                if it[0] == "window":
+                    if is_fixed(axis) or it[1] != axis:
+                        raise ModelError("window along a fixed axis or by another axis' name")
+                    L = it[2]
+                    if L in shape or is_fixed(L) or L == SEQ or L in self.env:
+                        raise ModelError("window axis not new (or T, or a variable's name)")
+                    shape.append(L)
+                elif it[0] == "take":
                     if is_fixed(axis) and it[1] >= int(axis):
                         raise ModelError("index out of range")
                     shape.remove(axis)
@@ -413,6 +480,32 @@ class Checker:
         raise ModelError(f"unknown node {e!r}")
 
 
+def passed_shape(p: Param, dropped) -> tuple:
+    """The axes of input p as a caller passes it when it leaves out the optional axes ``dropped``
+    (only a prefix of p's optional axes can be left out)."""
+    k = 0
+    while k < len(p.optional) and p.optional[k] in dropped:
+        k += 1
+    return p.shape[k:]
+
+
+def left_out_axes(k: KernelDef, dropped, passed=None) -> set:
+    """The optional axes the engine sees left out: those some (passed) input leaves out."""
+    out: set = set()
+    for p in k.inputs:
+        if passed is not None and p.name not in passed:
+            continue
+        n = len(p.shape) - len(passed_shape(p, dropped))
+        out.update(p.optional[:n])
+    return out
+
+
+def returned_shape(o: Param, left_out) -> tuple:
+    """An output's axes as the engine returns it: without the prefix of its declared optional axes
+    that the call's inputs left out."""
+    return passed_shape(o, left_out)
+
+
 def check(k: KernelDef) -> Checker:
     c = Checker(k)
     c.check()
@@ -421,7 +514,18 @@ def check(k: KernelDef) -> Checker:
 
 # ---------------------------------------------------------------- printing
 def fmt_type(p: Param) -> str:
-    return p.dtype + (f"[{', '.join(p.shape)}]" if p.shape else "")
+    axes = [a + "?" if a in p.optional else a for a in p.shape]
+    text = p.dtype + (f"[{', '.join(axes)}]" if p.shape else "")
+    if p.default is not None:
+        text += " = " + fmt_default(p.default)
+    return text
+
+
+def fmt_default(v: float) -> str:
+    v = float(v)
+    mag = abs(v)
+    body = str(int(mag)) if mag == int(mag) and mag < 1e15 else repr(mag)
+    return ("-" if v < 0 or (v == 0 and math.copysign(1.0, v) < 0) else "") + body
 
 
 def _p(e: Expr, level: int) -> str:
@@ -450,6 +554,8 @@ def _text(e: Expr) -> tuple[int, str]:
         return 5, f"{e.name}({', '.join(_p(a, 0) for a in e.args)})"
     if isinstance(e, Red):
         return 5, f"{e.fn}({_p(e.x, 0)}, {e.axis})"
+    if isinstance(e, Flip):
+        return 5, f"flip({_p(e.x, 0)}, {e.axis})"
     if isinstance(e, Idx):
         return 5, f"index({e.axis})"
     if isinstance(e, Stk):
@@ -466,6 +572,8 @@ def _item_text(it, axis) -> str:
         return it[1]
     if it[0] == "take":
         return str(it[1])
+    if it[0] == "window":
+        return f"{it[1]} {'+' if it[3] > 0 else '-'} {it[2]}"
     axis, k = it[1], it[2]
     return f"{axis} - {-k}" if k < 0 else f"{axis} + {k}"
 
@@ -483,7 +591,7 @@ def kernel_text(k: KernelDef) -> str:
 
 # ---------------------------------------------------------------- parsing (a small recursive descent parser)
 _TOKEN = re.compile(r"\s+|#[^\n]*|(?P<num>([0-9]+\.[0-9]*|\.[0-9]+|[0-9]+)([eE][-+]?[0-9]+)?)"
-                    r"|(?P<name>[A-Za-z_][A-Za-z0-9_]*)|(?P<op>\*\*|->|[-+*/<>()\[\]{},:=])")
+                    r"|(?P<name>[A-Za-z_][A-Za-z0-9_]*)|(?P<op>\*\*|->|[-+*/<>()\[\]{},:=?])")
 
 
 def _tokens(text: str) -> list[tuple[str, str]]:
@@ -552,17 +660,33 @@ class _Parser:
             name = self.name()
             self.take(":")
             dtype = self.name()
-            shape = []
+            shape, optional = [], []
             if self.peek()[1] == "[":
                 self.take("[")
                 while True:
                     shape.append(self.take()[1])
+                    if self.peek()[1] == "?":
+                        self.take("?")
+                        optional.append(shape[-1])
                     if self.peek()[1] == ",":
                         self.take(",")
                         continue
                     break
                 self.take("]")
-            out.append(Param(name, dtype, tuple(shape)))
+            default = None
+            if self.peek()[1] == "=":
+                self.take("=")
+                sign = 1.0
+                if self.peek()[1] == "-":
+                    self.take("-")
+                    sign = -1.0
+                kind, v = self.take()
+                if kind != "num":
+                    raise ModelError(f"a default is a number, got {v!r}")
+                default = sign * float(v)
+            if tuple(shape[:len(optional)]) != tuple(optional):
+                raise ModelError("optional axes lead")
+            out.append(Param(name, dtype, tuple(shape), tuple(optional), default))
             if self.peek()[1] == ",":
                 self.take(",")
         return out
@@ -645,6 +769,8 @@ def _resolve(e: Expr, env: set) -> Expr:
             return Red(e.name, _resolve(args[0], env), args[1].name)
         if e.name == "index" and len(args) == 1 and isinstance(args[0], Ref):
             return Idx(args[0].name)
+        if e.name == "flip" and len(args) == 2 and isinstance(args[1], Ref) and args[1].name not in env:
+            return Flip(_resolve(args[0], env), args[1].name)
         if e.name == "stack" and len(args) >= 3 and isinstance(args[-1], Num):
             return Stk(tuple(_resolve(a, env) for a in args[:-1]), int(args[-1].value))
         return Fn(e.name, tuple(_resolve(a, env) for a in args))
@@ -662,6 +788,9 @@ def _resolve(e: Expr, env: set) -> Expr:
             elif isinstance(x, Bin) and x.op in "+-" and isinstance(x.a, Ref) and isinstance(x.b, Num):
                 k = int(x.b.value)
                 items.append(("shift", x.a.name, k if x.op == "+" else -k))
+            elif isinstance(x, Bin) and x.op in "+-" and isinstance(x.a, Ref) and isinstance(x.b, Ref) \
+                    and x.b.name not in env:
+                items.append(("window", x.a.name, x.b.name, 1 if x.op == "+" else -1))
             else:
                 raise ModelError(f"unsupported subscript item {expr_text(x)}")
         return Sub(_resolve(e.x, env), tuple(items))
@@ -692,6 +821,10 @@ class Val:
 # per-op relative rounding modelled by the noise (see run.py for the precision model)
 EPS = {"f32": 2.0**-23, "f16": 2.0**-11, ABSTRACT: 2.0**-23}
 TRANSCENDENTAL = {"exp", "log", "sqrt", "rsqrt", "sigmoid", "silu", "tanh", "recip", "cos", "sin", "**"}
+# functions whose error is absolute near a zero of the result, not relative: WGSL's tanh inherits
+# sinh/cosh's accuracy (lavapipe: |error| ~ 1.2 * 2^-23 at any x, so tanh(1e-5) is off by 1%), log
+# has an absolute error bound around 1 (lavapipe: ~ 2^-23); 2 ulps of 1, absolute, are modelled
+ABSOLUTE_ERROR = {"tanh": 2.0, "log": 2.0}
 
 
 NEAR = 64 * 2.0 ** -23     # comparison operands closer than this (relative) are a decision f32 may flip
@@ -775,8 +908,14 @@ class Evaluator:
     def run(self, inputs: dict) -> dict[str, np.ndarray]:
         env: dict[str, Val] = {}
         for p in self.k.inputs:
-            x = inputs[p.name]
+            if p.name in inputs:
+                x = inputs[p.name]
+            elif p.default is not None:      # left out: the default over all its axes
+                x = np.full(tuple(self.sizes[a] for a in p.shape), p.default)
+            else:
+                raise KeyError(f"input {p.name} not given and without a default")
             arr = np.asarray(x, dtype=np.int64 if p.dtype in INTS else np.float64)
+            arr = arr.reshape(tuple(self.sizes[a] for a in p.shape))    # left-out optional axes: size 1
             env[p.name] = Val(arr, p.shape, p.dtype)
         decl = {o.name: o for o in self.k.outputs}
         outs = {}
@@ -863,8 +1002,10 @@ class Evaluator:
                     if t.dtype not in INTS:
                         self.record("kink", e, np.sign(x.arr))
                     return Val(np.abs(x.arr), x.axes, t.dtype)
-                r = _UNARY[f](x.arr.astype(np.float64))
-                return Val(self.rounded(e, r, t.dtype, f), x.axes, t.dtype)
+                r = self.rounded(e, _UNARY[f](x.arr.astype(np.float64)), t.dtype, f)
+                if f in ABSOLUTE_ERROR and self.noise is not None:
+                    r = r + ABSOLUTE_ERROR[f] * self.noise.absolute(e, np.shape(r), t.dtype)
+                return Val(r, x.axes, t.dtype)
             if f in BINARY_FUNCS:
                 a, b = self.ev(e.args[0], env), self.ev(e.args[1], env)
                 return Val(self._binop(e, f, a, b, t.dtype, t.shape), t.shape, t.dtype)
@@ -883,6 +1024,11 @@ class Evaluator:
                     else:
                         r = np.trunc(x.arr)
                         self.record("disc", e, r)
+                        # a value within rounding of a (non-zero) whole number may truncate either way
+                        # in f32; exact whole numbers (exact arithmetic) are deterministic
+                        frac = np.abs(x.arr - np.round(x.arr))
+                        close = (frac > 0) & (frac <= NEAR * np.maximum(np.abs(x.arr), 1.0)) & (np.abs(x.arr) >= 0.5)
+                        self.near += int(np.count_nonzero(close))
                         lo, hi = INT_RANGE[f]
                         r = np.clip(r, lo, hi).astype(np.int64)
                     if f == "u32":
@@ -915,6 +1061,9 @@ class Evaluator:
             if e.fn == "mean":
                 r = self.rounded(("mean", e), r / self.sizes[e.axis], t.dtype)
             return Val(r, t.shape, t.dtype)
+        if isinstance(e, Flip):
+            x = self.ev(e.x, env)
+            return Val(np.flip(x.arr, axis=x.axes.index(e.axis)).copy(), x.axes, t.dtype)
         if isinstance(e, Idx):
             return Val(np.arange(self.sizes[e.axis], dtype=np.int64), (e.axis,), "i32")
         if isinstance(e, Stk):
@@ -929,6 +1078,9 @@ class Evaluator:
             for ax, (axis, it) in enumerate(zip(x.axes, e.items)):
                 if it[0] == "shift":
                     arr = _shift(arr, ax, it[2])
+                elif it[0] == "window":        # a new last axis: entry l reads a + sign * l
+                    n = self.sizes[it[2]]
+                    arr = np.stack([_shift(arr, ax, it[3] * l) for l in range(n)], axis=-1)
             for ax in reversed(range(len(x.axes))):
                 it = e.items[ax]
                 if it[0] == "take":

@@ -1,8 +1,16 @@
 """Random well-typed kernels, each with its own float64 meaning (expr.Evaluator over the same tree).
 
-A kernel draws a global axis order (T first when present, then symbolic axes D N K M H and
-fixed-size axes "2".."4" shuffled); every tensor's shape is a subsequence of it, so shared axes keep
-one order. Expressions are generated top-down for a target shape S: the result's shape is a
+A kernel draws a global axis order (batch axes B C first when it has any, then T when present,
+then symbolic axes D N K M H and fixed-size axes "2".."4" shuffled, then window axes L W last);
+every tensor's shape is a subsequence of it, so shared axes keep one order.
+
+Features, each drawn per kernel (RATES): window axes (25% of the kernels have some; about 15% end up
+using a window: values x[T - L], x[D + L], convolutions sum(flip(w, L) * x[T - L, :], L), means and
+maxima over windows), flip() (about 12%), inputs with defaults (12%: tensors and scalars, each
+defaulted input left out at run time with probability 1/2), optional leading batch axes (12%:
+x: f32[B?, T, D]; B, or B and C, left out at run time, passed as size 1, or of size 2..3, when T fills
+whole buckets), and padding poison (half of the kernels: T-leading tensors live in buffers of
+bucketed(T) rows whose padded rows hold NaN, see run.py). Expressions are generated top-down for a target shape S: the result's shape is a
 subsequence of S (broadcasting fills the rest) and is checked with the fuzzer's own type rules
 (expr.Checker) before it is accepted. Static value intervals (inputs in [-2, 2], sizes known) keep
 every domain safe: log/sqrt/rsqrt/recip/division get a positive, bounded-away-from-zero argument,
@@ -15,10 +23,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .expr import (ABSTRACT, FLOATS, INTS, SEQ, UNARY_FUNCS, Bin, Checker, Expr, Fn, Idx, KernelDef,
-                   ModelError, Neg, Num, Param, Red, Ref, Stk, Sub, Ty, is_fixed, is_subseq, kernel_text)
+from .expr import (ABSTRACT, FLOATS, INTS, SEQ, UNARY_FUNCS, Bin, Checker, Expr, Flip, Fn, Idx, KernelDef,
+                   ModelError, Neg, Num, Param, Red, Ref, Stk, Sub, Ty, is_fixed, is_subseq, kernel_text, walk)
 
 SYMBOLIC = ("D", "N", "K", "M", "H")
+BATCH = ("B", "C")          # optional leading axes
+WINDOW = ("L", "W")         # window axes (new names, last in the global order)
+FLOAT_DEFAULTS = (0.0, 0.5, -2.0, 1.0, 0.25, 1.5, -0.75, 2.0, -1.0)
+INT_DEFAULTS = {"i32": (0, 1, 2, -1, 3, -3), "u32": (0, 1, 2, 5)}
+RATES = {"window": 0.25, "flip": 0.06, "defaults": 0.12, "batch": 0.12, "poison": 0.5}
 INPUT_RANGE = {"f32": (-2.0, 2.0), "f16": (-2.0, 2.0), "i32": (-3, 3), "u32": (0, 5)}
 SCALAR_RANGE = (-2.0, 2.0)
 CAP = 1e3
@@ -34,6 +47,9 @@ class Case:
     data_seed: int = 0
     note: str = ""
     meta: dict = field(default_factory=dict)
+    left_out: tuple = ()       # defaulted inputs the call leaves out
+    dropped: tuple = ()        # optional leading axes the call leaves out (their size is 1)
+    poison: bool = False       # T-leading tensors in bucket-sized buffers with NaN padded rows
 
     @property
     def source(self) -> str:
@@ -154,9 +170,11 @@ class Intervals:
             return (0, self.size(e.axis) - 1)
         if isinstance(e, Stk):
             return _hull(*(self.of(v) for v in e.values))
+        if isinstance(e, Flip):
+            return self.of(e.x)
         if isinstance(e, Sub):
             lo, hi = self.of(e.x)
-            if any(it[0] == "shift" for it in e.items):
+            if any(it[0] in ("shift", "window") for it in e.items):
                 return (min(lo, 0.0), max(hi, 0.0))
             return (lo, hi)
         raise TypeError(e)
@@ -189,6 +207,14 @@ class Generator:
         self.max_inputs = max_inputs
         r = self.rng
         self.bucket = int(r.choice([4, 8]))
+        # features of this kernel (drawn first, so each is a fixed share of the seeds)
+        f = {k: r.random() < v for k, v in RATES.items()}
+        self.batch = tuple(BATCH[:int(r.choice([1, 1, 1, 1, 2]))]) if f["batch"] else ()
+        self.windows = tuple(WINDOW[:int(r.choice([1, 1, 1, 2]))]) if f["window"] else ()
+        self.flips = f["flip"] or (bool(self.windows) and r.random() < 0.6)
+        self.defaults = f["defaults"]
+        self.poison = f["poison"]
+        self.batch_mode = str(r.choice(["drop", "drop", "one", "many", "many"])) if self.batch else ""
         axes = []
         if r.random() < 0.85:
             axes.append(SEQ)
@@ -198,12 +224,26 @@ class Generator:
         fixed = [str(v) for v in r.choice([2, 3, 4], size=nfix, replace=False)]
         rest = syms + fixed
         r.shuffle(rest)
-        self.axes = tuple(str(a) for a in axes + rest)
+        self.axes = tuple(str(a) for a in list(self.batch) + axes + rest + list(self.windows))
         self.sizes = {}
+        self.dropped: tuple = ()
+        for a in self.batch:
+            if self.batch_mode == "many":
+                self.sizes[a] = int(r.integers(2, 4)) if a == "B" else int(r.integers(1, 3))
+            else:
+                self.sizes[a] = 1
+        if self.batch_mode == "drop":
+            self.dropped = self.batch[:int(r.integers(1, len(self.batch) + 1))]
+        packed = math.prod(self.sizes[a] for a in self.batch) > 1
         for a in self.axes:
             if a == SEQ:
-                self.sizes[str(a)] = int(r.choice([t for t in range(1, 14) if t % self.bucket]))
-            elif not is_fixed(a):
+                if packed:      # several sequences in one tensor fill whole buckets
+                    self.sizes[a] = int(r.choice([self.bucket, 2 * self.bucket] if self.bucket == 4 else [8]))
+                else:
+                    self.sizes[a] = int(r.choice([t for t in range(1, 14) if t % self.bucket]))
+            elif a in self.windows:
+                self.sizes[a] = int(r.choice([1, 2, 3, 3, 4, 5]))
+            elif not is_fixed(a) and a not in self.batch:
                 self.sizes[str(a)] = int(r.integers(1, 7))
         self.inputs: list[Param] = []
         self.reserved: set[str] = set()          # names leaves may not read (an in-place input)
@@ -238,7 +278,7 @@ class Generator:
             return False
         if not is_subseq(t.shape, S) or any(a not in t.shape for a in need):
             return False
-        if SEQ in t.shape and t.shape[0] != SEQ:
+        if SEQ in t.shape and any(a not in self.batch for a in t.shape[:t.shape.index(SEQ)]):
             return False
         return t.dtype == dt or (t.dtype == ABSTRACT and not need)
 
@@ -247,9 +287,27 @@ class Generator:
         return max(abs(lo), abs(hi))
 
     # -- leaves
+    def optional_of(self, shape) -> tuple:
+        """Leading batch axes are marked optional: always before T (the language's rule), mostly else."""
+        lead = []
+        for a in shape:
+            if a not in self.batch:
+                break
+            lead.append(a)
+        if not lead:
+            return ()
+        if SEQ in shape or self.p(0.75):
+            return tuple(lead)
+        return ()
+
+    def default_for(self, dtype):
+        if not self.defaults or not self.p(0.5):
+            return None
+        return float(self.pick(INT_DEFAULTS[dtype] if dtype in INTS else FLOAT_DEFAULTS))
+
     def new_input(self, shape, dtype) -> Ref:
         name = f"x{len([p for p in self.inputs if p.name.startswith('x')])}"
-        p = Param(name, dtype, tuple(shape))
+        p = Param(name, dtype, tuple(shape), self.optional_of(shape), self.default_for(dtype))
         self.inputs.append(p)
         self.checker.env[name] = Ty(p.shape, dtype)
         self.iv.env[name] = INPUT_RANGE[dtype]
@@ -260,7 +318,7 @@ class Generator:
         if scalars and (self.p(0.6) or len(scalars) >= 3):
             return Ref(self.pick(scalars).name)
         name = f"s{len(scalars)}"
-        self.inputs.append(Param(name, "f32", ()))
+        self.inputs.append(Param(name, "f32", (), (), self.default_for("f32")))
         self.checker.env[name] = Ty((), "f32")
         self.iv.env[name] = SCALAR_RANGE
         return Ref(name)
@@ -400,8 +458,20 @@ class Generator:
             choices += ["take"] * 2
         if any(is_fixed(a) and 2 <= int(a) <= 4 for a in S):
             choices += ["stack"] * 5
+        if any(a in self.windows for a in S):
+            choices += ["window"] * 8
+        if any(a in self.windows for a in free):
+            choices += ["conv"] * 10
+        if self.flips and any(not is_fixed(a) for a in S):
+            choices += ["flip"] * 3
         kind = self.pick(choices)
         d = depth - 1
+        if kind == "window":
+            return self.windowed(S, self.pick([a for a in S if a in self.windows]), dt, d, need)
+        if kind == "conv":
+            return self.conv(S, self.pick([a for a in free if a in self.windows]), dt, d, need)
+        if kind == "flip":
+            return self.flipped(S, dt, d, need)
         if kind == "unary":
             f = self.pick(UNARY_FUNCS)
             x = self.gen(S, dt, d, need)
@@ -527,6 +597,58 @@ class Generator:
             items[i] = self.shift_item(t.shape[i])
         return Sub(x, tuple(items))
 
+    def before(self, S, L) -> tuple:
+        """The axes of S that come before window axis L in the global order (a window appends L last)."""
+        return tuple(a for a in S if self.axes.index(a) < self.axes.index(L))
+
+    def windowed(self, S, L, dt, d, need) -> Expr | None:
+        """x[.., A - L, ..] (or A + L): a value of S's axes before L, with L appended."""
+        Sx = self.before(S, L)
+        if any(a not in Sx and a != L for a in need):
+            return None
+        syms = [a for a in Sx if not is_fixed(a)]
+        if not syms:
+            return None
+        A = SEQ if SEQ in syms and self.p(0.6) else self.pick(syms)
+        x = self.gen(Sx, dt, d, tuple(dict.fromkeys([a for a in need if a in Sx] + [A])))
+        try:
+            t = self.ty(x)
+        except ModelError:
+            return None
+        if A not in t.shape:
+            return None
+        sign = -1 if (A == SEQ and self.p(0.7)) or self.p(0.5) else 1
+        items = []
+        for axis in t.shape:
+            if axis == A:
+                items.append(("window", A, L, sign))
+            elif not is_fixed(axis) and self.p(0.1):
+                items.append(self.shift_item(axis))
+            else:
+                items.append(("full",))
+        return Sub(x, tuple(items))
+
+    def conv(self, S, L, dt, d, need) -> Expr | None:
+        """A reduction over a window axis: sum(flip(w, L) * x[T - L, :], L), mean, max(x[T + L], L)."""
+        Sx = self.before(S, L)
+        if any(a not in Sx for a in need):
+            return None
+        win = self.windowed(self.order(Sx + (L,)), L, dt, max(d, 1), tuple(need))
+        if win is None:
+            return None
+        fn = self.pick(["sum", "sum", "sum", "mean", "max"])
+        if fn == "max" and self.p(0.5):
+            return Red("max", win, L)
+        w = self.gen(self.order(self.subseq(Sx, 0.4) + (L,)), dt, max(d - 1, 0), (L,))
+        if self.p(0.5):
+            w = Flip(w, L)
+        return Red(fn, Bin("*", w, win) if self.p(0.7) else Bin("*", win, w), L)
+
+    def flipped(self, S, dt, d, need) -> Expr | None:
+        syms = [a for a in S if not is_fixed(a)]
+        A = self.pick([a for a in syms if a == SEQ or a in self.windows] or syms) if self.p(0.5) else self.pick(syms)
+        return Flip(self.gen(S, dt, d, tuple(dict.fromkeys(tuple(need) + (A,)))), A)
+
     def cond(self, S, d) -> Expr:
         """A where() condition: mostly a comparison, sometimes a raw float or int value."""
         r = self.rng.random()
@@ -544,7 +666,15 @@ class Generator:
         choices = ["binary"] * 6 + ["abs", "where", "cast", "cast", "shift"]
         if dt == "i32":
             choices += ["neg", "div"]
+        if any(a in self.windows for a in S):
+            choices += ["window"]
+        if self.flips and any(not is_fixed(a) for a in S):
+            choices += ["flip"]
         kind = self.pick(choices)
+        if kind == "window":
+            return self.windowed(S, self.pick([a for a in S if a in self.windows]), dt, d, need)
+        if kind == "flip":
+            return self.flipped(S, dt, d, need)
         if kind == "binary":
             op = self.pick(["+", "+", "*", "max", "min", "eq", "<", ">"] + (["-"] if dt == "i32" else []))
             na, nb = self.split_need(need)
@@ -609,7 +739,7 @@ class Generator:
         outs = []
         for i in range(n_out):
             S = O0 if i == 0 or inplace or self.p(0.65) else self.out_shape()
-            outs.append(Param(f"y{i}", self.out_dtype(), S))
+            outs.append(Param(f"y{i}", self.out_dtype(), S, self.optional_of(S)))
         slots = ["t"] * n_tmp + ["y"] * (n_out - 1)
         r.shuffle(slots)
         slots.append("y")
@@ -633,7 +763,7 @@ class Generator:
                 name = o.name
             body.append((name, e))
         if inplace:
-            p = Param("p", "f32", O0)
+            p = Param("p", "f32", O0, self.optional_of(O0))
             self.reserved.add("p")
             e = self.gen(O0, "f32", 2)
             op = self.pick(["+", "*", "-"])
@@ -650,8 +780,38 @@ class Generator:
         # sizes of every symbolic axis the kernel names (an output-only axis comes from dims=)
         axes = self.kernel.axes()
         sizes = {a: self.sizes[a] for a in self.axes if a in axes and not is_fixed(a)}
+        left_out = tuple(p.name for p in self.inputs if p.default is not None and self.p(0.5))
         return Case(self.kernel, sizes, self.bucket, seed=self.seed,
-                    data_seed=int(r.integers(2**31)))
+                    data_seed=int(r.integers(2**31)), left_out=left_out,
+                    dropped=tuple(a for a in self.dropped if a in axes),
+                    poison=self.poison and SEQ in axes)
+
+
+FEATURES = ("window", "flip", "default", "left out", "optional", "dropped", "packed", "poison")
+
+
+def features(case: Case) -> set[str]:
+    """Which of the language's newer features (and call variants) a case uses."""
+    k = case.kernel
+    nodes = [n for _, e in k.body for n in walk(e)]
+    out = set()
+    if any(isinstance(n, Sub) and any(it[0] == "window" for it in n.items) for n in nodes):
+        out.add("window")
+    if any(isinstance(n, Flip) for n in nodes):
+        out.add("flip")
+    if any(p.default is not None for p in k.inputs):
+        out.add("default")
+    if case.left_out:
+        out.add("left out")
+    if any(p.optional for p in k.inputs + k.outputs):
+        out.add("optional")
+    if case.dropped:
+        out.add("dropped")
+    if any(case.sizes.get(a, 1) > 1 for a in BATCH):
+        out.add("packed")
+    if case.poison:
+        out.add("poison")
+    return out
 
 
 def generate(seed: int, has_f16: bool = True) -> Case:

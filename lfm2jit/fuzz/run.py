@@ -33,6 +33,16 @@ entries) per differentiated input with central differences of the reference, ste
 
 L = sum over float outputs of <cotangent, output>, btol = max(1e-3 (1.5e-2 with f16), 100 * the
 forward's relative spread). A direction whose x +- h v changes any decision is skipped.
+
+Calls. Inputs in ``case.left_out`` are not passed (the reference gives them their default, and
+their gradient is the derivative at the default); tensors are passed without the optional leading
+axes in ``case.dropped`` where their type lets them (``expr.passed_shape``), and outputs are expected
+back without those the inputs left out (``expr.returned_shape``). A gradient d_x is expected in x's
+declared shape without the optional axes that the backward call's own tensors leave out (the same
+rule, applied to that call). With ``case.poison``, every T-leading tensor the fuzzer uploads (inputs, saved
+outputs, cotangents) whose axes before T are all of size 1 lives in a buffer of bucketed(T) rows
+whose rows past the real length hold NaN (integers: a large odd value), and may address all of them:
+padded rows must never reach a result.
 """
 from __future__ import annotations
 
@@ -43,7 +53,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .expr import FLOATS, INTS, Checker, Evaluator, ModelError, Noise, Red, check, kernel_text, walk
+from .expr import (FLOATS, INTS, SEQ, Checker, Evaluator, ModelError, Noise, Red, check, kernel_text,
+                   left_out_axes, passed_shape, returned_shape, walk)
 from .generate import INPUT_RANGE, SCALAR_RANGE, Case
 
 CLASSES = ("ok", "wrong", "invalid_wgsl", "refused", "unlocated", "foreign", "skipped", "n/a")
@@ -161,18 +172,39 @@ class Reference:
 
 
 def sample_inputs(case: Case, rng: np.random.Generator) -> dict:
+    """Every input's value, in the shape the call passes it (a left-out input: its default over all
+    its declared axes)."""
     out = {}
     for p in case.kernel.inputs:
         if not p.shape:
-            out[p.name] = float(np.float32(rng.uniform(*SCALAR_RANGE)))
+            v = float(np.float32(rng.uniform(*SCALAR_RANGE)))
+            out[p.name] = float(p.default) if p.name in case.left_out else v
             continue
-        shape = tuple(case_size(case, a) for a in p.shape)
+        dropped = () if p.name in case.left_out else case.dropped     # a left-out input has all its axes
+        shape = tuple(case_size(case, a) for a in passed_shape(p, dropped))
         lo, hi = INPUT_RANGE[p.dtype]
         if p.dtype in INTS:
-            out[p.name] = rng.integers(lo, hi + 1, size=shape).astype(np.int32 if p.dtype == "i32" else np.uint32)
+            v = rng.integers(lo, hi + 1, size=shape)
         else:
-            out[p.name] = rng.uniform(lo, hi, size=shape).astype(np.float32 if p.dtype == "f32" else np.float16)
+            v = rng.uniform(lo, hi, size=shape)
+        if p.name in case.left_out:
+            v = np.full(shape, p.default)
+        out[p.name] = v.astype(_np_dtype(p.dtype))
     return out
+
+
+def output_shape(case: Case, o) -> tuple:
+    """The shape the engine returns output o in (without the optional axes the inputs left out)."""
+    passed = {p.name for p in case.kernel.inputs if p.name not in case.left_out}
+    gone = left_out_axes(case.kernel, case.dropped, passed)
+    return tuple(case_size(case, a) for a in returned_shape(o, gone))
+
+
+POISON = {"f32": np.nan, "f16": np.nan, "i32": -999999937, "u32": 3999999943}
+
+
+def bucketed(n: int, bucket: int) -> int:
+    return -(-n // bucket) * bucket
 
 
 def case_size(case: Case, axis: str) -> int:
@@ -201,6 +233,7 @@ def reference(case: Case, checker: Checker, tries: int = 8) -> Reference:
         ev = Evaluator(case.kernel, checker, sizes)
         with np.errstate(all="ignore"):
             outs = ev.run(inputs)
+        outs = {o.name: outs[o.name].reshape(output_shape(case, o)) for o in case.kernel.outputs}
         if not all(np.all(np.isfinite(v)) for v in outs.values()):
             continue
         spread = {n: 0.0 for n in outs}
@@ -248,8 +281,23 @@ class Runner:
         gc.collect()
         self.engine = ComputeEngine(self.ctx)
 
-    def upload(self, arr, dtype):
-        return self.engine.tensor(np.ascontiguousarray(arr), dtype=dtype)
+    def upload(self, arr, dtype, axes=None, case: Case | None = None):
+        """A tensor holding arr; with ``case.poison`` and axes (the tensor's axis names, as passed)
+        led by T (after axes of size 1), in a buffer of bucketed(T) rows, the padded ones poisoned."""
+        arr = np.array(arr, order="C")        # not ascontiguousarray: it makes a 0-d array 1-d
+        if case is not None and case.poison and axes is not None and SEQ in axes:
+            at = list(axes).index(SEQ)
+            t = arr.shape[at]
+            tb = bucketed(t, case.bucket)
+            if tb > t and all(n == 1 for n in arr.shape[:at]):
+                from .. import Tensor
+                pad = list(arr.shape)
+                pad[at] = tb
+                full = np.full(pad, POISON[dtype], dtype=arr.dtype)
+                full[(slice(None),) * at + (slice(0, t),)] = arr
+                base = self.engine.tensor(full, dtype=dtype)
+                return Tensor(self.engine.ctx, base.buffer, arr.shape, base.dtype, capacity=base.capacity, base=base)
+        return self.engine.tensor(arr, dtype=dtype)
 
     def run(self, case: Case) -> Result:
         checker = check(case.kernel)            # the case must be well-typed by the fuzzer's model
@@ -271,8 +319,10 @@ class Runner:
     def _args(self, case: Case, ref: Reference) -> dict:
         args = {}
         for p in case.kernel.inputs:
+            if p.name in case.left_out:
+                continue
             v = ref.inputs[p.name]
-            args[p.name] = v if not p.shape else self.upload(v, p.dtype)
+            args[p.name] = v if not p.shape else self.upload(v, p.dtype, passed_shape(p, case.dropped), case)
         return args
 
     def forward(self, case: Case, kernel, ref: Reference) -> tuple[Outcome, dict | None]:
@@ -289,7 +339,9 @@ class Runner:
     def backward_check(self, case: Case, kernel, ref: Reference, fwd_got: dict | None = None) -> Outcome:
         """The saved forward outputs a backward reads are the engine's own forward results, as a user
         passes them (a reduction max's gradient compares entries with the saved maximum bit for bit);
-        the reference's values stand in only where the forward did not run."""
+        the reference's values stand in only where the forward did not run. The call passes every
+        forward argument (as a user does; the engine takes sizes from those it does not read), except
+        in cases with dropped axes and an odd data seed, where it passes only those the backward reads."""
         k = case.kernel
         wrt = [p.name for p in k.inputs if p.shape and p.dtype in FLOATS]
         cots = [o.name for o in k.outputs if o.dtype in FLOATS]
@@ -298,22 +350,29 @@ class Runner:
         from .. import grad
         rng = np.random.default_rng(case.data_seed + 1)
         cot = {}
+        gone = left_out_axes(k, case.dropped, {p.name for p in k.inputs if p.name not in case.left_out})
+        returned = {o.name: returned_shape(o, gone) for o in k.outputs}
         for o in k.outputs:
             if o.name in cots:
-                shape = tuple(case_size(case, a) for a in o.shape)
+                shape = output_shape(case, o)
                 cot[o.name] = rng.uniform(-1, 1, size=shape).astype(np.float32 if o.dtype == "f32" else np.float16)
         try:
             bwd = grad(kernel, wrt=wrt, cotangents=cots)
             args = self._args(case, ref)
+            if case.dropped and case.data_seed % 2:
+                # only the arguments the backward reads (sizes come from dims=): a forward argument it
+                # does not read, passed without its optional axes, is a known engine failure of its own
+                args = {n: v for n, v in args.items() if n in bwd.inputs or n in bwd.scalars}
             outputs = {o.name: o for o in k.outputs}
             for name in bwd.inputs:
                 if name in outputs and name not in args:
                     o = outputs[name]
                     saved = fwd_got[name] if fwd_got is not None else ref.outputs[name].astype(_np_dtype(o.dtype))
-                    args[name] = self.upload(saved, o.dtype)
+                    args[name] = self.upload(saved, o.dtype, returned[name], case)
             for name, v in cot.items():    # only the cotangents the backward reads (it refuses others)
                 if f"d_{name}" in bwd.inputs:
-                    args[f"d_{name}"] = self.upload(v, outputs[name].dtype)
+                    args[f"d_{name}"] = self.upload(v, outputs[name].dtype, returned[name], case)
+            gone_bwd = _left_out_by_call(k, args)
             res = self.engine.run(bwd, bucket=case.bucket, dims=dict(case.sizes), **args)
             got = {name: res[f"d_{name}"].numpy() for name in wrt}
         except Exception as e:  # noqa: BLE001
@@ -325,7 +384,22 @@ class Runner:
             # a max reduction's gradient compares entries with the saved maximum bit for bit: the
             # reference's rounding of it is no stand-in for the engine's own forward result
             return Outcome("skipped", f"the forward did not run and the backward reads saved {saved} of a max reduction")
-        return compare_gradients(case, ref, got, cot, rng)
+        inputs = {p.name: p for p in k.inputs}
+        want = {n: tuple(case_size(case, a) for a in returned_shape(inputs[n], gone_bwd)) for n in wrt}
+        return compare_gradients(case, ref, got, cot, rng, want)
+
+
+def _left_out_by_call(k, args: dict) -> set:
+    """The optional axes a backward call's tensors leave out (forward inputs, saved outputs and
+    cotangents d_<output>, each declared as the forward declares it)."""
+    decls = {p.name: p for p in k.inputs + k.outputs}
+    decls.update({f"d_{o.name}": o for o in k.outputs})
+    gone: set = set()
+    for name, v in args.items():
+        p = decls.get(name)
+        if p is not None and hasattr(v, "shape") and p.shape:
+            gone.update(p.optional[:len(p.shape) - len(v.shape)])
+    return gone
 
 
 def _np_dtype(dtype):
@@ -367,7 +441,9 @@ def compare_outputs(case: Case, ref: Reference, got: dict) -> Outcome:
     return Outcome("ok", worst[1], worst[0])
 
 
-def compare_gradients(case: Case, ref: Reference, got: dict, cot: dict, rng) -> Outcome:
+def compare_gradients(case: Case, ref: Reference, got: dict, cot: dict, rng, want_shapes=None) -> Outcome:
+    """want_shapes: the shape each gradient comes back in (its input's, without the optional axes the
+    backward call's tensors leave out); the values are then compared in the input's own shape."""
     k = case.kernel
     checker = check(k)
     sizes = all_sizes(case)
@@ -381,7 +457,7 @@ def compare_gradients(case: Case, ref: Reference, got: dict, cot: dict, rng) -> 
         ev = Evaluator(k, checker, sizes)
         with np.errstate(all="ignore"):
             outs = ev.run(inputs)
-        return sum(float((outs[n] * c).sum()) for n, c in cots.items()), ev.decisions
+        return sum(float((outs[n].reshape(c.shape) * c).sum()) for n, c in cots.items()), ev.decisions
 
     base_inputs = {n: (v if np.isscalar(v) else np.asarray(v, dtype=np.float64)) for n, v in ref.inputs.items()}
     worst = (0.0, "")
@@ -389,8 +465,10 @@ def compare_gradients(case: Case, ref: Reference, got: dict, cot: dict, rng) -> 
     for name, g in got.items():
         g = np.asarray(g, dtype=np.float64)
         x = base_inputs[name]
-        if g.shape != x.shape:
-            return Outcome("wrong", f"d_{name}: shape {list(g.shape)}, expected {list(x.shape)}", np.inf)
+        want_shape = (want_shapes or {}).get(name, x.shape)
+        if g.shape != want_shape:
+            return Outcome("wrong", f"d_{name}: shape {list(g.shape)}, expected {list(want_shape)}", np.inf)
+        g = g.reshape(x.shape)
         if not np.all(np.isfinite(g)):
             return Outcome("wrong", f"d_{name}: non-finite entries", np.inf)
         gnorm = float(np.sqrt((g * g).sum()))

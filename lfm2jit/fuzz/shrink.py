@@ -2,16 +2,19 @@
 
 Each step tries smaller variants of a failing case (drop a statement or an output, replace a
 subexpression by one of its children or by a leaf, inline a temporary, drop an unused parameter,
-make an axis smaller, use the smaller bucket) and keeps the first that still fails the same way
-(same side, same class and, for exceptions, the same normalised message). Variants that the
+drop a default or an optional mark, call it more simply (no padding poison, a left-out input
+passed, an optional axis passed), make an axis smaller, use the smaller bucket) and keeps the
+first that still fails the same way (same side, same class and, for exceptions, the same
+normalised message). Variants that the
 fuzzer's own type rules reject are never run.
 """
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Callable
 
-from .expr import (INTS, Checker, Expr, Fn, KernelDef, ModelError, Num, Param, Ref, children, walk,
+from .expr import (INTS, SEQ, Checker, Expr, Fn, KernelDef, ModelError, Num, Param, Ref, children, walk,
                    with_children)
 from .generate import Case
 from .run import Result, Runner
@@ -45,10 +48,19 @@ def _replace(e: Expr, path, new: Expr) -> Expr:
     return with_children(e, tuple(kids))
 
 
-def _clone(case: Case, kernel: KernelDef | None = None, sizes=None, bucket=None) -> Case:
+def _clone(case: Case, kernel: KernelDef | None = None, sizes=None, bucket=None, **calls) -> Case:
+    """A copy (calls: left_out=, dropped=, poison= to change how it is called); left-out inputs and
+    dropped axes the kernel no longer has are forgotten."""
     k = kernel if kernel is not None else copy.deepcopy(case.kernel)
+    left_out = calls.get("left_out", case.left_out)
+    dropped = calls.get("dropped", case.dropped)
+    defaulted = {p.name for p in k.inputs if p.default is not None}
+    axes = set(k.axes())
     return Case(k, dict(sizes if sizes is not None else case.sizes), bucket or case.bucket, case.seed,
-                case.data_seed, case.note, dict(case.meta))
+                case.data_seed, case.note, dict(case.meta),
+                left_out=tuple(n for n in left_out if n in defaulted),
+                dropped=tuple(a for a in dropped if a in axes),
+                poison=calls.get("poison", case.poison))
 
 
 def _well_typed(k: KernelDef) -> bool:
@@ -114,21 +126,50 @@ def variants(case: Case):
             if ty.shape and ty.dtype != "float":
                 name = _fresh(k, "z")
                 k2 = _with_stmt(k, i, _replace(e, path, Ref(name)))
-                k2.inputs = k2.inputs + [Param(name, ty.dtype, ty.shape)]
+                lead = ty.shape[:ty.shape.index(SEQ)] if SEQ in ty.shape else ()   # batch axes before T: optional
+                k2.inputs = k2.inputs + [Param(name, ty.dtype, ty.shape, lead)]
                 yield k2
     # 4. drop an axis from an input (every use must still type)
     for j, p in enumerate(k.inputs):
         for a in p.shape:
-            q = Param(p.name, p.dtype, tuple(x for x in p.shape if x != a))
+            q = _without_axis(p, a)
             if not q.shape:
                 continue
             yield KernelDef(k.name, k.inputs[:j] + [q] + k.inputs[j + 1:], list(k.outputs), list(k.body))
     # 5. drop an axis from an output
     for j, o in enumerate(k.outputs):
         for a in o.shape:
-            q = Param(o.name, o.dtype, tuple(x for x in o.shape if x != a))
+            q = _without_axis(o, a)
             if q.shape:
                 yield KernelDef(k.name, list(k.inputs), k.outputs[:j] + [q] + k.outputs[j + 1:], list(k.body))
+    # 6. drop a default (of an input the call passes), an optional mark
+    for j, p in enumerate(k.inputs):
+        if p.default is not None and p.name not in case.left_out:
+            q = dataclasses.replace(p, default=None)
+            yield KernelDef(k.name, k.inputs[:j] + [q] + k.inputs[j + 1:], list(k.outputs), list(k.body))
+    for group in ("inputs", "outputs"):
+        params = getattr(k, group)
+        for j, p in enumerate(params):
+            if p.optional and SEQ not in p.shape and not (p.name in k.inplace):
+                q = dataclasses.replace(p, optional=())
+                new = params[:j] + [q] + params[j + 1:]
+                yield KernelDef(k.name, new if group == "inputs" else list(k.inputs),
+                                new if group == "outputs" else list(k.outputs), list(k.body))
+
+
+def _without_axis(p: Param, a: str) -> Param:
+    return dataclasses.replace(p, shape=tuple(x for x in p.shape if x != a),
+                               optional=tuple(x for x in p.optional if x != a))
+
+
+def call_variants(case: Case):
+    """The same kernel called more simply: no poison, defaulted inputs passed, optional axes passed."""
+    if case.poison:
+        yield _clone(case, poison=False)
+    for n in case.left_out:
+        yield _clone(case, left_out=tuple(x for x in case.left_out if x != n))
+    if case.dropped:
+        yield _clone(case, dropped=case.dropped[:-1])
 
 
 def _fresh(k: KernelDef, stem: str) -> str:
@@ -153,17 +194,25 @@ def _subst(e: Expr, name: str, value: Expr) -> Expr:
 
 
 def size_variants(case: Case):
+    yield from call_variants(case)
     if case.bucket == 8:
         T = case.sizes.get("T")
-        if T is None or T % 4:
+        if T is None or (T % 4 == 0 if _packed(case) else T % 4):
             yield _clone(case, bucket=4)
     for a, n in case.sizes.items():
         for m in range(1, n):
-            if a == "T" and m % case.bucket == 0:
+            if a == "T" and m % case.bucket == 0 and not _packed(case):
+                continue
+            if a == "T" and m % case.bucket and _packed(case):
                 continue
             s = dict(case.sizes)
             s[a] = m
             yield _clone(case, sizes=s)
+
+
+def _packed(case: Case) -> bool:
+    """Several sequences in one tensor (a batch axis of size > 1): T stays a multiple of the bucket."""
+    return any(case.sizes.get(a, 1) > 1 for a in ("B", "C"))
 
 
 def _complexity(case: Case) -> tuple:
