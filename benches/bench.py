@@ -7,14 +7,16 @@ gives, and the fraction of the card's ceiling.
 
 Groups (``--only`` takes group names):
 
-  ref          torch fp32 GEMM (TF32 off) and a device-to-device copy, when torch has CUDA: the
-               measured ceilings the other lines are compared with
+  ref          torch fp32 GEMM (TF32 off), bf16 GEMM and a device-to-device copy, when torch has
+               CUDA: the measured ceilings and references the other lines are compared with
   matmul       ``linear`` (y = x W^T) at the LFM2-350M projection shapes for T = 512 and 2048,
                and 4096^3; its two backward products (dX = dY W, dW += dY^T X) at the same shapes
   matrix       the same three products as --f16 runs them (f16 activations, f32 weights): on the
                matrix units (subgroup matrices, under Dawn) where the device has them
   tiles        the matmul template at other TileConfigs (4096^3 and the MLP shapes): what the
                template reaches when the schedule picks bigger tiles
+  mtiles       the matrix-unit template at each of its candidate tiles, for fwd, fwd with an f16
+               weight, dX and dW (4096^3 and the T = 2048 MLP/QKV shapes; best of 3 timings)
   attention    causal GQA flash attention forward and backward, T = 512/2048, H=16, G=8, E=64
   conv         LFM2's fused gated short conv, forward and backward
   rmsnorm      rmsnorm (saving 1/rms), forward and backward
@@ -96,6 +98,13 @@ class Ceilings:
 
 
 # ---------------------------------------------------------------- timing helpers
+
+# 4096^3 and the LFM2-350M MLP and QKV products at T = 2048 (M x N x K)
+MTILE_SHAPES = [(4096, 4096, 4096), (2048, 4608, 1024), (2048, 1024, 4608), (2048, 3072, 1024)]
+# each tile is timed this many times and the fastest kept: a shared GPU's other work slows some
+# timings several-fold (the same kernel measured 1.2 and 3.6 ms in one run), never speeds one up
+MTILE_ROUNDS = 3
+
 
 def _median_split(timings: list[tuple[str, float]], reps: int) -> tuple[float, dict[str, float]]:
     """Median over reps of the summed GPU time of each rep's dispatches, and per-kernel means."""
@@ -197,12 +206,13 @@ class Bench:
                              bound="memory"))
         measured_bw = line.bytes / s
         del src, dst
-        for m, nn, k in self.gemm_shapes():
-            x = torch.randn(m, k, device=dev)
-            w = torch.randn(nn, k, device=dev)
-            s = cuda_time(lambda: x @ w.T)
-            self.add(Line("ref", "torch_gemm", f"{m}x{nn}x{k}", s, "cuda", flops=2.0 * m * nn * k))
-            del x, w
+        for m, nn, k in dict.fromkeys(self.gemm_shapes() + list(self.tile_shapes or MTILE_SHAPES)):
+            for name, dtype in (("torch_gemm", torch.float32), ("torch_gemm_bf16", torch.bfloat16)):
+                x = torch.randn(m, k, device=dev, dtype=dtype)
+                w = torch.randn(nn, k, device=dev, dtype=dtype)
+                s = cuda_time(lambda: x @ w.T)
+                self.add(Line("ref", name, f"{m}x{nn}x{k}", s, "cuda", flops=2.0 * m * nn * k))
+                del x, w
         torch.cuda.empty_cache()
         self.ceil.bw = measured_bw
         self.ceil.source += f"; bandwidth measured by torch copy: {measured_bw / 1e12:.2f} TB/s"
@@ -295,7 +305,7 @@ class Bench:
         if not self.engine.target.matrix_configs:
             self.add(Line("mtiles", "matrix_tiles", "-", error="the device has no f16 subgroup matrices"))
             return
-        shapes = self.tile_shapes or [(4096, 4096, 4096), (2048, 4608, 1024), (2048, 1024, 4608), (2048, 3072, 1024)]
+        shapes = self.tile_shapes or MTILE_SHAPES
         lin = library.get("linear")
         products = {"fwd": lin.variant("f16", {"w"}), "fwd_w16": lin.variant("f16"),
                     "dx": grad(lin, ["x"]).variant("f16", {"w"}).kernels[0],
@@ -313,7 +323,8 @@ class Bench:
                     for name, kern in products.items():
                         given = {t.name: (w16 if name == "fwd_w16" and t.name == "w" else args[t.name])
                                  for t in kern.ir.inputs}
-                        s, timer, wall, _ = time_engine(e, lambda: e.run(kern, tiles=cfg, **given), self.reps)
+                        s, timer, wall = min(time_engine(e, lambda: e.run(kern, tiles=cfg, **given), self.reps)[:3]
+                                             for _ in range(MTILE_ROUNDS))
                         self.add(Line("mtiles", f"{name}[{tag}]", shape, s, timer, 2.0 * m * n * k,
                                       2.0 * (m * k + n * k + m * n), wall_seconds=wall, extra={"tiles": asdict(cfg)}))
                 self.guarded("mtiles", f"matrix[{tag}]", shape, one)

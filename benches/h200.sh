@@ -5,9 +5,11 @@
 #                                         has no index to build a wheel from) -> $OUT/h200_tests.log
 #   bash benches/h200.sh matrix           on Dawn: lfm2jit info, the matrix-unit tests, and the matmul and
 #                                         matrix kernel benchmarks -> $OUT/h200_matrix.{log,json}
-#   bash benches/h200.sh speed [BASE]     benches/side_by_side.py fp32, lfm2jit and PyTorch in one run
-#                                         -> $OUT/h200_sbs_f32.json; with BASE (an older checkout) its
-#                                         lfm2jit side right after -> $OUT/h200_sbs_f32_base.json
+#   bash benches/h200.sh speed [BASE]     benches/side_by_side.py in one run: lfm2jit fp32 and --f16 (the
+#                                         default implementation: Dawn on the H200), PyTorch fp32, bf16
+#                                         autocast and torch.compile -> $OUT/h200_sbs.json; then lfm2jit
+#                                         fp32 on wgpu-native -> $OUT/h200_sbs_wgpu_native.json; with BASE (an
+#                                         older checkout) its fp32 side on wgpu-native -> $OUT/h200_sbs_base.json
 set -uo pipefail
 source .gpu-kit/env.sh
 export LFM2JIT_ADAPTER=H200 PYTHONUNBUFFERED=1
@@ -23,16 +25,18 @@ matrix)
     python3 -c 'from lfm2jit import WgpuContext; c = WgpuContext.create(); print(c.info); print(c.subgroup_matrix_configs)'
     python3 -m pytest -q -p no:cacheprovider -rs tests/test_matrix_units.py tests/test_webgpu.py -x 2>&1 \
         | tee "$OUT/h200_matrix.log" | tail -8
-    python3 benches/bench.py --only ${BENCH_GROUPS:-matrix mtiles} --json "$OUT/h200_matrix.json" 2>&1 | tail -80
+    python3 benches/bench.py --only ${BENCH_GROUPS:-ref matrix mtiles} --json "$OUT/h200_matrix.json" 2>&1 | grep -v "^mtiles" | tail -50
     ;;
 speed)
-    python3 benches/side_by_side.py --steps 3 --json "$OUT/h200_sbs_f32.json" 2>&1 | tail -12
+    timeout 420 python3 benches/side_by_side.py --steps 3 --torch-compile --json "$OUT/h200_sbs.json" 2>&1 | tail -22
+    LFM2JIT_WEBGPU=wgpu-native timeout 150 python3 benches/side_by_side.py --steps 3 --ours fp32 --torch \
+        --json "$OUT/h200_sbs_wgpu_native.json" 2>&1 | tail -8
     if [ -n "${2:-}" ]; then
-        (cd "$2" && python3 benches/side_by_side.py --steps 3 --skip-torch --json "$OUT/h200_sbs_f32_base.json" \
-            2>&1 | tail -8)
+        (cd "$2" && LFM2JIT_WEBGPU=wgpu-native python3 benches/side_by_side.py --steps 3 --skip-torch \
+            --json "$OUT/h200_sbs_base.json" 2>&1 | tail -8)
     fi
     ;;
 *)
-    echo "usage: bash benches/h200.sh tests | speed [BASE]" >&2; exit 2 ;;
+    echo "usage: bash benches/h200.sh tests | matrix | speed [BASE]" >&2; exit 2 ;;
 esac
 echo "took $(( $(date +%s) - start )) s"

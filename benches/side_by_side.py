@@ -1,22 +1,29 @@
 """Train the same LFM2-350M-shaped model with lfm2jit and with PyTorch + transformers, in one run.
 
-    python benches/side_by_side.py [--quick] [--f16] [--steps N] [--json PATH] [--shapes 1x512 8x512 1x2048]
+    python benches/side_by_side.py [--quick] [--ours fp32 f16] [--torch fp32 bf16] [--torch-compile]
+                                   [--steps N] [--json PATH] [--shapes 1x512 8x512 1x2048]
 
-Both sides: random init, fp32 (PyTorch with TF32 off for matmuls and cuDNN), AdamW(lr=1e-4,
-weight_decay=0.01), gradient clipping at 1.0, random token ids, a loss read back every sequence,
-one optimizer step per window. A shape BxT is B sequences of T tokens per optimizer step: lfm2jit
-runs them with grad_accum_steps=B through Trainer.train_sequences, which packs them into passes of
-up to 4096 rows (8x512 is one pass); PyTorch runs them as one [B, T] batch.
+Every side: random init (one seed), AdamW(lr=1e-4, weight_decay=0.01), gradient clipping at 1.0,
+random token ids, a loss read back every sequence, one optimizer step per window. A shape BxT is B
+sequences of T tokens per optimizer step: lfm2jit runs them with grad_accum_steps=B through
+Trainer.train_sequences, which packs them into passes of up to 4096 rows (8x512 is one pass);
+PyTorch runs them as one [B, T] batch.
 
-With --f16 both sides run mixed precision: lfm2jit with f16 activations (``--f16``), PyTorch
-under ``torch.autocast(float16)``; both with a dynamic loss scaler.
+Sides (``--ours`` and ``--torch`` list them; the defaults are what users run):
+  lfm2jit fp32     f32 everywhere (SIMT matmuls)
+  lfm2jit f16      ``--f16``: f16 activations, f32 master weights, a loss scaler; its matmuls run on
+                   the matrix units where the device lists f16 subgroup matrices (Dawn)
+  torch fp32       TF32 off for matmuls and cuDNN
+  torch bf16       ``torch.autocast(bfloat16)`` (no loss scaler: bf16 has f32's range)
+  torch f16        ``torch.autocast(float16)`` with a GradScaler
+  torch bf16-compile   bf16 autocast on ``torch.compile(model)`` (``--torch-compile`` adds it)
 
-Reported per shape: tokens/s (median window after warm-up), peak memory and the ratios.
-lfm2jit's peak = the buffer pool's peak bytes in use (activations, gradients, AdamW moments and
-temporaries) + the parameters; PyTorch's = torch.cuda.max_memory_allocated (parameters,
-gradients, AdamW state, activations). Also lfm2jit's first-window compile time and that its second
-window compiles nothing. Without torch+CUDA only the lfm2jit side runs (``--torch-device cpu``
-exercises the PyTorch path on the CPU, for testing the script).
+Reported per shape: tokens/s (median window after warm-up) and peak memory of every side, and the
+ratio of every lfm2jit side to every PyTorch side. lfm2jit's peak = the buffer pool's peak bytes in
+use (activations, gradients, AdamW moments and temporaries) + the parameters; PyTorch's =
+torch.cuda.max_memory_allocated. Also lfm2jit's first-window compile time and that its second window
+compiles nothing. Without torch+CUDA only lfm2jit runs (``--torch-device cpu`` runs the PyTorch
+sides on the CPU, for testing the script).
 """
 from __future__ import annotations
 
@@ -56,9 +63,15 @@ def torch_available(device: str):
     return torch, None
 
 
+TORCH_SIDES = ("fp32", "bf16", "f16", "bf16-compile")
+OUR_SIDES = ("fp32", "f16")
+
+
 def run_torch(torch, cfg, shapes, steps: int, warmup: int, device: str, seed: int = 0, log=print,
-              f16: bool = False) -> tuple[list, dict]:
+              side: str = "fp32") -> tuple[list, dict]:
+    """One PyTorch side (see TORCH_SIDES) over every shape, on a fresh model."""
     import transformers
+    autocast = {"fp32": None, "bf16": torch.bfloat16, "f16": torch.float16, "bf16-compile": torch.bfloat16}[side]
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     torch.set_float32_matmul_precision("highest")
@@ -69,6 +82,7 @@ def run_torch(torch, cfg, shapes, steps: int, warmup: int, device: str, seed: in
     with dev:
         model = transformers.Lfm2ForCausalLM(hf_cfg)
     model = model.to(dev, torch.float32).train()
+    forward = torch.compile(model) if side.endswith("-compile") else model
     init_s = time.perf_counter() - t0
     params = [p for p in model.parameters() if p.requires_grad]
     n_params = sum(p.numel() for p in params)
@@ -78,9 +92,10 @@ def run_torch(torch, cfg, shapes, steps: int, warmup: int, device: str, seed: in
     meta = {"torch": torch.__version__, "transformers": transformers.__version__, "n_params": n_params,
             "attn_implementation": getattr(model.config, "_attn_implementation", None), "init_s": init_s,
             "tf32_matmul": torch.backends.cuda.matmul.allow_tf32, "tf32_cudnn": torch.backends.cudnn.allow_tf32,
-            "device_name": torch.cuda.get_device_name() if cuda else "cpu", "autocast_f16": f16}
-    scaler = torch.amp.GradScaler(dev.type, enabled=f16)
-    log(f"# torch {torch.__version__}, transformers {transformers.__version__}, {n_params / 1e6:.1f}M parameters, "
+            "device_name": torch.cuda.get_device_name() if cuda else "cpu", "side": side,
+            "autocast": str(autocast) if autocast else None, "compiled": side.endswith("-compile")}
+    scaler = torch.amp.GradScaler(dev.type, enabled=side == "f16")
+    log(f"# torch {side}: {torch.__version__}, transformers {transformers.__version__}, {n_params / 1e6:.1f}M parameters, "
         f"attention {meta['attn_implementation']}, init {init_s:.1f}s")
 
     def sync():
@@ -91,8 +106,8 @@ def run_torch(torch, cfg, shapes, steps: int, warmup: int, device: str, seed: in
     for batch, t in shapes:
         def window():
             ids = torch.from_numpy(rng.integers(0, cfg.vocab_size, (batch, t + 1))).to(dev)
-            with torch.autocast(dev.type, dtype=torch.float16, enabled=f16):
-                logits = model(input_ids=ids[:, :-1]).logits
+            with torch.autocast(dev.type, dtype=autocast or torch.float32, enabled=autocast is not None):
+                logits = forward(input_ids=ids[:, :-1]).logits
             loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
                                                      ids[:, 1:].reshape(-1))
             scaler.scale(loss).backward()
@@ -128,11 +143,11 @@ def run_torch(torch, cfg, shapes, steps: int, warmup: int, device: str, seed: in
                  "losses_first_last": [first_loss, last_loss]}
         except Exception as e:   # noqa: BLE001
             r = {"shape": f"{batch}x{t}", "error": f"{type(e).__name__}: {e}"[:300]}
-        log(f"torch     {r['shape']:8s} " + (f"{r['tokens_per_s']:9.0f} tok/s  window {r['window_s'] * 1e3:8.1f} ms  "
+        log(f"torch {side:12s} {r['shape']:8s} " + (f"{r['tokens_per_s']:9.0f} tok/s  window {r['window_s'] * 1e3:8.1f} ms  "
                                            f"peak {(r['peak_bytes'] or 0) / GiB:6.2f} GiB" if "error" not in r
                                            else f"ERROR {r['error']}"))
         results.append(r)
-    del model, opt, params
+    del model, forward, opt, params
     if cuda:
         torch.cuda.empty_cache()
     return results, meta
@@ -146,14 +161,15 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=1, help="windows after the first before timing")
     ap.add_argument("--json", metavar="PATH")
     ap.add_argument("--torch-device", default="cuda", help="cuda (default) or cpu (to test this script)")
-    ap.add_argument("--f16", action="store_true", help="mixed precision on both sides (see above)")
+    ap.add_argument("--ours", nargs="*", choices=OUR_SIDES, default=list(OUR_SIDES), help="lfm2jit sides")
+    ap.add_argument("--torch", nargs="*", choices=TORCH_SIDES, default=["fp32", "bf16"], help="PyTorch sides")
+    ap.add_argument("--torch-compile", action="store_true", help="add the bf16-compile PyTorch side")
     ap.add_argument("--replay", type=int, metavar="N", default=None,
                     help="lfm2jit: Trainer.with_replay(N); 0 runs every step's Python (default: the trainer's)")
     ap.add_argument("--recompute-mlp", action="store_true",
                     help="lfm2jit: backward recomputes the MLP's up-projections (less memory, more matmuls)")
-    ap.add_argument("--skip-torch", action="store_true")
-    ap.add_argument("--skip-ours", action="store_true")
     args = ap.parse_args(argv)
+    torch_sides = list(dict.fromkeys(args.torch + (["bf16-compile"] if args.torch_compile else [])))
 
     from lfm2jit import WgpuContext
     from bench import train_bench
@@ -161,74 +177,101 @@ def main(argv=None) -> int:
     cfg = Lfm2Config.preset("tiny" if args.quick else "350M")
     shapes = [parse_shape(s) for s in (args.shapes or (["1x64", "4x64", "1x128"] if args.quick
                                                        else ["1x512", "8x512", "1x2048"]))]
-    torch, why = (None, "skipped") if args.skip_torch else torch_available(args.torch_device)
+    torch, why = (None, "no PyTorch side asked for") if not torch_sides else torch_available(args.torch_device)
     doc: dict = {"argv": sys.argv[1:] if argv is None else list(argv), "shapes": [f"{b}x{t}" for b, t in shapes],
                  "config": cfg.to_dict(), "time": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
     cuda = torch is not None and args.torch_device == "cuda"
     if cuda:
         torch.cuda.init()
-        free0, total = torch.cuda.mem_get_info()
+        free0, _ = torch.cuda.mem_get_info()
 
-    ours, ours_meta = [], {}
-    if not args.skip_ours:
-        ctx = WgpuContext.create()
+    doc["lfm2jit"], ours = {}, {}
+    if args.ours:
+        ctx = WgpuContext.create()          # one for every side: Dawn gives an adapter one device
         print(f"# lfm2jit adapter: {ctx.name} ({ctx.implementation})", flush=True)
         probe = None
         if cuda:
             def probe():   # what the device really holds for lfm2jit (the pool keeps freed buffers), model alive
                 free1, _ = torch.cuda.mem_get_info()
                 return {"device_used_bytes": free0 - free1}
-        ours, ours_meta = train_bench(ctx, cfg, shapes, steps=args.steps, warmup=args.warmup,
-                                      log=lambda s: print(s, flush=True), probe=probe, replay=args.replay,
-                                      recompute_mlp=args.recompute_mlp,
-                                      activation_dtype="f16" if args.f16 else "f32")
-    doc["lfm2jit"] = {"meta": ours_meta, "lines": [asdict(l) for l in ours]}
+        for side in args.ours:
+            lines, meta = train_bench(ctx, cfg, shapes, steps=args.steps, warmup=args.warmup,
+                                      log=lambda s, side=side: print(f"lfm2jit {side}: {s}", flush=True),
+                                      probe=probe, replay=args.replay, recompute_mlp=args.recompute_mlp,
+                                      activation_dtype="f16" if side == "f16" else "f32")
+            doc["lfm2jit"][side] = {"meta": meta, "lines": [asdict(l) for l in lines]}
+            ours[side] = {l.shape: l for l in lines}
 
-    theirs, theirs_meta = [], {}
-    if torch is not None:
-        theirs, theirs_meta = run_torch(torch, cfg, shapes, args.steps, args.warmup, args.torch_device,
-                                        log=lambda s: print(s, flush=True), f16=args.f16)
-    else:
-        print(f"# PyTorch side skipped: {why}")
-    doc["torch"] = {"meta": theirs_meta, "results": theirs, "skipped": why if torch is None else None}
+    doc["torch"], theirs = {}, {}
+    if torch is None and torch_sides:
+        print(f"# PyTorch sides skipped: {why}")
+    for side in torch_sides if torch is not None else []:
+        results, meta = run_torch(torch, cfg, shapes, args.steps, args.warmup, args.torch_device,
+                                  log=lambda s: print(s, flush=True), side=side)
+        doc["torch"][side] = {"meta": meta, "results": results}
+        theirs[side] = {r["shape"]: r for r in results}
+    doc["torch_skipped"] = why if torch is None else None
 
-    # ---- the table ----
-    rows = []
-    by_shape = {r["shape"]: r for r in theirs}
-    for line in ours:
-        x = line.extra
-        r = by_shape.get(line.shape, {})
-        row = {"shape": line.shape}
-        if not line.error:
-            row.update(ours_tok_s=x["tokens_per_s"], ours_peak_gib=x["peak_bytes"] / GiB,
-                       ours_first_s=x["first_window_s"], ours_compiles=x["first_window_compiles"],
-                       ours_compile_s=x["first_window_compile_s"], second_compiles=x["second_window_compiles"],
-                       gpu_busy=x.get("gpu_busy_fraction"), dispatches=x["dispatches_per_window"])
-        if r and "error" not in r:
-            row.update(torch_tok_s=r["tokens_per_s"],
-                       torch_peak_gib=r["peak_bytes"] / GiB if r.get("peak_bytes") else None)
-        if row.get("ours_tok_s") and row.get("torch_tok_s"):
-            row["speed_ratio"] = row["ours_tok_s"] / row["torch_tok_s"]
-        if row.get("ours_peak_gib") and row.get("torch_peak_gib"):
-            row["memory_ratio"] = row["ours_peak_gib"] / row["torch_peak_gib"]
-        rows.append(row)
-    doc["table"] = rows
-
-    def f(v, fmt):
-        return format(v, fmt) if isinstance(v, (int, float)) and v is not None else "-"
-    print("\nshape     lfm2jit tok/s  torch tok/s  ratio   lfm2jit GiB  torch GiB  ratio   first window "
-          "(compiles, compile s)  2nd compiles  GPU busy")
-    for row in rows:
-        print(f"{row['shape']:9s} {f(row.get('ours_tok_s'), '13.0f')} {f(row.get('torch_tok_s'), '12.0f')} "
-              f"{f(row.get('speed_ratio'), '6.2f')}x {f(row.get('ours_peak_gib'), '11.2f')} "
-              f"{f(row.get('torch_peak_gib'), '10.2f')} {f(row.get('memory_ratio'), '6.2f')}x  "
-              f"{f(row.get('ours_first_s'), '8.1f')}s ({row.get('ours_compiles', '-')}, "
-              f"{f(row.get('ours_compile_s'), '.1f')}s)  {row.get('second_compiles', '-'):>12}  "
-              f"{f(100 * row['gpu_busy'] if row.get('gpu_busy') else None, '5.0f')}%")
+    doc["table"] = rows = [_row(f"{b}x{t}", ours, theirs) for b, t in shapes]
+    _print_table(rows, list(ours), list(theirs))
     if args.json:
         Path(args.json).write_text(json.dumps(doc, indent=1, default=str))
         print(f"# wrote {args.json}")
-    return 0 if all("error" not in r for r in theirs) and not any(l.error for l in ours) else 1
+    failed = [l for side in ours.values() for l in side.values() if l.error]
+    failed += [r for side in theirs.values() for r in side.values() if "error" in r]
+    return 1 if failed else 0
+
+
+def _row(shape: str, ours: dict, theirs: dict) -> dict:
+    """One shape: every side's tokens/s and peak GiB, lfm2jit's compile facts, and every ratio
+    (``"f16/bf16"``: lfm2jit f16 tokens/s over PyTorch bf16's)."""
+    row: dict = {"shape": shape, "lfm2jit": {}, "torch": {}, "speed_ratio": {}, "memory_ratio": {}}
+    for side, lines in ours.items():
+        line = lines.get(shape)
+        if line is None or line.error:
+            continue
+        x = line.extra
+        row["lfm2jit"][side] = {"tok_s": x["tokens_per_s"], "peak_gib": x["peak_bytes"] / GiB,
+                                "first_s": x["first_window_s"], "compiles": x["first_window_compiles"],
+                                "compile_s": x["first_window_compile_s"],
+                                "second_compiles": x["second_window_compiles"],
+                                "gpu_busy": x.get("gpu_busy_fraction"), "dispatches": x["dispatches_per_window"]}
+    for side, results in theirs.items():
+        r = results.get(shape)
+        if r and "error" not in r:
+            row["torch"][side] = {"tok_s": r["tokens_per_s"],
+                                  "peak_gib": r["peak_bytes"] / GiB if r.get("peak_bytes") else None}
+    for a, ra in row["lfm2jit"].items():
+        for b, rb in row["torch"].items():
+            row["speed_ratio"][f"{a}/{b}"] = ra["tok_s"] / rb["tok_s"]
+            if rb["peak_gib"]:
+                row["memory_ratio"][f"{a}/{b}"] = ra["peak_gib"] / rb["peak_gib"]
+    return row
+
+
+def _print_table(rows: list[dict], ours: list[str], theirs: list[str]) -> None:
+    def f(v, fmt):
+        return format(v, fmt) if isinstance(v, (int, float)) else "-"
+    sides = [("lfm2jit", s) for s in ours] + [("torch", s) for s in theirs]
+    print("\ntokens/s (peak GiB)")
+    print("shape    " + "".join(f"{who + ' ' + s:>24s}" for who, s in sides))
+    for row in rows:
+        cells = []
+        for who, s in sides:
+            r = row[who].get(s, {})
+            cells.append(f"{f(r.get('tok_s'), '.0f')} ({f(r.get('peak_gib'), '.2f')})")
+        print(f"{row['shape']:9s}" + "".join(f"{c:>24s}" for c in cells))
+    pairs = [f"{a}/{b}" for a in ours for b in theirs]
+    if pairs:
+        print("\nlfm2jit / PyTorch tokens/s")
+        print("shape    " + "".join(f"{p:>18s}" for p in pairs))
+        for row in rows:
+            print(f"{row['shape']:9s}" + "".join(f"{f(row['speed_ratio'].get(p), '17.2f')}x" for p in pairs))
+    print("\nlfm2jit compiles: first window (compiles, compile s), second window")
+    for row in rows:
+        print(f"{row['shape']:9s}" + "".join(
+            f"  {s}: {f(r.get('first_s'), '.1f')}s ({r.get('compiles', '-')}, {f(r.get('compile_s'), '.1f')}s), "
+            f"{r.get('second_compiles', '-')}" for s, r in row["lfm2jit"].items()))
 
 
 if __name__ == "__main__":

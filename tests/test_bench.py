@@ -45,12 +45,15 @@ def test_side_by_side_quick_against_torch_on_cpu(tmp_path):
     script = load_script("side_by_side")
     out = tmp_path / "sbs.json"
     assert script.main(["--quick", "--torch-device", "cpu", "--steps", "1", "--shapes", "1x64", "2x64",
-                        "--json", str(out)]) == 0
+                        "--ours", "fp32", "f16", "--torch", "fp32", "bf16", "--json", str(out)]) == 0
     table = json.loads(out.read_text())["table"]
     assert [row["shape"] for row in table] == ["1x64", "2x64"]
     for row in table:
-        assert row["ours_tok_s"] > 0 and row["torch_tok_s"] > 0 and row["second_compiles"] == 0
-        assert row["speed_ratio"] == pytest.approx(row["ours_tok_s"] / row["torch_tok_s"])
+        assert set(row["lfm2jit"]) == {"fp32", "f16"} and set(row["torch"]) == {"fp32", "bf16"}
+        assert all(r["tok_s"] > 0 and r["second_compiles"] == 0 for r in row["lfm2jit"].values())
+        assert set(row["speed_ratio"]) == {"fp32/fp32", "fp32/bf16", "f16/fp32", "f16/bf16"}
+        assert row["speed_ratio"]["f16/bf16"] == pytest.approx(
+            row["lfm2jit"]["f16"]["tok_s"] / row["torch"]["bf16"]["tok_s"])
 
 
 @pytest.mark.parametrize("kernel,cls", [
