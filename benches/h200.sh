@@ -2,7 +2,8 @@
 # On the lent H200 (device tool), from the repository root, with the GPU kit carried:
 #   bash benches/h200.sh tests            the whole test suite on the H200's Vulkan adapter (f16 and
 #                                         every GPU path; the wheel tests are left out: the machine
-#                                         has no index to build a wheel from) -> $OUT/h200_tests.log
+#                                         has no index to build a wheel from), on wgpu-native and on Dawn
+#                                         (matrix units) -> $OUT/h200_tests.log, $OUT/h200_tests_dawn.log
 #   bash benches/h200.sh matrix           on Dawn: lfm2jit info, the matrix-unit tests, and the matmul and
 #                                         matrix kernel benchmarks -> $OUT/h200_matrix.{log,json}
 #   bash benches/h200.sh speed [BASE]     benches/side_by_side.py in one run: lfm2jit fp32 and --f16 (the
@@ -17,7 +18,12 @@ python3 -c 'import wgpu; print([a.summary for a in wgpu.gpu.enumerate_adapters_s
 start=$(date +%s)
 case "${1:-}" in
 tests)
-    python3 -m pytest -q -p no:cacheprovider --deselect tests/test_packaging.py 2>&1 | tee "$OUT/h200_tests.log" | tail -5
+    # wgpu-native and Dawn side by side (separate processes; the tests are not timed)
+    python3 -m pytest -q -p no:cacheprovider --deselect tests/test_packaging.py > "$OUT/h200_tests.log" 2>&1 &
+    LFM2JIT_WEBGPU=dawn python3 -m pytest -q -p no:cacheprovider -rs --deselect tests/test_packaging.py \
+        > "$OUT/h200_tests_dawn.log" 2>&1
+    wait
+    tail -3 "$OUT/h200_tests.log" "$OUT/h200_tests_dawn.log"
     ;;
 matrix)
     export LFM2JIT_WEBGPU=dawn

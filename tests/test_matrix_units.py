@@ -46,6 +46,18 @@ def test_every_matrix_candidate_renders(tiles):
         assert wgsl.count("subgroupMatrixLoad") >= 2
 
 
+@pytest.mark.parametrize("sizes,want", [
+    # T = 2048 LFM2-350M shapes: y = x W^T reads both operands along K, dX one, dW neither
+    ({"T": 2048, "K": 1024, "N": 4608}, {"y": (128, 128, 2, 4), "d_x": (128, 64, 2, 2), "d_w": (64, 64, 2, 2)}),
+    ({"T": 4096, "K": 4096, "N": 4096}, {"y": (128, 128, 2, 2), "d_x": (128, 64, 2, 2), "d_w": (64, 64, 2, 2)}),
+    ({"T": 512, "K": 1024, "N": 1024}, {"y": (64, 64, 2, 2), "d_x": (64, 64, 2, 2), "d_w": (64, 64, 2, 2)}),
+])
+def test_matrix_tiles_follow_operand_layout_and_grid(sizes, want):
+    for out, k in PRODUCTS.items():
+        t = k.specialize(sizes, 64, target=MATRIX_UNITS).params.tiles
+        assert (t.wm, t.wn, t.sg_m, t.sg_n) == want[out], out
+
+
 def test_matrix_tiles_that_do_not_fit_are_refused():
     with pytest.raises(ValueError, match="fragment"):
         PRODUCTS["y"].specialize({"T": 8, "K": 16, "N": 16}, 1, frozenset(), MatrixTiles(48, 64, 2, 2, 32),
@@ -68,7 +80,8 @@ def _f16(rng, shape):
 
 
 @pytest.mark.parametrize("T,K,N", [(100, 64, 48), (129, 40, 132), (7, 8, 12), (256, 1024, 96)])
-@pytest.mark.parametrize("tiles", [None, MatrixTiles(64, 64, 2, 2, 32, split=2), MatrixTiles(128, 128, 2, 2, 64)])
+@pytest.mark.parametrize("tiles", [None, MatrixTiles(64, 64, 2, 2, 32, split=2), MatrixTiles(128, 128, 2, 2, 64),
+                                   MatrixTiles(128, 128, 2, 4, 32), MatrixTiles(128, 64, 2, 2, 32)])
 def test_matrix_products_match_float64(units, rng, T, K, N, tiles):
     """f16 activations (x, dY), f32 weights converted as they are staged; against float64 on the same
     f16-rounded values, for all three products, ragged edges and split-K included."""

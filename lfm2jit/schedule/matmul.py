@@ -207,14 +207,22 @@ class MatrixParams:
         return self.tiles.wn // self.tiles.sg_n // self.frag.n
 
 
-def choose_matrix_tiles(m: int, n: int, k: int, frag) -> MatrixTiles:
-    """128x128 tiles (2x2 subgroups of 64x64) where they fill a big GPU; 64x64 tiles otherwise,
-    splitting K over 2 or 4 when even those leave it idle and K is long."""
-    if -(-m // 128) * -(-n // 128) >= 128:
-        return MatrixTiles(128, 128, 2, 2, 32)
-    groups = -(-m // 64) * -(-n // 64)
-    split = 4 if groups < 64 and k >= 2048 else 2 if groups < 128 and k >= 1024 else 1
-    return MatrixTiles(64, 64, 2, 2, 32, split)
+def choose_matrix_tiles(m: int, n: int, k_contiguous: int) -> MatrixTiles:
+    """Tiles by what the H200 measured (benches/README.md, "Matrix units"; best of each product over
+    the candidates at 4096^3 and the LFM2-350M T = 2048 shapes). Operands read along K (y = x W^T)
+    want 128x128 tiles: 2x2 subgroups of 64x64 on grids of 1024 tiles or more, else 2x4 of 64x32.
+    One operand read across K (dX = dY W) wants 128x64; both (dW = dY^T X) want 64x64. Grids of
+    fewer than 128 tiles leave SMs idle, so they drop to 64x64."""
+    if k_contiguous == 2:
+        big = -(-m // 128) * -(-n // 128) >= 1024
+        tiles = MatrixTiles(128, 128, 2, 2, 32) if big else MatrixTiles(128, 128, 2, 4, 32)
+    elif k_contiguous == 1:
+        tiles = MatrixTiles(128, 64, 2, 2, 32)
+    else:
+        tiles = MatrixTiles(64, 64, 2, 2, 32)
+    if -(-m // tiles.wm) * -(-n // tiles.wn) < 128:
+        return MatrixTiles(64, 64, 2, 2, 32)
+    return tiles
 
 
 def contiguity(op: Operand, row_axis: str, k: str, sizes: dict[str, int]) -> str | None:
@@ -259,7 +267,8 @@ def plan(ir: KernelIR, sizes: dict[str, int], accumulate: frozenset[str], tiles=
     if matrix and frag is None:
         raise ValueError(f"{ir.name}: tiles={tiles!r} need a device with f16 subgroup matrices (the matrix units)")
     if matrix:
-        tiles = tiles or choose_matrix_tiles(sizes[m_axis], sizes[n_axis], sizes[k], frag)
+        k_contiguous = sum(strides(x.shape, sizes)[k] == 1 for x in (a, b))
+        tiles = tiles or choose_matrix_tiles(sizes[m_axis], sizes[n_axis], k_contiguous)
         problem = tiles.problem(frag, target.subgroup_size, target.workgroup_bytes)
         if problem:
             raise ValueError(f"{ir.name}: tiles {tiles} do not fit the matrix template: {problem}")
