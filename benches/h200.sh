@@ -19,7 +19,8 @@ start=$(date +%s)
 case "${1:-}" in
 tests)
     # wgpu-native and Dawn side by side (separate processes; the tests are not timed)
-    python3 -m pytest -q -p no:cacheprovider --deselect tests/test_packaging.py > "$OUT/h200_tests.log" 2>&1 &
+    LFM2JIT_WEBGPU=wgpu-native python3 -m pytest -q -p no:cacheprovider --deselect tests/test_packaging.py \
+        > "$OUT/h200_tests.log" 2>&1 &
     LFM2JIT_WEBGPU=dawn python3 -m pytest -q -p no:cacheprovider -rs --deselect tests/test_packaging.py \
         > "$OUT/h200_tests_dawn.log" 2>&1
     wait
