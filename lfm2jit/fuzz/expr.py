@@ -961,8 +961,9 @@ class Evaluator:
                 r = np.trunc(x / y).astype(np.int64)
             else:
                 r = x / y
-        elif op == "**":
-            r = np.power(x, y)
+        elif op == "**":      # WGSL's pow is exp2(y * log2(x)): undefined (here NaN) for x < 0, and x = 0, y <= 0
+            xb, yb = np.broadcast_arrays(x, y)
+            r = np.where((xb > 0) | ((xb == 0) & (yb > 0)), np.power(np.abs(xb), yb), np.nan)
         elif op in ("<", ">", "eq"):
             r = (x < y) if op == "<" else (x > y) if op == ">" else (x == y)
             if not is_int:

@@ -21,9 +21,14 @@ from .run import Result, Runner
 
 
 def same_failure(side: str, cls: str, cause: str) -> Callable[[Result], bool]:
+    """Same side, class and cause (for wrong: numbers, non-finite numbers or a shape); a backward
+    failure must keep a forward that does not fail (a variant whose forward is wrong has drifted
+    out of what the original showed, e.g. pow of a negative base once a safety wrapper is gone)."""
     def pred(r: Result) -> bool:
         o = r.forward if side == "forward" else r.backward
-        return o.cls == cls and (cls == "wrong" or o.cause() == cause)
+        if side == "backward" and r.forward.failing:
+            return False
+        return o.cls == cls and o.cause() == cause
     return pred
 
 
