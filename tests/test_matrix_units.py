@@ -3,8 +3,8 @@
 What the scheduler decides runs everywhere: contractions with an f16 operand go to the matrix
 template on a device with f16 subgroup matrices, f32 ones stay SIMT, and every tile the autotuner
 may try renders. The numbers need such a device (Dawn on an NVIDIA GPU): those tests run there and
-are skipped elsewhere (lavapipe has no subgroup matrices); benches/results/h200_tests_dawn.log is
-the suite's run on the H200 under LFM2JIT_WEBGPU=dawn.
+are skipped elsewhere (lavapipe has no subgroup matrices). They ran on the H200 under
+LFM2JIT_WEBGPU=dawn: benches/results/h200_tests_dawn_rest.log and h200_matrix.log.
 """
 from __future__ import annotations
 
