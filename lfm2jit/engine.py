@@ -84,7 +84,7 @@ class ComputeEngine(Recorder):
         ir = kernel.ir
         args, sizing = self._own_arguments(kernel, args)
         args, left_out = self._leading_axes(ir, args)
-        left_out |= _left_out_of(sizing)
+        left_out.update(a for decl, x in sizing for a in _left_out_axes(decl, x.shape))
         out = {n: self._expand(ir, n, t) for n, t in (out or {}).items()}
         if tiles is not None and len(kernel.kernels) > 1:
             raise ValueError(f"{kernel.name}: tiles= applies to one kernel, and this one runs "
@@ -138,20 +138,17 @@ class ComputeEngine(Recorder):
         args = dict(args)
         for t in ir.inputs:
             x = args.get(t.name)
-            if isinstance(x, Tensor) and t.optional and len(x.shape) < len(t.shape):
-                k = len(t.shape) - len(x.shape)
-                if k <= len(t.optional):
-                    args[t.name] = x.view((1,) * k + x.shape)
-                    left_out.update(t.optional[:k])
+            dropped = _left_out_axes(t, x.shape) if isinstance(x, Tensor) else ()
+            if dropped:
+                args[t.name] = x.view((1,) * len(dropped) + x.shape)
+                left_out.update(dropped)
         return args, left_out
 
     def _expand(self, ir, name: str, t):
         """An out= tensor given without the output's optional leading axes, viewed with them."""
         decl = next((o for o in ir.outputs if o.name == name), None)
-        if decl is None or not isinstance(t, Tensor) or not decl.optional or len(t.shape) >= len(decl.shape):
-            return t
-        k = len(decl.shape) - len(t.shape)
-        return t.view((1,) * k + t.shape) if k <= len(decl.optional) else t
+        dropped = _left_out_axes(decl, t.shape) if decl is not None and isinstance(t, Tensor) else ()
+        return t.view((1,) * len(dropped) + t.shape) if dropped else t
 
     @staticmethod
     def _check_packed_layout(ir, sizes: dict[str, int], bucket: int) -> None:
@@ -213,8 +210,7 @@ class ComputeEngine(Recorder):
                                      f"says {axis}={sizes[axis]}")
                 sizes[axis], source[axis] = size, f"input {t.name!r}"
         for t, x in sizing:
-            left_out = len(t.shape) - len(x.shape)     # optional leading axes the caller left out
-            shape = t.shape[left_out:] if 0 < left_out <= len(t.optional) else t.shape
+            shape = t.shape[len(_left_out_axes(t, x.shape)):]
             for axis, size in zip(shape, x.shape):
                 if axis in sizes and sizes[axis] != size:
                     raise ValueError(f"{ir.name}: forward argument {t.name!r} has {axis}={size} but {source[axis]} "
@@ -282,15 +278,12 @@ def _dtype(v) -> str:
     return str(v).rsplit(".", 1)[-1].lower()
 
 
-def _left_out_of(sizing) -> set[str]:
-    """The optional leading axes left out of forward arguments a backward only sizes from: its
-    gradients are returned without them too, as the caller passed the forward's tensors."""
-    left_out: set[str] = set()
-    for decl, x in sizing:
-        k = len(decl.shape) - len(x.shape)
-        if 0 < k <= len(decl.optional):
-            left_out.update(decl.optional[:k])
-    return left_out
+def _left_out_axes(decl, shape: tuple[int, ...]) -> tuple[str, ...]:
+    """The optional leading axes (``B?``) of ``decl`` that a tensor of ``shape`` leaves out; none
+    when it has them all or leaves out more axes than are optional (the shape check names that).
+    A backward's gradients drop the axes left out of forward arguments it only sizes from, too."""
+    k = len(decl.shape) - len(shape)
+    return tuple(decl.optional[:k]) if 0 < k <= len(decl.optional) else ()
 
 
 def _drop_leading(t: Tensor, decl, left_out: set[str]) -> Tensor:
