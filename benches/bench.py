@@ -47,6 +47,7 @@ import numpy as np
 from lfm2jit import ComputeEngine, WgpuContext, grad
 from lfm2jit.ops import library
 from lfm2jit.schedule.matmul import TileConfig
+from lfm2jit.settings import settings
 from lfm2jit.tune.candidates import MATMUL as CANDIDATES
 from lfm2jit.tune.candidates import MATRIX as MATRIX_CANDIDATES
 from lfm2jit.tune.timing import warm_up
@@ -313,7 +314,7 @@ class Bench:
         for m, n, k in shapes:
             for cfg in MATRIX_CANDIDATES:
                 shape = f"{m}x{n}x{k}"
-                tag = f"{cfg.wm}x{cfg.wn}/sg{cfg.sg_m}x{cfg.sg_n}/bk{cfg.bk}" + (f"/split{cfg.split}" if cfg.split > 1 else "")
+                tag = cfg.label
 
                 def one(m=m, n=n, k=k, shape=shape, cfg=cfg, tag=tag):
                     e = self.engine
@@ -731,7 +732,7 @@ def table(lines: list[Line], ceil: Ceilings) -> str:
 
 
 def environment(ctx) -> dict:
-    return {"adapter": ctx.name, "webgpu": ctx.implementation,
+    return {"adapter": ctx.name, "webgpu": ctx.implementation, "dawn_robustness": settings().dawn_robustness,
             "adapter_info": {k: str(v) for k, v in ctx.info.items()}, "features": sorted(ctx.features),
             "subgroup_matrix_configs": [str(c) for c in ctx.subgroup_matrix_configs], "python": platform.python_version(),
             "time": time.strftime("%Y-%m-%d %H:%M:%S %Z")}

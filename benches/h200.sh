@@ -5,7 +5,8 @@
 #                                         has no index to build a wheel from), on wgpu-native and on Dawn
 #                                         (matrix units) -> $OUT/h200_tests.log, $OUT/h200_tests_dawn.log
 #   bash benches/h200.sh matrix           on Dawn: lfm2jit info, the matrix-unit tests, and the matmul and
-#                                         matrix kernel benchmarks -> $OUT/h200_matrix.{log,json}
+#                                         matrix kernel benchmarks -> $OUT/h200_matrix.{log,json}, and the
+#                                         matrix group again with LFM2JIT_DAWN_ROBUSTNESS=off -> h200_matrix_unclamped.json
 #   bash benches/h200.sh speed [BASE]     benches/side_by_side.py in one run: lfm2jit fp32 and --f16 (the
 #                                         default implementation: Dawn on the H200), PyTorch fp32, bf16
 #                                         autocast and torch.compile -> $OUT/h200_sbs.json; then lfm2jit
@@ -33,6 +34,8 @@ matrix)
     python3 -m pytest -q -p no:cacheprovider -rs tests/test_matrix_units.py tests/test_webgpu.py -x 2>&1 \
         | tee "$OUT/h200_matrix.log" | tail -8
     python3 benches/bench.py --only ${BENCH_GROUPS:-ref matrix mtiles} --json "$OUT/h200_matrix.json" 2>&1 | grep -v "^mtiles" | tail -50
+    # the same products at their default tiles on a device without Dawn's bounds clamping (opt-in)
+    LFM2JIT_DAWN_ROBUSTNESS=off python3 benches/bench.py --only matrix --json "$OUT/h200_matrix_unclamped.json" 2>&1 | tail -30
     ;;
 speed)
     timeout 420 python3 benches/side_by_side.py --steps 3 --torch-compile --json "$OUT/h200_sbs.json" 2>&1 | tail -22

@@ -86,6 +86,8 @@ def cmd_info(args) -> None:
     except AdapterError as e:
         raise UsageError(str(e)) from None
     print(f"\nLFM2JIT_WEBGPU={settings().webgpu}: {ctx.implementation}, adapter {ctx.name}")
+    if ctx.implementation == "dawn":
+        print(f"LFM2JIT_DAWN_ROBUSTNESS: {'on' if settings().dawn_robustness else 'off (bounds clamping disabled)'}")
     print(f"features: {', '.join(sorted(ctx.features)) or 'none'}")
     print("subgroup matrix configs: " + ("; ".join(str(c) for c in ctx.subgroup_matrix_configs) or "none"))
     for key in ("max-compute-workgroup-storage-size", "max-compute-invocations-per-workgroup",

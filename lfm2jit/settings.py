@@ -9,6 +9,10 @@ LFM2JIT_AUTOTUNE   1 to benchmark the matmul and attention tile candidates once 
                    ~/.cache/lfm2jit (default: off)
 LFM2JIT_WEBGPU     the WebGPU implementation: auto (Dawn when it finds a GPU adapter, else
                    wgpu-native, which also reaches lavapipe), dawn or wgpu-native (default: auto)
+LFM2JIT_DAWN_ROBUSTNESS  on, or off to ask Dawn for devices without its bounds clamping of every
+                   buffer access (the device toggle disable_robustness). lfm2jit's kernels keep
+                   their own reads and writes in bounds, but off trusts that: a measured, opt-in
+                   speed setting, never the default (default: on)
 
 Dawn runs with the toggles below: experimental features (subgroup matrices) need allow_unsafe_apis,
 NVIDIA drivers below 615.71 get shader-f16 only with vulkan_enable_f16_on_nvidia, and GPU timestamps
@@ -33,6 +37,7 @@ class Settings:
     timing: bool
     autotune: bool
     webgpu: str
+    dawn_robustness: bool
 
 
 def _path(name: str) -> Path | None:
@@ -49,4 +54,14 @@ def settings() -> Settings:
         timing=os.environ.get("LFM2JIT_TIMING", "").strip() in ("1", "true", "yes"),
         autotune=os.environ.get("LFM2JIT_AUTOTUNE", "").strip() in ("1", "true", "yes"),
         webgpu=os.environ.get("LFM2JIT_WEBGPU", "").strip().lower() or "auto",
+        dawn_robustness=_on_off("LFM2JIT_DAWN_ROBUSTNESS", default=True),
     )
+
+
+def _on_off(name: str, default: bool) -> bool:
+    value = os.environ.get(name, "").strip().lower()
+    if not value:
+        return default
+    if value not in ("on", "off", "1", "0"):
+        raise ValueError(f"{name}={value!r}: expected on or off")
+    return value in ("on", "1")

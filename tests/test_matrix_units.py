@@ -62,6 +62,11 @@ def test_matrix_tiles_that_do_not_fit_are_refused():
     with pytest.raises(ValueError, match="fragment"):
         PRODUCTS["y"].specialize({"T": 8, "K": 16, "N": 16}, 1, frozenset(), MatrixTiles(48, 64, 2, 2, 32),
                                  MATRIX_UNITS)
+    with pytest.raises(ValueError, match="77824 bytes of workgroup memory, the device allows 49152"):
+        PRODUCTS["y"].specialize({"T": 8, "K": 16, "N": 16}, 1, frozenset(), MatrixTiles(128, 128, 2, 2, 64),
+                                 MATRIX_UNITS)        # two stages of BK = 64 do not fit; one does
+    with pytest.raises(ValueError, match="stages must be 1 or 2"):
+        MatrixTiles(stages=3)
     with pytest.raises(ValueError, match="need a device with f16 subgroup matrices"):
         PRODUCTS["y"].specialize({"T": 8, "K": 16, "N": 16}, 1, frozenset(), MatrixTiles())
 
@@ -79,12 +84,14 @@ def _f16(rng, shape):
     return rng.standard_normal(shape).astype(np.float16)
 
 
-@pytest.mark.parametrize("T,K,N", [(100, 64, 48), (129, 40, 132), (7, 8, 12), (256, 1024, 96)])
-@pytest.mark.parametrize("tiles", [None, MatrixTiles(64, 64, 2, 2, 32, split=2), MatrixTiles(128, 128, 2, 2, 64),
-                                   MatrixTiles(128, 128, 2, 4, 32), MatrixTiles(128, 64, 2, 2, 32)])
+@pytest.mark.parametrize("T,K,N", [(100, 64, 48), (129, 40, 132), (7, 8, 12), (256, 1024, 96), (300, 256, 520)])
+@pytest.mark.parametrize("tiles", [None, MatrixTiles(64, 64, 2, 2, 32, split=2), MatrixTiles(128, 128, 2, 2, 64, stages=1),
+                                   MatrixTiles(128, 128, 2, 4, 32, group=1), MatrixTiles(128, 64, 2, 2, 32, stages=1),
+                                   MatrixTiles(64, 128, 2, 2, 32, group=3)])
 def test_matrix_products_match_float64(units, rng, T, K, N, tiles):
     """f16 activations (x, dY), f32 weights converted as they are staged; against float64 on the same
-    f16-rounded values, for all three products, ragged edges and split-K included."""
+    f16-rounded values, for all three products: ragged edges, interior tiles stored whole, split-K,
+    one and two staging buffers, and bands of tile rows that do not divide the grid."""
     e = units
     x, dy = _f16(rng, (T, K)), _f16(rng, (T, N))
     w = rng.standard_normal((N, K)).astype(np.float32)
@@ -98,12 +105,13 @@ def test_matrix_products_match_float64(units, rng, T, K, N, tiles):
         assert rel_err(got, want[out]) < (2e-3 if out != "d_w" else 1e-5), (out, T, K, N, tiles)
 
 
-def test_matrix_weight_gradient_accumulates(units, rng):
+@pytest.mark.parametrize("T,K,N", [(70, 36, 44), (150, 200, 136)])
+def test_matrix_weight_gradient_accumulates(units, rng, T, K, N):
+    """dW += dY^T X: edge tiles add element by element, interior ones start from the old contents."""
     e = units
-    T, K, N = 70, 36, 44
     x, dy = _f16(rng, (T, K)), _f16(rng, (T, N))
     base = rng.standard_normal((N, K)).astype(np.float32)
-    for tiles in (None, MatrixTiles(64, 64, 2, 2, 32, split=4)):
+    for tiles in (None, MatrixTiles(64, 64, 2, 2, 32, split=4), MatrixTiles(128, 128, 2, 2, 32, stages=1)):
         dw = e.tensor(base)
         e.run(PRODUCTS["d_w"], bucket=16, tiles=tiles, x=e.tensor(x), d_y=e.tensor(dy), out={"d_w": dw},
               accumulate={"d_w"})

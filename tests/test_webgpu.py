@@ -44,3 +44,21 @@ def test_an_unknown_implementation_is_named(monkeypatch):
     monkeypatch.setenv("LFM2JIT_WEBGPU", "vulkan")
     with pytest.raises(AdapterError, match="LFM2JIT_WEBGPU='vulkan': expected one of auto, dawn, wgpu-native"):
         WgpuContext.create()
+
+
+def test_dawn_robustness_is_on_or_off(monkeypatch):
+    """LFM2JIT_DAWN_ROBUSTNESS=off asks Dawn for a device without bounds clamping; anything but on or
+    off is refused by name before a device is made. Where Dawn lists a GPU the toggle is checked on it."""
+    monkeypatch.setenv("LFM2JIT_DAWN_ROBUSTNESS", "maybe")
+    with pytest.raises(ValueError, match="LFM2JIT_DAWN_ROBUSTNESS='maybe': expected on or off"):
+        WgpuContext.create()
+    if not dawn_has_gpu():
+        return
+    from wgpudawn.backends.dawn.extras import get_toggles
+    monkeypatch.setenv("LFM2JIT_WEBGPU", "dawn")
+    for value, unclamped in (("off", True), ("on", False)):
+        monkeypatch.setenv("LFM2JIT_DAWN_ROBUSTNESS", value)
+        ctx = WgpuContext.create()
+        assert ("disable_robustness" in get_toggles(ctx.device)) == unclamped
+        engine, x = ComputeEngine(ctx), np.arange(12, dtype=np.float32).reshape(3, 4)
+        assert np.array_equal(engine.run("scale", x=engine.tensor(x), alpha=2.0)["y"].numpy(), 2 * x)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 
-from ..settings import DAWN_DEVICE_DISABLED_TOGGLES, DAWN_INSTANCE_TOGGLES
+from ..settings import DAWN_DEVICE_DISABLED_TOGGLES, DAWN_INSTANCE_TOGGLES, settings
 
 SUBGROUP_MATRIX = "chromium-experimental-subgroup-matrix"
 
@@ -57,8 +57,9 @@ class Dawn:
         return list(self.module.gpu.enumerate_adapters_sync()) if self.available() else []
 
     def request_device(self, adapter, features, limits):
+        unclamped = () if settings().dawn_robustness else ("disable_robustness",)
         return self.extras.request_device_sync(adapter, required_features=sorted(features), required_limits=limits,
-                                               disable_toggles=DAWN_DEVICE_DISABLED_TOGGLES)
+                                               enable_toggles=unclamped, disable_toggles=DAWN_DEVICE_DISABLED_TOGGLES)
 
     def subgroup_matrix_configs(self, adapter) -> tuple[dict, ...]:
         """The adapter's subgroup-matrix shapes and types, as Dawn lists them (none without the feature)."""

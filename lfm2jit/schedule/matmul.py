@@ -141,17 +141,29 @@ class MatmulParams:
 class MatrixTiles:
     """Tiles of the subgroup-matrix (matrix-unit) GEMM: a WM x WN workgroup tile, SG_M x SG_N
     subgroups each owning a (WM/SG_M) x (WN/SG_N) block of accumulator fragments, K staged through
-    workgroup memory BK at a time (as f16), and split-K as the SIMT tiles have it."""
+    workgroup memory BK at a time (as f16) in ``stages`` buffers (2: the next k-step is stored
+    while this one is multiplied, one barrier per step), workgroups walking the output in bands of
+    ``group`` tile rows (so neighbours share operand tiles in L2), and split-K as the SIMT tiles
+    have it."""
     wm: int = 128
     wn: int = 128
     sg_m: int = 2
     sg_n: int = 2
     bk: int = 32
     split: int = 1
+    stages: int = 2
+    group: int = 8
 
     def __post_init__(self):
-        if min(self.wm, self.wn, self.sg_m, self.sg_n, self.bk) < 1 or self.split not in (1, 2, 4, 8):
+        if min(self.wm, self.wn, self.sg_m, self.sg_n, self.bk, self.group) < 1 or self.split not in (1, 2, 4, 8):
             raise ValueError(f"{self}: sizes must be positive and split 1, 2, 4 or 8")
+        if self.stages not in (1, 2):
+            raise ValueError(f"{self}: stages must be 1 or 2")
+
+    @property
+    def label(self) -> str:
+        return (f"{self.wm}x{self.wn}/sg{self.sg_m}x{self.sg_n}/bk{self.bk}" + (f"/split{self.split}" if self.split > 1 else "")
+                + f"/s{self.stages}" + (f"/g{self.group}" if self.group > 1 else ""))
 
     def problem(self, frag: MatrixConfig, subgroup: int, workgroup_bytes: int) -> str | None:
         """The first rule these tiles break for fragments ``frag`` and this subgroup size, or None."""
@@ -168,13 +180,17 @@ class MatrixTiles:
             return f"{self.workgroup_bytes(frag)} bytes of workgroup memory, the device allows {workgroup_bytes}"
         return None
 
-    @property
-    def stride(self) -> int:
-        """Row stride of the staged tiles, in f16: BK plus 8, so rows start in different banks."""
-        return self.bk + 8
+    def staged(self, rows: int, by_k: bool) -> tuple[int, int]:
+        """(row stride, f16 elements) of one stage of an operand's workgroup tile: [rows][BK] when
+        the operand is read along K, [BK][rows] when its rows are contiguous (so staging never
+        transposes). Rows are padded by 8 f16 so the fragment loads' rows start in different banks."""
+        stride = (rows if by_k else self.bk) + 8
+        return stride, stride * (self.bk if by_k else rows)
 
     def workgroup_bytes(self, frag) -> int:
-        return 2 * (self.wm + self.wn) * self.stride + 4 * self.sg_m * self.sg_n * frag.m * frag.n
+        """The most workgroup memory these tiles take (either staging layout)."""
+        tiles = sum(max(self.staged(rows, by_k)[1] for by_k in (False, True)) for rows in (self.wm, self.wn))
+        return 2 * self.stages * tiles + 4 * self.sg_m * self.sg_n * frag.m * frag.n
 
 
 @dataclass(frozen=True)
@@ -205,6 +221,21 @@ class MatrixParams:
     @property
     def fn(self) -> int:            # ... and along N
         return self.tiles.wn // self.tiles.sg_n // self.frag.n
+
+    @property
+    def a_by_k(self) -> bool:       # A's tile is staged [k][m]: its rows are contiguous in memory
+        return not self.a.k_fast
+
+    @property
+    def b_by_k(self) -> bool:
+        return not self.b.k_fast
+
+    @property
+    def direct_store(self) -> bool:
+        """Whether interior tiles store whole accumulator fragments straight to memory (row-major)
+        instead of element by element through workgroup memory: f32 outputs with contiguous rows,
+        or split-K's f32 workspace. Edge tiles are always masked element by element."""
+        return self.tiles.split > 1 or (not self.c.convert and self.c.sn == 1)
 
 
 def choose_matrix_tiles(m: int, n: int, k_contiguous: int) -> MatrixTiles:
