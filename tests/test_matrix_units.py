@@ -35,6 +35,15 @@ def test_f16_contractions_go_to_the_matrix_units(out):
     assert PRODUCTS[out].specialize({"T": 100, "K": 64, "N": 48}, 64).template == "matmul"   # portable target
 
 
+@pytest.mark.parametrize("K,direct", [(8, False), (16, True), (64, True)])
+def test_whole_fragments_are_stored_only_into_rows_a_fragment_wide(K, direct):
+    """dW [N, K] in f32: interior tiles store whole 16-wide fragments, which rows narrower than a
+    fragment cannot take (the shader compiler refuses the stride); split-K's workspace likewise."""
+    for tiles in (None, MatrixTiles(64, 64, 2, 2, 32, split=2)):
+        wgsl = render(PRODUCTS["d_w"].specialize({"T": 64, "K": K, "N": 48}, 64, frozenset(), tiles, MATRIX_UNITS))
+        assert ("subgroupMatrixStore<row_major>(&" + ("ws_" if tiles else "d_w_") in wgsl) == direct, tiles
+
+
 def test_f32_contractions_stay_simt_on_a_device_with_matrix_units():
     assert LINEAR.specialize({"T": 100, "K": 64, "N": 48}, 64, target=MATRIX_UNITS).template == "matmul"
 
@@ -63,7 +72,7 @@ def test_matrix_tiles_that_do_not_fit_are_refused():
         PRODUCTS["y"].specialize({"T": 8, "K": 16, "N": 16}, 1, frozenset(), MatrixTiles(48, 64, 2, 2, 32),
                                  MATRIX_UNITS)
     with pytest.raises(ValueError, match="77824 bytes of workgroup memory, the device allows 49152"):
-        PRODUCTS["y"].specialize({"T": 8, "K": 16, "N": 16}, 1, frozenset(), MatrixTiles(128, 128, 2, 2, 64),
+        PRODUCTS["y"].specialize({"T": 8, "K": 16, "N": 16}, 1, frozenset(), MatrixTiles(128, 128, 2, 2, 64, stages=2),
                                  MATRIX_UNITS)        # two stages of BK = 64 do not fit; one does
     with pytest.raises(ValueError, match="stages must be 1 or 2"):
         MatrixTiles(stages=3)
@@ -85,8 +94,8 @@ def _f16(rng, shape):
 
 
 @pytest.mark.parametrize("T,K,N", [(100, 64, 48), (129, 40, 132), (7, 8, 12), (256, 1024, 96), (300, 256, 520)])
-@pytest.mark.parametrize("tiles", [None, MatrixTiles(64, 64, 2, 2, 32, split=2), MatrixTiles(128, 128, 2, 2, 64, stages=1),
-                                   MatrixTiles(128, 128, 2, 4, 32, group=1), MatrixTiles(128, 64, 2, 2, 32, stages=1),
+@pytest.mark.parametrize("tiles", [None, MatrixTiles(64, 64, 2, 2, 32, split=2), MatrixTiles(128, 128, 2, 2, 64),
+                                   MatrixTiles(128, 128, 2, 4, 32, group=1), MatrixTiles(128, 64, 2, 2, 32, stages=2),
                                    MatrixTiles(64, 128, 2, 2, 32, group=3)])
 def test_matrix_products_match_float64(units, rng, T, K, N, tiles):
     """f16 activations (x, dY), f32 weights converted as they are staged; against float64 on the same
@@ -111,7 +120,7 @@ def test_matrix_weight_gradient_accumulates(units, rng, T, K, N):
     e = units
     x, dy = _f16(rng, (T, K)), _f16(rng, (T, N))
     base = rng.standard_normal((N, K)).astype(np.float32)
-    for tiles in (None, MatrixTiles(64, 64, 2, 2, 32, split=4), MatrixTiles(128, 128, 2, 2, 32, stages=1)):
+    for tiles in (None, MatrixTiles(64, 64, 2, 2, 32, split=4), MatrixTiles(128, 128, 2, 2, 32, stages=2)):
         dw = e.tensor(base)
         e.run(PRODUCTS["d_w"], bucket=16, tiles=tiles, x=e.tensor(x), d_y=e.tensor(dy), out={"d_w": dw},
               accumulate={"d_w"})

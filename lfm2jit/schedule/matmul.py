@@ -151,7 +151,7 @@ class MatrixTiles:
     sg_n: int = 2
     bk: int = 32
     split: int = 1
-    stages: int = 2
+    stages: int = 1
     group: int = 8
 
     def __post_init__(self):
@@ -233,27 +233,24 @@ class MatrixParams:
     @property
     def direct_store(self) -> bool:
         """Whether interior tiles store whole accumulator fragments straight to memory (row-major)
-        instead of element by element through workgroup memory: f32 outputs with contiguous rows,
-        or split-K's f32 workspace. Edge tiles are always masked element by element."""
-        return self.tiles.split > 1 or (not self.c.convert and self.c.sn == 1)
+        instead of element by element through workgroup memory: f32 outputs with contiguous rows at
+        least a fragment wide, or split-K's f32 workspace. Edge tiles go element by element, masked."""
+        if self.tiles.split > 1:
+            return self.n_size >= self.frag.n
+        return not self.c.convert and self.c.sn == 1 and self.c.sm >= self.frag.n
 
 
 def choose_matrix_tiles(m: int, n: int, k_contiguous: int) -> MatrixTiles:
     """Tiles by what the H200 measured (benches/README.md, "Matrix units"; best of each product over
-    the candidates at 4096^3 and the LFM2-350M T = 2048 shapes). Operands read along K (y = x W^T)
-    want 128x128 tiles: 2x2 subgroups of 64x64 on grids of 1024 tiles or more, else 2x4 of 64x32.
-    One operand read across K (dX = dY W) wants 128x64; both (dW = dY^T X) want 64x64. Grids of
-    fewer than 128 tiles leave SMs idle, so they drop to 64x64."""
-    if k_contiguous == 2:
-        big = -(-m // 128) * -(-n // 128) >= 1024
-        tiles = MatrixTiles(128, 128, 2, 2, 32) if big else MatrixTiles(128, 128, 2, 4, 32)
-    elif k_contiguous == 1:
-        tiles = MatrixTiles(128, 64, 2, 2, 32)
-    else:
-        tiles = MatrixTiles(64, 64, 2, 2, 32)
-    if -(-m // tiles.wm) * -(-n // tiles.wn) < 128:
+    the candidates at 4096^3 and the LFM2-350M T = 2048 shapes): 128x128 tiles of 2x2 subgroups of
+    64x64, one staging buffer. y = x W^T (both operands read along K) on grids under 1024 tiles
+    does better with 2x4 subgroups of 64x32. Grids of fewer than 128 tiles leave SMs idle, so they
+    drop to 64x64."""
+    if -(-m // 128) * -(-n // 128) < 128:
         return MatrixTiles(64, 64, 2, 2, 32)
-    return tiles
+    if k_contiguous == 2 and -(-m // 128) * -(-n // 128) < 1024:
+        return MatrixTiles(128, 128, 2, 4, 32)
+    return MatrixTiles(128, 128, 2, 2, 32)
 
 
 def contiguity(op: Operand, row_axis: str, k: str, sizes: dict[str, int]) -> str | None:

@@ -36,11 +36,11 @@ def attention(mode: str, e: int) -> tuple[AttentionTiles, ...]:
     return (default, *sorted(fits, key=distance)[:MAX_CANDIDATES - 1])
 
 
-MATRIX = (MatrixTiles(128, 128, 2, 2, 32), MatrixTiles(128, 128, 2, 2, 32, stages=1),
+MATRIX = (MatrixTiles(128, 128, 2, 2, 32), MatrixTiles(128, 128, 2, 2, 32, stages=2),
           MatrixTiles(128, 128, 2, 2, 32, group=1), MatrixTiles(64, 64, 2, 2, 32), MatrixTiles(128, 64, 2, 2, 32),
           MatrixTiles(64, 128, 2, 2, 32), MatrixTiles(128, 128, 2, 4, 32), MatrixTiles(128, 128, 4, 2, 32),
           MatrixTiles(64, 64, 2, 2, 32, split=2), MatrixTiles(64, 64, 2, 2, 32, split=4),
-          MatrixTiles(128, 128, 2, 2, 64, stages=1), MatrixTiles(64, 64, 2, 2, 64))
+          MatrixTiles(128, 128, 2, 2, 64), MatrixTiles(64, 64, 2, 2, 64, stages=2))
 
 
 def for_spec(spec) -> tuple:
