@@ -234,23 +234,26 @@ class MatrixParams:
     def direct_store(self) -> bool:
         """Whether interior tiles store whole accumulator fragments straight to memory (row-major)
         instead of element by element through workgroup memory: f32 outputs with contiguous rows at
-        least a fragment wide, or split-K's f32 workspace. Edge tiles go element by element, masked."""
+        least a fragment wide, or split-K's f32 workspace. Dawn wants every buffer a fragment is
+        stored into to hold one fragment at least, so outputs sized by the sequence length (which
+        may be shorter than a fragment) keep the element-wise path. Edges go element by element."""
+        fragment = self.frag.m * self.frag.n
         if self.tiles.split > 1:
-            return self.n_size >= self.frag.n
-        return not self.c.convert and self.c.sn == 1 and self.c.sm >= self.frag.n
+            return self.n_size >= self.frag.n and self.tiles.split * self.batches * self.m_pad * self.n_size >= fragment
+        return (not self.c.convert and self.c.sn == 1 and self.c.sm >= self.frag.n and SEQ_AXIS not in self.axes[:2]
+                and self.axes[3] != SEQ_AXIS and self.batches * self.m_pad * self.n_size >= fragment)
 
 
 def choose_matrix_tiles(m: int, n: int, k_contiguous: int) -> MatrixTiles:
     """Tiles by what the H200 measured (benches/README.md, "Matrix units"; best of each product over
-    the candidates at 4096^3 and the LFM2-350M T = 2048 shapes): 128x128 tiles of 2x2 subgroups of
-    64x64, one staging buffer. y = x W^T (both operands read along K) on grids under 1024 tiles
-    does better with 2x4 subgroups of 64x32. Grids of fewer than 128 tiles leave SMs idle, so they
-    drop to 64x64."""
-    if -(-m // 128) * -(-n // 128) < 128:
+    the candidates at 4096^3 and the LFM2-350M T = 2048 shapes). Grids of 1024 128x128 tiles or
+    more: 128x128 tiles of 2x2 subgroups. Smaller grids: 2x4 subgroups for the products that read
+    an operand along K (y = x W^T, dX = dY W), 64x64 tiles for dW = dY^T X (which reads neither).
+    Grids of fewer than 128 such tiles leave SMs idle, so they drop to 64x64."""
+    grid = -(-m // 128) * -(-n // 128)
+    if grid < 128 or (grid < 1024 and k_contiguous == 0):
         return MatrixTiles(64, 64, 2, 2, 32)
-    if k_contiguous == 2 and -(-m // 128) * -(-n // 128) < 1024:
-        return MatrixTiles(128, 128, 2, 4, 32)
-    return MatrixTiles(128, 128, 2, 2, 32)
+    return MatrixTiles(128, 128, 2, 2 if grid >= 1024 else 4, 32)
 
 
 def contiguity(op: Operand, row_axis: str, k: str, sizes: dict[str, int]) -> str | None:
