@@ -4,7 +4,7 @@ What the scheduler decides runs everywhere: contractions with an f16 operand go 
 template on a device with f16 subgroup matrices, f32 ones stay SIMT, and every tile the autotuner
 may try renders. The numbers need such a device (Dawn on an NVIDIA GPU): those tests run there and
 are skipped elsewhere (lavapipe has no subgroup matrices). They ran on the H200 under
-LFM2JIT_WEBGPU=dawn: benches/results/h200_tests_dawn_rest.log and h200_matrix.log.
+LFM2JIT_WEBGPU=dawn: benches/results/h200_matrix_tests_dawn.log (this template) and h200_tests_dawn*.log.
 """
 from __future__ import annotations
 
