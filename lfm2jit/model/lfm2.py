@@ -29,8 +29,10 @@ from ..ops import library, precision
 from ..ops.embedding import slots
 from ..runtime import Tensor
 from ..schedule.spec import bucketed
+from .adapters import LoraAdapters
 from .checkpoint import check_tensors, load_checkpoint, parameter_shapes, save_checkpoint
 from .config import Lfm2Config
+from .lora import AdapterError, LoraConfig, check_weights, init_weights, read_adapter, write_adapter
 
 
 def _k(name: str):
@@ -100,6 +102,7 @@ class Lfm2Model:
         self._params: dict[str, Tensor] = {n: Tensor.from_numpy(ctx, a.astype(np.float32)) for n, a in tensors.items()}
         self._rope: dict[int, tuple[Tensor, Tensor]] = {}
         self._train_ids: set[int] = set()
+        self.lora: LoraAdapters | None = None
 
     # ---- parameters ----
     def _init_tensors(self, seed: int) -> dict[str, np.ndarray]:
@@ -120,11 +123,69 @@ class Lfm2Model:
         return out
 
     def named_parameters(self) -> dict[str, Tensor]:
-        """Parameters by transformers name (e.g. "model.layers.0.conv.in_proj.weight")."""
-        return dict(self._params)
+        """Parameters by transformers name (e.g. "model.layers.0.conv.in_proj.weight"), then the LoRA
+        adapters' by PEFT name ("base_model.model.model.layers.0.conv.in_proj.lora_A.weight")."""
+        return {**self._params, **(self.lora.named if self.lora else {})}
 
     def parameters(self) -> list[Tensor]:
-        return list(self._params.values())
+        return list(self.named_parameters().values())
+
+    # ---- LoRA ----
+    def add_lora(self, config: LoraConfig = LoraConfig(), seed: int = 0, base_dtype: str = "f32") -> list[Tensor]:
+        """New LoRA adapters (B = 0: the model's outputs are unchanged) on the layers ``config``
+        targets; returns their tensors, the ones to train (``lora_parameters``). ``base_dtype="f16"``
+        keeps the decoder's linear weights as f16, halving their memory; they are then frozen."""
+        if not isinstance(config, LoraConfig):
+            raise TypeError(f"add_lora takes a LoraConfig, got {type(config).__name__}")
+        modules = config.modules(self.cfg)
+        self._attach(config, modules, init_weights(config, modules, seed), base_dtype)
+        return self.lora_parameters()
+
+    def load_adapter(self, directory, base_dtype: str = "f32") -> list[Tensor]:
+        """A PEFT adapter directory (adapter_config.json + adapter_model.safetensors), checked in
+        full against this model before anything changes."""
+        config, tensors = read_adapter(Path(directory))
+        modules = config.modules(self.cfg)
+        self._attach(config, modules, check_weights(config, modules, tensors, str(directory)), base_dtype)
+        return self.lora_parameters()
+
+    def _attach(self, config: LoraConfig, modules, weights: dict, base_dtype: str) -> None:
+        if self.lora is not None:
+            raise AdapterError("this model already has LoRA adapters: merge_lora() folds them in first")
+        if base_dtype not in ("f32", "f16"):
+            raise ValueError(f"base_dtype must be 'f32' or 'f16', got {base_dtype!r}")
+        if base_dtype == "f16" and not self.ctx.has_f16:
+            raise ValueError(f"base_dtype='f16' needs the shader-f16 feature, which adapter {self.ctx.name!r} lacks")
+        self.lora = LoraAdapters(config, {n: Tensor.from_numpy(self.ctx, a) for n, a in weights.items()}, modules)
+        if base_dtype == "f16":
+            for name in self._base_linears():
+                self._params[name] = self.engine.tensor(self._params[name].numpy(), "f16")
+
+    def _base_linears(self) -> list[str]:
+        return [n for n, shape in parameter_shapes(self.cfg).items()
+                if n.startswith("model.layers.") and n.endswith(".weight") and len(shape) == 2]
+
+    def lora_parameters(self) -> list[Tensor]:
+        return list(self.lora.named.values()) if self.lora else []
+
+    def save_adapter(self, directory, base_model: str | None = None) -> None:
+        """adapter_config.json + adapter_model.safetensors, as PeftModel.save_pretrained writes them."""
+        if self.lora is None:
+            raise AdapterError("this model has no LoRA adapters to save (add_lora or load_adapter first)")
+        write_adapter(Path(directory), self.lora.config, {n: t.numpy() for n, t in self.lora.named.items()}, base_model)
+
+    def merge_lora(self) -> None:
+        """Fold the adapters into the base weights (W += s * B A, in float64, stored as the weight's
+        dtype: an f16 base is rounded to f16, as merging into a half-precision base in PEFT is) and
+        drop them, so ``save_pretrained`` writes a plain model."""
+        if self.lora is None:
+            raise AdapterError("this model has no LoRA adapters to merge")
+        s = self.lora.config.scaling
+        for module, ad in self.lora.by_module.items():
+            w = self._params[module + ".weight"]
+            merged = w.numpy().astype(np.float64) + s * (ad.b.numpy().astype(np.float64) @ ad.a.numpy().astype(np.float64))
+            w.write(merged.astype(_NUMPY[w.dtype]))
+        self.lora = None
 
     def p(self, name: str) -> Tensor:
         return self._params[name]
@@ -143,7 +204,8 @@ class Lfm2Model:
                    recompute_mlp=recompute_mlp)
 
     def state_dict(self) -> dict[str, np.ndarray]:
-        return {n: t.numpy() for n, t in self._params.items()}
+        """The base model's tensors, as f32 (without adapters: ``save_adapter`` writes those)."""
+        return {n: t.numpy().astype(np.float32) for n, t in self._params.items()}
 
     def save_pretrained(self, directory) -> None:
         """config.json + model.safetensors that transformers' Lfm2ForCausalLM.from_pretrained loads."""
@@ -154,7 +216,7 @@ class Lfm2Model:
 
     def load_state(self, tensors: dict[str, np.ndarray]) -> None:
         for name, arr in check_tensors(self.cfg, tensors).items():
-            self._params[name].write(arr.astype(np.float32))
+            self._params[name].write(arr.astype(_NUMPY[self._params[name].dtype]))
 
     # ---- input checks ----
     def check_ids(self, ids, what: str = "input_ids") -> np.ndarray:
@@ -276,6 +338,8 @@ class Lfm2Model:
         y = self._run(_k("linear"), bucket=bucket, x=x, w=self.p(name + ".weight"))["y"]
         if name + ".bias" in self._params:
             self._run(_k("bias_add"), bucket=bucket, y=y, b=self.p(name + ".bias"))
+        if self.lora and name in self.lora.by_module:
+            self.lora.forward(self._run, x, name, y, bucket)
         return y
 
     def _conv_forward(self, pre: str, s: dict, trace: Trace) -> Tensor:
@@ -323,19 +387,53 @@ class Lfm2Model:
             self.engine.zero_(t.grad)
 
     def _trained(self, name: str) -> bool:
-        return self._params[name].grad is not None and id(self._params[name]) in self._train_ids
+        return self._is_trained(self._params[name])
+
+    def _is_trained(self, t: Tensor) -> bool:
+        return t.grad is not None and id(t) in self._train_ids
+
+    def check_trainable(self, params) -> None:
+        """Refuse, before any GPU work, what backward cannot train: parameters without .grad, frozen
+        f16 base weights, adapters with dropout (PEFT's dropout draws from torch's generator)."""
+        ids = {id(t) for t in params}
+        named = self.named_parameters()
+        missing = [n for n, t in named.items() if id(t) in ids and t.grad is None]
+        if missing:
+            raise ValueError(f"parameters without .grad (call zero_grad first): {missing[:3]}")
+        halves = [n for n, t in named.items() if id(t) in ids and t.dtype == "f16"]
+        if halves:
+            raise ValueError(f"{halves[0]} is a frozen f16 base weight (add_lora(base_dtype='f16')); it cannot be "
+                             "trained: train the adapters (lora_parameters()), or keep the base in f32")
+        if self.lora and self.lora.config.dropout and any(id(t) in ids for t in self.lora.named.values()):
+            raise ValueError(f"LoRA dropout {self.lora.config.dropout} is not implemented for training; "
+                             "use dropout=0.0 (inference with such an adapter is fine)")
+
+    def _lowest_trained_layer(self) -> int | None:
+        """The first decoder layer backward must reach: 0 when the embedding is trained, None when no
+        layer and not the final norm is (the LM head alone: backward has nothing to do)."""
+        if self._trained("model.embed_tokens.weight"):
+            return 0
+        named = self.named_parameters()
+        layers = [int(n.split(".")[n.split(".").index("layers") + 1]) for n, t in named.items()
+                  if ".layers." in n and self._is_trained(t)]
+        if layers:
+            return min(layers)
+        return len(self.cfg.layer_types) if self._trained("model.embedding_norm.weight") else None
 
     def backward(self, trace: Trace, d_hn: Tensor, params: list[Tensor]) -> None:
         """Add the gradients of every parameter in ``params`` (which must have .grad) given the
-        gradient of the final normed hidden state d_hn (T, D). The reverse of ``forward``."""
+        gradient of the final normed hidden state d_hn (T, D). The reverse of ``forward``, pruned
+        to what the trained parameters need: nothing below the lowest layer that holds one."""
+        self.check_trainable(params)
         self._train_ids = {id(t) for t in params}
-        missing = [n for n, t in self._params.items() if id(t) in self._train_ids and t.grad is None]
-        if missing:
-            raise ValueError(f"parameters without .grad (call zero_grad first): {missing[:3]}")
+        lowest = self._lowest_trained_layer()
+        if lowest is None:
+            return
         bucket = trace.bucket
         # hn = rmsnorm(h_out)
         dh = self._norm_backward(trace.h_out, trace.inv, "model.embedding_norm.weight", d_hn, bucket)   # (T, D)
-        for s in reversed(trace.layers):
+        for i in reversed(range(lowest, len(trace.layers))):
+            s = trace.layers[i]
             pre = s["pre"]
             self._recompute(s, bucket)
             # Each [T, F] tensor is dropped (back to the pool) right after its last use, so the peak
@@ -383,6 +481,8 @@ class Lfm2Model:
         if name + ".bias" in self._params and self._trained(name + ".bias"):
             run(_k("bias_grad"), bucket=bucket, dy=dy, out={"db": self._params[name + ".bias"].grad},
                 accumulate={"db"})
+        if self.lora and name in self.lora.by_module:
+            self.lora.backward(run, _grad, self._is_trained, x, name, dy, dx, bucket)
         return dx
 
     def _norm_backward(self, x: Tensor, inv: Tensor, name: str, dy: Tensor, bucket: int,
@@ -450,6 +550,7 @@ class Lfm2Model:
                                d_y=dy)["d_x"]
 
 
+_NUMPY = {"f32": np.float32, "f16": np.float16}
 _BACKWARDS: dict[tuple, object] = {}
 
 

@@ -28,9 +28,11 @@ def check_activation_dtype(dtype: str, ctx) -> str:
 
 
 def for_call(kernel: Kernel, dtype: str, args: dict, out: dict | None = None) -> Kernel:
-    """The variant of ``kernel`` that a call with these arguments runs when activations are ``dtype``."""
+    """The variant of ``kernel`` that a call with these arguments runs when activations are ``dtype``.
+    With f32 activations only the f16 tensors given (a frozen base weight kept as f16) are f16."""
     if dtype == "f32":
-        return kernel
+        halves = {n for n, t in {**args, **(out or {})}.items() if isinstance(t, Tensor) and t.dtype == "f16"}
+        return kernel.variant("f16", kernel.tensor_names - halves) if halves else kernel
     keep = {n for n, t in args.items() if isinstance(t, Tensor) and t.dtype == "f32"}
     keep |= {n for n, t in (out or {}).items() if t.dtype == "f32"}
     return kernel.variant(dtype, frozenset(keep | STATISTICS) & kernel.tensor_names)

@@ -1,0 +1,170 @@
+"""LoRA adapters on LFM2's linear layers, in PEFT's terms and files.
+
+A targeted layer y = x W^T gains y += s * (x A^T) B^T with A [r, in], B [out, r] and
+s = alpha / r (alpha / sqrt(r) with rsLoRA), A initialised as PEFT does (kaiming-uniform with
+a = sqrt(5): uniform in +-1/sqrt(in)) and B at zero, so a new adapter changes nothing.
+
+Targets are matched as PEFT matches ``target_modules`` given as a list: a module is targeted when
+its name equals a target or ends with "." + target. "out_proj" therefore targets both the
+attention's and the conv's output projection, as it does in PEFT. Saved tensors are named as
+``PeftModel.save_pretrained`` names them: "base_model.model.<module>.lora_A.weight".
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .checkpoint import parameter_shapes
+from .config import Lfm2Config
+
+LFM2_LINEARS = ("q_proj", "k_proj", "v_proj", "out_proj", "in_proj", "w1", "w2", "w3")
+DEFAULT_TARGETS = LFM2_LINEARS            # Liquid's fine-tuning recipe: every linear layer of the decoder
+LLAMA_NAMES = {"o_proj": "out_proj", "gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+PEFT_PREFIX = "base_model.model."
+CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
+
+
+class AdapterError(ValueError):
+    """An adapter that does not fit the model or that lfm2jit cannot run; raised before any change."""
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """PEFT's LoraConfig, the part lfm2jit runs. ``dropout`` is kept for PEFT's files; training with
+    dropout > 0 is refused (inference ignores dropout, as PEFT's eval mode does)."""
+    r: int = 8
+    alpha: float = 16.0
+    target_modules: tuple[str, ...] = DEFAULT_TARGETS
+    dropout: float = 0.0
+    use_rslora: bool = False
+
+    def __post_init__(self):
+        if isinstance(self.target_modules, str):
+            object.__setattr__(self, "target_modules", (self.target_modules,))
+        object.__setattr__(self, "target_modules", tuple(self.target_modules))
+        if isinstance(self.r, bool) or not isinstance(self.r, int) or self.r < 1:
+            raise AdapterError(f"LoraConfig.r must be an integer >= 1, got {self.r!r}")
+        if not (isinstance(self.alpha, (int, float)) and math.isfinite(self.alpha) and self.alpha > 0):
+            raise AdapterError(f"LoraConfig.alpha must be a finite number > 0, got {self.alpha!r}")
+        if not (isinstance(self.dropout, (int, float)) and 0.0 <= self.dropout < 1.0):
+            raise AdapterError(f"LoraConfig.dropout must be in [0, 1), got {self.dropout!r}")
+        if not self.target_modules or not all(isinstance(t, str) and t for t in self.target_modules):
+            raise AdapterError(f"LoraConfig.target_modules must be non-empty module names, got {self.target_modules!r}")
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / (math.sqrt(self.r) if self.use_rslora else self.r)
+
+    def modules(self, cfg: Lfm2Config) -> dict[str, tuple[int, int]]:
+        """The targeted linear modules of a model of ``cfg``, by name, with their (out, in) sizes.
+        A target that matches no linear layer is an error: tools written for Llama's names
+        (o_proj, gate_proj, ...) would otherwise train nothing there without a word."""
+        linears = {name[:-len(".weight")]: shape for name, shape in parameter_shapes(cfg).items()
+                   if name.startswith("model.layers.") and name.endswith(".weight") and len(shape) == 2}
+        found = {}
+        for target in self.target_modules:
+            hits = {m: s for m, s in linears.items() if m == target or m.endswith("." + target)}
+            if not hits:
+                hint = f" (LFM2 calls it {LLAMA_NAMES[target]!r})" if target in LLAMA_NAMES else ""
+                raise AdapterError(f"LoRA target {target!r} matches no linear layer of this LFM2{hint}; "
+                                   f"LFM2's linear layers are {', '.join(LFM2_LINEARS)}")
+            found.update(hits)
+        return {m: linears[m] for m in linears if m in found}         # in the model's order
+
+    def to_peft(self, base_model: str | None = None) -> dict:
+        return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": self.r, "lora_alpha": self.alpha,
+                "target_modules": list(self.target_modules), "lora_dropout": self.dropout, "bias": "none",
+                "use_rslora": self.use_rslora, "fan_in_fan_out": False, "modules_to_save": None,
+                "init_lora_weights": True, "use_dora": False, "base_model_name_or_path": base_model}
+
+    @classmethod
+    def from_peft(cls, config: dict, where: str = CONFIG_FILE) -> "LoraConfig":
+        """The config of a PEFT adapter_config.json; what lfm2jit cannot run is named."""
+        if config.get("peft_type") != "LORA":
+            raise AdapterError(f"{where}: peft_type {config.get('peft_type')!r}, lfm2jit runs LORA adapters only")
+        unsupported = {"bias": ("none", None), "fan_in_fan_out": (False, None), "modules_to_save": (None, []),
+                       "use_dora": (False, None), "rank_pattern": ({}, None), "alpha_pattern": ({}, None),
+                       "layers_to_transform": (None,), "layers_pattern": (None, [])}
+        for key, fine in unsupported.items():
+            if key in config and config[key] not in fine:
+                raise AdapterError(f"{where}: {key} = {config[key]!r} is not supported (expected {fine[0]!r})")
+        targets = config.get("target_modules")
+        if not isinstance(targets, (list, tuple, str)):
+            raise AdapterError(f"{where}: target_modules must be a list of module names, got {targets!r}")
+        return cls(r=config.get("r", 8), alpha=config.get("lora_alpha", 8), target_modules=targets,
+                   dropout=config.get("lora_dropout", 0.0) or 0.0, use_rslora=bool(config.get("use_rslora", False)))
+
+
+def peft_names(module: str) -> tuple[str, str]:
+    """The names PEFT saves a module's A and B under."""
+    return PEFT_PREFIX + module + ".lora_A.weight", PEFT_PREFIX + module + ".lora_B.weight"
+
+
+def init_weights(config: LoraConfig, modules: dict[str, tuple[int, int]], seed: int) -> dict[str, np.ndarray]:
+    """A uniform in +-1/sqrt(in) (PEFT's kaiming-uniform, a = sqrt(5)), B zero, by PEFT name."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for module, (n_out, n_in) in modules.items():
+        a, b = peft_names(module)
+        bound = 1.0 / math.sqrt(n_in)
+        out[a] = rng.uniform(-bound, bound, (config.r, n_in)).astype(np.float32)
+        out[b] = np.zeros((n_out, config.r), np.float32)
+    return out
+
+
+def check_weights(config: LoraConfig, modules: dict[str, tuple[int, int]], tensors: dict[str, np.ndarray],
+                  where: str) -> dict[str, np.ndarray]:
+    """Every A and B of ``modules`` with its shape, nothing else, as f32; otherwise a list of what is wrong."""
+    want = {}
+    for module, (n_out, n_in) in modules.items():
+        a, b = peft_names(module)
+        want[a], want[b] = (config.r, n_in), (n_out, config.r)
+    problems = [f"missing {n}" for n in want if n not in tensors]
+    problems += [f"unexpected {n}" for n in tensors if n not in want]
+    problems += [f"{n} has shape {list(tensors[n].shape)}, this model needs {list(s)}"
+                 for n, s in want.items() if n in tensors and tuple(tensors[n].shape) != s]
+    if problems:
+        more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+        raise AdapterError(f"{where} does not fit this model: " + "; ".join(problems[:5]) + more)
+    bad = [n for n in want if not np.all(np.isfinite(tensors[n]))]
+    if bad:
+        raise AdapterError(f"{where}: {bad[0]} holds NaN or infinite values")
+    return {n: np.asarray(tensors[n], np.float32) for n in want}
+
+
+def write_adapter(directory: Path, config: LoraConfig, tensors: dict[str, np.ndarray], base_model: str | None) -> None:
+    from safetensors.numpy import save_file
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / CONFIG_FILE).write_text(json.dumps(config.to_peft(base_model), indent=2))
+    save_file({n: np.ascontiguousarray(t, np.float32) for n, t in tensors.items()}, str(directory / WEIGHTS_FILE),
+              metadata={"format": "pt"})
+
+
+def read_adapter(directory: Path) -> tuple[LoraConfig, dict[str, np.ndarray]]:
+    from .checkpoint import CheckpointError, read_safetensors
+    directory = Path(directory)
+    path = directory / CONFIG_FILE
+    if not path.is_file():
+        raise AdapterError(f"{directory}: no {CONFIG_FILE} (a PEFT adapter directory has {CONFIG_FILE} and "
+                           f"{WEIGHTS_FILE})")
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise AdapterError(f"{path}: not readable JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise AdapterError(f"{path}: expected a JSON object, got {type(config).__name__}")
+    lora = LoraConfig.from_peft(config, str(path))
+    weights = directory / WEIGHTS_FILE
+    if not weights.is_file():
+        old = " (adapter_model.bin, PEFT's older pickle format, is not read: save it again as safetensors)" \
+            if (directory / "adapter_model.bin").is_file() else ""
+        raise AdapterError(f"{directory}: no {WEIGHTS_FILE}{old}")
+    try:
+        tensors = read_safetensors(weights)
+    except CheckpointError as e:
+        raise AdapterError(str(e)) from None
+    return lora, tensors
