@@ -3,6 +3,7 @@ position, step counters and data position, written so that a crash never leaves 
 
 Layout of a checkpoint directory:
     model/config.json, model/model.safetensors   loadable by transformers' Lfm2ForCausalLM
+    adapter/ (with LoRA)                         PEFT's adapter_config.json + adapter_model.safetensors
     optimizer.safetensors                        "<parameter name>::<buffer>" -> state tensor
     trainer.json                                 counters, hyperparameters, scaler, schedule, data position
 
@@ -37,6 +38,8 @@ def save_checkpoint(trainer, directory, data_position: dict | None = None) -> Pa
     if tmp.exists():
         shutil.rmtree(tmp)
     trainer.model.save_pretrained(tmp / "model")
+    if getattr(trainer.model, "lora", None) is not None:
+        trainer.model.save_adapter(tmp / "adapter")
     names = {id(t): n for n, t in trainer.model.named_parameters().items()}
     save_file(trainer.optimizer.state_arrays(names), str(tmp / "optimizer.safetensors"))
     meta = {

@@ -250,6 +250,7 @@ def prepare(args, argv_empty: bool) -> dict:
             model = Lfm2Model(cfg, ctx, engine, seed=run.seed, activation_dtype=dtype, recompute_mlp=run.recompute_mlp)
     except (CheckpointError, ConfigError) as e:
         raise UsageError(f"model: {e}") from None
+    params = _attach_lora_and_choose(run, model, ckpt)
 
     from . import AdamW, SGD, FileGradSyncConfig, GradScaler, TrainError, Trainer
     opt = (AdamW(lr=run.lr, weight_decay=run.weight_decay) if run.optimizer == "adamw"
@@ -289,7 +290,26 @@ def prepare(args, argv_empty: bool) -> dict:
         out = default_out(run)
     run.out = str(out)
     return dict(run=run, tok=tok, data=data, ctx=ctx, engine=engine, model=model, trainer=tr, out=out,
-                position=position, ckpt=ckpt, steps_per_epoch=steps_per_epoch)
+                position=position, ckpt=ckpt, steps_per_epoch=steps_per_epoch, params=params)
+
+
+def _attach_lora_and_choose(run: Run, model, ckpt: Path | None) -> list:
+    """With --lora-r: the checkpoint's adapter (on --resume) or a new one; then the parameters to train."""
+    from lfm2jit.model.lora import AdapterError, LoraConfig
+    from .subsets import trainable
+    if run.lora_r is not None:
+        base = "f16" if run.lora_f16_base else "f32"
+        try:
+            if ckpt is not None:
+                if not (ckpt / "adapter").is_dir():
+                    raise UsageError(f"--resume {ckpt}: the run trains LoRA adapters but the checkpoint has no adapter/")
+                model.load_adapter(ckpt / "adapter", base_dtype=base)
+            else:
+                model.add_lora(LoraConfig(r=run.lora_r, alpha=run.lora_alpha, target_modules=tuple(run.lora_targets),
+                                          dropout=run.lora_dropout), seed=run.seed, base_dtype=base)
+        except (AdapterError, ValueError) as e:
+            raise UsageError(f"LoRA: {e}") from None
+    return trainable(model, run.lora_r is not None, run.train_only, run.freeze)
 
 
 def train(s: dict) -> int:
@@ -312,11 +332,17 @@ def train(s: dict) -> int:
 
     cfg = model.cfg
     n_params = sum(int(np.prod(t.shape)) for t in model.parameters())
+    params = s["params"]
+    n_trained = sum(int(np.prod(t.shape)) for t in params)
     what = (f"resuming {s['ckpt']}" if s["ckpt"] else f"fine-tuning {run.model}" if run.source == "model"
             else f"training from scratch (preset {run.preset})")
     print(f"lfm2jit trainer: {what} on {s['ctx'].name}")
     print(f"  model: {_fmt_count(n_params)} parameters, hidden {cfg.hidden_size}, {cfg.num_hidden_layers} layers "
           f"({', '.join(cfg.layer_types)}), vocab {cfg.vocab_size}")
+    if n_trained != n_params:
+        lora = (f"LoRA r {run.lora_r} alpha {run.lora_alpha:g} on {', '.join(run.lora_targets)}"
+                + (", f16 base" if run.lora_f16_base else "") if run.lora_r is not None else "a subset")
+        print(f"  training {_fmt_count(n_trained)} of them ({100 * n_trained / n_params:.2f}%): {lora}")
     print(f"  data: {run.data}: {len(data.train)} training sequences, {len(data.eval)} held out"
           + (f"; rank {run.rank} of {run.world_size}" if run.world_size > 1 else ""))
     print(f"  steps {start + 1}..{run.steps}: {run.grad_accum} sequence(s) per step"
@@ -342,7 +368,6 @@ def train(s: dict) -> int:
     n = len(data.train)
     per_step = run.world_size * run.grad_accum
     order = epoch_order(n, run.seed, epoch)
-    params = model.parameters()
     new: list[dict] = []
     skipped_in_a_row = 0
     last_ckpt = None
@@ -414,6 +439,7 @@ def train(s: dict) -> int:
     t_eval = time.perf_counter()
     eval_after, answer_after = evaluate(model, engine, my_eval, run.bucket) if my_eval else (nan, nan)
     eval_seconds = time.perf_counter() - t_eval
+    final = _write_final_model(run, model, out) if run.rank == 0 and run.lora_r is not None else None
     evals = [(start, eval_before), (tr.optimizer_steps(), eval_after)] if my_eval else []
     _write_plot(plot_loss_curve, png_path, history + new, evals)
 
@@ -458,7 +484,10 @@ def train(s: dict) -> int:
     print(f"  metrics: {metrics_path.resolve()}")
     print(f"  loss curve: {png_path.resolve()}")
     if last_ckpt:
-        print(f"  checkpoint: {Path(last_ckpt).resolve()}  (Hugging Face model in its model/ directory)")
+        print(f"  checkpoint: {Path(last_ckpt).resolve()}  (Hugging Face model in its model/ directory"
+              + (", the LoRA adapter in adapter/)" if run.lora_r is not None else ")"))
+    if final is not None:
+        print(f"  {final}")
     print(f"  summary: {(rank_dir / 'summary.json').resolve()}")
     if run.check_loss_drop is not None and len(new):
         if not (ratio <= run.check_loss_drop):
@@ -467,6 +496,19 @@ def train(s: dict) -> int:
                   f"(x{ratio:.2f}); --check-loss-drop wants at most x{run.check_loss_drop:g}", file=sys.stderr)
             return 1
     return 0
+
+
+def _write_final_model(run: Run, model, out: Path) -> str:
+    """The run's result beside its checkpoints: OUT/model (merged, with --merge-lora) or OUT/adapter.
+    Merging changes the model in place, so it happens after the last checkpoint was written."""
+    if run.merge_lora:
+        model.merge_lora()
+        model.save_pretrained(out / "model")
+        copy_tokenizer(run.tokenizer, out / "model")
+        return f"merged model: {(out / 'model').resolve()} (transformers' Lfm2ForCausalLM loads it)"
+    model.save_adapter(out / "adapter", base_model=run.model)
+    return (f"LoRA adapter: {(out / 'adapter').resolve()} (PeftModel.from_pretrained(base, dir) loads it"
+            + (f" on {run.model})" if run.model else ")"))
 
 
 def _write_plot(plot, path: Path, metrics: list[dict], evals) -> None:

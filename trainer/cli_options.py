@@ -8,6 +8,8 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lfm2jit.model.lora import DEFAULT_TARGETS
+
 from .trainer import DEFAULT_PACK_TOKENS, DEFAULT_REPLAY_PASSES
 
 # Defaults of the run `python -m trainer` does with no arguments: a small model trained from
@@ -145,6 +147,29 @@ def build_parser() -> argparse.ArgumentParser:
                         help="train for E passes over the training split (E may be fractional; default 1 unless "
                              "--steps is given or the built-in run is done)")
 
+    lo = p.add_argument_group("LoRA and frozen parameters (by default every parameter is trained)")
+    lo.add_argument("--lora-r", type=int, metavar="R",
+                    help="train LoRA adapters of rank R (PEFT's LoraConfig) instead of the whole model; the base "
+                         "weights stay frozen")
+    lo.add_argument("--lora-alpha", type=float, metavar="A", help="LoRA alpha; the update is scaled by A / R "
+                    "(default 2 R: Liquid's recipe uses R 8, alpha 16)")
+    lo.add_argument("--lora-targets", nargs="+", metavar="NAME",
+                    help=f"linear layers that get adapters, matched as PEFT matches target_modules (a module name "
+                         f"or its last part); default LFM2's every linear layer: {' '.join(DEFAULT_TARGETS)}")
+    lo.add_argument("--lora-dropout", type=float, metavar="P",
+                    help="LoRA dropout, written to adapter_config.json; training with P > 0 is not implemented yet "
+                         "(default 0)")
+    lo.add_argument("--lora-f16-base", action="store_true", default=None,
+                    help="keep the frozen base's linear weights as f16: half their memory")
+    lo.add_argument("--merge-lora", action="store_true", default=None,
+                    help="at the end, fold the adapters into the base and write the merged model to OUT/model "
+                         "(default: the adapter alone, to OUT/adapter, which PeftModel.from_pretrained loads)")
+    lo.add_argument("--train-only", nargs="+", metavar="PATTERN",
+                    help="train only the parameters whose transformers names match one of these shell patterns "
+                         "(e.g. 'lm_head.weight' 'model.layers.15.*'); with --lora-r, train these too")
+    lo.add_argument("--freeze", nargs="+", metavar="PATTERN",
+                    help="do not train the parameters whose names match one of these shell patterns")
+
     c = p.add_argument_group("output, checkpoints, resume")
     c.add_argument("--out", metavar="DIR",
                    help="run directory for metrics.jsonl, loss.png, summary.json, run.json and checkpoints/ "
@@ -185,7 +210,8 @@ AS_YOU_LIKE = {"steps", "checkpoint_every", "keep_checkpoints", "eval_max", "syn
 RESUMABLE = ("tokenizer", "data", "data_kind", "loss_on", "max_len", "eval_fraction", "eval_max", "seed", "optimizer", "lr",
              "weight_decay", "momentum", "schedule", "warmup_steps", "min_lr", "grad_accum", "pack_tokens", "clip", "bucket",
              "scaler", "f16", "steps", "checkpoint_every", "keep_checkpoints", "world_size", "sync_dir", "run_id",
-             "sync_timeout", "check_loss_drop", "source", "preset")
+             "sync_timeout", "check_loss_drop", "source", "preset", "lora_r", "lora_alpha", "lora_targets",
+             "lora_dropout", "lora_f16_base", "merge_lora", "train_only", "freeze")
 
 
 @dataclass
@@ -231,6 +257,14 @@ class Run:
     sync_timeout: float
     adapter: str | None
     resume: str | None
+    lora_r: int | None = None
+    lora_alpha: float | None = None
+    lora_targets: list[str] | None = None
+    lora_dropout: float = 0.0
+    lora_f16_base: bool = False
+    merge_lora: bool = False
+    train_only: list[str] | None = None
+    freeze: list[str] | None = None
     builtin_data: bool = False
     notes: list[str] = field(default_factory=list)
     derived: set = field(default_factory=set)     # settings left to defaults that follow others
@@ -318,6 +352,10 @@ def resolve(args: argparse.Namespace, argv_empty: bool, saved: dict | None = Non
         progress=not g.get("no_progress", False), sync_dir=g.get("sync_dir"), rank=g.get("rank", 0),
         world_size=world, run_id=g.get("run_id", "run"), sync_timeout=g.get("sync_timeout", 600.0),
         adapter=g.get("adapter"), resume=g.get("resume"), builtin_data=builtin_data, notes=notes,
+        lora_r=g.get("lora_r"), lora_alpha=g.get("lora_alpha", 2.0 * g["lora_r"] if "lora_r" in g else None),
+        lora_targets=g.get("lora_targets", list(DEFAULT_TARGETS) if "lora_r" in g else None),
+        lora_dropout=g.get("lora_dropout", 0.0), lora_f16_base=bool(g.get("lora_f16_base", False)),
+        merge_lora=bool(g.get("merge_lora", False)), train_only=g.get("train_only"), freeze=g.get("freeze"),
         derived={k for k in ("min_lr", "warmup_steps", "tokenizer", "data") if k not in g})
     _validate(run)
     for key in ("model", "tokenizer", "data", "sync_dir"):      # kept in checkpoints: independent of the cwd
@@ -352,5 +390,14 @@ def _validate(r: Run) -> None:
         raise UsageError(f"--rank must be in 0..{r.world_size - 1} for --world-size {r.world_size}, got {r.rank}")
     if r.world_size > 1 and not r.sync_dir:
         raise UsageError("--world-size > 1 needs --sync-dir DIR, a directory every rank can read and write")
+    lora_only = [f for f, v in (("lora-alpha", "lora_alpha"), ("lora-targets", "lora_targets"), ("lora-f16-base",
+                                "lora_f16_base"), ("merge-lora", "merge_lora")) if getattr(r, v) and r.lora_r is None]
+    if lora_only:
+        raise UsageError(f"--{lora_only[0]} needs --lora-r R (the rank of the adapters to train)")
+    positive("lora_r", r.lora_r)
+    positive("lora_alpha", r.lora_alpha)
+    if r.lora_dropout:
+        raise UsageError(f"--lora-dropout {r.lora_dropout:g}: training with LoRA dropout is not implemented yet; "
+                         "use 0")
     if r.run_id and any(ch in r.run_id for ch in "/\\"):
         raise UsageError(f"--run-id must not contain slashes, got {r.run_id!r}")
