@@ -552,7 +552,7 @@ def _kernel_class(name: str) -> str:
 def train_bench(ctx, cfg, shapes, steps: int = 3, warmup: int = 1, seed: int = 0, log=print,
                 profile: bool = True, clip: float | None = 1.0, probe=None,
                 activation_dtype: str = "f32", replay: int | None = None,
-                recompute_mlp: bool = False) -> tuple[list[Line], dict]:
+                recompute_mlp: bool = False, lora=None, lora_f16_base: bool = False) -> tuple[list[Line], dict]:
     """Trainer.train_sequences on a fresh random-init model, for each (batch, T) in ``shapes``, in order.
 
     batch > 1 means that many sequences of T with grad_accum_steps = batch: one optimizer step per
@@ -563,6 +563,8 @@ def train_bench(ctx, cfg, shapes, steps: int = 3, warmup: int = 1, seed: int = 0
     ``activation_dtype="f16"`` runs the mixed-precision path (with a GradScaler, as --f16 does).
     ``replay`` passes Trainer.with_replay (None: the trainer's default): from the third window on,
     a shape's steps replay their recorded programs. ``recompute_mlp`` builds the model with it.
+    ``lora`` (a LoraConfig) trains adapters alone, on a frozen base kept as f16 with ``lora_f16_base``;
+    FLOPs then count the forward and the input gradients only (4 per parameter and token).
     """
     from trainer import AdamW, GradScaler, Trainer
 
@@ -571,16 +573,19 @@ def train_bench(ctx, cfg, shapes, steps: int = 3, warmup: int = 1, seed: int = 0
     engine = ComputeEngine(ctx)
     t0 = time.perf_counter()
     model = Lfm2Model(cfg, ctx, engine, seed=seed, activation_dtype=activation_dtype, recompute_mlp=recompute_mlp)
+    if lora is not None:
+        model.add_lora(lora, seed=seed, base_dtype="f16" if lora_f16_base else "f32")
     init_s = time.perf_counter() - t0
-    params = model.parameters()
-    n_params = sum(p.size for p in params)
-    param_bytes = sum(p.buffer.size for p in params)
+    params = model.lora_parameters() if lora is not None else model.parameters()
+    n_params = sum(p.size for p in model.parameters())
+    param_bytes = sum(p.buffer.size for p in model.parameters())
     opt = AdamW(lr=1e-4, weight_decay=0.01)
     rng = np.random.default_rng(seed + 1)
     lines: list[Line] = []
     meta = {"adapter": ctx.name, "webgpu": ctx.implementation, "n_params": n_params, "param_bytes": param_bytes, "model_init_s": init_s,
             "config": cfg.to_dict(), "clip_grad_norm": clip, "activation_dtype": activation_dtype, "replay": replay,
-            "recompute_mlp": recompute_mlp}
+            "recompute_mlp": recompute_mlp, "trained_params": sum(p.size for p in params),
+            "lora": asdict(lora) if lora is not None else None, "lora_f16_base": lora_f16_base}
     log(f"# model: {n_params / 1e6:.1f}M parameters, host init + upload {init_s:.1f}s")
 
     for batch, t in shapes:
@@ -668,7 +673,8 @@ def train_bench(ctx, cfg, shapes, steps: int = 3, warmup: int = 1, seed: int = 0
                 "pool_allocated_new_bytes": engine.pool.allocated_bytes - pool_alloc0,
                 "losses_first_last": [losses[0], losses[-1]],
             }
-            flops = 6.0 * n_params * tokens + 6.0 * 2 * len(cfg.attention_layers) * t * t * cfg.hidden_size * batch
+            per_token = 4.0 if lora is not None else 6.0
+            flops = per_token * n_params * tokens + per_token * 2 * len(cfg.attention_layers) * t * t * cfg.hidden_size * batch
             line = Line("train", f"train_step_{name}", name, wall, "wall", flops, bound="compute",
                         wall_seconds=wall, extra=extra)
             line.extra["gpu_busy_fraction"] = gpu_s / wall if gpu_s else None
@@ -752,6 +758,12 @@ def main(argv=None) -> int:
                     help="train steps: Trainer.with_replay(N); 0 runs every step's Python (default: the trainer's)")
     ap.add_argument("--recompute-mlp", action="store_true", help="train steps: backward recomputes the MLP's "
                     "up-projections (less memory, two more matmuls per layer)")
+    ap.add_argument("--model-preset", default=None, metavar="NAME",
+                    help="train steps: the model's shape (an Lfm2Config preset; default 350M, quick tiny)")
+    ap.add_argument("--train-shapes", nargs="+", metavar="BxT", help="train steps: shapes (default 1x512 8x512 1x2048)")
+    ap.add_argument("--lora", type=int, metavar="R", help="train steps: LoRA adapters of rank R (alpha 2R) on "
+                    "every linear layer, the base frozen")
+    ap.add_argument("--lora-f16-base", action="store_true", help="with --lora: the frozen base's linear weights as f16")
     ap.add_argument("--tile-shapes", nargs="+", metavar="MxNxK", help="shapes for the tiles group "
                     "(default 4096x4096x4096 2048x4608x1024 2048x1024x4608)")
     args = ap.parse_args(argv)
@@ -791,12 +803,16 @@ def main(argv=None) -> int:
         write_json()                     # after every group, so a run cut short keeps what it measured
     if selected("train"):
         from lfm2jit.model.config import Lfm2Config
-        cfg = Lfm2Config.preset("tiny" if args.quick else "350M")
-        shapes = [(1, 64), (4, 64), (1, 128)] if args.quick else [(1, 512), (8, 512), (1, 2048)]
+        from lfm2jit.model.lora import LoraConfig
+        cfg = Lfm2Config.preset(args.model_preset or ("tiny" if args.quick else "350M"))
+        shapes = ([tuple(int(v) for v in s.split("x")) for s in args.train_shapes] if args.train_shapes else
+                  [(1, 64), (4, 64), (1, 128)] if args.quick else [(1, 512), (8, 512), (1, 2048)])
+        lora = LoraConfig(r=args.lora, alpha=2.0 * args.lora) if args.lora else None
         train_lines, state["meta"] = train_bench(ctx, cfg, shapes, steps=args.steps or (2 if args.quick else 3),
                                                  log=lambda s: print(s, flush=True), replay=args.replay,
                                                  recompute_mlp=args.recompute_mlp,
-                                                 activation_dtype="f16" if args.f16 else "f32")
+                                                 activation_dtype="f16" if args.f16 else "f32", lora=lora,
+                                                 lora_f16_base=args.lora_f16_base)
         state["lines"] = list(bench.lines) + train_lines
         write_json()
     lines = state["lines"]

@@ -17,7 +17,8 @@ import pytest
 
 from conftest import rel_err
 from lfm2jit.model import Lfm2Config, Lfm2Model
-from lfm2jit.model.lora import DEFAULT_TARGETS, AdapterError, LoraConfig
+from lfm2jit.model import AdapterError, LoraConfig
+from lfm2jit.model.lora import DEFAULT_TARGETS
 from lfm2jit.ops.lmhead import lm_head_cross_entropy
 from trainer import AdamW, Trainer
 

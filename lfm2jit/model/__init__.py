@@ -1,6 +1,7 @@
-"""The LFM2 model on lfm2jit kernels: config, checkpoints, forward and backward."""
+"""The LFM2 model on lfm2jit kernels: config, checkpoints, forward and backward, LoRA adapters."""
 from .checkpoint import CheckpointError
 from .config import ConfigError, Lfm2Config
 from .lfm2 import DeviceIds, Lfm2Model
+from .lora import AdapterError, LoraConfig
 
-__all__ = ["CheckpointError", "ConfigError", "DeviceIds", "Lfm2Config", "Lfm2Model"]
+__all__ = ["AdapterError", "CheckpointError", "ConfigError", "DeviceIds", "Lfm2Config", "Lfm2Model", "LoraConfig"]
