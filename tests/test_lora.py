@@ -297,3 +297,35 @@ def test_bad_adapters_change_nothing(mg, ctx, engine, tmp_path):
     ours.zero_grad(ours.lora_parameters())
     with pytest.raises(ValueError, match="LoRA dropout 0.1 is not implemented for training"):
         ours.check_trainable(ours.lora_parameters())
+
+
+def test_forward_keeps_only_what_the_backward_reads(mg, ctx, engine):
+    """forward(keep_from=backward_start(params)) drops the layers below; the gradients are unchanged,
+    the peak of the pool is lower, and a backward that needs a dropped layer is refused."""
+    hf, kwargs = hf_base(mg, "tied_g1_attn_mid", 31)
+    ours = ours_from_hf(hf, ctx, engine)
+    ids, targets, mask = inputs(kwargs["vocab_size"], 27, 2)
+    params = [t for n, t in ours.named_parameters().items() if n.startswith("model.layers.3.")]
+    start = ours.backward_start(params)
+    assert start == 3 and ours.backward_start([ours.p("model.embedding_norm.weight")]) == len(kwargs["layer_types"])
+
+    def run(keep_from):
+        ours.zero_grad(params)
+        engine.synchronize()
+        engine.pool.peak_bytes = engine.pool.in_use_bytes
+        trace = ours.forward(ids, BUCKET, keep_from=keep_from)
+        res = lm_head_cross_entropy(engine, trace.hn, ours.lm_head, targets, mask,
+                                    normalizer=float(np.count_nonzero(mask)), bucket=BUCKET)
+        ours.backward(trace, res.dh, params)
+        grads = [p.grad.numpy() for p in params]
+        del trace, res
+        return grads, engine.pool.peak_bytes
+
+    full, full_peak = run(0)
+    kept, kept_peak = run(start)
+    assert all(np.array_equal(a, b) for a, b in zip(full, kept))
+    assert kept_peak < full_peak
+    trace = ours.forward(ids, BUCKET, keep_from=start)
+    ours.zero_grad([ours.p("model.layers.1.ffn_norm.weight")])
+    with pytest.raises(ValueError, match="kept no activations for layers 1, 2 .* starts at layer 1"):
+        ours.backward(trace, trace.hn, [ours.p("model.layers.1.ffn_norm.weight")])

@@ -276,10 +276,12 @@ class Lfm2Model:
         return precision.run(self.engine, kernel, self.activation_dtype, **args)
 
     # ---- forward ----
-    def forward(self, input_ids, bucket: int = 1) -> Trace:
+    def forward(self, input_ids, bucket: int = 1, keep_from: int = 0) -> Trace:
         """Record the forward pass up to the final norm; the trace holds what backward needs.
         ``input_ids`` is one sequence [S] or a batch [B, S] of equally long ones (packed; S a
-        multiple of ``pack_multiple()`` when B > 1), or those ids already uploaded (``upload_ids``)."""
+        multiple of ``pack_multiple()`` when B > 1), or those ids already uploaded (``upload_ids``).
+        Layers below ``keep_from`` keep nothing: a backward that starts higher (``backward_start``)
+        never reads them, so their activations go back to the pool as the forward moves on."""
         uploaded = isinstance(input_ids, DeviceIds)
         host = input_ids.host if uploaded else self.check_ids(input_ids)
         batch, seq = host.shape
@@ -309,7 +311,7 @@ class Lfm2Model:
             del s["xn"]            # xn, xf and g are recomputed by backward (see _recompute)
             if self.recompute_mlp:
                 del s["a"], s["b"]      # and so are a and b
-            trace.layers.append(s)
+            trace.layers.append(s if i >= keep_from else None)
         trace.h_out = h
         fin = run(_k("rmsnorm"), bucket=bucket, x=h, w=self.p("model.embedding_norm.weight"), eps=cfg.norm_eps)
         trace.hn, trace.inv = fin["y"], fin["inv"]                                                  # (T, D), (T,)
@@ -408,17 +410,24 @@ class Lfm2Model:
             raise ValueError(f"LoRA dropout {self.lora.config.dropout} is not implemented for training; "
                              "use dropout=0.0 (inference with such an adapter is fine)")
 
-    def _lowest_trained_layer(self) -> int | None:
-        """The first decoder layer backward must reach: 0 when the embedding is trained, None when no
-        layer and not the final norm is (the LM head alone: backward has nothing to do)."""
-        if self._trained("model.embed_tokens.weight"):
+    def backward_start(self, params) -> int:
+        """The first decoder layer a backward for ``params`` reaches (the number of layers when it
+        reaches none): what ``forward(keep_from=...)`` may drop below."""
+        ids = {id(t) for t in params}
+        lowest = self._lowest_trained_layer(lambda t: id(t) in ids)
+        return len(self.cfg.layer_types) if lowest is None else lowest
+
+    def _lowest_trained_layer(self, trained) -> int | None:
+        """The first decoder layer backward must reach: 0 when the embedding is ``trained``, None when
+        no layer and not the final norm is (the LM head alone: backward has nothing to do)."""
+        if trained(self.p("model.embed_tokens.weight")):
             return 0
         named = self.named_parameters()
         layers = [int(n.split(".")[n.split(".").index("layers") + 1]) for n, t in named.items()
-                  if ".layers." in n and self._is_trained(t)]
+                  if ".layers." in n and trained(t)]
         if layers:
             return min(layers)
-        return len(self.cfg.layer_types) if self._trained("model.embedding_norm.weight") else None
+        return len(self.cfg.layer_types) if trained(self.p("model.embedding_norm.weight")) else None
 
     def backward(self, trace: Trace, d_hn: Tensor, params: list[Tensor]) -> None:
         """Add the gradients of every parameter in ``params`` (which must have .grad) given the
@@ -426,9 +435,14 @@ class Lfm2Model:
         to what the trained parameters need: nothing below the lowest layer that holds one."""
         self.check_trainable(params)
         self._train_ids = {id(t) for t in params}
-        lowest = self._lowest_trained_layer()
+        lowest = self._lowest_trained_layer(self._is_trained)
         if lowest is None:
             return
+        dropped = [i for i in range(lowest, len(trace.layers)) if trace.layers[i] is None]
+        if dropped:
+            raise ValueError(f"this trace kept no activations for layers {', '.join(map(str, dropped))} "
+                             f"(forward(keep_from=...)), which a backward for these parameters needs (it starts at "
+                             f"layer {lowest})")
         bucket = trace.bucket
         # hn = rmsnorm(h_out)
         dh = self._norm_backward(trace.h_out, trace.inv, "model.embedding_norm.weight", d_hn, bucket)   # (T, D)
