@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from .cli_options import DEMO_PRESET, DEMO_SHAPE, Run, UsageError, build_parser, resolve
-from .run_dir import (check_sync_dir, clean, copy_tokenizer, default_out, find_checkpoint, prune_checkpoints,
+from .run_dir import (check_sync_dir, clean, copy_model_files, default_out, find_checkpoint, prune_checkpoints,
                       read_checkpoint_meta, read_metrics)
 
 MAX_SKIPPED_IN_A_ROW = 50
@@ -380,7 +380,7 @@ def train(s: dict) -> int:
         position = {"epoch": epoch, "next": nxt, "elapsed": elapsed0 + time.perf_counter() - t0,
                     "tokens": tokens_seen, "data_sha1": data.sha1, "n_train": n, "run": run.saved()}
         tr.save_checkpoint(path, position)
-        copy_tokenizer(run.tokenizer, path / "model")
+        copy_model_files(run.tokenizer, path / "model", run.model)
         prune_checkpoints(ckpt_root, run.keep_checkpoints)
         return path
 
@@ -504,7 +504,7 @@ def _write_final_model(run: Run, model, out: Path) -> str:
     if run.merge_lora:
         model.merge_lora()
         model.save_pretrained(out / "model")
-        copy_tokenizer(run.tokenizer, out / "model")
+        copy_model_files(run.tokenizer, out / "model", run.model)
         return f"merged model: {(out / 'model').resolve()} (transformers' Lfm2ForCausalLM loads it)"
     model.save_adapter(out / "adapter", base_model=run.model)
     return (f"LoRA adapter: {(out / 'adapter').resolve()} (PeftModel.from_pretrained(base, dir) loads it"

@@ -48,17 +48,43 @@ def read_checkpoint_meta(ckpt: Path) -> dict:
     raise UsageError(f"{ckpt}: no trainer.json")
 
 
-def copy_tokenizer(tokenizer: str, model_dir: Path) -> None:
-    """Put the tokenizer next to the checkpoint's weights, making it a complete Hugging Face directory."""
+# The files beside a Hugging Face model's weights that tell transformers how to tokenize, chat and stop.
+MODEL_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+               "generation_config.json")
+
+
+def copy_model_files(tokenizer: str, model_dir: Path, source_model: str | None = None) -> None:
+    """Make ``model_dir`` (weights and config.json written) a complete Hugging Face directory: the
+    tokenizer and its config, chat template and generation config, from the input model's directory
+    (fine-tuning) or beside the tokenizer; without a generation config there, one is written from
+    config.json with the tokenizer's end of turn (<|im_end|>) as a stop id too, so transformers'
+    ``generate`` stops at the end of an answer."""
     src = Path(tokenizer)
     src = src / "tokenizer.json" if src.is_dir() else src
     try:
         shutil.copyfile(src, model_dir / "tokenizer.json")
-        cfg = src.with_name("tokenizer_config.json")
-        if cfg.is_file():
-            shutil.copyfile(cfg, model_dir / "tokenizer_config.json")
+        for directory in [d for d in (Path(source_model) if source_model else None, src.parent) if d is not None]:
+            for name in MODEL_FILES[1:]:
+                if (directory / name).is_file() and not (model_dir / name).exists():
+                    shutil.copyfile(directory / name, model_dir / name)
+        if not (model_dir / "generation_config.json").exists():
+            (model_dir / "generation_config.json").write_text(json.dumps(generation_config(model_dir), indent=2))
     except OSError as e:
-        print(f"note: could not copy the tokenizer into {model_dir}: {e}", file=sys.stderr)
+        print(f"note: could not complete the model directory {model_dir}: {e}", file=sys.stderr)
+
+
+def generation_config(model_dir: Path) -> dict:
+    """bos, pad and the stop ids: config.json's eos_token_id, and <|im_end|> where the tokenizer has it."""
+    from tokenizers import Tokenizer
+    cfg = json.loads((model_dir / "config.json").read_text())
+    eos = cfg.get("eos_token_id")
+    stops = list(eos) if isinstance(eos, list) else [eos] if eos is not None else []
+    im_end = Tokenizer.from_file(str(model_dir / "tokenizer.json")).token_to_id("<|im_end|>")
+    if im_end is not None and im_end not in stops:
+        stops.append(im_end)
+    out = {"bos_token_id": cfg.get("bos_token_id"), "pad_token_id": cfg.get("pad_token_id"),
+           "eos_token_id": stops[0] if len(stops) == 1 else stops}
+    return {k: v for k, v in out.items() if v is not None}
 
 
 def prune_checkpoints(root: Path, keep: int) -> None:

@@ -1,0 +1,50 @@
+"""What `python -m trainer` writes beside the weights, so that transformers can tokenize, chat with
+and stop a trained model: the tokenizer, its chat template, and a generation config that stops at
+the end of an answer (<|im_end|>), or the input model's own files when fine-tuning."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from lfm2jit.model import Lfm2Config, Lfm2Model
+from lfm2jit.model.config import PRESETS
+from test_cli_trainer import SHORT, cli
+from trainer.data import default_dataset, default_tokenizer
+
+transformers = pytest.importorskip("transformers")
+
+
+def test_a_model_trained_from_scratch_stops_at_the_end_of_a_turn(tmp_path):
+    out = tmp_path / "scratch"
+    assert cli(*SHORT, "--steps", 1, "--out", out).returncode == 0
+    model_dir = out / "checkpoints" / "step-000001" / "model"
+    gen = transformers.GenerationConfig.from_pretrained(model_dir)
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    im_end, endoftext = tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")
+    assert sorted(gen.eos_token_id) == sorted([im_end, endoftext])
+    assert gen.pad_token_id == tok.pad_token_id and gen.bos_token_id == tok.bos_token_id
+    text = tok.apply_chat_template([{"role": "user", "content": "reverse van"}], tokenize=False,
+                                   add_generation_prompt=True)
+    assert text.endswith("<|im_start|>assistant\n")
+
+
+def test_fine_tuning_keeps_the_input_models_own_files(tmp_path, ctx, engine):
+    src = tmp_path / "hf"
+    Lfm2Model(Lfm2Config(**{**PRESETS["tiny"], "vocab_size": 102}), ctx, engine, seed=3).save_pretrained(src)
+    shutil.copyfile(default_tokenizer(), src / "tokenizer.json")
+    own = {"chat_template.jinja": "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                                  "{% endfor %}",
+           "generation_config.json": json.dumps({"eos_token_id": [4, 2], "do_sample": True, "temperature": 0.3}),
+           "special_tokens_map.json": json.dumps({"eos_token": "<|im_end|>"})}
+    for name, text in own.items():
+        (src / name).write_text(text)
+    out = tmp_path / "ft"
+    r = cli("--model", src, "--data", default_dataset(), "--steps", 1, "--grad-accum", 1, "--lr", 1e-3,
+            "--eval-max", 2, "--no-progress", "--out", out)
+    assert r.returncode == 0, r.stderr
+    model_dir = out / "checkpoints" / "step-000001" / "model"
+    for name, text in own.items():
+        assert (model_dir / name).read_text() == text, name
+    assert transformers.GenerationConfig.from_pretrained(model_dir).temperature == 0.3
