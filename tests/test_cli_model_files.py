@@ -48,3 +48,22 @@ def test_fine_tuning_keeps_the_input_models_own_files(tmp_path, ctx, engine):
     for name, text in own.items():
         assert (model_dir / name).read_text() == text, name
     assert transformers.GenerationConfig.from_pretrained(model_dir).temperature == 0.3
+
+
+def test_eval_every_scores_the_held_out_split_during_training(tmp_path):
+    """--eval-every 2 of a 4-step run scores step 2 as a 2-step run scores its end (the schedule does
+    not depend on the total), writes eval.jsonl and the summary, and a resume keeps the earlier points."""
+    two, four = tmp_path / "two", tmp_path / "four"
+    assert cli(*SHORT, "--steps", 2, "--out", two).returncode == 0
+    r = cli(*SHORT, "--steps", 4, "--eval-every", 2, "--out", four)
+    assert r.returncode == 0, r.stderr
+    assert "step 2: held-out loss" in r.stderr
+    evals = [json.loads(line) for line in (four / "eval.jsonl").read_text().splitlines()]
+    end_of_two = json.loads((two / "summary.json").read_text())
+    assert [e["step"] for e in evals] == [2]
+    assert evals[0]["loss"] == pytest.approx(end_of_two["eval_after"], rel=1e-6)
+    assert evals[0]["answer_loss"] == pytest.approx(end_of_two["eval_answer_after"], rel=1e-6)
+    assert json.loads((four / "summary.json").read_text())["evals_during"] == evals
+    r = cli("--resume", two, "--steps", 6, "--eval-every", 2, "--no-progress")
+    assert r.returncode == 0, r.stderr
+    assert [json.loads(line)["step"] for line in (two / "eval.jsonl").read_text().splitlines()] == [4]

@@ -7,6 +7,7 @@ sequence, as ``Trainer`` runs them), so N ranks with accumulation A see exactly 
 one process with accumulation N*A would. A run directory holds::
 
     metrics.jsonl            one JSON line per optimizer step (see METRICS_KEYS)
+    eval.jsonl               the held-out loss every --eval-every N steps: {"step", "loss", "answer_loss"}
     loss.png                 the loss curve (and the held-out loss before and after)
     summary.json             the numbers the summary prints
     run.json                 the resolved settings of the run
@@ -323,12 +324,16 @@ def train(s: dict) -> int:
     rank_dir.mkdir(parents=True, exist_ok=True)
     ckpt_root = out / "checkpoints"
     metrics_path, png_path = rank_dir / "metrics.jsonl", rank_dir / "loss.png"
+    eval_path = rank_dir / "eval.jsonl"
     (rank_dir / "run.json").write_text(json.dumps({k: v for k, v in vars(run).items() if k not in ("notes", "derived")}, indent=2))
 
     start = tr.optimizer_steps()
     history = [m for m in read_metrics(metrics_path) if m.get("step", 0) <= start] if start else []
     with open(metrics_path, "w") as f:        # drop steps past the checkpoint (a run that died later)
         f.writelines(json.dumps(m) + "\n" for m in history)
+    evals_mid = [e for e in read_metrics(eval_path) if 0 < e.get("step", 0) <= start] if start else []
+    with open(eval_path, "w") as f:
+        f.writelines(json.dumps(e) + "\n" for e in evals_mid)
 
     cfg = model.cfg
     n_params = sum(int(np.prod(t.shape)) for t in model.parameters())
@@ -421,6 +426,14 @@ def train(s: dict) -> int:
                 k = tr.optimizer_steps()
                 if run.rank == 0 and run.checkpoint_every and k % run.checkpoint_every == 0 and k < run.steps:
                     last_ckpt = save(k)
+                if run.eval_every and my_eval and k % run.eval_every == 0 and k < run.steps:
+                    loss_k, answer_k = evaluate(model, engine, my_eval, run.bucket)
+                    ev = {"step": k, "loss": clean(loss_k), "answer_loss": clean(answer_k)}
+                    evals_mid.append(ev)
+                    with open(eval_path, "a") as ef:
+                        ef.write(json.dumps(ev) + "\n")
+                    bar.write(f"  step {k}: held-out loss {loss_k:.4f}"
+                              + (f" (answers {answer_k:.4f})" if data.has_answers else ""), file=sys.stderr)
     except (TrainError, KeyboardInterrupt) as e:
         bar.close()
         _write_plot(plot_loss_curve, png_path, history + new, [])
@@ -440,7 +453,8 @@ def train(s: dict) -> int:
     eval_after, answer_after = evaluate(model, engine, my_eval, run.bucket) if my_eval else (nan, nan)
     eval_seconds = time.perf_counter() - t_eval
     final = _write_final_model(run, model, out) if run.rank == 0 and run.lora_r is not None else None
-    evals = [(start, eval_before), (tr.optimizer_steps(), eval_after)] if my_eval else []
+    evals = ([(start, eval_before)] + [(e["step"], e["loss"]) for e in evals_mid if e["loss"] is not None]
+             + [(tr.optimizer_steps(), eval_after)]) if my_eval else []
     _write_plot(plot_loss_curve, png_path, history + new, evals)
 
     # ---- summary ----
@@ -463,6 +477,7 @@ def train(s: dict) -> int:
         "eval_sequences": len(my_eval), "eval_before": eval_before, "eval_after": eval_after,
         "eval_answer_before": answer_before, "eval_answer_after": answer_after,
         "eval_seconds": round(eval_seconds, 2), "loss_fell": bool(fell), "loss_ratio": ratio,
+        "evals_during": evals_mid,
         "metrics": str(metrics_path.resolve()), "plot": str(png_path.resolve()),
         "checkpoint": str(Path(last_ckpt).resolve()) if last_ckpt else None,
     }

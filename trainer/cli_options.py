@@ -182,6 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--resume", metavar="DIR",
                    help="continue from a checkpoint (DIR/trainer.json) or a run directory's newest checkpoint: "
                         "weights, optimizer, scaler, schedule, data position and the run's settings")
+    c.add_argument("--eval-every", type=int, metavar="N",
+                   help="also score the held-out split every N optimizer steps: printed, written to eval.jsonl and "
+                        "drawn in loss.png (default 0: before and after training only)")
     c.add_argument("--check-loss-drop", type=float, metavar="F",
                    help="exit with status 1 unless the held-out loss after training is at most F times the loss "
                         f"before (default: off; {DEMO_CHECK_LOSS_DROP} for the no-argument run)")
@@ -204,14 +207,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 # Settings whose change on --resume does not alter the training itself (a changed --steps shows up as a
 # changed schedule, noted separately).
-AS_YOU_LIKE = {"steps", "checkpoint_every", "keep_checkpoints", "eval_max", "sync_timeout", "check_loss_drop"}
+AS_YOU_LIKE = {"steps", "checkpoint_every", "eval_every", "keep_checkpoints", "eval_max", "sync_timeout", "check_loss_drop"}
 
 # Settings a checkpoint carries and --resume restores (flags given with --resume override them).
 RESUMABLE = ("tokenizer", "data", "data_kind", "loss_on", "max_len", "eval_fraction", "eval_max", "seed", "optimizer", "lr",
              "weight_decay", "momentum", "schedule", "warmup_steps", "min_lr", "grad_accum", "pack_tokens", "clip", "bucket",
              "scaler", "f16", "steps", "checkpoint_every", "keep_checkpoints", "world_size", "sync_dir", "run_id",
              "sync_timeout", "check_loss_drop", "source", "preset", "lora_r", "lora_alpha", "lora_targets",
-             "lora_dropout", "lora_f16_base", "merge_lora", "train_only", "freeze")
+             "lora_dropout", "lora_f16_base", "merge_lora", "train_only", "freeze", "eval_every")
 
 
 @dataclass
@@ -265,6 +268,7 @@ class Run:
     merge_lora: bool = False
     train_only: list[str] | None = None
     freeze: list[str] | None = None
+    eval_every: int = 0
     builtin_data: bool = False
     notes: list[str] = field(default_factory=list)
     derived: set = field(default_factory=set)     # settings left to defaults that follow others
@@ -356,6 +360,7 @@ def resolve(args: argparse.Namespace, argv_empty: bool, saved: dict | None = Non
         lora_targets=g.get("lora_targets", list(DEFAULT_TARGETS) if "lora_r" in g else None),
         lora_dropout=g.get("lora_dropout", 0.0), lora_f16_base=bool(g.get("lora_f16_base", False)),
         merge_lora=bool(g.get("merge_lora", False)), train_only=g.get("train_only"), freeze=g.get("freeze"),
+        eval_every=g.get("eval_every", 0),
         derived={k for k in ("min_lr", "warmup_steps", "tokenizer", "data") if k not in g})
     _validate(run)
     for key in ("model", "tokenizer", "data", "sync_dir"):      # kept in checkpoints: independent of the cwd
@@ -374,7 +379,7 @@ def _validate(r: Run) -> None:
         positive(name, getattr(r, name), allow_zero=name not in ("sync_timeout",))
     for name in ("grad_accum", "bucket", "max_len", "eval_max", "world_size"):
         positive(name, getattr(r, name))
-    for name in ("checkpoint_every", "keep_checkpoints", "warmup_steps", "pack_tokens", "replay"):
+    for name in ("checkpoint_every", "keep_checkpoints", "warmup_steps", "pack_tokens", "replay", "eval_every"):
         positive(name, getattr(r, name), allow_zero=True)
     positive("steps", r.steps)
     positive("epochs", r.epochs)
