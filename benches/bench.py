@@ -604,7 +604,8 @@ def train_bench(ctx, cfg, shapes, steps: int = 3, warmup: int = 1, seed: int = 0
                     for ids in (rng.integers(0, cfg.vocab_size, t + 1) for _ in range(batch))]
             stats = tr.train_sequences(seqs, params)
             losses.extend(st.loss for st in stats)
-            assert stats[-1].stepped or stats[-1].skipped, "the window should end with an optimizer step (or a step the loss scaler skipped)"
+            # an f16 window whose scaled gradients overflow ends skipped, as GradScaler has it
+            assert stats[-1].stepped or stats[-1].skipped, "the window should end with an optimizer step"
             return stats[-1]
 
         try:

@@ -329,3 +329,19 @@ def test_forward_keeps_only_what_the_backward_reads(mg, ctx, engine):
     ours.zero_grad([ours.p("model.layers.1.ffn_norm.weight")])
     with pytest.raises(ValueError, match="kept no activations for layers 1, 2 .* starts at layer 1"):
         ours.backward(trace, trace.hn, [ours.p("model.layers.1.ffn_norm.weight")])
+
+
+def test_the_trainer_refuses_untrainable_parameters_before_gpu_work(mg, ctx, engine):
+    from trainer.errors import TrainError
+    hf, kwargs = hf_base(mg, "tied_g1_attn_mid", 37)
+    ours = ours_from_hf(hf, ctx, engine)
+    params = ours.add_lora(LoraConfig(r=2), base_dtype="f16" if ctx.has_f16 else "f32")
+    tr = Trainer(ours, AdamW(lr=1e-3), ctx, engine).with_length_bucket(BUCKET)
+    ids, targets, mask = inputs(kwargs["vocab_size"], 9, 1)
+    before = engine.dispatches
+    if ctx.has_f16:
+        with pytest.raises(TrainError, match="frozen f16 base weight"):
+            tr.train_step_masked(ids, targets, mask, params + [ours.p("model.layers.0.feed_forward.w1.weight")])
+    assert engine.dispatches == before and tr.optimizer_steps() == 0
+    stats = tr.train_step_masked(ids, targets, mask, params)
+    assert stats.stepped

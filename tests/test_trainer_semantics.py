@@ -55,16 +55,17 @@ def assert_same(a: dict, b: dict, tol: float = 0.0, what: str = "") -> None:
 
 
 class RecordingSGD(SGD):
-    """SGD that records, per optimizer step, the lr and step number it was given and the gradient
-    it applies (``.grad * gscale``: the window's gradient after unscaling and clipping)."""
+    """SGD that records, per optimizer step, the lr it was given, each parameter's own step count
+    and the gradient it applies (``.grad * gscale``: the window's gradient after unscaling and clipping)."""
 
     def __init__(self, **kw):
         super().__init__(**kw)
         self.calls: list[dict] = []
 
-    def step(self, engine, params, lr, step, gscale):
-        self.calls.append({"lr": lr, "step": step, "grads": [p.grad.numpy() * gscale for p in params]})
-        super().step(engine, params, lr=lr, step=step, gscale=gscale)
+    def step(self, engine, params, lr, gscale):
+        self.calls.append({"lr": lr, "steps": {self.next_step(p) for p in params},
+                           "grads": [p.grad.numpy() * gscale for p in params]})
+        super().step(engine, params, lr=lr, gscale=gscale)
 
 
 @pytest.fixture(scope="module")
@@ -329,7 +330,7 @@ def test_lr_schedule_step_k_uses_lr_at_k(ctx, engine, cfg):
         stats.append(tr.train_step_masked(i, t, m, params))
     assert [s.stepped for s in stats] == [False, True, False, True]
     assert [s.lr for s in stats] == [sched.lr_at(1), sched.lr_at(1), sched.lr_at(2), sched.lr_at(2)]
-    assert [(c["lr"], c["step"]) for c in rec.calls] == [(sched.lr_at(1), 1), (sched.lr_at(2), 2)]
+    assert [(c["lr"], c["steps"]) for c in rec.calls] == [(sched.lr_at(1), {1}), (sched.lr_at(2), {2})]
     assert sched.lr_at(1) != sched.lr_at(2)
     # the rate really applied: plain SGD moves each weight by -lr * gradient
     for j, (n, p) in enumerate(model.named_parameters().items()):
@@ -342,7 +343,8 @@ def test_lr_schedule_step_k_uses_lr_at_k(ctx, engine, cfg):
     assert tr.optimizer_steps() == 5
     s = [tr.train_step_masked(i, t, m, params) for i, t, m in data[4:]]
     assert s[0].lr == s[1].lr == sched.lr_at(6) and s[1].stepped
-    assert (rec.calls[-1]["lr"], rec.calls[-1]["step"]) == (sched.lr_at(6), 6) and tr.optimizer_steps() == 6
+    # the schedule follows the trainer's step; each parameter's own count is its third update
+    assert (rec.calls[-1]["lr"], rec.calls[-1]["steps"]) == (sched.lr_at(6), {3}) and tr.optimizer_steps() == 6
 
 
 # ---- frozen parameters ----

@@ -4,7 +4,8 @@ position, step counters and data position, written so that a crash never leaves 
 Layout of a checkpoint directory:
     model/config.json, model/model.safetensors   loadable by transformers' Lfm2ForCausalLM
     adapter/ (with LoRA)                         PEFT's adapter_config.json + adapter_model.safetensors
-    optimizer.safetensors                        "<parameter name>::<buffer>" -> state tensor
+    optimizer.safetensors                        "<parameter name>::step" -> int64, that parameter's
+                                                 update count; "<parameter name>::<buffer>" -> state tensor
     trainer.json                                 counters, hyperparameters, scaler, schedule, data position
 
 It is written into a temporary sibling directory and renamed into place; the previous checkpoint
@@ -18,12 +19,13 @@ import os
 import shutil
 from pathlib import Path
 
+import numpy as np
 from safetensors.numpy import load_file, save_file
 
 from .errors import TrainError
 from .schedules import schedule_from_dict
 
-FORMAT = 1
+FORMAT = 2      # 2: a step count per parameter; 1 kept only the trainer's step (read as every parameter's)
 
 
 def save_checkpoint(trainer, directory, data_position: dict | None = None) -> Path:
@@ -78,14 +80,20 @@ def load_checkpoint(trainer, directory) -> dict:
     """Restore weights, optimizer state, scaler, schedule and counters; returns the data position."""
     src = _resolve(Path(directory))
     meta = json.loads((src / "trainer.json").read_text())
-    if meta.get("format") != FORMAT:
-        raise TrainError(f"{src}: checkpoint format {meta.get('format')!r}, expected {FORMAT}")
+    if meta.get("format") not in (1, FORMAT):
+        raise TrainError(f"{src}: checkpoint format {meta.get('format')!r}, expected {FORMAT} (or 1)")
     if meta["optimizer"]["type"] != trainer.optimizer.kind:
         raise TrainError(f"{src} holds {meta['optimizer']['type']} state but the trainer uses {trainer.optimizer.kind}")
     from lfm2jit.model.checkpoint import load_checkpoint as load_weights
     trainer.model.load_state(load_weights(src / "model"))
-    trainer.optimizer.load_state_arrays(trainer.engine, trainer.model.named_parameters(),
-                                        load_file(str(src / "optimizer.safetensors")))
+    state = load_file(str(src / "optimizer.safetensors"))
+    if meta["format"] == 1:       # one global step: every parameter with state had taken all of them
+        for name in {key.rpartition("::")[0] for key in state}:
+            state[f"{name}::step"] = np.array(meta["optimizer_steps"], np.int64)
+    try:
+        trainer.optimizer.load_state_arrays(trainer.engine, trainer.model.named_parameters(), state)
+    except ValueError as e:
+        raise TrainError(f"{src / 'optimizer.safetensors'}: {e}") from None
     trainer.recorded.clear()          # recorded optimizer steps bound the replaced state buffers
     trainer.set_optimizer_steps(int(meta["optimizer_steps"]))
     if trainer.distributed_grad_sync is not None:

@@ -1,8 +1,12 @@
 """Optimizers: AdamW and SGD as torch.optim defines them, run as in-place GPU kernels.
 
-State (moments, momentum buffers) is kept per parameter tensor and saved by parameter name.
-The step's scalars (lr, step count, gradient scale) reach the kernels as runtime values, so a
-changing learning rate never compiles anything.
+State is kept per parameter tensor, as torch keeps it, and saved by parameter name: each
+parameter's own step count (torch's ``state[p]["step"]``: AdamW's bias corrections count from it,
+not from the trainer's step, which only the LR schedule follows) and its buffers (moments,
+momentum), made on its first update. The step's scalars (lr, bias corrections, gradient scale)
+reach the kernels as runtime values, so a changing learning rate never compiles anything.
+Parameters whose counts differ need different scalars: a step runs the kernels once per group of
+parameters with the same scalars (usually one group, all of them).
 """
 from __future__ import annotations
 
@@ -14,7 +18,12 @@ from lfm2jit.ops import optim as optim_kernels
 
 
 class Optimizer:
-    """Base: ``lr`` is the rate used when no LRScheduler is set."""
+    """Base: ``lr`` is the rate used when no LRScheduler is set.
+
+    ``state[id(p)]`` is ``{"step": updates applied to p, <buffer name>: Tensor, ...}``, present
+    once p has been updated (or loaded from a checkpoint). The Trainer drops a parameter's state
+    when a window starts without it (see ``keep_only``), so a parameter trained again later starts
+    afresh, as it would with a new torch optimizer."""
     kind = "Optimizer"
     state_names: tuple[str, ...] = ()     # the buffers a step keeps per parameter
 
@@ -22,41 +31,107 @@ class Optimizer:
         if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr >= 0):
             raise ValueError(f"lr must be a finite number >= 0, got {lr!r}")
         self.lr = float(lr)
-        self.state: dict[int, dict] = {}     # id(param) -> buffers
+        self.state: dict[int, dict] = {}     # id(param) -> {"step": int, buffer name: Tensor}
 
-    def step(self, engine, params, lr: float, step: int, gscale: float) -> None:
+    def step(self, engine, params, lr: float, gscale: float) -> None:
+        """One torch step on ``params`` (gradients read as ``.grad * gscale``): each parameter's
+        count advances by one. The Trainer records ``group_step`` pieces the same way."""
+        for group, _ in self.groups(params, lr, gscale):
+            self.group_step(engine, group, lr, gscale)
+        self.advance(params)
+
+    def next_step(self, p) -> int:
+        """The count p's next update runs as (1 for a parameter without state)."""
+        st = self.state.get(id(p))
+        return st["step"] + 1 if st is not None else 1
+
+    def groups(self, params, lr: float, gscale: float) -> list[tuple[list, dict[str, float]]]:
+        """``params`` split into groups whose next update takes the same kernel scalars, each with
+        those scalars (the ones a recorded ``group_step`` replays with); in the order of params."""
+        at_step: dict[int, dict[str, float]] = {}
+        by_scalars: dict[tuple, tuple[list, dict[str, float]]] = {}
+        for p in params:
+            n = self.next_step(p)
+            if n not in at_step:
+                at_step[n] = self.kernel_scalars(lr, n, gscale)
+            by_scalars.setdefault(tuple(at_step[n].items()), ([], at_step[n]))[0].append(p)
+        return list(by_scalars.values())
+
+    def kernel_scalars(self, lr: float, step: int, gscale: float) -> dict[str, float]:
+        """The runtime scalars of a parameter's update number ``step``."""
         raise NotImplementedError
 
-    def kernel_scalars(self, params, lr: float, step: int, gscale: float) -> dict[str, float]:
-        """The runtime scalars ``step`` gives its kernels: a recorded optimizer step replays with these."""
+    def group_step(self, engine, group, lr: float, gscale: float) -> None:
+        """Record one update of ``group``, one group of ``groups`` (its first parameter's count
+        stands for all), making the buffers of parameters that have none. Counts stay as they are:
+        ``advance`` moves them, outside what a recorded piece replays."""
         raise NotImplementedError
+
+    def advance(self, params) -> None:
+        """Count one update of every parameter in ``params``."""
+        for p in params:
+            self.state.setdefault(id(p), {"step": 0})["step"] += 1
+
+    def keep_only(self, params) -> bool:
+        """Drop the state of every parameter not in ``params``; whether any was dropped."""
+        keep = {id(p) for p in params}
+        dropped = [pid for pid in self.state if pid not in keep]
+        for pid in dropped:
+            del self.state[pid]
+        return bool(dropped)
 
     def hyperparameters(self) -> dict:
         return {"lr": self.lr}
 
     def state_key(self, params) -> tuple | None:
         """Which state buffers a step on ``params`` updates; None while a step would still create some."""
-        states = [self.state.get(id(p)) for p in params] if self.state_names else []
+        if not self.state_names:
+            return ()
+        states = [self.state.get(id(p)) for p in params]
         if any(st is None for st in states):
             return None
-        return tuple((id(t.buffer), t.offset) for st in states for t in st.values())
+        return tuple((id(st[n].buffer), st[n].offset) for st in states for n in self.state_names)
 
-    def _buffers(self, engine, p, names: tuple[str, ...]) -> dict:
+    def _buffers(self, engine, p) -> dict:
         st = self.state.get(id(p))
         if st is None:
-            st = self.state[id(p)] = {n: engine.zero_(engine.empty(p.shape, p.dtype)) for n in names}
+            st = self.state[id(p)] = {"step": 0}
+            st.update({n: engine.zero_(engine.empty(p.shape, p.dtype)) for n in self.state_names})
         return st
 
     def state_arrays(self, names: dict[int, str]) -> dict[str, np.ndarray]:
-        """Every state buffer as "<param name>::<buffer>" -> array (for checkpoints)."""
-        return {f"{names[pid]}::{k}": t.numpy() for pid, st in self.state.items() for k, t in st.items()}
+        """All state as "<param name>::step" -> int64 scalar and "<param name>::<buffer>" -> array
+        (for checkpoints)."""
+        return {f"{names[pid]}::{k}": np.array(v, np.int64) if k == "step" else v.numpy()
+                for pid, st in self.state.items() for k, v in st.items()}
 
     def load_state_arrays(self, engine, params_by_name: dict, arrays: dict[str, np.ndarray]) -> None:
-        self.state.clear()
+        """Replace all state by ``state_arrays``' output; every entry is checked before anything changes."""
+        entries = ("step", *self.state_names)
+        by_name: dict[str, dict] = {}
         for key, arr in arrays.items():
-            name, buf = key.split("::")
-            p = params_by_name[name]
-            self.state.setdefault(id(p), {})[buf] = engine.tensor(arr.astype(np.float32))
+            name, _, buf = key.rpartition("::")
+            if name not in params_by_name:
+                raise ValueError(f"optimizer state {key!r} names no parameter of this model")
+            if buf not in entries:
+                raise ValueError(f"optimizer state {key!r}: {self.kind} keeps {', '.join(entries)} per parameter")
+            by_name.setdefault(name, {})[buf] = arr
+        for name, st in by_name.items():
+            missing = [e for e in entries if e not in st]
+            if missing:
+                raise ValueError(f"optimizer state of {name} lacks {', '.join(missing)}")
+            step = st["step"]
+            if step.shape != () or not np.issubdtype(step.dtype, np.integer) or step < 1:
+                raise ValueError(f"optimizer state {name}::step must be one integer >= 1, got {step!r}")
+            shape = tuple(params_by_name[name].shape)
+            for buf in self.state_names:
+                if st[buf].shape != shape:
+                    raise ValueError(f"optimizer state {name}::{buf} has shape {list(st[buf].shape)} "
+                                     f"but the parameter has {list(shape)}")
+        self.state.clear()
+        for name, st in by_name.items():
+            self.state[id(params_by_name[name])] = {
+                "step": int(st["step"]), **{b: engine.tensor(st[b].astype(np.float32)) for b in self.state_names}}
 
 
 class AdamW(Optimizer):
@@ -72,13 +147,14 @@ class AdamW(Optimizer):
             raise ValueError(f"eps and weight_decay must be >= 0, got {eps!r}, {weight_decay!r}")
         self.betas, self.eps, self.weight_decay = (float(betas[0]), float(betas[1])), float(eps), float(weight_decay)
 
-    def kernel_scalars(self, params, lr: float, step: int, gscale: float) -> dict[str, float]:
+    def kernel_scalars(self, lr: float, step: int, gscale: float) -> dict[str, float]:
         return optim_kernels.adamw_scalars(lr=lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay,
                                            step=step, gscale=gscale)
 
-    def step(self, engine, params, lr: float, step: int, gscale: float) -> None:
-        states = [self._buffers(engine, p, self.state_names) for p in params]
-        optim_kernels.adamw_step(engine, params, [p.grad for p in params], [s["m"] for s in states],
+    def group_step(self, engine, group, lr: float, gscale: float) -> None:
+        step = self.next_step(group[0])
+        states = [self._buffers(engine, p) for p in group]
+        optim_kernels.adamw_step(engine, group, [p.grad for p in group], [s["m"] for s in states],
                                  [s["v"] for s in states], lr=lr, betas=self.betas, eps=self.eps,
                                  weight_decay=self.weight_decay, step=step, gscale=gscale)
 
@@ -87,7 +163,9 @@ class AdamW(Optimizer):
 
 
 class SGD(Optimizer):
-    """torch.optim.SGD with momentum, dampening, weight decay (added to the gradient) and Nesterov."""
+    """torch.optim.SGD with momentum, dampening, weight decay (added to the gradient) and Nesterov.
+    A parameter's momentum buffer is set to its gradient on its own first update, as torch does
+    (torch keeps no step count for SGD; the count here is what tells that first update)."""
     kind = "SGD"
 
     def __init__(self, lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0, weight_decay: float = 0.0,
@@ -101,21 +179,17 @@ class SGD(Optimizer):
         self.state_names = ("momentum",) if momentum else ()
         self.weight_decay, self.nesterov = float(weight_decay), bool(nesterov)
 
-    def _kernel_step(self, params, step: int) -> int:
-        """torch sets a momentum buffer to the gradient on the step that creates it: that is step 1."""
-        return 1 if any(id(p) not in self.state for p in params) else max(step, 2)
-
-    def kernel_scalars(self, params, lr: float, step: int, gscale: float) -> dict[str, float]:
+    def kernel_scalars(self, lr: float, step: int, gscale: float) -> dict[str, float]:
         return optim_kernels.sgd_scalars(lr=lr, momentum=self.momentum, dampening=self.dampening,
                                          weight_decay=self.weight_decay, nesterov=self.nesterov,
-                                         step=self._kernel_step(params, step), gscale=gscale)
+                                         step=step, gscale=gscale)
 
-    def step(self, engine, params, lr: float, step: int, gscale: float) -> None:
-        kernel_step = self._kernel_step(params, step)
-        bufs = [self._buffers(engine, p, self.state_names)["momentum"] for p in params] if self.momentum else None
-        optim_kernels.sgd_step(engine, params, [p.grad for p in params], bufs, lr=lr, momentum=self.momentum,
+    def group_step(self, engine, group, lr: float, gscale: float) -> None:
+        step = self.next_step(group[0])
+        bufs = [self._buffers(engine, p)["momentum"] for p in group] if self.momentum else None
+        optim_kernels.sgd_step(engine, group, [p.grad for p in group], bufs, lr=lr, momentum=self.momentum,
                                dampening=self.dampening, weight_decay=self.weight_decay, nesterov=self.nesterov,
-                               step=kernel_step, gscale=gscale)
+                               step=step, gscale=gscale)
 
     def hyperparameters(self) -> dict:
         return {"lr": self.lr, "momentum": self.momentum, "dampening": self.dampening,
@@ -123,6 +197,8 @@ class SGD(Optimizer):
 
 
 def recordable(optimizer: Optimizer) -> bool:
-    """Whether a recorded step may stand in for ``optimizer.step``: only the step of the classes here,
-    which records kernels and nothing else (a subclass overriding ``step`` runs it every time)."""
-    return type(optimizer).step in (AdamW.step, SGD.step)
+    """Whether recorded ``group_step`` pieces may stand in for ``optimizer.step``: only for the
+    classes here, whose steps record kernels and nothing else (a subclass overriding ``step`` or
+    ``group_step`` runs it every time)."""
+    cls = type(optimizer)
+    return cls.step is Optimizer.step and cls.group_step in (AdamW.group_step, SGD.group_step)

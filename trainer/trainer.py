@@ -6,6 +6,12 @@ finished: gradients are synced across processes (if configured), unscaled and ch
 overflow, clipped on their global L2 norm, applied by the optimizer, and cleared. Input is
 checked before any GPU work; an error leaves weights, gradients and counters as they were.
 
+``params`` may change from one window to the next (unfreezing layers, say). The optimizer keeps a
+step count per parameter, as torch does, so a parameter's bias corrections count its own updates.
+Unlike torch, which keeps the state of a parameter it no longer updates, a window that starts
+without a parameter releases its ``.grad`` and optimizer state: trained again later, it starts
+afresh (step count 1), as with a new torch optimizer.
+
 ``train_sequences`` and ``train_batch`` give the same results as calling ``train_step_masked`` on
 each sequence in turn, but run consecutive sequences of one window packed: padded (with the pad
 token, unsupervised) to one length and stacked into one forward and backward pass, up to
@@ -130,7 +136,8 @@ class Trainer:
         return self._steps
 
     def set_optimizer_steps(self, n: int) -> None:
-        """Resume at optimizer step n: the next step is n + 1, and the LR schedule follows."""
+        """Resume at optimizer step n: the next step is n + 1, and the LR schedule follows. Bias
+        corrections follow each parameter's own count in the optimizer state, which this leaves alone."""
         if not isinstance(n, int) or n < 0:
             raise ValueError(f"optimizer steps must be an integer >= 0, got {n!r}")
         self._steps = n
@@ -160,13 +167,16 @@ class Trainer:
         return self.train_step_masked(input_ids, target_ids, np.ones(n, np.float32), params)
 
     def train_step_masked(self, input_ids, target_ids, loss_mask, params) -> StepStats:
-        """One sequence; ``loss_mask`` is aligned with ``target_ids`` (1 = include, 0 = ignore)."""
+        """One sequence; ``loss_mask`` is aligned with ``target_ids`` (1 = include, 0 = ignore).
+        ``params`` (here and below) is any iterable of the model's tensors, read once per call."""
+        params = self._params(params)
         return self._train_group([self._check(input_ids, target_ids, loss_mask, params)])[0]
 
     def train_sequences(self, sequences, params) -> list[StepStats]:
         """``(input_ids, target_ids, loss_mask)`` triples in order, each a micro-batch as in
         train_step_masked; consecutive ones of a window run packed (see ``with_packing``). All
         are checked before any GPU work."""
+        params = self._params(params)
         checked = [self._check(i, t, m, params) for i, t, m in sequences]
         stats: list[StepStats] = []
         while len(stats) < len(checked):
@@ -203,8 +213,7 @@ class Trainer:
         model, engine = self.model, self.engine
         params = group[0][3]
         if self.step_in_accum == 0:
-            model.zero_grad(params)
-            self._window = params
+            self._start_window(params)
         tokens = [int(mask.sum()) for _, _, mask, _ in group]
         if len(group) == 1:
             ids, targets, mask, _ = group[0]
@@ -234,7 +243,7 @@ class Trainer:
 
         def record(inputs):
             dev_ids, tgt, msk = inputs
-            trace = model.forward(dev_ids, bucket)
+            trace = model.forward(dev_ids, bucket, keep_from=model.backward_start(params))
             # The loss divides by the supervised tokens; gradients are further scaled by the loss
             # scale and divided by grad_accum_steps, so a window's update is the mean over it.
             result = lm_head_cross_entropy(
@@ -264,6 +273,18 @@ class Trainer:
         if self.step_in_accum == self.grad_accum_steps:
             self._finish_window(params, stats[-1], tot)
         return stats
+
+    def _start_window(self, params) -> None:
+        """Zero the window's gradients, releasing the gradients and optimizer state of parameters
+        it no longer trains (recorded pieces bind them, so those are dropped too)."""
+        kept = {id(p) for p in params}
+        dropped = [p for p in self._window or () if id(p) not in kept]
+        for p in dropped:
+            p.grad = None
+        if self.optimizer.keep_only(params) or dropped:
+            self.recorded.clear()
+        self.model.zero_grad(params)
+        self._window = params
 
     # ---- the end of an accumulation window ----
     def _record_norm(self, params):
@@ -297,21 +318,29 @@ class Trainer:
             coef = min(1.0, self.clip_grad_norm / (grad_norm + 1e-6))    # torch.nn.utils.clip_grad_norm_
         k = self._steps + 1
         lr = self.lr_at(k)
-        self._optimizer_step(params, lr, k, coef / scale)
+        self._optimizer_step(params, lr, coef / scale)
         self._steps = k
         if self.scaler is not None:
             self.scaler.update(found_inf=False)
         stats.stepped, stats.grad_norm, stats.lr = True, grad_norm, lr
 
-    def _optimizer_step(self, params, lr: float, k: int, gscale: float) -> None:
+    def _optimizer_step(self, params, lr: float, gscale: float) -> None:
+        """``optimizer.step``, recorded as one piece per group of parameters whose counts give the
+        same scalars (a group whose update creates optimizer state is never captured); the counts
+        advance outside the pieces, which replay with the group's scalars of this step."""
         opt, engine = self.optimizer, self.engine
-        state = opt.state_key(params)
-        if state is None or not recordable(opt):     # this step creates optimizer state: never captured
-            opt.step(engine, params, lr=lr, step=k, gscale=gscale)
+        if not recordable(opt):
+            opt.step(engine, params, lr=lr, gscale=gscale)
             return
-        key = ("optimizer", id(opt), _where(params, [p.grad for p in params]), state)
-        self.recorded.run(key, lambda _: opt.step(engine, params, lr=lr, step=k, gscale=gscale),
-                          scalars=opt.kernel_scalars(params, lr, k, gscale))
+        for group, scalars in opt.groups(params, lr, gscale):
+            state = opt.state_key(group)
+            if state is None:
+                opt.group_step(engine, group, lr=lr, gscale=gscale)
+                continue
+            key = ("optimizer", id(opt), _where(group, [p.grad for p in group]), state)
+            self.recorded.run(key, lambda _, group=group: opt.group_step(engine, group, lr=lr, gscale=gscale),
+                              scalars=scalars)
+        opt.advance(params)
 
     def _abandon_window(self, params) -> None:
         self.step_in_accum = 0
@@ -340,10 +369,6 @@ class Trainer:
         mask = mask.astype(np.float32)
         if mask.sum() == 0:
             raise TrainError("loss_mask selects no target: a sequence needs at least one supervised token")
-        params = self._params(params)
-        if self._window is not None and self.step_in_accum and [id(p) for p in params] != [id(p) for p in self._window]:
-            raise TrainError("params changed in the middle of an accumulation window; pass the same list "
-                             f"for all {self.grad_accum_steps} sequences of a window")
         return ids, targets, mask, params
 
     @staticmethod
@@ -361,9 +386,14 @@ class Trainer:
         return arr.astype(np.int32)
 
     def _params(self, params) -> list:
+        """``params`` as a list (a generator is read once here), checked."""
         if params is None:
             raise TrainError("params is None: pass the list of tensors to train (e.g. model.parameters())")
-        params = list(params)
+        try:
+            params = list(params)
+        except TypeError:
+            raise TrainError(f"params must be an iterable of the model's tensors, "
+                             f"got {type(params).__name__}") from None
         if not params:
             raise TrainError("params is empty: nothing to train")
         known = {id(t) for t in self.model.parameters()}
@@ -372,4 +402,11 @@ class Trainer:
             raise TrainError(f"params[{foreign[0]}] is not a parameter of this model")
         if len({id(p) for p in params}) != len(params):
             raise TrainError("params lists a tensor twice")
+        if self._window is not None and self.step_in_accum and [id(p) for p in params] != [id(p) for p in self._window]:
+            raise TrainError("params changed in the middle of an accumulation window; pass the same list "
+                             f"for all {self.grad_accum_steps} sequences of a window")
+        try:
+            self.model.check_trainable(params)      # frozen f16 weights, LoRA dropout: refused before GPU work
+        except ValueError as e:
+            raise TrainError(str(e)) from None
         return params

@@ -395,13 +395,10 @@ class Lfm2Model:
         return t.grad is not None and id(t) in self._train_ids
 
     def check_trainable(self, params) -> None:
-        """Refuse, before any GPU work, what backward cannot train: parameters without .grad, frozen
-        f16 base weights, adapters with dropout (PEFT's dropout draws from torch's generator)."""
+        """Refuse, before any GPU work, what backward cannot train: frozen f16 base weights, adapters
+        with dropout (PEFT's dropout draws from torch's generator)."""
         ids = {id(t) for t in params}
         named = self.named_parameters()
-        missing = [n for n, t in named.items() if id(t) in ids and t.grad is None]
-        if missing:
-            raise ValueError(f"parameters without .grad (call zero_grad first): {missing[:3]}")
         halves = [n for n, t in named.items() if id(t) in ids and t.dtype == "f16"]
         if halves:
             raise ValueError(f"{halves[0]} is a frozen f16 base weight (add_lora(base_dtype='f16')); it cannot be "
@@ -434,6 +431,9 @@ class Lfm2Model:
         gradient of the final normed hidden state d_hn (T, D). The reverse of ``forward``, pruned
         to what the trained parameters need: nothing below the lowest layer that holds one."""
         self.check_trainable(params)
+        missing = [n for n, t in self.named_parameters().items() if any(t is p for p in params) and t.grad is None]
+        if missing:
+            raise ValueError(f"parameters without .grad (call zero_grad first): {missing[:3]}")
         self._train_ids = {id(t) for t in params}
         lowest = self._lowest_trained_layer(self._is_trained)
         if lowest is None:
