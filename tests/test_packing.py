@@ -102,7 +102,7 @@ def test_train_sequences_packs_within_windows_and_matches_one_by_one(ctx, engine
               .with_clip_grad_norm(1.0).with_packing(pack).with_replay(0))      # every pass runs forward
         passes = []
         forward = model.forward
-        monkeypatch.setattr(model, "forward", lambda ids, bucket, f=forward: passes.append(ids.host.shape) or f(ids, bucket))
+        monkeypatch.setattr(model, "forward", lambda ids, bucket, f=forward, **kw: passes.append(ids.host.shape) or f(ids, bucket, **kw))
         stats = tr.train_sequences(data[:4], model.parameters()) + tr.train_sequences(data[4:], model.parameters())
         runs.append((stats, snap(model), passes, tr))
     (one, w_one, p_one, _), (packed, w_packed, p_packed, tr) = runs
@@ -128,7 +128,7 @@ def test_a_short_sequence_beside_a_long_one_is_not_padded_to_it(ctx, engine, mon
     tr = Trainer(model, SGD(lr=0.1), ctx, engine).with_length_bucket(BUCKET).with_grad_accum_steps(2).with_replay(0)
     passes = []
     forward = model.forward
-    monkeypatch.setattr(model, "forward", lambda ids, bucket: passes.append(ids.host.shape) or forward(ids, bucket))
+    monkeypatch.setattr(model, "forward", lambda ids, bucket, **kw: passes.append(ids.host.shape) or forward(ids, bucket, **kw))
     tr.train_sequences(make_data(cfg, [4 * unit - 1, 3 * unit + 1], seed=2), model.parameters())   # 4 + 4 units: packed
     tr.train_sequences(make_data(cfg, [4 * unit - 1, unit - 1], seed=3), model.parameters())       # 4 + 1 units: not
     assert passes == [(2, 4 * unit), (1, 4 * unit - 1), (1, unit - 1)]
