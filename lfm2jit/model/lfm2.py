@@ -303,10 +303,10 @@ class Lfm2Model:
             h1 = run(_k("add"), bucket=bucket, x=h, z=op)["y"]                                      # (T, D) residual
             s["h1"] = h1
             xf, s["inv_ffn"] = self._norm(h1, pre + "ffn_norm.weight", bucket)                      # (T, D), (T,)
-            s["a"] = self._linear(xf, pre + "feed_forward.w1", bucket)                              # (T, F)
-            s["b"] = self._linear(xf, pre + "feed_forward.w3", bucket)                              # (T, F)
+            s["a"] = self._linear(xf, pre + "feed_forward.w1", bucket, saved=s)                     # (T, F)
+            s["b"] = self._linear(xf, pre + "feed_forward.w3", bucket, saved=s)                     # (T, F)
             g = run(_k("silu_mul"), bucket=bucket, a=s["a"], b=s["b"])["y"]                         # (T, F) silu(a) * b
-            f = self._linear(g, pre + "feed_forward.w2", bucket)                                    # (T, D)
+            f = self._linear(g, pre + "feed_forward.w2", bucket, saved=s)                           # (T, D)
             h = run(_k("add"), bucket=bucket, x=h1, z=f)["y"]                                       # (T, D) layer output
             del s["xn"]            # xn, xf and g are recomputed by backward (see _recompute)
             if self.recompute_mlp:
@@ -331,36 +331,39 @@ class Lfm2Model:
         s["xn"] = self._norm(s["h"], pre + "operator_norm.weight", bucket)[0]                       # (T, D)
         s["xf"] = self._norm(s["h1"], pre + "ffn_norm.weight", bucket)[0]                           # (T, D)
         if "a" not in s:
-            s["a"] = self._linear(s["xf"], pre + "feed_forward.w1", bucket)                        # (T, F)
-            s["b"] = self._linear(s["xf"], pre + "feed_forward.w3", bucket)                        # (T, F)
+            s["a"] = self._linear(s["xf"], pre + "feed_forward.w1", bucket, saved=s)                # (T, F)
+            s["b"] = self._linear(s["xf"], pre + "feed_forward.w3", bucket, saved=s)                # (T, F)
         s["g"] = self._run(_k("silu_mul"), bucket=bucket, a=s["a"], b=s["b"])["y"]                  # (T, F)
 
-    def _linear(self, x: Tensor, name: str, bucket: int) -> Tensor:
-        """y = x W^T (+ b): torch.nn.Linear with W stored [out, in]."""
+    def _linear(self, x: Tensor, name: str, bucket: int, saved: dict | None = None) -> Tensor:
+        """y = x W^T (+ b): torch.nn.Linear with W stored [out, in]. A LoRA adapter's low-rank
+        activation is kept in ``saved`` (the layer's trace) for the backward."""
         y = self._run(_k("linear"), bucket=bucket, x=x, w=self.p(name + ".weight"))["y"]
         if name + ".bias" in self._params:
             self._run(_k("bias_add"), bucket=bucket, y=y, b=self.p(name + ".bias"))
         if self.lora and name in self.lora.by_module:
-            self.lora.forward(self._run, x, name, y, bucket)
+            u = self.lora.forward(self._run, x, name, y, bucket)
+            if saved is not None:
+                saved["lora:" + name] = u
         return y
 
     def _conv_forward(self, pre: str, s: dict, trace: Trace) -> Tensor:
         t, d, taps = s["xn"].shape[0], self.cfg.hidden_size, self.cfg.conv_L_cache
-        s["bcx"] = self._linear(s["xn"], pre + "conv.in_proj", trace.bucket)                        # (T, 3D) = B, C, x
+        s["bcx"] = self._linear(s["xn"], pre + "conv.in_proj", trace.bucket, saved=s)               # (T, 3D) = B, C, x
         args = {"bcx": trace.by_sequence(s["bcx"].view(t, 3, d)),                                    # (T, 3, D)
                 "w": self.p(pre + "conv.conv.weight").view(d, taps)}                                 # (D, L)
         if self.cfg.conv_bias:
             args["b"] = self.p(pre + "conv.conv.bias")
         s["c"] = self._run(_k("short_conv"), bucket=trace.seq_bucket, **args)["y"].view(t, d)      # (T, D) C * conv(B x)
-        return self._linear(s["c"], pre + "conv.out_proj", trace.bucket)                           # (T, D)
+        return self._linear(s["c"], pre + "conv.out_proj", trace.bucket, saved=s)                   # (T, D)
 
     def _attention_forward(self, pre: str, s: dict, trace: Trace) -> Tensor:
         cfg, run, bucket = self.cfg, self._run, trace.bucket
         t, h, g, e = s["xn"].shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         a = pre + "self_attn."
-        s["q"] = self._linear(s["xn"], a + "q_proj", bucket).view(t, h, e)                         # (T, H, E)
-        s["k"] = self._linear(s["xn"], a + "k_proj", bucket).view(t, g, e)                         # (T, G, E)
-        s["v"] = self._linear(s["xn"], a + "v_proj", bucket).view(t, g, e)                         # (T, G, E)
+        s["q"] = self._linear(s["xn"], a + "q_proj", bucket, saved=s).view(t, h, e)                 # (T, H, E)
+        s["k"] = self._linear(s["xn"], a + "k_proj", bucket, saved=s).view(t, g, e)                 # (T, G, E)
+        s["v"] = self._linear(s["xn"], a + "v_proj", bucket, saved=s).view(t, g, e)                 # (T, G, E)
         qn = run(_k("head_rmsnorm"), bucket=bucket, x=s["q"], w=self.p(a + "q_layernorm.weight"), eps=cfg.norm_eps)
         kn = run(_k("head_rmsnorm"), bucket=bucket, x=s["k"], w=self.p(a + "k_layernorm.weight"), eps=cfg.norm_eps)
         s["qn"], s["q_inv"], s["kn"], s["k_inv"] = qn["y"], qn["inv"], kn["y"], kn["inv"]          # (T,H,E) (T,H) ..
@@ -372,7 +375,7 @@ class Lfm2Model:
         by_seq = trace.by_sequence
         att = run(_k("attention"), bucket=trace.seq_bucket, q=by_seq(s["qr"]), k=by_seq(s["kr"]), v=by_seq(s["v"]))
         s["o"], s["lse"] = att["o"].view(t, h, e), att["lse"].view(t, h)                           # (T, H, E), (T, H)
-        return self._linear(s["o"].view(t, h * e), a + "out_proj", bucket)                         # (T, D)
+        return self._linear(s["o"].view(t, h * e), a + "out_proj", bucket, saved=s)                 # (T, D)
 
     def logits(self, input_ids, bucket: int = 1) -> np.ndarray:
         """float32 [T, vocab] logits of a sequence (materialised: for checks, not for training)."""
@@ -453,14 +456,14 @@ class Lfm2Model:
             # Each [T, F] tensor is dropped (back to the pool) right after its last use, so the peak
             # holds as few of them as possible; a second backward over this trace recomputes them.
             # h = h1 + f;  f = w2(g)
-            dg = self._linear_backward(s.pop("g"), pre + "feed_forward.w2", dh, bucket)             # (T, F)
+            dg = self._linear_backward(s.pop("g"), pre + "feed_forward.w2", dh, bucket, saved=s)    # (T, F)
             # g = silu(a) * b
             gab = self._run(_grad("silu_mul"), bucket=bucket, a=s.pop("a"), b=s.pop("b"), d_y=dg)
             del dg
             # a = w1(xf); b = w3(xf)
             xf = s.pop("xf")
-            dxf = self._linear_backward(xf, pre + "feed_forward.w1", gab.pop("d_a"), bucket)       # (T, D)
-            self._linear_backward(xf, pre + "feed_forward.w3", gab.pop("d_b"), bucket, into=dxf)
+            dxf = self._linear_backward(xf, pre + "feed_forward.w1", gab.pop("d_a"), bucket, saved=s)  # (T, D)
+            self._linear_backward(xf, pre + "feed_forward.w3", gab.pop("d_b"), bucket, into=dxf, saved=s)
             # xf = rmsnorm(h1): dh becomes d(h1)
             self._norm_backward(s["h1"], s["inv_ffn"], pre + "ffn_norm.weight", dxf, bucket, into=dh)
             del xf, dxf
@@ -481,7 +484,7 @@ class Lfm2Model:
                       out={"d_table": self._params[emb].grad}, accumulate={"d_table"})
 
     def _linear_backward(self, x: Tensor, name: str, dy: Tensor, bucket: int, into: Tensor | None = None,
-                         need_dx: bool = True) -> Tensor | None:
+                         need_dx: bool = True, saved: dict | None = None) -> Tensor | None:
         """y = x W^T (+ b): dx = dy W (new, or added into ``into``), W.grad += dy^T x, b.grad += sum dy."""
         w = self._params[name + ".weight"]
         run = self._run
@@ -496,7 +499,8 @@ class Lfm2Model:
             run(_k("bias_grad"), bucket=bucket, dy=dy, out={"db": self._params[name + ".bias"].grad},
                 accumulate={"db"})
         if self.lora and name in self.lora.by_module:
-            self.lora.backward(run, _grad, self._is_trained, x, name, dy, dx, bucket)
+            u = saved.pop("lora:" + name, None) if saved is not None else None
+            self.lora.backward(run, _grad, self._is_trained, x, name, dy, dx, bucket, u)
         return dx
 
     def _norm_backward(self, x: Tensor, inv: Tensor, name: str, dy: Tensor, bucket: int,
@@ -516,7 +520,7 @@ class Lfm2Model:
     def _conv_backward(self, pre: str, s: dict, d_op: Tensor, trace: Trace) -> Tensor:
         t, d, taps, bucket = s["xn"].shape[0], self.cfg.hidden_size, self.cfg.conv_L_cache, trace.bucket
         # op = out_proj(c)
-        dc = self._linear_backward(s["c"], pre + "conv.out_proj", d_op, bucket)                    # (T, D)
+        dc = self._linear_backward(s["c"], pre + "conv.out_proj", d_op, bucket, saved=s)            # (T, D)
         # c = C * conv(B x)
         names = {"w": pre + "conv.conv.weight", "b": pre + "conv.conv.bias"}
         wrt = ["bcx"] + [k for k, n in names.items() if n in self._params and self._trained(n)]
@@ -529,14 +533,14 @@ class Lfm2Model:
             out["d_b"] = self.p(names["b"]).grad
         g = self._run(_grad("short_conv", tuple(wrt)), bucket=trace.seq_bucket, out=out, accumulate=set(out), **args)
         # bcx = in_proj(xn)
-        return self._linear_backward(s["xn"], pre + "conv.in_proj", g["d_bcx"].view(t, 3 * d), bucket)  # (T, D)
+        return self._linear_backward(s["xn"], pre + "conv.in_proj", g["d_bcx"].view(t, 3 * d), bucket, saved=s)  # (T, D)
 
     def _attention_backward(self, pre: str, s: dict, d_op: Tensor, trace: Trace) -> Tensor:
         cfg, run, bucket = self.cfg, self._run, trace.bucket
         t, h, g, e = s["xn"].shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         a = pre + "self_attn."
         # op = out_proj(o)
-        do = self._linear_backward(s["o"].view(t, h * e), a + "out_proj", d_op, bucket)           # (T, H*E)
+        do = self._linear_backward(s["o"].view(t, h * e), a + "out_proj", d_op, bucket, saved=s)    # (T, H*E)
         # o, lse = attention(qr, kr, v)
         by_seq = trace.by_sequence
         ga = run(_grad("attention", ("q", "k", "v"), ("o",)), bucket=trace.seq_bucket, q=by_seq(s["qr"]), k=by_seq(s["kr"]),
@@ -550,9 +554,9 @@ class Lfm2Model:
             # xn = head_rmsnorm(x)
             draw[x] = self._norm_backward_heads(s[x], s[f"{x}_inv"], a + ln + ".weight", dn.view(t, heads, e), bucket)
         # q, k, v = projections of xn
-        dxn = self._linear_backward(s["xn"], a + "q_proj", draw["q"].view(t, h * e), bucket)       # (T, D)
-        self._linear_backward(s["xn"], a + "k_proj", draw["k"].view(t, g * e), bucket, into=dxn)
-        self._linear_backward(s["xn"], a + "v_proj", ga["d_v"].view(t, g * e), bucket, into=dxn)
+        dxn = self._linear_backward(s["xn"], a + "q_proj", draw["q"].view(t, h * e), bucket, saved=s)  # (T, D)
+        self._linear_backward(s["xn"], a + "k_proj", draw["k"].view(t, g * e), bucket, into=dxn, saved=s)
+        self._linear_backward(s["xn"], a + "v_proj", ga["d_v"].view(t, g * e), bucket, into=dxn, saved=s)
         return dxn
 
     def _norm_backward_heads(self, x: Tensor, inv: Tensor, name: str, dy: Tensor, bucket: int) -> Tensor:
