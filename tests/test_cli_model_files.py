@@ -67,3 +67,27 @@ def test_eval_every_scores_the_held_out_split_during_training(tmp_path):
     r = cli("--resume", two, "--steps", 6, "--eval-every", 2, "--no-progress")
     assert r.returncode == 0, r.stderr
     assert [json.loads(line)["step"] for line in (two / "eval.jsonl").read_text().splitlines()] == [4]
+
+
+@pytest.mark.parametrize("flag,want", [([], "BF16"), (["--save-dtype", "f16"], "F16"), (["--save-dtype", "f32"], "F32")])
+def test_the_final_model_is_saved_in_the_inputs_dtype_or_the_one_asked(tmp_path, ctx, engine, flag, want):
+    """A bf16 input gives a bf16 OUT/model (checkpoints stay f32 for an exact resume); transformers
+    reads it as the final checkpoint's weights rounded as torch rounds them."""
+    import struct
+    import torch
+    src = tmp_path / "hf"
+    Lfm2Model(Lfm2Config(**{**PRESETS["tiny"], "vocab_size": 102}), ctx, engine, seed=4).save_pretrained(src, "bf16")
+    shutil.copyfile(default_tokenizer(), src / "tokenizer.json")
+    out = tmp_path / "ft"
+    r = cli("--model", src, "--data", default_dataset(), "--steps", 1, "--grad-accum", 1, "--lr", 1e-3,
+            "--eval-max", 2, "--no-progress", "--out", out, *flag)
+    assert r.returncode == 0, r.stderr
+    raw = (out / "model" / "model.safetensors").read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    assert {m["dtype"] for k, m in json.loads(raw[8:8 + n]).items() if k != "__metadata__"} == {want}
+    final = transformers.Lfm2ForCausalLM.from_pretrained(out / "checkpoints" / "step-000001" / "model")
+    saved = transformers.Lfm2ForCausalLM.from_pretrained(out / "model", dtype=torch.float32)
+    dtype = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}[want]
+    for name, t in final.state_dict().items():
+        assert torch.equal(saved.state_dict()[name], t.to(dtype).float()), name
+    assert (out / "model" / "tokenizer.json").is_file()

@@ -452,7 +452,7 @@ def train(s: dict) -> int:
     t_eval = time.perf_counter()
     eval_after, answer_after = evaluate(model, engine, my_eval, run.bucket) if my_eval else (nan, nan)
     eval_seconds = time.perf_counter() - t_eval
-    final = _write_final_model(run, model, out) if run.rank == 0 and run.lora_r is not None else None
+    final = _write_final_model(run, model, out) if run.rank == 0 else None
     evals = ([(start, eval_before)] + [(e["step"], e["loss"]) for e in evals_mid if e["loss"] is not None]
              + [(tr.optimizer_steps(), eval_after)]) if my_eval else []
     _write_plot(plot_loss_curve, png_path, history + new, evals)
@@ -514,16 +514,28 @@ def train(s: dict) -> int:
 
 
 def _write_final_model(run: Run, model, out: Path) -> str:
-    """The run's result beside its checkpoints: OUT/model (merged, with --merge-lora) or OUT/adapter.
-    Merging changes the model in place, so it happens after the last checkpoint was written."""
-    if run.merge_lora:
-        model.merge_lora()
-        model.save_pretrained(out / "model")
+    """The run's result beside its checkpoints: OUT/model, in --save-dtype (merged, with --merge-lora),
+    or OUT/adapter for LoRA without merging. Merging changes the model in place, so it happens after
+    the last checkpoint was written."""
+    if run.lora_r is None or run.merge_lora:
+        if run.lora_r is not None:
+            model.merge_lora()
+        model.save_pretrained(out / "model", _save_dtype(run))
         copy_model_files(run.tokenizer, out / "model", run.model)
-        return f"merged model: {(out / 'model').resolve()} (transformers' Lfm2ForCausalLM loads it)"
+        what = "merged model" if run.lora_r is not None else "model"
+        return f"{what} ({_save_dtype(run)}): {(out / 'model').resolve()} (transformers' Lfm2ForCausalLM loads it)"
     model.save_adapter(out / "adapter", base_model=run.model)
     return (f"LoRA adapter: {(out / 'adapter').resolve()} (PeftModel.from_pretrained(base, dir) loads it"
             + (f" on {run.model})" if run.model else ")"))
+
+
+def _save_dtype(run: Run) -> str:
+    if run.save_dtype is not None:
+        return run.save_dtype
+    if run.source == "model" and Path(run.model).is_dir():
+        from lfm2jit.model.checkpoint import stored_dtype
+        return stored_dtype(Path(run.model))
+    return "f32"
 
 
 def _write_plot(plot, path: Path, metrics: list[dict], evals) -> None:

@@ -182,6 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--resume", metavar="DIR",
                    help="continue from a checkpoint (DIR/trainer.json) or a run directory's newest checkpoint: "
                         "weights, optimizer, scaler, schedule, data position and the run's settings")
+    c.add_argument("--save-dtype", choices=("f32", "bf16", "f16"),
+                   help="dtype of the final model written to OUT/model (default: the input model's, f32 from "
+                        "scratch); checkpoints stay f32 so that --resume is exact")
     c.add_argument("--eval-every", type=int, metavar="N",
                    help="also score the held-out split every N optimizer steps: printed, written to eval.jsonl and "
                         "drawn in loss.png (default 0: before and after training only)")
@@ -214,7 +217,7 @@ RESUMABLE = ("tokenizer", "data", "data_kind", "loss_on", "max_len", "eval_fract
              "weight_decay", "momentum", "schedule", "warmup_steps", "min_lr", "grad_accum", "pack_tokens", "clip", "bucket",
              "scaler", "f16", "steps", "checkpoint_every", "keep_checkpoints", "world_size", "sync_dir", "run_id",
              "sync_timeout", "check_loss_drop", "source", "preset", "lora_r", "lora_alpha", "lora_targets",
-             "lora_dropout", "lora_f16_base", "merge_lora", "train_only", "freeze", "eval_every")
+             "lora_dropout", "lora_f16_base", "merge_lora", "train_only", "freeze", "eval_every", "save_dtype")
 
 
 @dataclass
@@ -269,6 +272,7 @@ class Run:
     train_only: list[str] | None = None
     freeze: list[str] | None = None
     eval_every: int = 0
+    save_dtype: str | None = None     # None: the input model's (resolved in prepare), f32 from scratch
     builtin_data: bool = False
     notes: list[str] = field(default_factory=list)
     derived: set = field(default_factory=set)     # settings left to defaults that follow others
@@ -360,7 +364,7 @@ def resolve(args: argparse.Namespace, argv_empty: bool, saved: dict | None = Non
         lora_targets=g.get("lora_targets", list(DEFAULT_TARGETS) if "lora_r" in g else None),
         lora_dropout=g.get("lora_dropout", 0.0), lora_f16_base=bool(g.get("lora_f16_base", False)),
         merge_lora=bool(g.get("merge_lora", False)), train_only=g.get("train_only"), freeze=g.get("freeze"),
-        eval_every=g.get("eval_every", 0),
+        eval_every=g.get("eval_every", 0), save_dtype=g.get("save_dtype"),
         derived={k for k in ("min_lr", "warmup_steps", "tokenizer", "data") if k not in g})
     _validate(run)
     for key in ("model", "tokenizer", "data", "sync_dir"):      # kept in checkpoints: independent of the cwd

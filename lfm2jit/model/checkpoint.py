@@ -1,8 +1,8 @@
 """Hugging Face LFM2 checkpoints: the parameter table, and safetensors in and out.
 
 Reads f32, f16 and bf16 tensors (bf16 widened to f32 on load) from ``model.safetensors`` or a
-sharded ``model.safetensors.index.json``; writes f32 ``model.safetensors`` that transformers'
-Lfm2ForCausalLM loads.
+sharded ``model.safetensors.index.json``; writes ``model.safetensors`` (f32, or f16 / bf16 rounded to
+nearest even) that transformers' Lfm2ForCausalLM loads.
 """
 from __future__ import annotations
 
@@ -11,11 +11,13 @@ import struct
 from pathlib import Path
 
 import numpy as np
-from safetensors.numpy import save_file
+from safetensors import TensorSpec, serialize_file
 
 from .config import Lfm2Config
 
 _DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64}
+SAVE_DTYPES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}     # ours -> safetensors' names
+_STORED = {"F32": "f32", "F64": "f32", "F16": "f16", "BF16": "bf16"}
 
 
 class CheckpointError(ValueError):
@@ -122,9 +124,45 @@ def check_tensors(cfg: Lfm2Config, tensors: dict[str, np.ndarray]) -> dict[str, 
     return {n: tensors[n] for n in want}
 
 
-def save_checkpoint(directory: Path, cfg: Lfm2Config, tensors: dict[str, np.ndarray]) -> None:
+def stored_dtype(directory: Path) -> str:
+    """The dtype most of a checkpoint's tensor bytes are stored in: "f32", "f16" or "bf16"."""
+    d = Path(directory)
+    index = d / "model.safetensors.index.json"
+    files = sorted({d / f for f in json.loads(index.read_text())["weight_map"].values()}) if index.exists() \
+        else [d / "model.safetensors"]
+    sizes: dict[str, int] = {}
+    for f in files:
+        raw = f.open("rb").read(8)
+        (n,) = struct.unpack("<Q", raw)
+        with f.open("rb") as fh:
+            fh.seek(8)
+            header = json.loads(fh.read(n))
+        for name, meta in header.items():
+            if name != "__metadata__" and meta["dtype"] in _STORED:
+                key = _STORED[meta["dtype"]]
+                sizes[key] = sizes.get(key, 0) + meta["data_offsets"][1] - meta["data_offsets"][0]
+    return max(sizes, key=sizes.get) if sizes else "f32"
+
+
+def _narrow(a: np.ndarray, dtype: str) -> np.ndarray:
+    a = np.ascontiguousarray(a, np.float32)
+    if dtype == "f16":
+        return a.astype(np.float16)
+    if dtype == "bf16":            # round to nearest even, as torch's .to(torch.bfloat16) does
+        bits = a.view(np.uint32).astype(np.uint64)
+        return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+    return a
+
+
+def save_checkpoint(directory: Path, cfg: Lfm2Config, tensors: dict[str, np.ndarray], dtype: str = "f32") -> None:
+    if dtype not in SAVE_DTYPES:
+        raise ValueError(f"save dtype must be one of {', '.join(SAVE_DTYPES)}, got {dtype!r}")
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
-    (d / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
-    save_file({n: np.ascontiguousarray(a, dtype=np.float32) for n, a in tensors.items()}, str(d / "model.safetensors"),
-              metadata={"format": "pt"})
+    config = cfg.to_dict()
+    config["torch_dtype"] = config["dtype"] = SAVE_DTYPES[dtype]
+    (d / "config.json").write_text(json.dumps(config, indent=2))
+    arrays = {n: _narrow(a, dtype) for n, a in tensors.items()}
+    specs = {n: TensorSpec(dtype=SAVE_DTYPES[dtype], shape=a.shape, data_ptr=a.ctypes.data, data_len=a.nbytes)
+             for n, a in arrays.items()}
+    serialize_file(specs, str(d / "model.safetensors"), {"format": "pt"})
