@@ -13,7 +13,7 @@ from lfm2jit.model.lora import DEFAULT_TARGETS
 from .trainer import DEFAULT_PACK_TOKENS, DEFAULT_REPLAY_PASSES
 
 # Defaults of the run `python -m trainer` does with no arguments: a small model trained from
-# scratch on the shipped chat data (measured on lavapipe, 2 CPU cores: about 3 minutes).
+# scratch on the shipped chat data (measured on lavapipe, 2 CPU cores: under a minute).
 DEMO_PRESET = "demo"
 DEMO_SHAPE = dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, layer_types=["conv", "full_attention"], block_multiple_of=16)
@@ -37,7 +37,7 @@ class UsageError(Exception):
 
 EPILOG = """\
 examples:
-  python -m trainer                                   # the main job: tiny LFM2 from scratch, ~3 min on CPU
+  python -m trainer                                   # the main job: tiny LFM2 from scratch, under a minute on CPU
   python -m trainer --preset tiny --steps 50 --out runs/tiny
   python -m trainer --model DIR --data chat.jsonl --lr 2e-5 --epochs 1 --grad-accum 8
   python -m trainer --resume runs/tiny --steps 100    # continue a run from its latest checkpoint
