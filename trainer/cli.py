@@ -520,10 +520,11 @@ def _write_final_model(run: Run, model, out: Path) -> str:
     if run.lora_r is None or run.merge_lora:
         if run.lora_r is not None:
             model.merge_lora()
-        model.save_pretrained(out / "model", _save_dtype(run))
+        dtype = _save_dtype(run)
+        model.save_pretrained(out / "model", dtype)
         copy_model_files(run.tokenizer, out / "model", run.model)
         what = "merged model" if run.lora_r is not None else "model"
-        return f"{what} ({_save_dtype(run)}): {(out / 'model').resolve()} (transformers' Lfm2ForCausalLM loads it)"
+        return f"{what} ({dtype}): {(out / 'model').resolve()} (transformers' Lfm2ForCausalLM loads it)"
     model.save_adapter(out / "adapter", base_model=run.model)
     return (f"LoRA adapter: {(out / 'adapter').resolve()} (PeftModel.from_pretrained(base, dir) loads it"
             + (f" on {run.model})" if run.model else ")"))

@@ -23,8 +23,7 @@ def trainable(model, lora: bool, train_only: list[str] | None, freeze: list[str]
     ``train_only`` names; without: what ``train_only`` names (default everything). ``freeze``
     then removes its matches. An empty result is an error, not a run that trains nothing."""
     named = model.named_parameters()
-    adapters = {n for n, t in named.items() if any(t is p for p in model.lora_parameters())}
-    chosen = set(adapters) if lora else (set() if train_only else set(named))
+    chosen = set(model.lora.named) if lora else (set() if train_only else set(named))
     if train_only:
         chosen |= _matching(named, train_only, "--train-only")
     if freeze:

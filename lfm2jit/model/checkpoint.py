@@ -132,10 +132,8 @@ def stored_dtype(directory: Path) -> str:
         else [d / "model.safetensors"]
     sizes: dict[str, int] = {}
     for f in files:
-        raw = f.open("rb").read(8)
-        (n,) = struct.unpack("<Q", raw)
         with f.open("rb") as fh:
-            fh.seek(8)
+            (n,) = struct.unpack("<Q", fh.read(8))
             header = json.loads(fh.read(n))
         for name, meta in header.items():
             if name != "__metadata__" and meta["dtype"] in _STORED:

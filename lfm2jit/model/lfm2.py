@@ -435,10 +435,11 @@ class Lfm2Model:
         gradient of the final normed hidden state d_hn (T, D). The reverse of ``forward``, pruned
         to what the trained parameters need: nothing below the lowest layer that holds one."""
         self.check_trainable(params)
-        missing = [n for n, t in self.named_parameters().items() if any(t is p for p in params) and t.grad is None]
+        ids = {id(t) for t in params}
+        missing = [n for n, t in self.named_parameters().items() if id(t) in ids and t.grad is None]
         if missing:
             raise ValueError(f"parameters without .grad (call zero_grad first): {missing[:3]}")
-        self._train_ids = {id(t) for t in params}
+        self._train_ids = ids
         lowest = self._lowest_trained_layer(self._is_trained)
         if lowest is None:
             return

@@ -118,8 +118,8 @@ class Output:
 
 
 @dataclass(frozen=True)
-class MatmulParams:
-    tiles: TileConfig
+class GemmParams:
+    """What both GEMM templates are given besides their tiles: extents, operands, output, split-K layout."""
     m_ext: Index
     n_ext: Index
     k_ext: Index
@@ -131,6 +131,11 @@ class MatmulParams:
     n_size: int
     batches: int
     reduce_threads: int
+
+
+@dataclass(frozen=True)
+class MatmulParams(GemmParams):
+    tiles: TileConfig
 
     @property
     def threads(self) -> int:
@@ -194,21 +199,10 @@ class MatrixTiles:
 
 
 @dataclass(frozen=True)
-class MatrixParams:
+class MatrixParams(GemmParams):
     tiles: MatrixTiles
     frag: MatrixConfig
     subgroup_size: int
-    m_ext: Index
-    n_ext: Index
-    k_ext: Index
-    a: Operand
-    b: Operand
-    c: Output
-    axes: tuple[str, str, str, str | None]
-    m_pad: int
-    n_size: int
-    batches: int
-    reduce_threads: int
 
     @property
     def threads(self) -> int:
@@ -326,10 +320,10 @@ def plan(ir: KernelIR, sizes: dict[str, int], accumulate: frozenset[str], tiles=
                   axes=(m_axis, n_axis, k, bt), m_pad=sizes[m_axis], n_size=sizes[n_axis], batches=batches,
                   reduce_threads=REDUCE_THREADS)
     if matrix:
-        template, params = "matmul_matrix", MatrixParams(tiles, frag, target.subgroup_size, **common)
+        template, params = "matmul_matrix", MatrixParams(tiles=tiles, frag=frag, subgroup_size=target.subgroup_size, **common)
         tile_m, tile_n = tiles.wm, tiles.wn
     else:
-        template, params = "matmul", MatmulParams(tiles, **common)
+        template, params = "matmul", MatmulParams(tiles=tiles, **common)
         tile_m, tile_n = tiles.bm, tiles.bn
     vectors = tuple((op.tensor, 4) for op in dict.fromkeys(ops) if op.vec)
     grid = (-(-sizes[n_axis] // tile_n), -(-sizes[m_axis] // tile_m), batches * tiles.split)
