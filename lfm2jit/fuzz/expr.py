@@ -1015,8 +1015,10 @@ class Evaluator:
                 cond = self.expand(c, t.shape) != 0
                 if c.dtype not in INTS:
                     self.record("disc", e, np.broadcast_to(cond, tuple(self.sizes[x] for x in t.shape)))
-                r = np.where(cond, self.expand(a, t.shape), self.expand(b, t.shape))
-                return Val(r, t.shape, t.dtype)
+                x, y = self.expand(a, t.shape), self.expand(b, t.shape)
+                if t.dtype in INTS:       # a literal-only branch is computed in f32 and cast, as in _binop
+                    x, y = x.astype(np.int64), y.astype(np.int64)
+                return Val(np.where(cond, x, y), t.shape, t.dtype)
             if f in DTYPES:
                 x = self.ev(e.args[0], env)
                 if f in INTS:
