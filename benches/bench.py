@@ -49,7 +49,7 @@ from lfm2jit.ops import library
 from lfm2jit.schedule.matmul import TileConfig
 from lfm2jit.settings import settings
 from lfm2jit.tune.candidates import MATMUL as CANDIDATES
-from lfm2jit.tune.candidates import MATRIX as MATRIX_CANDIDATES
+from lfm2jit.tune.candidates import matrix as matrix_candidates
 from lfm2jit.tune.timing import warm_up
 
 # Datasheet ceilings per adapter-name substring: (fp32 FLOP/s without tensor cores, bytes/s)
@@ -300,9 +300,10 @@ class Bench:
                 self.guarded("tiles", f"linear[{tag}]", shape, one)
 
     def mtiles(self):
-        """The matrix-unit template at each autotuner candidate, for the three products of a linear
-        layer in --f16 mode, and the forward with the weight stored as f16 too (no conversion while
-        staging): 4096^3 and the LFM2-350M shapes at T = 2048 (or --tile-shapes)."""
+        """The matrix-unit template at each autotuner candidate for its shape, for the three products
+        of a linear layer in --f16 mode, and the forward with the weight stored as f16 too (no
+        conversion while staging): 4096^3 and the LFM2-350M shapes at T = 2048 (or --tile-shapes;
+        a shape with N = 8 gives LoRA's rank-8 products)."""
         if not self.engine.target.matrix_configs:
             self.add(Line("mtiles", "matrix_tiles", "-", error="the device has no f16 subgroup matrices"))
             return
@@ -312,23 +313,24 @@ class Bench:
                     "dx": grad(lin, ["x"]).variant("f16", {"w"}).kernels[0],
                     "dw": grad(lin, ["w"]).variant("f16", {"d_w"}).kernels[0]}
         for m, n, k in shapes:
-            for cfg in MATRIX_CANDIDATES:
-                shape = f"{m}x{n}x{k}"
-                tag = cfg.label
+            shape = f"{m}x{n}x{k}"
 
-                def one(m=m, n=n, k=k, shape=shape, cfg=cfg, tag=tag):
-                    e = self.engine
-                    xa, wa, dya = _rand(self.rng, (m, k)), _rand(self.rng, (n, k)), _rand(self.rng, (m, n))
-                    args = {"x": e.tensor(xa, "f16"), "w": e.tensor(wa), "d_y": e.tensor(dya, "f16")}
-                    w16 = e.tensor(wa, "f16")
-                    for name, kern in products.items():
-                        given = {t.name: (w16 if name == "fwd_w16" and t.name == "w" else args[t.name])
-                                 for t in kern.ir.inputs}
+            def one(m=m, n=n, k=k, shape=shape):
+                e = self.engine
+                xa, wa, dya = _rand(self.rng, (m, k)), _rand(self.rng, (n, k)), _rand(self.rng, (m, n))
+                args = {"x": e.tensor(xa, "f16"), "w": e.tensor(wa), "d_y": e.tensor(dya, "f16")}
+                w16 = e.tensor(wa, "f16")
+                for name, kern in products.items():
+                    spec = kern.kernels[0].specialize({"T": m, "K": k, "N": n}, 1, target=e.target)
+                    given = {t.name: (w16 if name == "fwd_w16" and t.name == "w" else args[t.name])
+                             for t in kern.ir.inputs}
+                    for cfg in matrix_candidates(spec.params):
                         s, timer, wall = min(time_engine(e, lambda: e.run(kern, tiles=cfg, **given), self.reps)[:3]
                                              for _ in range(MTILE_ROUNDS))
-                        self.add(Line("mtiles", f"{name}[{tag}]", shape, s, timer, 2.0 * m * n * k,
-                                      2.0 * (m * k + n * k + m * n), wall_seconds=wall, extra={"tiles": asdict(cfg)}))
-                self.guarded("mtiles", f"matrix[{tag}]", shape, one)
+                        self.add(Line("mtiles", f"{name}[{cfg.label}]", shape, s, timer, 2.0 * m * n * k,
+                                      2.0 * (m * k + n * k + m * n), wall_seconds=wall,
+                                      extra={"tiles": asdict(cfg), "default": cfg == spec.params.tiles}))
+            self.guarded("mtiles", "matrix", shape, one)
 
     # ---- attention ----
     def attention(self):

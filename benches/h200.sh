@@ -46,7 +46,16 @@ speed)
             --json "$OUT/h200_sbs_base.json" 2>&1 | tail -8)
     fi
     ;;
+lora)
+    export LFM2JIT_WEBGPU=dawn
+    for run in "lora --lora 8 --lora-f16-base" "full"; do
+        set -- $run
+        name=$1; shift
+        timeout 280 python3 -m lfm2jit.bench --only train --f16 --model-preset 1.2B --train-shapes 1x2048 "$@" \
+            --json "$OUT/h200_${name}_1.2B.json" 2>&1 | tail -4
+    done
+    ;;
 *)
-    echo "usage: bash benches/h200.sh tests | matrix | speed [BASE]" >&2; exit 2 ;;
+    echo "usage: bash benches/h200.sh tests | matrix | speed [BASE] | lora" >&2; exit 2 ;;
 esac
 echo "took $(( $(date +%s) - start )) s"

@@ -306,3 +306,25 @@ def test_loss_only_skips_the_gradients(ctx, rng):
     assert only.dispatches < full.dispatches
     with pytest.raises(ValueError, match="grads=False"):
         lm_head_cross_entropy(only, only.tensor(h), only.tensor(E), targets, mask, grads=False, accumulate_dE=True)
+
+
+def test_frozen_head_skips_its_gradient(ctx, rng):
+    """grad_E=False (a frozen head, as under LoRA) gives the same loss and dh bit for bit, no dE, and
+    one dispatch fewer per chunk; asking for a dE it will not compute is refused before GPU work."""
+    T, V, D = 37, 300, 16
+    h = rng.standard_normal((T, D)).astype(np.float32)
+    E = rng.standard_normal((V, D)).astype(np.float32)
+    targets = rng.integers(0, V, T).astype(np.int32)
+    full, frozen = ComputeEngine(ctx), ComputeEngine(ctx)
+    a = lm_head_cross_entropy(full, full.tensor(h), full.tensor(E), targets, None, chunk=64, bucket=16)
+    b = lm_head_cross_entropy(frozen, frozen.tensor(h), frozen.tensor(E), targets, None, chunk=64, bucket=16,
+                              grad_E=False)
+    assert b.dE is None
+    assert b.loss_value() == a.loss_value()
+    np.testing.assert_array_equal(b.dh.numpy(), a.dh.numpy())
+    assert full.dispatches - frozen.dispatches == -(-V // 64)
+    before = frozen.dispatches
+    with pytest.raises(ValueError, match="grad_E=False computes no dE"):
+        lm_head_cross_entropy(frozen, frozen.tensor(h), frozen.tensor(E), targets, None, grad_E=False,
+                              dE=frozen.empty((V, D)))
+    assert frozen.dispatches == before

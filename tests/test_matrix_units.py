@@ -15,8 +15,8 @@ from conftest import rel_err
 from lfm2jit import grad, library
 from lfm2jit.cli import MATRIX_UNITS
 from lfm2jit.codegen.render import render
-from lfm2jit.schedule.matmul import MatrixTiles
-from lfm2jit.tune.candidates import MATRIX
+from lfm2jit.schedule.matmul import MatrixTiles, narrow_matrix_tiles
+from lfm2jit.tune.candidates import MATRIX, matrix as matrix_candidates
 
 LINEAR = library.get("linear")
 PRODUCTS = {   # the three products of a linear layer in --f16 mode: activations f16, weights and their grads f32
@@ -57,7 +57,7 @@ def test_f32_contractions_stay_simt_on_a_device_with_matrix_units():
     assert LINEAR.specialize({"T": 100, "K": 64, "N": 48}, 64, target=MATRIX_UNITS).template == "matmul"
 
 
-@pytest.mark.parametrize("tiles", MATRIX)
+@pytest.mark.parametrize("tiles", MATRIX + tuple(narrow_matrix_tiles(thin, 8) for thin in "mn"))
 def test_every_matrix_candidate_renders(tiles):
     for k in PRODUCTS.values():
         wgsl = render(k.specialize({"T": 70, "K": 96, "N": 40}, 16, frozenset(), tiles, MATRIX_UNITS))
@@ -69,11 +69,21 @@ def test_every_matrix_candidate_renders(tiles):
     ({"T": 2048, "K": 1024, "N": 4608}, {"y": (128, 128, 2, 4), "d_x": (128, 128, 2, 4), "d_w": (64, 64, 2, 2)}),
     ({"T": 4096, "K": 4096, "N": 4096}, {"y": (128, 128, 2, 2), "d_x": (128, 128, 2, 2), "d_w": (128, 128, 2, 2)}),
     ({"T": 512, "K": 1024, "N": 1024}, {"y": (64, 64, 2, 2), "d_x": (64, 64, 2, 2), "d_w": (64, 64, 2, 2)}),
+    # LoRA's rank-8 products: y = x A^T and dA = dU^T X are one fragment thin; dX = dU A is not
+    ({"T": 2048, "K": 2048, "N": 8}, {"y": (128, 16, 4, 1), "d_x": (128, 128, 2, 4), "d_w": (16, 128, 1, 4)}),
 ])
 def test_matrix_tiles_follow_operand_layout_and_grid(sizes, want):
     for out, k in PRODUCTS.items():
         t = k.specialize(sizes, 64, target=MATRIX_UNITS).params.tiles
         assert (t.wm, t.wn, t.sg_m, t.sg_n) == want[out], out
+
+
+@pytest.mark.parametrize("K,split", [(8192, 8), (2048, 8), (1024, 4), (300, 1), (64, 1)])
+def test_thin_outputs_split_k_into_slices_of_256_or_more(K, split):
+    t = PRODUCTS["y"].specialize({"T": 2048, "K": K, "N": 8}, 64, target=MATRIX_UNITS).params.tiles
+    assert (t.wn, t.split) == (16, split)
+    params = PRODUCTS["y"].specialize({"T": 2048, "K": K, "N": 8}, 64, target=MATRIX_UNITS).params
+    assert {c.wn for c in matrix_candidates(params)} == {16, 64}        # the autotuner tries thin tiles too
 
 
 def test_matrix_tiles_that_do_not_fit_are_refused():
@@ -102,10 +112,12 @@ def _f16(rng, shape):
     return rng.standard_normal(shape).astype(np.float16)
 
 
-@pytest.mark.parametrize("T,K,N", [(100, 64, 48), (129, 40, 132), (7, 8, 12), (256, 1024, 96), (300, 256, 520)])
+@pytest.mark.parametrize("T,K,N", [(100, 64, 48), (129, 40, 132), (7, 8, 12), (256, 1024, 96), (300, 256, 520),
+                                   (300, 1040, 8)])
 @pytest.mark.parametrize("tiles", [None, MatrixTiles(64, 64, 2, 2, 32, split=2), MatrixTiles(128, 128, 2, 2, 64),
                                    MatrixTiles(128, 128, 2, 4, 32, group=1), MatrixTiles(128, 64, 2, 2, 32, stages=2),
-                                   MatrixTiles(64, 128, 2, 2, 32, group=3)])
+                                   MatrixTiles(64, 128, 2, 2, 32, group=3), narrow_matrix_tiles("n", 4),
+                                   narrow_matrix_tiles("m", 8)])
 def test_matrix_products_match_float64(units, rng, T, K, N, tiles):
     """f16 activations (x, dY), f32 weights converted as they are staged; against float64 on the same
     f16-rounded values, for all three products: ragged edges, interior tiles stored whole, split-K,

@@ -249,7 +249,8 @@ class Trainer:
             result = lm_head_cross_entropy(
                 engine, trace.hn, head, tgt, msk, normalizer=normalizer, loss_scale=loss_scale,
                 chunk=self.lm_head_chunk, bucket=bucket, dE=head.grad if head_trained else None,
-                accumulate_dE=head_trained, segments=len(group), check_targets=False)   # checked in _check
+                accumulate_dE=head_trained, grad_E=head_trained, segments=len(group),
+                check_targets=False)   # checked in _check
             model.backward(trace, result.dh, params)
             return result.loss
 

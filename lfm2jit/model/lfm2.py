@@ -159,7 +159,8 @@ class Lfm2Model:
         self.lora = LoraAdapters(config, {n: Tensor.from_numpy(self.ctx, a) for n, a in weights.items()}, modules)
         if base_dtype == "f16":
             for name in self._base_linears():
-                self._params[name] = self.engine.tensor(self._params[name].numpy(), "f16")
+                # a parameter, not a pooled temporary (the pool's peak counts activations)
+                self._params[name] = Tensor.from_numpy(self.ctx, self._params[name].numpy(), "f16")
 
     def _base_linears(self) -> list[str]:
         return [n for n, shape in parameter_shapes(self.cfg).items()

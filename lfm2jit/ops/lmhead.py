@@ -60,7 +60,8 @@ def lm_head_cross_entropy(engine, h: Tensor, E: Tensor, targets, mask=None, *, n
                           loss_scale: float = 1.0, chunk: int = DEFAULT_CHUNK, bucket: int = 1,
                           dh: Tensor | None = None, dE: Tensor | None = None,
                           accumulate_dh: bool = False, accumulate_dE: bool = False,
-                          check_targets: bool = True, grads: bool = True, segments: int = 1) -> LMHeadResult:
+                          check_targets: bool = True, grads: bool = True, grad_E: bool = True,
+                          segments: int = 1) -> LMHeadResult:
     """Masked cross-entropy of ``h @ E^T`` against ``targets``, with gradients for h and E, in one call.
 
     Arguments:
@@ -84,6 +85,8 @@ def lm_head_cross_entropy(engine, h: Tensor, E: Tensor, targets, mask=None, *, n
                   add to the given dh / dE instead of overwriting them (e.g. a tied embedding
                   whose dE already holds the input-embedding gradient).
       grads       False for the loss alone (evaluation): pass 2 is skipped and dh, dE are None.
+      grad_E      False when E is frozen (LoRA, a frozen tied embedding): dE is neither computed
+                  nor allocated, and is None.
       segments    the loss per segment: T splits into this many equal runs of positions (packed
                   sequences), and ``loss`` holds one sum per run.
       check_targets
@@ -97,6 +100,8 @@ def lm_head_cross_entropy(engine, h: Tensor, E: Tensor, targets, mask=None, *, n
     T, D, V = _check_operands(h, E)
     if not grads and (dh is not None or dE is not None or accumulate_dh or accumulate_dE):
         raise ValueError("grads=False computes the loss only; do not pass dh/dE or accumulate flags")
+    if not grad_E and (dE is not None or accumulate_dE):
+        raise ValueError("grad_E=False computes no dE; do not pass dE or accumulate_dE")
     normalizer = _finite("normalizer", normalizer)
     if normalizer == 0.0:
         raise ValueError("normalizer must be nonzero (the loss sum is divided by it)")
@@ -130,7 +135,7 @@ def lm_head_cross_entropy(engine, h: Tensor, E: Tensor, targets, mask=None, *, n
 
     if grads:
         dh = dh if dh is not None else engine.empty((T, D), h.dtype, capacity=tp * D)
-        dE = dE if dE is not None else engine.empty((V, D), "f32")
+        dE = dE if dE is not None or not grad_E else engine.empty((V, D), "f32")
     state = [{n: engine.empty((T,), "f32", capacity=tp) for n in ("m", "s", "tl")} for _ in range(2)]
     lse = engine.empty((T,), "f32", capacity=tp)
 
@@ -170,8 +175,9 @@ def lm_head_cross_entropy(engine, h: Tensor, E: Tensor, targets, mask=None, *, n
         run("xent_dlogits", bucket=bucket, x=x, lse=lse, tgt=targets, mask=mask, c0=float(c0), scale=scalars["scale"])
         run("xent_dh", bucket=bucket, out={"dh": dh}, accumulate=("dh",) if (i or accumulate_dh) else (),
             g=x, E=E_c)
-        run("xent_dE", bucket=bucket, out={"dE": dE.rows(c0, c1)}, accumulate=("dE",) if accumulate_dE else (),
-            g=x, h=h)
+        if grad_E:
+            run("xent_dE", bucket=bucket, out={"dE": dE.rows(c0, c1)}, accumulate=("dE",) if accumulate_dE else (),
+                g=x, h=h)
     return LMHeadResult(loss, dh, dE)
 
 

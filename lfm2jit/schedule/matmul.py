@@ -238,12 +238,28 @@ class MatrixParams(GemmParams):
                 and self.axes[3] != SEQ_AXIS and self.batches * self.m_pad * self.n_size >= fragment)
 
 
-def choose_matrix_tiles(m: int, n: int, k_contiguous: int) -> MatrixTiles:
+NARROW = 16            # an output at most this thin along M or N (a LoRA rank, a decode step's rows)
+NARROW_SLICE = 256     # the shortest share of K a narrow output's split-K leaves each slice
+
+
+def narrow_matrix_tiles(thin: str, split: int = 1) -> MatrixTiles:
+    """One fragment across the thin side ("m" or "n"), 128 along the other in 4 subgroups."""
+    return MatrixTiles(16, 128, 1, 4, 32, split=split) if thin == "m" else MatrixTiles(128, 16, 4, 1, 32, split=split)
+
+
+def choose_matrix_tiles(m: int, n: int, k: int, k_contiguous: int) -> MatrixTiles:
     """Tiles by what the H200 measured (benches/README.md, "Matrix units"; best of each product over
     the candidates at 4096^3 and the LFM2-350M T = 2048 shapes). Grids of 1024 128x128 tiles or
     more: 128x128 tiles of 2x2 subgroups. Smaller grids: 2x4 subgroups for the products that read
     an operand along K (y = x W^T, dX = dY W), 64x64 tiles for dW = dY^T X (which reads neither).
-    Grids of fewer than 128 such tiles leave SMs idle, so they drop to 64x64."""
+    Grids of fewer than 128 such tiles leave SMs idle, so they drop to 64x64.
+
+    Outputs at most NARROW thin (LoRA's x A^T, dY B and its rank-r weight gradients) take tiles one
+    fragment thin, K split so each slice sums at least NARROW_SLICE: square tiles would compute
+    mostly padding, in a few workgroups that each walk all of K."""
+    if min(m, n) <= NARROW:
+        split = max(s for s in (1, 2, 4, 8) if s == 1 or k // s >= NARROW_SLICE)
+        return narrow_matrix_tiles("m" if m <= n else "n", split)
     grid = -(-m // 128) * -(-n // 128)
     if grid < 128 or (grid < 1024 and k_contiguous == 0):
         return MatrixTiles(64, 64, 2, 2, 32)
@@ -293,7 +309,7 @@ def plan(ir: KernelIR, sizes: dict[str, int], accumulate: frozenset[str], tiles=
         raise ValueError(f"{ir.name}: tiles={tiles!r} need a device with f16 subgroup matrices (the matrix units)")
     if matrix:
         k_contiguous = sum(strides(x.shape, sizes)[k] == 1 for x in (a, b))
-        tiles = tiles or choose_matrix_tiles(sizes[m_axis], sizes[n_axis], k_contiguous)
+        tiles = tiles or choose_matrix_tiles(sizes[m_axis], sizes[n_axis], sizes[k], k_contiguous)
         problem = tiles.problem(frag, target.subgroup_size, target.workgroup_bytes)
         if problem:
             raise ValueError(f"{ir.name}: tiles {tiles} do not fit the matrix template: {problem}")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 
 from ..schedule.attention import TARGET_THREADS, AttentionTiles, choose_tiles, tiles_problem
-from ..schedule.matmul import MatrixTiles, TileConfig
+from ..schedule.matmul import NARROW, MatrixTiles, TileConfig, narrow_matrix_tiles
 
 MIN_THREADS = 64             # fewest invocations per workgroup an attention candidate has
 MAX_CANDIDATES = 8           # attention candidates per (mode, head dim)
@@ -43,12 +43,20 @@ MATRIX = (MatrixTiles(128, 128, 2, 2, 32), MatrixTiles(128, 128, 2, 2, 32, stage
           MatrixTiles(128, 128, 2, 2, 64), MatrixTiles(64, 64, 2, 2, 64, stages=2))
 
 
+def matrix(params) -> tuple[MatrixTiles, ...]:
+    """MATRIX, or for an output at most NARROW thin, tiles one fragment thin at every split."""
+    if min(params.m_pad, params.n_size) > NARROW:
+        return MATRIX
+    thin = "m" if params.m_pad <= params.n_size else "n"
+    return tuple(narrow_matrix_tiles(thin, s) for s in (1, 2, 4, 8)) + (MatrixTiles(64, 64, 2, 2, 32),)
+
+
 def for_spec(spec) -> tuple:
     """The tiles worth trying for an (untuned) specialization; empty where its template has no knobs."""
     if spec.template == "matmul":
         return MATMUL
     if spec.template == "matmul_matrix":
-        return MATRIX
+        return matrix(spec.params)
     if spec.template in ("attention_fwd", "attention_bwd"):
         return attention(spec.params.mode, spec.params.head_dim)
     return ()
