@@ -12,6 +12,10 @@
 #                                         autocast and torch.compile -> $OUT/h200_sbs.json; then lfm2jit
 #                                         fp32 on wgpu-native -> $OUT/h200_sbs_wgpu_native.json; with BASE (an
 #                                         older checkout) its fp32 side on wgpu-native -> $OUT/h200_sbs_base.json
+#   bash benches/h200.sh lora             on Dawn: the matrix-unit tests, LoRA's rank-8 products at every candidate
+#                                         tile (-> $OUT/h200_lora_mtiles.json), then LFM2-1.2B shapes at 1x2048 with
+#                                         --f16: LoRA r = 8 on a frozen f16 base, and full fine-tuning
+#                                         -> $OUT/h200_lora_1.2B.json, h200_full_1.2B.json
 set -uo pipefail
 source .gpu-kit/env.sh
 export LFM2JIT_ADAPTER=H200 PYTHONUNBUFFERED=1
@@ -48,6 +52,10 @@ speed)
     ;;
 lora)
     export LFM2JIT_WEBGPU=dawn
+    python3 -m pytest -q -p no:cacheprovider -rs tests/test_matrix_units.py 2>&1 | tee "$OUT/h200_matrix_tests_dawn.log" | tail -3
+    # T x r x in (x A^T as fwd, dA = dU^T X as dw) and T x out x r (U B^T as fwd, dU = dY B as dx) at 1.2B's widths
+    python3 benches/bench.py --only mtiles --tile-shapes 2048x8x2048 2048x8x8192 2048x2048x8 2048x8192x8 \
+        --json "$OUT/h200_lora_mtiles.json" 2>&1 | grep -v "^#" | awk '{printf "%-34s %-14s %10s %s\n", $2, $3, $4, $5}' | tail -70
     for run in "lora --lora 8 --lora-f16-base" "full"; do
         set -- $run
         name=$1; shift
