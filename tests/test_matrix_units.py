@@ -70,7 +70,7 @@ def test_every_matrix_candidate_renders(tiles):
     ({"T": 4096, "K": 4096, "N": 4096}, {"y": (128, 128, 2, 2), "d_x": (128, 128, 2, 2), "d_w": (128, 128, 2, 2)}),
     ({"T": 512, "K": 1024, "N": 1024}, {"y": (64, 64, 2, 2), "d_x": (64, 64, 2, 2), "d_w": (64, 64, 2, 2)}),
     # LoRA's rank-8 products: y = x A^T and dA = dU^T X are one fragment thin; dX = dU A is not
-    ({"T": 2048, "K": 2048, "N": 8}, {"y": (128, 16, 4, 1), "d_x": (128, 128, 2, 4), "d_w": (16, 128, 1, 4)}),
+    ({"T": 2048, "K": 2048, "N": 8}, {"y": (128, 16, 4, 1), "d_x": (128, 128, 2, 2), "d_w": (16, 128, 1, 4)}),
 ])
 def test_matrix_tiles_follow_operand_layout_and_grid(sizes, want):
     for out, k in PRODUCTS.items():
@@ -80,10 +80,15 @@ def test_matrix_tiles_follow_operand_layout_and_grid(sizes, want):
 
 @pytest.mark.parametrize("K,split", [(8192, 8), (2048, 8), (1024, 4), (300, 1), (64, 1)])
 def test_thin_outputs_split_k_into_slices_of_256_or_more(K, split):
-    t = PRODUCTS["y"].specialize({"T": 2048, "K": K, "N": 8}, 64, target=MATRIX_UNITS).params.tiles
-    assert (t.wn, t.split) == (16, split)
     params = PRODUCTS["y"].specialize({"T": 2048, "K": K, "N": 8}, 64, target=MATRIX_UNITS).params
+    assert (params.tiles.wn, params.tiles.split) == (16, split)
     assert {c.wn for c in matrix_candidates(params)} == {16, 64}        # the autotuner tries thin tiles too
+
+
+def test_thin_outputs_split_k_until_the_gpu_is_busy():
+    """dW of a rank-8 B [8192, 8]: 64 thin tiles already, so K = T splits over 2 (128 workgroups)."""
+    t = PRODUCTS["d_w"].specialize({"T": 2048, "K": 8, "N": 8192}, 64, target=MATRIX_UNITS).params.tiles
+    assert (t.wm, t.wn, t.split) == (128, 16, 2)
 
 
 def test_matrix_tiles_that_do_not_fit_are_refused():

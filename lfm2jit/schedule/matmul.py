@@ -239,7 +239,9 @@ class MatrixParams(GemmParams):
 
 
 NARROW = 16            # an output at most this thin along M or N (a LoRA rank, a decode step's rows)
-NARROW_SLICE = 256     # the shortest share of K a narrow output's split-K leaves each slice
+NARROW_SLICE = 256     # the shortest share of K a thin output's split-K leaves each slice
+BUSY_GROUPS = 128      # workgroups that keep an H200's 132 SMs busy
+ONE_STEP_K = 32        # contractions this short (LoRA's up-projections) run one k-step
 
 
 def narrow_matrix_tiles(thin: str, split: int = 1) -> MatrixTiles:
@@ -248,22 +250,26 @@ def narrow_matrix_tiles(thin: str, split: int = 1) -> MatrixTiles:
 
 
 def choose_matrix_tiles(m: int, n: int, k: int, k_contiguous: int) -> MatrixTiles:
-    """Tiles by what the H200 measured (benches/README.md, "Matrix units"; best of each product over
-    the candidates at 4096^3 and the LFM2-350M T = 2048 shapes). Grids of 1024 128x128 tiles or
-    more: 128x128 tiles of 2x2 subgroups. Smaller grids: 2x4 subgroups for the products that read
-    an operand along K (y = x W^T, dX = dY W), 64x64 tiles for dW = dY^T X (which reads neither).
-    Grids of fewer than 128 such tiles leave SMs idle, so they drop to 64x64.
+    """Tiles by what the H200 measured (benches/README.md, "Matrix units" and "LoRA"; best of each
+    product over the candidates at 4096^3, the LFM2-350M T = 2048 shapes and LFM2-1.2B's rank-8
+    products). Grids of 1024 128x128 tiles or more, and contractions of one k-step: 128x128 tiles
+    of 2x2 subgroups. Smaller grids: 2x4 subgroups for the products that read an operand along K
+    (y = x W^T, dX = dY W), 64x64 tiles for dW = dY^T X (which reads neither). Grids of fewer than
+    128 such tiles leave SMs idle, so they drop to 64x64.
 
     Outputs at most NARROW thin (LoRA's x A^T, dY B and its rank-r weight gradients) take tiles one
-    fragment thin, K split so each slice sums at least NARROW_SLICE: square tiles would compute
-    mostly padding, in a few workgroups that each walk all of K."""
+    fragment thin (square tiles would compute mostly padding), K split until BUSY_GROUPS
+    workgroups run, each slice summing NARROW_SLICE or more."""
     if min(m, n) <= NARROW:
-        split = max(s for s in (1, 2, 4, 8) if s == 1 or k // s >= NARROW_SLICE)
+        grid = -(-max(m, n) // 128)
+        split = next((s for s in (1, 2, 4) if grid * s >= BUSY_GROUPS), 8)
+        while split > 1 and k // split < NARROW_SLICE:
+            split //= 2
         return narrow_matrix_tiles("m" if m <= n else "n", split)
     grid = -(-m // 128) * -(-n // 128)
     if grid < 128 or (grid < 1024 and k_contiguous == 0):
         return MatrixTiles(64, 64, 2, 2, 32)
-    return MatrixTiles(128, 128, 2, 2 if grid >= 1024 else 4, 32)
+    return MatrixTiles(128, 128, 2, 2 if grid >= 1024 or k <= ONE_STEP_K else 4, 32)
 
 
 def contiguity(op: Operand, row_axis: str, k: str, sizes: dict[str, int]) -> str | None:
