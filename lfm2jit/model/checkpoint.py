@@ -102,6 +102,21 @@ def load_checkpoint(directory: Path) -> dict[str, np.ndarray]:
     return read_safetensors(single)
 
 
+def read_generation_eos(directory: Path) -> list[int]:
+    """generation_config.json's end ids (an id or a list), or [] without the file or the key."""
+    path = Path(directory) / "generation_config.json"
+    if not path.exists():
+        return []
+    try:
+        eos = json.loads(path.read_text()).get("eos_token_id")
+    except (ValueError, AttributeError) as err:
+        raise ValueError(f"{path}: not a JSON object of generation settings ({err})") from None
+    ids = [] if eos is None else eos if isinstance(eos, list) else [eos]
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise ValueError(f"{path}: eos_token_id must be an id or a list of ids, got {eos!r}")
+    return ids
+
+
 def check_tensors(cfg: Lfm2Config, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """The tensors the model needs, checked against the table; a tied checkpoint's lm_head is dropped."""
     want = parameter_shapes(cfg)

@@ -30,8 +30,9 @@ from ..ops.embedding import slots
 from ..runtime import Tensor
 from ..schedule.spec import bucketed
 from .adapters import LoraAdapters
-from .checkpoint import check_tensors, load_checkpoint, parameter_shapes, save_checkpoint
+from .checkpoint import check_tensors, load_checkpoint, parameter_shapes, read_generation_eos, save_checkpoint
 from .config import Lfm2Config
+from .generate import Sampling, generate
 from .lora import AdapterError, LoraConfig, check_weights, init_weights, read_adapter, write_adapter
 
 
@@ -103,6 +104,10 @@ class Lfm2Model:
         self._rope: dict[int, tuple[Tensor, Tensor]] = {}
         self._train_ids: set[int] = set()
         self.lora: LoraAdapters | None = None
+        # the ids generate stops at: generation_config.json's eos_token_id where from_pretrained
+        # found one (LFM2's end of turn, <|im_end|>, with <|endoftext|>), else config.json's
+        eos = cfg.eos_token_id
+        self.generation_eos: tuple[int, ...] = tuple(eos if isinstance(eos, list) else [] if eos is None else [eos])
 
     # ---- parameters ----
     def _init_tensors(self, seed: int) -> dict[str, np.ndarray]:
@@ -201,8 +206,12 @@ class Lfm2Model:
                         recompute_mlp: bool = False) -> "Lfm2Model":
         directory = Path(directory)
         cfg = Lfm2Config.from_json(directory / "config.json")
-        return cls(cfg, ctx, engine, tensors=load_checkpoint(directory), activation_dtype=activation_dtype,
-                   recompute_mlp=recompute_mlp)
+        model = cls(cfg, ctx, engine, tensors=load_checkpoint(directory), activation_dtype=activation_dtype,
+                    recompute_mlp=recompute_mlp)
+        eos = read_generation_eos(directory)
+        if eos:
+            model.generation_eos = tuple(sorted(model._eos_ids(eos)))
+        return model
 
     def state_dict(self) -> dict[str, np.ndarray]:
         """The base model's tensors, as f32 (without adapters: ``save_adapter`` writes those)."""
@@ -266,12 +275,16 @@ class Lfm2Model:
         once per bucket on the host in float32 as transformers does (angle = position * inv_freq)."""
         key = (t_pad, seq)
         if key not in self._rope:
-            e = self.cfg.head_dim
-            inv_freq = (1.0 / (self.cfg.rope_theta ** (np.arange(0, e, 2, dtype=np.int64).astype(np.float32) / e)))
-            pos = np.arange(t_pad) if seq is None else np.arange(t_pad) % seq
-            ang = pos.astype(np.float32)[:, None] * inv_freq.astype(np.float32)[None]
-            self._rope[key] = (Tensor.from_numpy(self.ctx, np.cos(ang)), Tensor.from_numpy(self.ctx, np.sin(ang)))
+            cos, sin = self.rope_angles(np.arange(t_pad) if seq is None else np.arange(t_pad) % seq)
+            self._rope[key] = (Tensor.from_numpy(self.ctx, cos), Tensor.from_numpy(self.ctx, sin))
         return self._rope[key]
+
+    def rope_angles(self, positions) -> tuple[np.ndarray, np.ndarray]:
+        """float32 cos and sin [len(positions), R] as transformers computes them (angle = position * inv_freq)."""
+        e = self.cfg.head_dim
+        inv_freq = (1.0 / (self.cfg.rope_theta ** (np.arange(0, e, 2, dtype=np.int64).astype(np.float32) / e)))
+        ang = np.asarray(positions).astype(np.float32)[:, None] * inv_freq.astype(np.float32)[None]
+        return np.cos(ang), np.sin(ang)
 
     def _run(self, kernel, **args) -> dict[str, Tensor]:
         """engine.run with the kernel's variant for this model's activation dtype."""
@@ -295,21 +308,9 @@ class Lfm2Model:
         h = run(_k("embedding"), bucket=bucket, table=self.p("model.embed_tokens.weight"), ids=ids.ids)["y"]  # (T, D)
         trace = Trace(ids, bucket, h, batch, seq)
         for i, kind in enumerate(cfg.layer_types):
-            pre = f"model.layers.{i}."
-            s: dict = {"kind": kind, "pre": pre, "h": h}                                            # (T, D) layer input
-            s["xn"], s["inv_op"] = self._norm(h, pre + "operator_norm.weight", bucket)              # (T, D), (T,)
-            if kind == "conv":
-                op = self._conv_forward(pre, s, trace)                                             # (T, D)
-            else:
-                op = self._attention_forward(pre, s, trace)                                        # (T, D)
-            h1 = run(_k("add"), bucket=bucket, x=h, z=op)["y"]                                      # (T, D) residual
-            s["h1"] = h1
-            xf, s["inv_ffn"] = self._norm(h1, pre + "ffn_norm.weight", bucket)                      # (T, D), (T,)
-            s["a"] = self._linear(xf, pre + "feed_forward.w1", bucket, saved=s)                     # (T, F)
-            s["b"] = self._linear(xf, pre + "feed_forward.w3", bucket, saved=s)                     # (T, F)
-            g = run(_k("silu_mul"), bucket=bucket, a=s["a"], b=s["b"])["y"]                         # (T, F) silu(a) * b
-            f = self._linear(g, pre + "feed_forward.w2", bucket, saved=s)                           # (T, D)
-            h = run(_k("add"), bucket=bucket, x=h1, z=f)["y"]                                       # (T, D) layer output
+            mix = self._conv_forward if kind == "conv" else self._attention_forward
+            s: dict = {"kind": kind, "pre": f"model.layers.{i}."}
+            h = self.block(h, s, bucket, lambda s: mix(s["pre"], s, trace))
             del s["xn"]            # xn, xf and g are recomputed by backward (see _recompute)
             if self.recompute_mlp:
                 del s["a"], s["b"]      # and so are a and b
@@ -318,6 +319,24 @@ class Lfm2Model:
         fin = run(_k("rmsnorm"), bucket=bucket, x=h, w=self.p("model.embedding_norm.weight"), eps=cfg.norm_eps)
         trace.hn, trace.inv = fin["y"], fin["inv"]                                                  # (T, D), (T,)
         return trace
+
+    def block(self, h: Tensor, s: dict, bucket: int, mix) -> Tensor:
+        """One decoder layer (its name prefix in s["pre"]) from its input h: the operator norm,
+        ``mix(s)`` (the conv or attention over the normed s["xn"]: the forward's, or a decode
+        step's against an inference cache), the residual, the SwiGLU MLP and its residual. What
+        backward reads is left in ``s``."""
+        run, pre = self._run, s["pre"]
+        s["h"] = h                                                                                  # (T, D) layer input
+        s["xn"], s["inv_op"] = self._norm(h, pre + "operator_norm.weight", bucket)                  # (T, D), (T,)
+        op = mix(s)                                                                                 # (T, D)
+        h1 = run(_k("add"), bucket=bucket, x=h, z=op)["y"]                                          # (T, D) residual
+        s["h1"] = h1
+        xf, s["inv_ffn"] = self._norm(h1, pre + "ffn_norm.weight", bucket)                          # (T, D), (T,)
+        s["a"] = self._linear(xf, pre + "feed_forward.w1", bucket, saved=s)                         # (T, F)
+        s["b"] = self._linear(xf, pre + "feed_forward.w3", bucket, saved=s)                         # (T, F)
+        g = run(_k("silu_mul"), bucket=bucket, a=s["a"], b=s["b"])["y"]                             # (T, F) silu(a) * b
+        f = self._linear(g, pre + "feed_forward.w2", bucket, saved=s)                               # (T, D)
+        return run(_k("add"), bucket=bucket, x=h1, z=f)["y"]                                        # (T, D) layer output
 
     def _norm(self, x: Tensor, name: str, bucket: int) -> tuple[Tensor, Tensor]:
         """rmsnorm(x) * w and the rows' 1/rms."""
@@ -382,8 +401,47 @@ class Lfm2Model:
     def logits(self, input_ids, bucket: int = 1) -> np.ndarray:
         """float32 [T, vocab] logits of a sequence (materialised: for checks, not for training)."""
         trace = self.forward(input_ids, bucket)
-        y = self.engine.empty((trace.ids.host.size, self.cfg.vocab_size), "f32")
-        return self._run(_k("linear"), bucket=bucket, x=trace.hn, w=self.lm_head, out={"y": y})["y"].numpy()
+        return self.head_logits(trace.hn, bucket)
+
+    def head_logits(self, hn: Tensor, bucket: int = 1) -> np.ndarray:
+        """float32 [rows, vocab] logits of final-normed hidden states [rows, D], read back."""
+        y = self.engine.empty((hn.shape[0], self.cfg.vocab_size), "f32")
+        return self._run(_k("linear"), bucket=bucket, x=hn, w=self.lm_head, out={"y": y})["y"].numpy()
+
+    # ---- generation ----
+    def generate(self, prompt_ids, max_new_tokens: int = 32, do_sample: bool = False, temperature: float = 1.0,
+                 top_k: int = 0, top_p: float = 1.0, eos_token_id=None, seed: int = 0, on_token=None):
+        """The new tokens after a prompt (a list of ids), or a list of such lists for a list of
+        prompts (of any lengths; decoded as one batch). Greedy unless ``do_sample``; sampling is
+        reproducible per ``seed``. Each sequence stops after ``max_new_tokens`` or an end id
+        (kept, as transformers keeps it): ``eos_token_id`` (an id or a list), by default the
+        model's (``generation_eos``). ``on_token(index, token)`` sees each token as it is picked.
+        Everything is checked before any GPU work."""
+        single = len(prompt_ids) > 0 and np.ndim(prompt_ids[0]) == 0 if isinstance(prompt_ids, (list, tuple)) \
+            else np.ndim(prompt_ids) == 1
+        prompts = [self.check_ids(p, "prompt_ids" if single else f"prompt_ids[{i}]")
+                   for i, p in enumerate([prompt_ids] if single else list(prompt_ids))]
+        if not prompts:
+            raise ValueError("prompt_ids is an empty list of prompts")
+        if any(p.shape[0] != 1 for p in prompts):
+            raise ValueError("prompt_ids: each prompt must be one sequence of ids (a list of prompts, not a 2-D batch "
+                             "per prompt)")
+        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            raise ValueError(f"seed must be an integer, got {seed!r}")
+        sampling = Sampling(do_sample, temperature, top_k, top_p)
+        eos = self._eos_ids(eos_token_id)
+        out = generate(self, [p[0] for p in prompts], max_new_tokens, sampling, eos, seed, on_token)
+        return out[0] if single else out
+
+    def _eos_ids(self, eos_token_id) -> frozenset[int]:
+        ids = self.generation_eos if eos_token_id is None else (
+            [eos_token_id] if np.ndim(eos_token_id) == 0 else list(eos_token_id))
+        for i in ids:
+            if not isinstance(i, (int, np.integer)) or isinstance(i, bool) or not 0 <= i < self.cfg.vocab_size:
+                raise ValueError(f"eos_token_id {i!r} is not a token id of the vocabulary 0..{self.cfg.vocab_size - 1}")
+        return frozenset(int(i) for i in ids)
 
     # ---- backward ----
     def zero_grad(self, params: list[Tensor] | None = None) -> None:

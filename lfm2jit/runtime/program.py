@@ -37,7 +37,7 @@ class Program:
         self.engine = engine
         self.info_bytes = info_bytes                    # one info block per call, at call index * info_bytes
         self.calls = 0
-        self._entries: list[tuple] = []                 # ("call", compiled, bindings, stages, info) | ("clear", ...)
+        self._entries: list[tuple] = []                 # ("call", compiled, bindings, stages, info) | ("clear" | "copy", ...)
         self._scalars: dict[str, list[tuple[int, float]]] = {}   # name -> (byte offset in the infos, captured value)
         self._buffers: dict[int, object] = {}
         self._commands: list[tuple] | None = None      # in the engine's command format, once finished
@@ -56,9 +56,12 @@ class Program:
             self._buffers[id(t.buffer)] = t.buffer
         self.calls += 1
 
-    def add_clear(self, buffer, offset: int, nbytes: int) -> None:
-        self._entries.append(("clear", buffer, offset, nbytes))
-        self._buffers[id(buffer)] = buffer
+    def add_transfer(self, command: tuple) -> None:
+        """A recorded clear ("clear", buffer, offset, nbytes) or copy ("copy", src, offset, dst, offset, nbytes)."""
+        self._entries.append(command)
+        for buffer in command[1:]:
+            if not isinstance(buffer, int):
+                self._buffers[id(buffer)] = buffer
 
     def finish(self) -> None:
         """Lay out the info blocks, make the program's bind groups and reserve its buffers."""
@@ -68,7 +71,7 @@ class Program:
         groups: dict[tuple, object] = {}
         commands = []
         for entry in self._entries:
-            if entry[0] == "clear":
+            if entry[0] != "call":
                 commands.append(entry)
                 continue
             _, compiled, bindings, stages, info = entry
@@ -82,7 +85,8 @@ class Program:
                 commands.append(("dispatch", compiled, pipeline, group, workgroups, at))
         self._commands = commands
         self._entries = []
-        device.queue.write_buffer(self._info_buffer, 0, bytes(self._infos))
+        if self._infos:                        # a capture of clears and copies alone has no info blocks
+            device.queue.write_buffer(self._info_buffer, 0, bytes(self._infos))
         buffers = list(self._buffers.values())
         engine.pool.reserve(buffers)
         self._release = weakref.finalize(self, engine.pool.unreserve, buffers)

@@ -224,11 +224,40 @@ class Recorder:
     def zero_(self, tensor: Tensor) -> Tensor:
         """Record clearing a tensor's elements to zero (in order with the recorded dispatches)."""
         nbytes = -(-tensor.size * ITEMSIZE[tensor.dtype] // 4) * 4
-        self._commands.append(("clear", tensor.buffer, tensor.offset, nbytes))
+        command = ("clear", tensor.buffer, tensor.offset, nbytes)
+        self._commands.append(command)
         if self.capturing is not None:
-            self.capturing.add_clear(tensor.buffer, tensor.offset, nbytes)
+            self.capturing.add_transfer(command)
         self._keepalive.append(tensor.buffer)
         return tensor
+
+    def copy_rows(self, src: Tensor, dst: Tensor, n: int | None = None, src_start: int = 0,
+                  dst_start: int = 0) -> Tensor:
+        """Record copying rows ``src[src_start : src_start + n]`` of the leading axis into
+        ``dst[dst_start : dst_start + n]`` (the same dtype and row size; ``n`` defaults to all of
+        src), in order with the recorded dispatches. Rows may start anywhere: this is how an
+        inference cache takes a step's rows, which a binding (offsets aligned to 256 bytes) cannot."""
+        row = math.prod(src.shape[1:])
+        n = src.shape[0] - src_start if n is None else n
+        if src.dtype != dst.dtype or row != math.prod(dst.shape[1:]):
+            raise ValueError(f"copy_rows: {src!r} and {dst!r} must have the same dtype and row size")
+        if n < 1 or not (0 <= src_start and src_start + n <= src.shape[0] and 0 <= dst_start
+                         and dst_start + n <= dst.shape[0]):
+            raise ValueError(f"copy_rows: {n} rows from row {src_start} of {src!r} to row {dst_start} of {dst!r} "
+                             "are out of range")
+        item = ITEMSIZE[src.dtype]
+        at_src, at_dst, nbytes = src.offset + src_start * row * item, dst.offset + dst_start * row * item, n * row * item
+        if nbytes % 4 or at_src % 4 or at_dst % 4:
+            raise ValueError(f"copy_rows: {nbytes} bytes from byte {at_src} to byte {at_dst}; WebGPU copies whole "
+                             "4-byte words")
+        if src.buffer is dst.buffer and at_src < at_dst + nbytes and at_dst < at_src + nbytes:
+            raise ValueError("copy_rows: the rows overlap in one buffer; WebGPU cannot copy them in place")
+        command = ("copy", src.buffer, at_src, dst.buffer, at_dst, nbytes)
+        self._commands.append(command)
+        if self.capturing is not None:
+            self.capturing.add_transfer(command)
+        self._keepalive.extend((src.buffer, dst.buffer))
+        return dst
 
     @contextlib.contextmanager
     def capture(self):
@@ -249,12 +278,11 @@ class Recorder:
         if not self.timing:
             cpass = None
             for command in commands:
-                if command[0] == "clear":      # clears run between compute passes
+                if command[0] != "dispatch":      # clears and copies run between compute passes
                     if cpass is not None:
                         cpass.end()
                         cpass = None
-                    _, buffer, offset, nbytes = command
-                    encoder.clear_buffer(buffer, offset, nbytes)
+                    _transfer(encoder, command)
                     continue
                 _, compiled, pipeline, bind_group, groups, info_at = command
                 if cpass is None:
@@ -272,9 +300,8 @@ class Recorder:
         qs = self.device.create_query_set(type=wgpu.QueryType.timestamp, count=max(n, 2))
         i = 0
         for command in commands:
-            if command[0] == "clear":
-                _, buffer, offset, nbytes = command
-                encoder.clear_buffer(buffer, offset, nbytes)
+            if command[0] != "dispatch":
+                _transfer(encoder, command)
                 continue
             _, compiled, pipeline, bind_group, groups, info_at = command
             cpass = encoder.begin_compute_pass(timestamp_writes={
@@ -301,3 +328,13 @@ class Recorder:
         if self._fence is None:
             self._fence = self.device.create_buffer(size=16, usage=wgpu.BufferUsage.COPY_SRC)
         self.device.queue.read_buffer(self._fence, 0, 4)
+
+
+def _transfer(encoder, command) -> None:
+    """Encode a recorded clear or copy (outside any compute pass)."""
+    if command[0] == "clear":
+        _, buffer, offset, nbytes = command
+        encoder.clear_buffer(buffer, offset, nbytes)
+    else:
+        _, src, src_offset, dst, dst_offset, nbytes = command
+        encoder.copy_buffer_to_buffer(src, src_offset, dst, dst_offset, nbytes)

@@ -1,0 +1,219 @@
+"""Generation: an inference state per batch of prompts, and the decoding loop of Lfm2Model.generate.
+
+The prompt is prefilled in one pass (the training forward, causal attention over the whole prompt);
+its keys, values and conv inputs then seed the state:
+
+* attention layer: a K and a V cache per sequence, [C, G, E] (keys after RoPE), C growing by
+  ``grow`` rows. A decode step appends the new position's k and v and runs ``attention_decode``
+  over the cache's first n rows: a kernel specialized per bucket of n, so it compiles once per
+  ``grow`` positions.
+* conv layer: a window of the last L rows of in_proj's output (B, C and x side by side) per
+  sequence, [B, L, 3D] for the batch. A step shifts the window by a row, writes the new row in
+  and runs the training ``short_conv`` over it (T = L): its last row is the new position's output,
+  summed in the same order as the forward's.
+
+Every other kernel works row by row, so a step runs them once over the batch's B new rows (T = B).
+Rows move between the state and a step's tensors by recorded buffer copies (engine.copy_rows),
+which may start at any row. Sampling runs on the host from the step's logits.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..ops import library
+from ..runtime import Tensor
+from ..schedule.spec import bucketed
+
+GROW = 64        # cache rows added at a time (and the decode attention's length bucket)
+
+
+def _k(name: str):
+    return library.get(name)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How the next token is picked from the logits, as transformers' generate does: greedy
+    (``do_sample=False``), or sampled after temperature, top-k and top-p (nucleus) filtering."""
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self):
+        if not isinstance(self.do_sample, bool):
+            raise TypeError(f"do_sample must be True or False, got {self.do_sample!r}")
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature) and self.temperature > 0):
+            raise ValueError(f"temperature must be a positive finite number, got {self.temperature!r}")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0: no top-k filtering), got {self.top_k!r}")
+        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1] (1: no nucleus filtering), got {self.top_p!r}")
+
+    def pick(self, logits: np.ndarray, rng: np.random.Generator) -> int:
+        """The next token from one position's float32 logits [V]."""
+        if not self.do_sample:
+            return int(np.argmax(logits))               # the first of equal maxima, as torch.argmax
+        p = self.probabilities(logits)
+        return int(rng.choice(p.size, p=p))
+
+    def probabilities(self, logits: np.ndarray) -> np.ndarray:
+        """float64 [V]: softmax(logits / temperature) over the top-k logits (ties at the k-th kept),
+        then without the least likely tokens whose mass stays within 1 - top_p, renormalised: what
+        transformers' temperature, top-k and top-p warpers leave (ties broken as they are)."""
+        x = np.asarray(logits, np.float64) / self.temperature
+        if self.top_k and self.top_k < x.size:
+            kth = np.partition(x, -self.top_k)[-self.top_k]
+            x = np.where(x < kth, -np.inf, x)
+        p = np.exp(x - x.max())
+        p /= p.sum()
+        if self.top_p < 1:       # drop the least likely while their mass stays within 1 - top_p
+            order = np.argsort(p, kind="stable")               # ascending; of equal ones, later ids last
+            drop = np.cumsum(p[order]) <= 1 - self.top_p
+            drop[-1] = False                                   # the most likely always stays
+            p[order[drop]] = 0.0
+            p /= p.sum()
+        return p
+
+
+class InferenceState:
+    """The caches of a batch of sequences (see the module docstring), their lengths so far, and
+    the logits [B, V] of each one's last position."""
+
+    def __init__(self, model, prompts: list[np.ndarray], grow: int = GROW):
+        self.model, self.grow = model, grow
+        cfg, e = model.cfg, model.engine
+        self.batch = len(prompts)
+        self.lengths = [len(p) for p in prompts]
+        d, taps, dt = cfg.hidden_size, cfg.conv_L_cache, model.activation_dtype
+        self.kv: dict[int, list[list[Tensor]]] = {}            # layer -> per sequence [k, v], each [C, G, E]
+        self.windows: dict[int, list[Tensor]] = {}             # layer -> [this step's, the next's] [B * L, 3D]
+        for i, kind in enumerate(cfg.layer_types):
+            if kind == "conv":
+                self.windows[i] = [e.zero_(e.empty((self.batch * taps, 3 * d), dt)) for _ in range(2)]
+            else:
+                self.kv[i] = []
+        self.logits = np.zeros((self.batch, cfg.vocab_size), np.float32)
+        for b, ids in enumerate(prompts):
+            self._prefill(b, ids)
+
+    def _cache(self, rows: int) -> Tensor:
+        cfg = self.model.cfg
+        capacity = bucketed(rows, self.grow)
+        return self.model.engine.empty((capacity, cfg.num_key_value_heads, cfg.head_dim), self.model.activation_dtype)
+
+    def _prefill(self, b: int, ids: np.ndarray) -> None:
+        """Run the prompt through the training forward, keep its keys, values and last conv inputs."""
+        model, e = self.model, self.model.engine
+        n, taps = len(ids), model.cfg.conv_L_cache
+        trace = model.forward(ids, bucket=self.grow)
+        for i, s in enumerate(trace.layers):
+            if i in self.windows:             # the last L - 1 rows of B, C, x; zeros before the prompt
+                last = min(n, taps - 1)
+                if last:
+                    e.copy_rows(s["bcx"], self.windows[i][0], last, n - last, b * taps + taps - last)
+            else:
+                k, v = self._cache(n + 1), self._cache(n + 1)
+                e.copy_rows(s["kr"], k, n)
+                e.copy_rows(s["v"], v, n)
+                self.kv[i].append([k, v])
+        last = e.empty((1, model.cfg.hidden_size), model.activation_dtype)
+        e.copy_rows(trace.hn, last, 1, n - 1)
+        self.logits[b] = model.head_logits(last)[0]
+
+    def step(self, tokens) -> np.ndarray:
+        """Feed one new token per sequence (at position lengths[b]); returns and keeps the logits [B, V]."""
+        model, cfg, e = self.model, self.model.cfg, self.model.engine
+        ids = model.check_ids(np.asarray(tokens).reshape(1, self.batch), "tokens")[0]
+        for b in range(self.batch):
+            self._reserve(b, self.lengths[b] + 1)
+        cos, sin = model.rope_angles(self.lengths)
+        self._rope = (e.tensor(cos), e.tensor(sin))
+        h = model._run(_k("embedding"), bucket=1, table=model.p("model.embed_tokens.weight"), ids=e.tensor(ids))["y"]
+        for i, kind in enumerate(cfg.layer_types):
+            mix = self._conv_step if kind == "conv" else self._attention_step
+            h = model.block(h, {"kind": kind, "pre": f"model.layers.{i}."}, 1, lambda s, i=i: mix(i, s))
+        hn = model._run(_k("rmsnorm"), bucket=1, x=h, w=model.p("model.embedding_norm.weight"), eps=cfg.norm_eps)["y"]
+        self.logits = model.head_logits(hn)
+        self.lengths = [n + 1 for n in self.lengths]
+        return self.logits
+
+    def _reserve(self, b: int, rows: int) -> None:
+        """Grow sequence b's K and V caches to hold ``rows`` positions (by ``grow`` rows, copied over)."""
+        for caches in self.kv.values():
+            for j, old in enumerate(caches[b]):
+                if old.shape[0] < rows:
+                    new = self._cache(rows)
+                    self.model.engine.copy_rows(old, new, self.lengths[b])
+                    caches[b][j] = new
+
+    def _conv_step(self, i: int, s: dict) -> Tensor:
+        model, cfg, e = self.model, self.model.cfg, self.model.engine
+        d, taps, batch = cfg.hidden_size, cfg.conv_L_cache, self.batch
+        pre = s["pre"]
+        bcx = model._linear(s["xn"], pre + "conv.in_proj", 1)                                     # (B, 3D)
+        now, nxt = self.windows[i]
+        if taps > 1:                          # every row up one (each window's first row drops out) ...
+            e.copy_rows(now, nxt, batch * taps - 1, 1, 0)
+        for b in range(batch):                # ... and the new row last in each window
+            e.copy_rows(bcx, nxt, 1, b, b * taps + taps - 1)
+        self.windows[i] = [nxt, now]
+        args = {"bcx": nxt.view(batch, taps, 3, d), "w": model.p(pre + "conv.conv.weight").view(d, taps)}
+        if cfg.conv_bias:
+            args["b"] = model.p(pre + "conv.conv.bias")
+        y = model._run(_k("short_conv"), bucket=1, **args)["y"].view(batch * taps, d)              # (B * L, D)
+        c = e.empty((batch, d), model.activation_dtype)
+        for b in range(batch):
+            e.copy_rows(y, c, 1, b * taps + taps - 1, b)
+        return model._linear(c, pre + "conv.out_proj", 1)                                          # (B, D)
+
+    def _attention_step(self, i: int, s: dict) -> Tensor:
+        model, cfg, e = self.model, self.model.cfg, self.model.engine
+        batch, h, g, dim = self.batch, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        a, run, xn = s["pre"] + "self_attn.", model._run, s["xn"]
+        q = model._linear(xn, a + "q_proj", 1).view(batch, h, dim)                                 # (B, H, E)
+        k = model._linear(xn, a + "k_proj", 1).view(batch, g, dim)                                 # (B, G, E)
+        v = model._linear(xn, a + "v_proj", 1).view(batch * g, dim)                                # (B * G, E)
+        qn = run(_k("head_rmsnorm"), bucket=1, x=q, w=model.p(a + "q_layernorm.weight"), eps=cfg.norm_eps)["y"]
+        kn = run(_k("head_rmsnorm"), bucket=1, x=k, w=model.p(a + "k_layernorm.weight"), eps=cfg.norm_eps)["y"]
+        cos, sin = self._rope
+        qr = run(_k("rope"), bucket=1, x=qn.view(batch, h, 2, dim // 2), cos=cos, sin=sin)["y"].view(batch, h * dim)
+        kr = run(_k("rope"), bucket=1, x=kn.view(batch, g, 2, dim // 2), cos=cos, sin=sin)["y"].view(batch * g, dim)
+        o = e.empty((batch, h * dim), model.activation_dtype)
+        for b, (kc, vc) in enumerate(self.kv[i]):
+            n = self.lengths[b]
+            e.copy_rows(kr, kc.view(kc.shape[0] * g, dim), g, b * g, n * g)
+            e.copy_rows(v, vc.view(vc.shape[0] * g, dim), g, b * g, n * g)
+            qb = e.copy_rows(qr, e.empty((1, h * dim), model.activation_dtype), 1, b)
+            ob = run(_k("attention_decode"), bucket=self.grow, q=qb.view(g, h // g, dim), k=kc.rows(0, n + 1),
+                     v=vc.rows(0, n + 1), scale=1.0 / math.sqrt(dim))["o"]                          # (G, H/G, E)
+            e.copy_rows(ob.view(1, h * dim), o, 1, 0, b)
+        return model._linear(o, a + "out_proj", 1)                                                 # (B, D)
+
+
+def generate(model, prompts, max_new_tokens: int, sampling: Sampling, eos_ids: frozenset[int], seed: int,
+             on_token=None) -> list[list[int]]:
+    """Decode up to ``max_new_tokens`` per prompt (each stops after an end id, which it keeps, as
+    transformers does); ``on_token(b, token)`` is called as each token is picked (streaming)."""
+    rng = np.random.default_rng(seed)
+    state = InferenceState(model, prompts)
+    out: list[list[int]] = [[] for _ in prompts]
+    done = [max_new_tokens == 0] * len(prompts)
+    while not all(done):
+        tokens = []
+        for b in range(len(prompts)):
+            if done[b]:
+                tokens.append(prompts[b][-1] if not out[b] else out[b][-1])   # fed, never read
+                continue
+            t = sampling.pick(state.logits[b], rng)
+            out[b].append(t)
+            if on_token is not None:
+                on_token(b, t)
+            done[b] = t in eos_ids or len(out[b]) == max_new_tokens
+            tokens.append(t)
+        if not all(done):
+            state.step(tokens)
+    return out
