@@ -284,11 +284,12 @@ BAD = [
     ('{"messages": []}', r"empty conversation"),
     ('{"messages": "hi"}', "'messages' must be a list"),
     ('{"messages": ["hi"]}', r"messages\[0\] must be an object"),
-    ('{"messages": [{"role": "user"}]}', r"messages\[0\] has no 'content' key"),
+    ('{"messages": [{"role": "user"}]}', r"messages\[0\] \(user\) has no 'content' key"),
     ('{"messages": [{"content": "x"}]}', r"messages\[0\] has no 'role' key"),
     ('{"messages": [{"role": "user", "content": "q"}, {"role": "robot", "content": "a"}]}',
      r"messages\[1\] has unknown role 'robot'; expected one of system, user, assistant"),
-    ('{"messages": [{"role": "assistant", "content": 3}]}', r"messages\[0\] content must be a string"),
+    ('{"messages": [{"role": "assistant", "content": 3}]}',
+     r"messages\[0\] \(assistant\) content must be a string, got int"),
     ('{"messages": [{"role": "user", "content": "q"}]}', "no assistant message"),
 ]
 

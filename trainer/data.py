@@ -13,16 +13,24 @@ JSONL records (one JSON object a line; blank lines are skipped; other keys are i
 
 - text: ``{"text": "..."}``. Tokens: ``<|startoftext|>`` (if the tokenizer has it), the text,
   ``<|endoftext|>`` (if the tokenizer has it). Every target is supervised.
-- chat: ``{"messages": [{"role": "system"|"user"|"assistant"|"tool", "content": "..."}, ...]}``,
-  rendered with LFM2's chat template::
+- chat: ``{"messages": [{"role": "system"|"user"|"assistant"|"tool", "content": "..."}, ...]}`` and
+  optionally ``"tools": [{...}, ...]`` (tool schemas); an assistant message may carry ``"tool_calls":
+  [{"type": "function", "function": {"name": ..., "arguments": {...}}}]`` and then a null or absent
+  content. Rendered with the tokenizer's own chat template (``chat_template.jinja`` or
+  ``tokenizer_config.json`` beside its tokenizer.json, rendered as transformers'
+  ``apply_chat_template`` renders it), else with the built-in LFM2 template (Liquid AI's)::
 
       <|startoftext|><|im_start|>user\\n{content}<|im_end|>\\n<|im_start|>assistant\\n{content}<|im_end|>\\n
 
-  Only the assistant turns are supervised: each assistant message's content tokens and its closing
-  ``<|im_end|>``. Role headers, system/user/tool messages and the newline after ``<|im_end|>`` are
-  masked. Supervised and masked parts are tokenized separately (so a token never straddles the
-  boundary and the assistant tokens are exactly those the model would generate after the prompt).
-  Trailing positions whose targets are all masked are dropped (being causal, they change nothing).
+  (``trainer/chat_template.py`` has the rest: system prompt, tools, tool calls, tool responses.)
+  Only the assistant turns are supervised: the text in the template's ``{% generation %}`` blocks
+  where it has them (the built-in template's hold each assistant message's tool calls, content and
+  closing ``<|im_end|>``), else each assistant turn after the template's generation prompt
+  (``<|im_start|>assistant\\n``) up to and including its ``<|im_end|>``. Role headers, system/user/tool
+  messages and the newline after ``<|im_end|>`` are masked. Supervised and masked parts are tokenized
+  separately (so a token never straddles the boundary and the assistant tokens are exactly those the
+  model would generate after the prompt). Trailing positions whose targets are all masked are dropped
+  (being causal, they change nothing).
 
 ``max_len`` caps the number of positions of a sequence: a longer record keeps its first
 ``max_len + 1`` tokens (so ``max_len`` input/target pairs); the cut is reported with a warning and
@@ -43,7 +51,10 @@ from typing import Iterable, Iterator, Union
 
 import numpy as np
 
+from .chat_template import ChatTemplate, find_chat_template, register_template, template_for
+
 __all__ = ["Sequence", "Batch", "DataError", "load_tokenizer", "encode_chat", "render_chat", "encode_text",
+           "ChatTemplate", "find_chat_template",
            "default_dataset", "default_text_dataset", "default_tokenizer", "default_assets_dir",
            "default_batches", "train_eval_split", "CHAT_ROLES", "PAD_TOKEN", "BOS_TOKEN", "EOS_TOKEN",
            "IM_START", "IM_END", "UNK_TOKEN", "DEFAULT_MAX_LEN"]
@@ -241,12 +252,14 @@ class Batch:
         return cls(seqs, pad_id=pad_id)
 
     @classmethod
-    def from_jsonl(cls, path: PathLike, tokenizer, max_len: int | None = None, kind: str = "auto") -> "Batch":
+    def from_jsonl(cls, path: PathLike, tokenizer, max_len: int | None = None, kind: str = "auto", *,
+                   chat_template: "ChatTemplate | str | None" = None) -> "Batch":
         """Read ``{"text": ...}`` or chat ``{"messages": [...]}`` records (see the module docstring).
 
         ``tokenizer`` is a ``tokenizers.Tokenizer`` or a path accepted by :func:`load_tokenizer`.
         ``kind``: ``"auto"`` (each record by its key), ``"text"`` or ``"chat"`` (every record must be
-        of that kind). Raises DataError naming the file and line for malformed records.
+        of that kind). ``chat_template`` (a :class:`ChatTemplate` or Jinja text) overrides the
+        tokenizer's. Raises DataError naming the file and line for malformed records.
         """
         if kind not in ("auto", "text", "chat"):
             raise ValueError(f"kind must be 'auto', 'text' or 'chat', got {kind!r}")
@@ -256,6 +269,7 @@ class Batch:
         if not path.is_file():
             raise FileNotFoundError(f"no such data file: {path}")
         pad_id = tok.token_to_id(PAD_TOKEN)
+        template = _chat_template(chat_template, tok)
         seqs: list[Sequence] = []
         cut_lines: list[int] = []
         lost_lines: list[int] = []
@@ -268,7 +282,7 @@ class Batch:
                 if rkind == "text":
                     ids, sup = _text_tokens(record["text"], tok, path, lineno)
                 else:
-                    ids, sup = _chat_tokens(record["messages"], tok, path, lineno)
+                    ids, sup = _chat_tokens(record, tok, template, path, lineno)
                 seq, was_cut = _to_sequence(ids, sup, max_len, origin=f"{path}:{lineno}")
                 if was_cut:
                     cut_lines.append(lineno)
@@ -389,7 +403,9 @@ def train_eval_split(batch: Batch, eval_fraction: float = 0.05, seed: int = 0) -
 
 def load_tokenizer(path_or_dir: PathLike):
     """A ``tokenizers.Tokenizer`` from a ``tokenizer.json`` file, or from a directory holding one
-    (as Hugging Face checkpoints do)."""
+    (as Hugging Face checkpoints do). The chat template beside it (``chat_template.jinja`` or
+    ``tokenizer_config.json``'s) is remembered as the tokenizer's, for :func:`encode_chat` and
+    :meth:`Batch.from_jsonl`."""
     from tokenizers import Tokenizer
     p = Path(path_or_dir)
     if p.is_dir():
@@ -399,44 +415,38 @@ def load_tokenizer(path_or_dir: PathLike):
     elif not p.is_file():
         raise FileNotFoundError(f"no such tokenizer file or directory: {path_or_dir}")
     try:
-        return Tokenizer.from_file(str(p))
+        tok = Tokenizer.from_file(str(p))
     except Exception as e:  # the library raises a bare Exception for unreadable JSON
         raise ValueError(f"{p}: not a valid tokenizer.json ({e})") from e
+    template = find_chat_template(p)
+    if template is not None:
+        register_template(tok, template)
+    return tok
 
 
-def render_chat(messages: list[dict], add_generation_prompt: bool = False, bos: bool = True) -> str:
-    """The chat template as one string (LFM2's): ``<|startoftext|>`` then, per message,
-    ``<|im_start|>{role}\\n{content}<|im_end|>\\n``; with ``add_generation_prompt`` it ends with
-    ``<|im_start|>assistant\\n`` for the model to continue."""
-    text = BOS_TOKEN if bos else ""
-    for m in messages:
-        text += f"{IM_START}{m['role']}\n{m['content']}{IM_END}\n"
-    if add_generation_prompt:
-        text += f"{IM_START}assistant\n"
-    return text
+def _chat_template(chat_template, tokenizer) -> ChatTemplate:
+    """``chat_template`` (a ChatTemplate, or Jinja text seeing the built-in template's special tokens),
+    else the tokenizer's own (see :func:`load_tokenizer`), else the built-in one."""
+    if isinstance(chat_template, ChatTemplate):
+        return chat_template
+    if isinstance(chat_template, str):
+        specials = ChatTemplate.builtin(tokenizer).special_tokens
+        return ChatTemplate(chat_template, special_tokens=specials, source="the given chat template")
+    if chat_template is not None:
+        raise TypeError(f"chat_template must be a ChatTemplate or Jinja text, got {type(chat_template).__name__}")
+    return ChatTemplate.builtin() if tokenizer is None else template_for(tokenizer)
 
 
-def _chat_pieces(messages: list[dict], add_generation_prompt: bool, bos: bool) -> list[tuple[str, bool]]:
-    """The template as (text, supervised) pieces, adjacent pieces of one kind merged."""
-    pieces: list[tuple[str, bool]] = []
-
-    def add(text: str, sup: bool):
-        if not text:
-            return
-        if pieces and pieces[-1][1] == sup:
-            pieces[-1] = (pieces[-1][0] + text, sup)
-        else:
-            pieces.append((text, sup))
-    if bos:
-        add(BOS_TOKEN, False)
-    for m in messages:
-        sup = m["role"] == "assistant"
-        add(f"{IM_START}{m['role']}\n", False)
-        add(m["content"] + IM_END, sup)
-        add("\n", False)
-    if add_generation_prompt:
-        add(f"{IM_START}assistant\n", False)
-    return pieces
+def render_chat(messages: list[dict], add_generation_prompt: bool = False, bos: bool = True, *,
+                tools: list | None = None, tokenizer=None, chat_template=None) -> str:
+    """A conversation as text through the chat template: ``chat_template``, else ``tokenizer``'s,
+    else the built-in LFM2 one (``<|startoftext|>`` then, per message,
+    ``<|im_start|>{role}\\n{content}<|im_end|>\\n``; see ``trainer/chat_template.py``). With
+    ``add_generation_prompt`` it ends with ``<|im_start|>assistant\\n`` for the model to continue;
+    ``bos=False`` renders an empty ``bos_token``."""
+    template = _chat_template(chat_template, tokenizer)
+    extra = {} if bos else {"bos_token": ""}
+    return template.render(messages, tools=tools, add_generation_prompt=add_generation_prompt, **extra)
 
 
 def _require_tokens(tok, names: Iterable[str], why: str) -> None:
@@ -446,20 +456,26 @@ def _require_tokens(tok, names: Iterable[str], why: str) -> None:
                          "add them as special tokens")
 
 
-def encode_chat(messages: list[dict], tokenizer, add_generation_prompt: bool = False):
+def encode_chat(messages: list[dict], tokenizer, add_generation_prompt: bool = False, *,
+                tools: list | None = None, chat_template=None):
     """Token ids of a conversation and a per-token flag (float32, 1 = an assistant token the loss
-    supervises). With ``add_generation_prompt``, the ids end with the assistant header, ready for
-    generation. ``<|startoftext|>`` leads if the tokenizer has it."""
-    _require_tokens(tokenizer, (IM_START, IM_END), "the chat template")
-    for i, m in enumerate(messages):
-        _check_message(m, i, None, None)
-    bos = tokenizer.token_to_id(BOS_TOKEN) is not None
+    supervises), through ``chat_template`` or the tokenizer's (as :func:`render_chat`). With
+    ``add_generation_prompt``, the ids end with the assistant header, ready for generation."""
+    template = _chat_template(chat_template, tokenizer)
+    if template.is_builtin:
+        _require_tokens(tokenizer, (IM_START, IM_END), "the chat template")
+    _check_messages(messages, None, None)
+    _check_tools(tools, None, None)
+    text, spans = template.render_spans(messages, tools=tools, add_generation_prompt=add_generation_prompt)
     ids: list[int] = []
     sup: list[float] = []
-    for text, flag in _chat_pieces(messages, add_generation_prompt, bos):
-        piece = tokenizer.encode(text, add_special_tokens=False).ids
-        ids.extend(piece)
-        sup.extend([float(flag)] * len(piece))
+    cuts = [0] + [x for span in spans for x in span] + [len(text)]
+    for k in range(len(cuts) - 1):
+        piece = text[cuts[k]:cuts[k + 1]]
+        if piece:
+            piece_ids = tokenizer.encode(piece, add_special_tokens=False).ids
+            ids.extend(piece_ids)
+            sup.extend([float(k % 2)] * len(piece_ids))    # odd pieces are the spans
     return np.array(ids, np.int32), np.array(sup, np.float32)
 
 
@@ -524,28 +540,72 @@ def _check_message(m, i: int, path, lineno) -> None:
     if not isinstance(m, dict):
         raise DataError(f"messages[{i}] must be an object with 'role' and 'content', got {type(m).__name__}",
                         path, lineno)
-    for key in ("role", "content"):
-        if key not in m:
-            raise DataError(f"messages[{i}] has no '{key}' key", path, lineno)
-    if m["role"] not in CHAT_ROLES:
-        raise DataError(f"messages[{i}] has unknown role {m['role']!r}; expected one of {', '.join(CHAT_ROLES)}",
+    if "role" not in m:
+        raise DataError(f"messages[{i}] has no 'role' key", path, lineno)
+    role = m["role"]
+    if role not in CHAT_ROLES:
+        raise DataError(f"messages[{i}] has unknown role {role!r}; expected one of {', '.join(CHAT_ROLES)}",
                         path, lineno)
-    if not isinstance(m["content"], str):
-        raise DataError(f"messages[{i}] content must be a string, got {type(m['content']).__name__}", path, lineno)
+    calls = m.get("tool_calls")
+    if calls is not None:
+        if role != "assistant":
+            raise DataError(f"messages[{i}] ({role}) has 'tool_calls'; only assistant messages make tool calls",
+                            path, lineno)
+        _check_tool_calls(calls, i, path, lineno)
+    content = m.get("content")
+    if content is None and role == "assistant" and calls:
+        return                      # a tool call with no text
+    if "content" not in m:
+        raise DataError(f"messages[{i}] ({role}) has no 'content' key" +
+                        (" (an assistant message may leave it out only with 'tool_calls')"
+                         if role == "assistant" else ""), path, lineno)
+    if not isinstance(content, str):
+        got = "null" if content is None else type(content).__name__
+        raise DataError(f"messages[{i}] ({role}) content must be a string, got {got}" +
+                        (" (null is allowed only with 'tool_calls')" if role == "assistant" else ""),
+                        path, lineno)
 
 
-def _chat_tokens(messages, tok, path: Path, lineno: int):
+def _check_tool_calls(calls, i: int, path, lineno) -> None:
+    if not isinstance(calls, list):
+        raise DataError(f"messages[{i}] 'tool_calls' must be a list, got {type(calls).__name__}", path, lineno)
+    for j, call in enumerate(calls):
+        where = f"messages[{i}].tool_calls[{j}]"
+        function = call.get("function", call) if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise DataError(f"{where} must be {{\"type\": \"function\", \"function\": {{\"name\": ..., "
+                            f"\"arguments\": {{...}}}}}}, got {json.dumps(call)[:80]}", path, lineno)
+        args = function.get("arguments")
+        if args is not None and not isinstance(args, (dict, str)):
+            raise DataError(f"{where} arguments must be an object, got {type(args).__name__}", path, lineno)
+
+
+def _check_messages(messages, path, lineno) -> None:
     if not isinstance(messages, list):
         raise DataError(f"'messages' must be a list, got {type(messages).__name__}", path, lineno)
-    if not messages:
-        raise DataError("empty conversation: 'messages' is []", path, lineno)
     for i, m in enumerate(messages):
         _check_message(m, i, path, lineno)
+
+
+def _check_tools(tools, path, lineno) -> None:
+    if tools is None:
+        return
+    if not isinstance(tools, list) or not all(isinstance(t, (dict, str)) for t in tools):
+        raise DataError("'tools' must be a list of tool schemas (JSON objects), got " + json.dumps(tools)[:80],
+                        path, lineno)
+
+
+def _chat_tokens(record: dict, tok, template: ChatTemplate, path: Path, lineno: int):
+    messages, tools = record["messages"], record.get("tools")
+    _check_messages(messages, path, lineno)
+    if not messages:
+        raise DataError("empty conversation: 'messages' is []", path, lineno)
     if not any(m["role"] == "assistant" for m in messages):
         raise DataError("conversation has no assistant message, so nothing to train on", path, lineno)
+    _check_tools(tools, path, lineno)
     try:
-        ids, sup = encode_chat(messages, tok)
-    except ValueError as e:
+        ids, sup = encode_chat(messages, tok, tools=tools, chat_template=template)
+    except ValueError as e:          # ChatTemplateError, a missing special token
         raise DataError(str(e), path, lineno) from None
     # Drop trailing tokens that are never a supervised target (causal: they change nothing).
     keep = int(np.flatnonzero(sup)[-1]) + 1 if sup.any() else ids.size

@@ -15,9 +15,10 @@ Files:
   printable ASCII and newline, plus the special tokens ``<|pad|>`` (id 0, the model's padding_idx),
   ``<|startoftext|>``, ``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>`` and ``<unk>``. One
   character a token keeps reversing, upper-casing and spelling learnable for a tiny model.
-- ``tokenizer_config.json``: the same special tokens and LFM2's chat template, so that the assets
-  directory also loads with ``transformers.AutoTokenizer`` (``apply_chat_template`` gives the ids
-  that ``trainer.data.encode_chat`` gives).
+- ``tokenizer_config.json``: the same special tokens and the built-in LFM2 chat template
+  (``trainer.chat_template.BUILTIN_TEMPLATE``), so that the assets directory also loads with
+  ``transformers.AutoTokenizer`` (``apply_chat_template`` gives the ids that
+  ``trainer.data.encode_chat`` gives).
 - ``README.md``: what is in the directory and how it was made.
 
 Nothing here uses the network; the only randomness is ``random.Random(SEED)``.
@@ -32,6 +33,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from .chat_template import BUILTIN_TEMPLATE
 from .data import DEFAULT_MAX_LEN, BOS_TOKEN, EOS_TOKEN, IM_END, IM_START, PAD_TOKEN, UNK_TOKEN
 
 SEED = 20240531
@@ -41,9 +43,7 @@ SPECIAL_TOKENS = [PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, IM_START, IM_END, UNK_TOKEN] 
 ALPHABET = ["\n"] + [chr(c) for c in range(0x20, 0x7F)]                        # newline + printable ASCII
 ASSET_FILES = ["chat.jsonl", "text.jsonl", "tokenizer.json", "tokenizer_config.json", "README.md"]
 
-CHAT_TEMPLATE = ("{{ bos_token }}{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + "
-                 "message['content'] + '<|im_end|>' + '\n' }}{% endfor %}"
-                 "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+CHAT_TEMPLATE = BUILTIN_TEMPLATE     # written to tokenizer_config.json; trainer/chat_template.py says what it renders
 
 WORDS = """
 ant ape arm art axe bag bat bed bee big bin box boy bug bus cab cap car cat cow cup dog dot ear egg
