@@ -162,6 +162,9 @@ def _fmt_count(n: int) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["generate"]:
+        from .generate_cli import main as generate_main
+        return generate_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         setup = prepare(args, argv_empty=not argv)
