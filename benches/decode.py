@@ -2,7 +2,7 @@
 
     python benches/decode.py [--preset 350M] [--batches 1 8] [--prompt 128] [--new 128] [--json PATH]
 
-Both sides decode greedily from the same random weights and prompts, with no end id, so every
+Both sides decode greedily from the same random weights (saved once, loaded by each) and prompts, with no end id, so every
 sequence makes ``--new`` tokens. Each side runs once to warm up (kernels compiled, caches sized)
 and is timed on the second run. Reported: prefill seconds, and decode tokens/s = batch * (new - 1)
 / the time after the first new token (the first comes from the prefill). transformers runs in
@@ -21,11 +21,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def ours(cfg, prompts, new: int, dtype: str, log) -> dict:
+def ours(weights: Path, prompts, new: int, dtype: str, log) -> dict:
     from lfm2jit import ComputeEngine, WgpuContext
     from lfm2jit.model import Lfm2Model
     ctx = WgpuContext.create()
-    model = Lfm2Model(cfg, ctx, ComputeEngine(ctx), seed=0, activation_dtype=dtype)
+    model = Lfm2Model.from_pretrained(weights, ctx, ComputeEngine(ctx), activation_dtype=dtype)
     result = {}
     for run in ("warm", "timed"):
         stamps = []
@@ -39,12 +39,11 @@ def ours(cfg, prompts, new: int, dtype: str, log) -> dict:
     return result
 
 
-def transformers_side(cfg, prompts, new: int, dtype: str, log) -> dict:
+def transformers_side(weights: Path, prompts, new: int, dtype: str, log) -> dict:
     import torch
     import transformers
-    torch.manual_seed(0)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model = transformers.Lfm2ForCausalLM(transformers.Lfm2Config(**cfg.to_dict()))
+    model = transformers.Lfm2ForCausalLM.from_pretrained(weights, torch_dtype=torch.float32)
     model = model.to(dev, {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]).eval()
     ids = torch.tensor(prompts, device=dev)
     result = {}
@@ -85,8 +84,13 @@ def main(argv=None) -> int:
     ap.add_argument("--torch", nargs="*", default=["fp32", "bf16"], choices=["fp32", "bf16"])
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args(argv)
-    from lfm2jit.model.config import Lfm2Config
+    import tempfile
+    from lfm2jit import ComputeEngine, WgpuContext
+    from lfm2jit.model import Lfm2Config, Lfm2Model
     cfg = Lfm2Config.preset(args.preset)
+    weights = Path(tempfile.mkdtemp(prefix="decode-bench-"))       # one set of random weights for every side
+    ctx = WgpuContext.create()
+    Lfm2Model(cfg, ctx, ComputeEngine(ctx), seed=0).save_pretrained(weights)
     rng = np.random.default_rng(0)
     lines = []
     for batch in args.batches:
@@ -95,7 +99,7 @@ def main(argv=None) -> int:
         for name, dtype, fn in sides:
             print(f"# {name} {dtype} batch {batch}", flush=True)
             try:
-                r = fn(cfg, prompts, args.new, dtype, lambda s: print(s, flush=True))
+                r = fn(weights, prompts, args.new, dtype, lambda s: print(s, flush=True))
             except Exception as e:           # one side failing still reports the others
                 lines.append({"side": name, "dtype": dtype, "batch": batch, "error": f"{type(e).__name__}: {e}"})
                 continue

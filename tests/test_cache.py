@@ -72,10 +72,12 @@ def test_dump_dir_receives_every_compiled_kernel(ctx, tmp_path, monkeypatch, rng
 
 @pytest.mark.parametrize("bucket", [1, 16, 64, 256])
 def test_every_shipped_kernel_compiles_on_the_adapter(ctx, bucket):
-    """wgpu's shader compiler (naga + the driver) accepts every generated WGSL."""
+    """wgpu's shader compiler (naga + the driver) accepts every generated WGSL, of each part of a
+    kernel the partitioner splits (attention_decode's reductions)."""
     eng = ComputeEngine(ctx)
-    for name, kernel in library.kernels().items():
-        dims = {a: 48 for a in kernel.ir.axes if a not in kernel.ir.fixed_dims}
+    parts = [part for kernel in library.kernels().values() for part in kernel.kernels]
+    for part in parts:
+        dims = {a: 48 for a in part.ir.axes if a not in part.ir.fixed_dims}
         dims["T"] = bucket + 3
-        eng.compile(kernel, dims, bucket)
-    assert eng.stats.misses == len(library.kernels())
+        eng.compile(part, dims, bucket)
+    assert eng.stats.misses == len(parts) > len(library.kernels())

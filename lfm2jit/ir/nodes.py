@@ -1,6 +1,8 @@
 """Typed IR: a DAG of nodes with named symbolic axes (T is the sequence axis) and a dtype."""
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass, field
 
 from .ops import Op
@@ -61,10 +63,11 @@ class KernelIR:
     defaults: dict[str, float] = field(default_factory=dict)   # inputs a caller may leave out: their value
     structure: "Structure | None" = None   # set on the parts partition() makes: how the part iterates
 
-    @property
+    @functools.cached_property
     def axes(self) -> tuple[str, ...]:
         """Every axis the kernel needs a size for, in first-seen order: the signature's, then any
-        other its values use (a temporary's reduced axis, the axis of index() or of a mean)."""
+        other its values use (a temporary's reduced axis, the axis of index() or of a mean).
+        Computed once: every kernel call asks for it, and a checked kernel never changes."""
         seen: dict[str, None] = {}
         for t in self.inputs + self.outputs:
             for a in t.shape:
