@@ -27,6 +27,7 @@ DEFAULT_MAX_LEN = 512
 DEFAULT_EVAL_FRACTION = 0.05
 DEFAULT_EVAL_MAX = 200
 DEFAULT_KEEP = 2
+DEFAULT_SAMPLES = 5
 
 SCHEDULES = ("constant", "warmup", "cosine", "linear")
 
@@ -93,6 +94,14 @@ def build_parser() -> argparse.ArgumentParser:
                         f"before and after training; 0 disables (default {DEFAULT_EVAL_FRACTION})")
     m.add_argument("--eval-max", type=int, metavar="N",
                    help=f"evaluate at most N held-out sequences (default {DEFAULT_EVAL_MAX})")
+    m.add_argument("--eval-data", metavar="FILE",
+                   help="held-out records from this JSONL file (same format as --data) instead of a fraction of "
+                        "--data")
+    m.add_argument("--eval-answers", type=int, metavar="N",
+                   help="score the greedy answers of up to N held-out chat records (their last assistant turn) "
+                        "for exact match at each evaluation; 0 disables (default: every evaluated record)")
+    m.add_argument("--samples", type=int, metavar="K",
+                   help=f"print K sample answers beside the expected ones at each evaluation (default {DEFAULT_SAMPLES})")
     m.add_argument("--seed", type=int, metavar="N",
                    help="seed of the initial weights (from scratch), the held-out split and the per-epoch "
                         "shuffle (default 0)")
@@ -211,14 +220,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 # Settings whose change on --resume does not alter the training itself (a changed --steps shows up as a
 # changed schedule, noted separately).
-AS_YOU_LIKE = {"steps", "checkpoint_every", "eval_every", "keep_checkpoints", "eval_max", "sync_timeout", "check_loss_drop"}
+AS_YOU_LIKE = {"steps", "checkpoint_every", "eval_every", "keep_checkpoints", "eval_max", "sync_timeout", "check_loss_drop",
+               "eval_answers", "samples"}
 
 # Settings a checkpoint carries and --resume restores (flags given with --resume override them).
 RESUMABLE = ("tokenizer", "data", "data_kind", "loss_on", "max_len", "eval_fraction", "eval_max", "seed", "optimizer", "lr",
              "weight_decay", "momentum", "schedule", "warmup_steps", "min_lr", "grad_accum", "pack_tokens", "clip", "bucket",
              "scaler", "f16", "steps", "checkpoint_every", "keep_checkpoints", "world_size", "sync_dir", "run_id",
              "sync_timeout", "check_loss_drop", "source", "preset", "lora_r", "lora_alpha", "lora_targets",
-             "lora_dropout", "lora_f16_base", "merge_lora", "train_only", "freeze", "eval_every", "save_dtype")
+             "lora_dropout", "lora_f16_base", "merge_lora", "train_only", "freeze", "eval_every", "save_dtype",
+             "eval_data", "eval_answers", "samples")
 
 
 @dataclass
@@ -273,6 +284,9 @@ class Run:
     train_only: list[str] | None = None
     freeze: list[str] | None = None
     eval_every: int = 0
+    eval_data: str | None = None
+    eval_answers: int | None = None   # None: every evaluated record
+    samples: int = DEFAULT_SAMPLES
     save_dtype: str | None = None     # None: the input model's (resolved in prepare), f32 from scratch
     builtin_data: bool = False
     notes: list[str] = field(default_factory=list)
@@ -335,6 +349,8 @@ def resolve(args: argparse.Namespace, argv_empty: bool, saved: dict | None = Non
     data = g.get("data") or str(default_dataset())
     if not Path(data).is_file():
         raise UsageError(f"--data {data}: no such file")
+    if g.get("eval_data") is not None and not Path(g["eval_data"]).is_file():
+        raise UsageError(f"--eval-data {g['eval_data']}: no such file")
     if not Path(tokenizer).exists():
         raise UsageError(f"--tokenizer {tokenizer}: no such file or directory")
     optimizer = g.get("optimizer", "adamw")
@@ -365,10 +381,11 @@ def resolve(args: argparse.Namespace, argv_empty: bool, saved: dict | None = Non
         lora_targets=g.get("lora_targets", list(DEFAULT_TARGETS) if "lora_r" in g else None),
         lora_dropout=g.get("lora_dropout", 0.0), lora_f16_base=bool(g.get("lora_f16_base", False)),
         merge_lora=bool(g.get("merge_lora", False)), train_only=g.get("train_only"), freeze=g.get("freeze"),
-        eval_every=g.get("eval_every", 0), save_dtype=g.get("save_dtype"),
+        eval_every=g.get("eval_every", 0), save_dtype=g.get("save_dtype"), eval_data=g.get("eval_data"),
+        eval_answers=g.get("eval_answers"), samples=g.get("samples", DEFAULT_SAMPLES),
         derived={k for k in ("min_lr", "warmup_steps", "tokenizer", "data") if k not in g})
     _validate(run)
-    for key in ("model", "tokenizer", "data", "sync_dir"):      # kept in checkpoints: independent of the cwd
+    for key in ("model", "tokenizer", "data", "eval_data", "sync_dir"):   # kept in checkpoints: independent of the cwd
         if getattr(run, key) is not None:
             setattr(run, key, str(Path(getattr(run, key)).resolve()))
     return run
@@ -384,7 +401,8 @@ def _validate(r: Run) -> None:
         positive(name, getattr(r, name), allow_zero=name not in ("sync_timeout",))
     for name in ("grad_accum", "bucket", "max_len", "eval_max", "world_size"):
         positive(name, getattr(r, name))
-    for name in ("checkpoint_every", "keep_checkpoints", "warmup_steps", "pack_tokens", "replay", "eval_every"):
+    for name in ("checkpoint_every", "keep_checkpoints", "warmup_steps", "pack_tokens", "replay", "eval_every",
+                 "eval_answers", "samples"):
         positive(name, getattr(r, name), allow_zero=True)
     positive("steps", r.steps)
     positive("epochs", r.epochs)
