@@ -76,22 +76,31 @@ def _triples(seqs, loss_on: str):
     return out
 
 
-def load_data(run: Run, tok) -> Data:
+def _read_batch(path: str, run: Run, tok, notes: list[str], flag: str = ""):
+    """A JSONL file's records as a Batch; its warnings join ``notes``; bad input is a UsageError."""
     from .data import Batch, DataError
-    notes: list[str] = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            batch = Batch.from_jsonl(run.data, tok, max_len=run.max_len, kind=run.data_kind)
+            batch = Batch.from_jsonl(path, tok, max_len=run.max_len, kind=run.data_kind)
         except (DataError, FileNotFoundError) as e:
-            raise UsageError(str(e)) from None
+            raise UsageError(f"{flag}{e}") from None
         except UnicodeDecodeError as e:
-            raise UsageError(f"{run.data}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+            raise UsageError(f"{flag}{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     notes += [str(w.message) for w in caught]
+    return batch
+
+
+def load_data(run: Run, tok) -> Data:
+    notes: list[str] = []
+    batch = _read_batch(run.data, run, tok, notes)
     empty = sum(1 for s in batch if s.is_empty if run.loss_on == "assistant" or s.length == 0)
     if empty:
         notes.append(f"{empty} record(s) have no supervised token and are skipped")
-    if run.eval_fraction > 0:
+    if run.eval_data is not None:
+        held = _read_batch(run.eval_data, run, tok, notes, "--eval-data ")
+        train = batch
+    elif run.eval_fraction > 0:
         if len(batch) < 2:
             raise UsageError(f"{run.data}: {len(batch)} record(s) cannot be split into training and held-out "
                              "sequences; pass --eval-fraction 0")
@@ -120,22 +129,29 @@ def epoch_order(n: int, seed: int, epoch: int) -> np.ndarray:
 # evaluation
 # ---------------------------------------------------------------------------------------------
 
-def evaluate(model, engine, items, bucket: int) -> tuple[float, float]:
-    """Mean cross-entropy per supervised token over held-out ``items`` (forward only: no weight or
-    gradient of the model is touched), and the same over the assistant-answer tokens of items
-    that carry an answer mask (NaN when none does)."""
-    from lfm2jit.ops.lmhead import lm_head_cross_entropy
-    sums, counts = [0.0, 0.0], [0, 0]
-    for ids, targets, mask, answer in items:
-        trace = model.forward(ids, bucket)
-        for j, m in enumerate((mask, answer)):
-            if m is None or not m.any():
-                continue
-            res = lm_head_cross_entropy(engine, trace.hn, model.lm_head, targets, m, normalizer=1.0, bucket=bucket,
-                                        grads=False)
-            sums[j] += res.loss_value()
-            counts[j] += int(m.sum())
-    return tuple(s / c if c else float("nan") for s, c in zip(sums, counts))
+def evaluate(s: dict, items, answers: bool) -> dict:
+    """The held-out metrics of ``items``: loss and perplexity over the supervised tokens and over
+    the answers, and with ``answers`` the exact match of greedy answers (up to --eval-answers
+    records) with every scored sample (see trainer/evaluation.py)."""
+    from .evaluation import answer_cases, exact_match, greedy_answers, held_out_loss, perplexity
+    run, data, model = s["run"], s["data"], s["model"]
+    loss, answer_loss = held_out_loss(model, s["engine"], items, run.bucket)
+    out = {"loss": loss, "perplexity": perplexity(loss), "answer_loss": answer_loss,
+           "answer_perplexity": perplexity(answer_loss), "exact_match": None, "answers_scored": 0}
+    if answers and run.eval_answers != 0:
+        cases = answer_cases(items, data.label == "assistant tokens")[:run.eval_answers]
+        if cases:
+            end = s["tok"].token_to_id("<|im_end|>")
+            samples = greedy_answers(model, s["tok"], cases, set(model.generation_eos) | ({end} - {None}))
+            out.update(exact_match=exact_match(samples), answers_scored=len(samples), samples=samples)
+    return out
+
+
+def _print_samples(samples: list[dict], k: int, write) -> None:
+    from .evaluation import last_user_turn
+    for x in samples[:k]:
+        write(f"    {'ok ' if x['correct'] else 'BAD'} {last_user_turn(x['prompt'])!r} -> {x['answer']!r}"
+              + ("" if x["correct"] else f" (expected {x['expected']!r})"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -165,6 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["generate"]:
         from .generate_cli import main as generate_main
         return generate_main(argv[1:])
+    if argv[:1] == ["eval"]:
+        from .eval_cli import main as eval_main
+        return eval_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         setup = prepare(args, argv_empty=not argv)
@@ -362,8 +381,12 @@ def train(s: dict) -> int:
 
     my_eval = data.eval[run.rank::run.world_size]
     nan = float("nan")
+    samples_path = rank_dir / "samples.jsonl"
+    if not start:
+        samples_path.unlink(missing_ok=True)
     t_eval = time.perf_counter()
-    eval_before, answer_before = evaluate(model, engine, my_eval, run.bucket) if my_eval else (nan, nan)
+    before = evaluate(s, my_eval, answers=False) if my_eval else {}
+    eval_before, answer_before = before.get("loss", nan), before.get("answer_loss", nan)
     if my_eval:
         print(f"  held-out loss before training: {eval_before:.4f}"
               + (f" (answer tokens only: {answer_before:.4f})" if data.has_answers else "")
@@ -430,13 +453,15 @@ def train(s: dict) -> int:
                 if run.rank == 0 and run.checkpoint_every and k % run.checkpoint_every == 0 and k < run.steps:
                     last_ckpt = save(k)
                 if run.eval_every and my_eval and k % run.eval_every == 0 and k < run.steps:
-                    loss_k, answer_k = evaluate(model, engine, my_eval, run.bucket)
-                    ev = {"step": k, "loss": clean(loss_k), "answer_loss": clean(answer_k)}
+                    ev = _record_eval(k, evaluate(s, my_eval, answers=True), eval_path, samples_path, run.samples)
                     evals_mid.append(ev)
-                    with open(eval_path, "a") as ef:
-                        ef.write(json.dumps(ev) + "\n")
-                    bar.write(f"  step {k}: held-out loss {loss_k:.4f}"
-                              + (f" (answers {answer_k:.4f})" if data.has_answers else ""), file=sys.stderr)
+                    bar.write(f"  step {k}: held-out loss {ev['loss']:.4f}"
+                              + (f" (answers {ev['answer_loss']:.4f})" if data.has_answers else "")
+                              + (f", exact match {ev['exact_match']:.0%} of {ev['answers_scored']}"
+                                 if ev["exact_match"] is not None else ""), file=sys.stderr)
+                    if ev["exact_match"] is not None:
+                        _print_samples(ev["samples"], run.samples, lambda line: bar.write(line, file=sys.stderr))
+                    del ev["samples"]
     except (TrainError, KeyboardInterrupt) as e:
         bar.close()
         _write_plot(plot_loss_curve, png_path, history + new, [])
@@ -453,8 +478,13 @@ def train(s: dict) -> int:
         last_ckpt = save(tr.optimizer_steps()) if (new or not s["ckpt"]) else s["ckpt"]
 
     t_eval = time.perf_counter()
-    eval_after, answer_after = evaluate(model, engine, my_eval, run.bucket) if my_eval else (nan, nan)
+    final_eval = evaluate(s, my_eval, answers=True) if my_eval else {}
+    eval_after, answer_after = final_eval.get("loss", nan), final_eval.get("answer_loss", nan)
     eval_seconds = time.perf_counter() - t_eval
+    final_samples = final_eval.pop("samples", [])
+    if final_samples:          # every scored answer of the last evaluation
+        with open(samples_path, "a") as f:
+            f.writelines(json.dumps({"step": tr.optimizer_steps(), **x}) + "\n" for x in final_samples)
     final = _write_final_model(run, model, out) if run.rank == 0 else None
     evals = ([(start, eval_before)] + [(e["step"], e["loss"]) for e in evals_mid if e["loss"] is not None]
              + [(tr.optimizer_steps(), eval_after)]) if my_eval else []
@@ -479,6 +509,9 @@ def train(s: dict) -> int:
         f"first_{k}_steps_mean_loss": first_avg, f"last_{k}_steps_mean_loss": last_avg,
         "eval_sequences": len(my_eval), "eval_before": eval_before, "eval_after": eval_after,
         "eval_answer_before": answer_before, "eval_answer_after": answer_after,
+        "eval_perplexity_after": final_eval.get("perplexity"), "eval_answer_perplexity_after": final_eval.get(
+            "answer_perplexity"), "eval_exact_match": final_eval.get("exact_match"),
+        "eval_answers_scored": final_eval.get("answers_scored", 0),
         "eval_seconds": round(eval_seconds, 2), "loss_fell": bool(fell), "loss_ratio": ratio,
         "evals_during": evals_mid,
         "metrics": str(metrics_path.resolve()), "plot": str(png_path.resolve()),
@@ -498,6 +531,10 @@ def train(s: dict) -> int:
         if data.has_answers:
             print(f"  held-out loss on the answers only: {answer_before:.4f} before -> {answer_after:.4f} after  "
                   f"(x{answer_after / answer_before:.2f})")
+        if final_eval.get("exact_match") is not None:
+            print(f"  held-out answers exactly right: {final_eval['exact_match']:.0%} of "
+                  f"{final_eval['answers_scored']} (greedy; all in {samples_path.resolve()}), for example:")
+            _print_samples(final_samples, run.samples, print)
     print(f"  the loss {'fell' if fell else 'DID NOT FALL'}")
     print(f"  metrics: {metrics_path.resolve()}")
     print(f"  loss curve: {png_path.resolve()}")
@@ -514,6 +551,17 @@ def train(s: dict) -> int:
                   f"(x{ratio:.2f}); --check-loss-drop wants at most x{run.check_loss_drop:g}", file=sys.stderr)
             return 1
     return 0
+
+
+def _record_eval(step: int, ev: dict, eval_path: Path, samples_path: Path, k: int) -> dict:
+    """Append an evaluation during the run to eval.jsonl (and its first k samples to samples.jsonl)."""
+    rec = {"step": step, **{key: clean(v) for key, v in ev.items() if key != "samples"}}
+    with open(eval_path, "a") as f:
+        f.write(json.dumps(rec) + "\n")
+    if ev.get("samples") and k:
+        with open(samples_path, "a") as f:
+            f.writelines(json.dumps({"step": step, **x}) + "\n" for x in ev["samples"][:k])
+    return {**rec, "samples": ev.get("samples", [])}
 
 
 def _write_final_model(run: Run, model, out: Path) -> str:

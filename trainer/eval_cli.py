@@ -1,0 +1,124 @@
+"""``python -m trainer eval``: score a model alone (a run's ``model/``, a checkpoint's, any Hugging Face
+LFM2 directory; optionally with a LoRA adapter) on a JSONL file of chat or text records.
+
+    python -m trainer eval --model runs/x/model --data held_out.jsonl [--adapter runs/x/adapter]
+
+Prints the loss and perplexity over every next token and over the assistant answers, and the
+exact match of the greedy answers (each chat record's last assistant turn; see
+trainer/evaluation.py) with a few samples; ``--json PATH`` writes all of it, every answer included.
+Exit status: 0 done, 2 bad usage or input (one line, no traceback).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import warnings
+from pathlib import Path
+
+from .cli_options import DEFAULT_MAX_LEN, DEFAULT_SAMPLES, UsageError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m trainer eval", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, metavar="DIR", help="a Hugging Face LFM2 directory")
+    p.add_argument("--data", required=True, metavar="FILE", help="JSONL records (chat or text, as python -m "
+                   "trainer --data takes them)")
+    p.add_argument("--adapter", metavar="DIR", help="a LoRA adapter applied to the model")
+    p.add_argument("--tokenizer", metavar="PATH", help="tokenizer.json or its directory (default: the model's)")
+    p.add_argument("--max-records", type=int, metavar="N", help="score the first N records only")
+    p.add_argument("--max-len", type=int, default=DEFAULT_MAX_LEN, metavar="N",
+                   help=f"positions per record; longer ones are cut (default {DEFAULT_MAX_LEN})")
+    p.add_argument("--no-answers", action="store_true", help="the losses only (no greedy decoding)")
+    p.add_argument("--samples", type=int, default=DEFAULT_SAMPLES, metavar="K", help="sample answers to print")
+    p.add_argument("--bucket", type=int, default=64, metavar="N", help="length bucket (default 64)")
+    p.add_argument("--json", metavar="PATH", help="write the metrics and every scored answer here")
+    p.add_argument("--gpu", metavar="SUBSTRING", help="use the GPU adapter whose name contains this")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return _run(args)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _run(args) -> int:
+    from .data import Batch, DataError, load_tokenizer
+    from .evaluation import answer_cases, exact_match, greedy_answers, held_out_loss, last_user_turn, perplexity
+    for flag, value in (("--max-records", args.max_records), ("--max-len", args.max_len), ("--bucket", args.bucket)):
+        if value is not None and value < 1:
+            raise UsageError(f"{flag} must be at least 1, got {value}")
+    model_dir = Path(args.model)
+    if not (model_dir / "config.json").is_file():
+        raise UsageError(f"--model {model_dir}: not a model directory (no config.json)")
+    if not Path(args.data).is_file():
+        raise UsageError(f"--data {args.data}: no such file")
+    try:
+        tok = load_tokenizer(args.tokenizer or model_dir)
+    except (ValueError, FileNotFoundError) as e:
+        raise UsageError(f"tokenizer: {e} (give --tokenizer PATH)") from None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            batch = Batch.from_jsonl(args.data, tok, max_len=args.max_len)
+        except (DataError, UnicodeDecodeError) as e:
+            raise UsageError(str(e)) from None
+    for w in caught:
+        print(f"note: {w.message}", file=sys.stderr)
+    items = []
+    for seq in list(batch)[:args.max_records]:
+        ids, targets, mask = seq.triple()
+        if ids.size:
+            full = mask * 0 + 1
+            items.append((ids, targets, full, None if (mask == full).all() else mask))
+    if not items:
+        raise UsageError(f"--data {args.data}: no record with a target to score")
+
+    if args.gpu:
+        os.environ["LFM2JIT_ADAPTER"] = args.gpu
+    from lfm2jit import ComputeEngine, WgpuContext
+    from lfm2jit.model import CheckpointError, ConfigError, Lfm2Model
+    from lfm2jit.model.lora import AdapterError
+    from lfm2jit.runtime.context import AdapterError as GpuError
+    try:
+        ctx = WgpuContext.create()
+    except GpuError as e:
+        raise UsageError(str(e)) from None
+    engine = ComputeEngine(ctx)
+    try:
+        model = Lfm2Model.from_pretrained(model_dir, ctx, engine)
+        if args.adapter:
+            model.load_adapter(args.adapter)
+    except (CheckpointError, ConfigError, AdapterError, ValueError) as e:
+        raise UsageError(f"--model {model_dir}{' --adapter ' + args.adapter if args.adapter else ''}: {e}") from None
+    if tok.get_vocab_size(with_added_tokens=True) > model.cfg.vocab_size:
+        raise UsageError(f"the tokenizer has {tok.get_vocab_size(with_added_tokens=True)} ids but the model's "
+                         f"vocab_size is {model.cfg.vocab_size}")
+
+    loss, answer_loss = held_out_loss(model, engine, items, args.bucket)
+    result = {"model": str(model_dir), "adapter": args.adapter, "data": args.data, "records": len(items),
+              "loss": loss, "perplexity": perplexity(loss), "answer_loss": answer_loss,
+              "answer_perplexity": perplexity(answer_loss), "exact_match": None, "answers": []}
+    print(f"{args.data}: {len(items)} records")
+    print(f"  loss over every next token: {loss:.4f} (perplexity {perplexity(loss):.2f})")
+    cases = [] if args.no_answers else answer_cases(items, answers_are_the_loss=False)
+    if answer_loss == answer_loss:      # not NaN: some records have answers
+        print(f"  loss over the answers: {answer_loss:.4f} (perplexity {perplexity(answer_loss):.2f})")
+    if cases:
+        end = tok.token_to_id("<|im_end|>")
+        samples = greedy_answers(model, tok, cases, set(model.generation_eos) | ({end} - {None}))
+        result.update(exact_match=exact_match(samples), answers=samples)
+        print(f"  answers exactly right (greedy): {exact_match(samples):.1%} of {len(samples)}")
+        for x in samples[:args.samples]:
+            print(f"    {'ok ' if x['correct'] else 'BAD'} {last_user_turn(x['prompt'])!r} -> {x['answer']!r}"
+                  + ("" if x["correct"] else f" (expected {x['expected']!r})"))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+        print(f"  written: {Path(args.json).resolve()}")
+    return 0
