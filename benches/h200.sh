@@ -16,9 +16,9 @@
 #                                         tile (-> $OUT/h200_lora_mtiles.json), then LFM2-1.2B shapes at 1x2048 with
 #                                         --f16: LoRA r = 8 on a frozen f16 base, and full fine-tuning
 #                                         -> $OUT/h200_lora_1.2B.json, h200_full_1.2B.json
-#   bash benches/h200.sh decode           on Dawn: benches/decode.py at LFM2-350M shapes, batch 1 and 8, lfm2jit f32/f16
-#                                         beside transformers fp32/bf16 on CUDA -> $OUT/h200_decode.json; then the
-#                                         LFM2-1.2B LoRA train step again -> $OUT/h200_lora_1.2B.json
+#   bash benches/h200.sh decode           on Dawn: the generation tests (f16 decoding included), then benches/decode.py
+#                                         at LFM2-350M shapes, batch 1 and 8, lfm2jit f32/f16 beside transformers
+#                                         fp32/bf16 on CUDA -> $OUT/h200_generate_tests_dawn.log, $OUT/h200_decode.json
 set -uo pipefail
 source .gpu-kit/env.sh
 export LFM2JIT_ADAPTER=H200 PYTHONUNBUFFERED=1
@@ -68,9 +68,9 @@ lora)
     ;;
 decode)
     export LFM2JIT_WEBGPU=dawn
+    python3 -m pytest -q -p no:cacheprovider -rs tests/test_generate.py tests/test_evaluation.py tests/test_cli_generate.py \
+        2>&1 | tee "$OUT/h200_generate_tests_dawn.log" | tail -3
     timeout 400 python3 benches/decode.py --json "$OUT/h200_decode.json" 2>&1 | grep -v "^  \|Loading\|causal_conv" | tail -14
-    timeout 150 python3 -m lfm2jit.bench --only train --f16 --model-preset 1.2B --train-shapes 1x2048 --lora 8 \
-        --lora-f16-base --json "$OUT/h200_lora_1.2B.json" 2>&1 | tail -3
     ;;
 *)
     echo "usage: bash benches/h200.sh tests | matrix | speed [BASE] | lora | decode" >&2; exit 2 ;;
