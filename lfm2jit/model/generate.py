@@ -3,10 +3,10 @@
 The prompt is prefilled in one pass (the training forward, causal attention over the whole prompt);
 its keys, values and conv inputs then seed the state:
 
-* attention layer: a K and a V cache per sequence, [C, G, E] (keys after RoPE), C growing by
-  ``grow`` rows. A decode step appends the new position's k and v and runs ``attention_decode``
-  over the cache's first n rows: a kernel specialized per bucket of n, so it compiles once per
-  ``grow`` positions.
+* attention layer: a K and a V cache for the batch, [B, C, G, E] (keys after RoPE), C positions
+  per sequence, growing by ``grow``. A decode step appends each sequence's new k and v at its own
+  length and runs ``attention_decode`` over every sequence at once, rows past a sequence's
+  length masked out: a kernel specialized per capacity, so it compiles once per ``grow`` positions.
 * conv layer: a window of the last L rows of in_proj's output (B, C and x side by side) per
   sequence, [B, L, 3D] for the batch. A step shifts the window by a row, writes the new row in
   and runs the training ``short_conv`` over it (T = L): its last row is the new position's output,
@@ -89,21 +89,26 @@ class InferenceState:
         self.batch = len(prompts)
         self.lengths = [len(p) for p in prompts]
         d, taps, dt = cfg.hidden_size, cfg.conv_L_cache, model.activation_dtype
-        self.kv: dict[int, list[list[Tensor]]] = {}            # layer -> per sequence [k, v], each [C, G, E]
+        self.capacity = bucketed(max(self.lengths) + 1, grow)
+        self.kv: dict[int, list[Tensor]] = {}                  # layer -> [k, v], each [B * C * G, E]
         self.windows: dict[int, list[Tensor]] = {}             # layer -> [this step's, the next's] [B * L, 3D]
         for i, kind in enumerate(cfg.layer_types):
             if kind == "conv":
                 self.windows[i] = [e.zero_(e.empty((self.batch * taps, 3 * d), dt)) for _ in range(2)]
             else:
-                self.kv[i] = []
+                self.kv[i] = [self._cache(self.capacity), self._cache(self.capacity)]
         self.logits = np.zeros((self.batch, cfg.vocab_size), np.float32)
         for b, ids in enumerate(prompts):
             self._prefill(b, ids)
 
-    def _cache(self, rows: int) -> Tensor:
+    def _cache(self, capacity: int) -> Tensor:
         cfg = self.model.cfg
-        capacity = bucketed(rows, self.grow)
-        return self.model.engine.empty((capacity, cfg.num_key_value_heads, cfg.head_dim), self.model.activation_dtype)
+        rows = self.batch * capacity * cfg.num_key_value_heads
+        return self.model.engine.empty((rows, cfg.head_dim), self.model.activation_dtype)
+
+    def _row(self, b: int, position: int) -> int:
+        """Where sequence b's ``position`` starts in a layer's cache (rows of E)."""
+        return (b * self.capacity + position) * self.model.cfg.num_key_value_heads
 
     def _prefill(self, b: int, ids: np.ndarray) -> None:
         """Run the prompt through the training forward, keep its keys, values and last conv inputs."""
@@ -116,10 +121,9 @@ class InferenceState:
                 if last:
                     e.copy_rows(s["bcx"], self.windows[i][0], last, n - last, b * taps + taps - last)
             else:
-                k, v = self._cache(n + 1), self._cache(n + 1)
-                e.copy_rows(s["kr"], k, n)
-                e.copy_rows(s["v"], v, n)
-                self.kv[i].append([k, v])
+                g = model.cfg.num_key_value_heads
+                for cache, rows in zip(self.kv[i], (s["kr"], s["v"])):
+                    e.copy_rows(rows.view(n * g, model.cfg.head_dim), cache, n * g, 0, self._row(b, 0))
         last = e.empty((1, model.cfg.hidden_size), model.activation_dtype)
         e.copy_rows(trace.hn, last, 1, n - 1)
         self.logits[b] = model.head_logits(last)[0]
@@ -128,10 +132,10 @@ class InferenceState:
         """Feed one new token per sequence (at position lengths[b]); returns and keeps the logits [B, V]."""
         model, cfg, e = self.model, self.model.cfg, self.model.engine
         ids = model.check_ids(np.asarray(tokens).reshape(1, self.batch), "tokens")[0]
-        for b in range(self.batch):
-            self._reserve(b, self.lengths[b] + 1)
+        self._reserve(max(self.lengths) + 1)
         cos, sin = model.rope_angles(self.lengths)
         self._rope = (e.tensor(cos), e.tensor(sin))
+        self._seen = e.tensor(np.array(self.lengths, np.float32) + 1)          # positions with this one
         h = model._run(_k("embedding"), bucket=1, table=model.p("model.embed_tokens.weight"), ids=e.tensor(ids))["y"]
         for i, kind in enumerate(cfg.layer_types):
             mix = self._conv_step if kind == "conv" else self._attention_step
@@ -141,14 +145,19 @@ class InferenceState:
         self.lengths = [n + 1 for n in self.lengths]
         return self.logits
 
-    def _reserve(self, b: int, rows: int) -> None:
-        """Grow sequence b's K and V caches to hold ``rows`` positions (by ``grow`` rows, copied over)."""
+    def _reserve(self, positions: int) -> None:
+        """Grow the caches to hold ``positions`` per sequence (by ``grow``; each sequence's rows copied over)."""
+        if positions <= self.capacity:
+            return
+        old_capacity = self.capacity
+        self.capacity = bucketed(positions, self.grow)
+        g = self.model.cfg.num_key_value_heads
         for caches in self.kv.values():
-            for j, old in enumerate(caches[b]):
-                if old.shape[0] < rows:
-                    new = self._cache(rows)
-                    self.model.engine.copy_rows(old, new, self.lengths[b])
-                    caches[b][j] = new
+            for j, old in enumerate(caches):
+                new = self._cache(self.capacity)
+                for b, n in enumerate(self.lengths):
+                    self.model.engine.copy_rows(old, new, n * g, b * old_capacity * g, self._row(b, 0))
+                caches[j] = new
 
     def _conv_step(self, i: int, s: dict) -> Tensor:
         model, cfg, e = self.model, self.model.cfg, self.model.engine
@@ -182,16 +191,14 @@ class InferenceState:
         cos, sin = self._rope
         qr = run(_k("rope"), bucket=1, x=qn.view(batch, h, 2, dim // 2), cos=cos, sin=sin)["y"].view(batch, h * dim)
         kr = run(_k("rope"), bucket=1, x=kn.view(batch, g, 2, dim // 2), cos=cos, sin=sin)["y"].view(batch * g, dim)
-        o = e.empty((batch, h * dim), model.activation_dtype)
-        for b, (kc, vc) in enumerate(self.kv[i]):
-            n = self.lengths[b]
-            e.copy_rows(kr, kc.view(kc.shape[0] * g, dim), g, b * g, n * g)
-            e.copy_rows(v, vc.view(vc.shape[0] * g, dim), g, b * g, n * g)
-            qb = e.copy_rows(qr, e.empty((1, h * dim), model.activation_dtype), 1, b)
-            ob = run(_k("attention_decode"), bucket=self.grow, q=qb.view(g, h // g, dim), k=kc.rows(0, n + 1),
-                     v=vc.rows(0, n + 1), scale=1.0 / math.sqrt(dim))["o"]                          # (G, H/G, E)
-            e.copy_rows(ob.view(1, h * dim), o, 1, 0, b)
-        return model._linear(o, a + "out_proj", 1)                                                 # (B, D)
+        kc, vc = self.kv[i]
+        for b, n in enumerate(self.lengths):          # this position's k and v, at each sequence's length
+            e.copy_rows(kr, kc, g, b * g, self._row(b, n))
+            e.copy_rows(v, vc, g, b * g, self._row(b, n))
+        cache = (batch, self.capacity, g, dim)
+        o = run(_k("attention_decode"), bucket=self.grow, q=qr.view(batch, g, h // g, dim), k=kc.view(*cache),
+                v=vc.view(*cache), n=self._seen, scale=1.0 / math.sqrt(dim))["o"]                  # (B, G, H/G, E)
+        return model._linear(o.view(batch, h * dim), a + "out_proj", 1)                            # (B, D)
 
 
 def generate(model, prompts, max_new_tokens: int, sampling: Sampling, eos_ids: frozenset[int], seed: int,
