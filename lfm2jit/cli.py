@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from .driver import STAGES, Kernel, grad, stages
+from .safefiles import write_atomic
 from .dsl.errors import DslError
 from .fuzz.cli import add_arguments as add_fuzz_arguments
 from .fuzz.cli import fuzz_main
@@ -117,9 +118,8 @@ def cmd_dump(args) -> None:
     text = stages(kernel, sizes, args.bucket, MATRIX_UNITS if args.matrix_units else PORTABLE)
     for stage in wanted:
         if args.out is not None:
-            args.out.mkdir(parents=True, exist_ok=True)
             path = args.out / f"{kernel.name}.{stage}"
-            path.write_text(text[stage])
+            write_atomic(path, text[stage])
             print(f"wrote {path} ({describe_sizes(sizes)}, bucket {args.bucket})")
         elif stage == "wgsl":
             sys.stdout.write(text[stage])

@@ -12,6 +12,7 @@ import functools
 import hashlib
 import os
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from .ir.nodes import KernelIR, TensorArg, format_ir
 from .ir.ops import Op
 from .ir.partition import Partition, partition
 from .ir.retype import retype
+from .safefiles import read_own_file, untrusted_reason, write_atomic
 from .schedule import PORTABLE, KernelSpec, Target, specialize
 
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -235,25 +237,34 @@ class CacheStats:
 
 
 class WgslDiskCache:
-    """Generated WGSL as files named by a hash of (compiler fingerprint, spec key)."""
+    """Generated WGSL as files named by a hash of (compiler fingerprint, spec key). Each file starts
+    with a line holding the sha256 of the rest, so a truncated or edited entry is rendered again
+    (and rewritten). A directory other users may write is neither read nor written (a planted
+    entry would run as this user's kernel; see safefiles.py), with one warning."""
+
+    HEADER = "// lfm2jit WGSL cache, sha256 of the rest: "
 
     def __init__(self, root: Path):
         self.root = Path(root)
+        self.refused = untrusted_reason(self.root)
+        if self.refused:
+            warnings.warn(f"LFM2JIT_CACHE_DIR {self.root} is not used: {self.refused}; point it at a directory of "
+                          "your own that only you can write", stacklevel=2)
 
     def path(self, spec: KernelSpec) -> Path:
         digest = hashlib.sha256(f"{compiler_fingerprint()}:{spec.key}".encode()).hexdigest()[:32]
         return self.root / f"{spec.kernel}-{digest}.wgsl"
 
     def load(self, spec: KernelSpec) -> str | None:
-        p = self.path(spec)
-        return p.read_text() if p.exists() else None
+        raw = None if self.refused else read_own_file(self.path(spec))
+        if raw is None:
+            return None
+        head, _, body = raw.decode(errors="replace").partition("\n")
+        return body if head == self.HEADER + hashlib.sha256(body.encode()).hexdigest() else None
 
     def store(self, spec: KernelSpec, wgsl: str) -> None:
-        p = self.path(spec)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        tmp = p.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(wgsl)
-        tmp.replace(p)    # atomic: a reader never sees half a file
+        if not self.refused:
+            write_atomic(self.path(spec), f"{self.HEADER}{hashlib.sha256(wgsl.encode()).hexdigest()}\n{wgsl}")
 
 
 def generate_wgsl(spec: KernelSpec, disk: WgslDiskCache | None, stats: CacheStats) -> str:

@@ -14,6 +14,7 @@ import struct
 from dataclasses import dataclass
 
 from .driver import Backward, CacheStats, Kernel, Timer, WgslDiskCache, generate_wgsl
+from .safefiles import write_atomic
 from .ir.nodes import SEQ_AXIS
 from .ops import library
 from .runtime.recorder import Compiled, Recorder, Shader
@@ -67,8 +68,7 @@ class ComputeEngine(Recorder):
             compiled = self.build(shader_of(spec, wgsl))
         self.stats.compile_seconds += t.seconds
         if self.dump_dir is not None:
-            self.dump_dir.mkdir(parents=True, exist_ok=True)
-            (self.dump_dir / f"{spec.kernel}-{spec.key}.wgsl").write_text(wgsl)
+            write_atomic(self.dump_dir / f"{spec.kernel}-{spec.key}.wgsl", wgsl)
         return CompiledKernel(spec, compiled)
 
     # ---- recording ----

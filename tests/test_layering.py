@@ -17,11 +17,12 @@ ALLOWED = {
     "ir": {"dsl"},
     "schedule": {"dsl", "ir"},
     "codegen": {"dsl", "ir", "schedule"},
-    "driver": {"dsl", "ir", "schedule", "codegen"},
+    "driver": {"dsl", "ir", "schedule", "codegen", "safefiles"},
     "settings": set(),
+    "safefiles": set(),
     "runtime": {"settings"},
-    "tune": {"schedule", "settings", "ir", "dsl"},
-    "engine": {"driver", "dsl", "ir", "schedule", "codegen", "runtime", "settings", "tune", "ops"},
+    "tune": {"schedule", "settings", "ir", "dsl", "safefiles"},
+    "engine": {"driver", "dsl", "ir", "schedule", "codegen", "runtime", "settings", "tune", "ops", "safefiles"},
 }
 
 

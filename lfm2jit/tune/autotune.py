@@ -14,6 +14,7 @@ from pathlib import Path
 
 from ..schedule.attention import AttentionTiles
 from ..schedule.matmul import MatrixTiles, TileConfig
+from ..safefiles import read_own_file, untrusted_reason, write_atomic
 from ..settings import settings
 from . import candidates
 from .timing import WARM_SECONDS, seconds_per_call, warm_up
@@ -41,10 +42,12 @@ class Tuner:
         self.engine = engine
         self.path = path or cache_file()
         self.best: dict[str, dict] = {}      # what autotune.json holds: key -> kind, tiles, seconds
-        if self.path.exists():
+        raw = read_own_file(self.path) if untrusted_reason(self.path.parent) is None else None
+        if raw is not None:         # another user's directory or file is not read (see safefiles.py)
             try:
-                self.best = json.loads(self.path.read_text())
-            except json.JSONDecodeError:
+                best = json.loads(raw)
+                self.best = best if isinstance(best, dict) else {}
+            except (json.JSONDecodeError, UnicodeDecodeError):
                 self.best = {}          # a damaged cache is only lost time, never an error
         self._chosen: dict[str, object] = {}  # key -> tiles, decoded once (compile asks on every run)
         self.trials = 0
@@ -110,9 +113,7 @@ class Tuner:
 
     def _save(self) -> None:
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_text(json.dumps(self.best, indent=1))
-            tmp.replace(self.path)
+            if untrusted_reason(self.path.parent) is None:
+                write_atomic(self.path, json.dumps(self.best, indent=1))
         except OSError:
             pass                       # tuning results are an optimisation; an unwritable cache is not fatal

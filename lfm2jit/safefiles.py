@@ -1,0 +1,62 @@
+"""Files lfm2jit writes and reads back on its own (the WGSL cache, kernel dumps, autotune.json),
+written so that another user sharing the directory cannot steer them.
+
+* ``write_atomic``: the data goes to a temp file created exclusively (``mkstemp``: a random name,
+  ``O_EXCL``, never a planted symlink) beside the target, then replaces the target in one rename
+  (which replaces a symlink at the target rather than following it). A reader never sees half a file.
+* ``untrusted_reason``: why a directory's contents must not be read back (owned by another user,
+  writable by the group or by everyone, a symlink), or None. A shared cache directory is then
+  neither read nor written: a planted WGSL file would run as this user's kernel.
+"""
+from __future__ import annotations
+
+import os
+import stat
+import tempfile
+from pathlib import Path
+
+
+def write_atomic(path: Path, data: str | bytes, mode: int = 0o644) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def untrusted_reason(directory: Path) -> str | None:
+    """None when ``directory`` (created here, private, when missing) is this user's own and
+    writable by nobody else; else what is wrong with it."""
+    directory = Path(directory)
+    if not directory.exists():
+        try:
+            directory.mkdir(parents=True, mode=0o700)
+        except OSError as e:
+            return f"it cannot be created ({e.strerror})"
+    info = os.lstat(directory)
+    if stat.S_ISLNK(info.st_mode):
+        return "it is a symbolic link"
+    if not stat.S_ISDIR(info.st_mode):
+        return "it is not a directory"
+    if hasattr(os, "getuid") and info.st_uid != os.getuid():
+        return f"it belongs to user id {info.st_uid}, not to this user ({os.getuid()})"
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"other users may write to it (mode {stat.filemode(info.st_mode)})"
+    return None
+
+
+def read_own_file(path: Path) -> bytes | None:
+    """A regular file's bytes if it is this user's (not a symlink), else None."""
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    if not stat.S_ISREG(info.st_mode) or (hasattr(os, "getuid") and info.st_uid != os.getuid()):
+        return None
+    return Path(path).read_bytes()
