@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Set up, then run the test suite; extra arguments go to pytest (e.g. -k cli, -x).
+# Set up (with the test references: torch, transformers, peft), then run the test suite; extra arguments go to pytest (e.g. -k cli, -x).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
-bash scripts/setup.sh
+bash scripts/setup.sh test
 exec .venv/bin/python -m pytest -q "$@"

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from lfm2jit import ComputeEngine, Tensor, compile_source
-from lfm2jit.runtime.context import AdapterError, choose_adapter
+from lfm2jit.runtime.context import AdapterError, choose_adapter, native_adapters
 from lfm2jit.runtime.recorder import MAX_GROUPS_PER_DIM, fold_workgroups
 from lfm2jit.runtime.pool import size_class
 from conftest import rel_err
@@ -24,6 +24,28 @@ def test_adapter_preference_discrete_then_integrated_then_cpu():
     assert choose_adapter(ADAPTERS, None) is ADAPTERS[2]
     assert choose_adapter(ADAPTERS[:2], None) is ADAPTERS[1]
     assert choose_adapter(ADAPTERS[:1], None) is ADAPTERS[0]
+
+
+def test_setup_insists_on_a_native_backend():
+    """scripts/setup.sh installs lavapipe unless wgpu lists a Vulkan, Metal or D3D12 adapter: Mesa's
+    OpenGL llvmpipe alone (no shader-f16) does not count."""
+    gl_only = [FakeAdapter("llvmpipe (LLVM 15)", "CPU", "OpenGL")]
+    assert native_adapters(gl_only) == []
+    assert native_adapters(ADAPTERS) == ADAPTERS[:3]
+    assert native_adapters([FakeAdapter("Apple M3", "IntegratedGPU", "Metal"), FakeAdapter("x", "CPU", "D3D12")])
+
+
+def test_the_main_job_installs_the_runtime_and_the_tests_add_their_references():
+    import subprocess
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+
+    def target(*args):
+        return subprocess.run(["bash", "scripts/setup.sh", "--print-install", *args], cwd=root, capture_output=True,
+                              text=True, check=True).stdout.strip()
+    assert target() == "pip install -e ." and target("test") == "pip install -e .[test]"
+    assert "bash scripts/setup.sh\n" in (root / "scripts/run-main.sh").read_text()
+    assert "bash scripts/setup.sh test\n" in (root / "scripts/run-tests.sh").read_text()
 
 
 def test_adapter_substring_override_and_error_lists_adapters():

@@ -60,6 +60,15 @@ def choose_implementation(name: str):
     return IMPLEMENTATIONS[name]
 
 
+NATIVE_BACKENDS = ("Vulkan", "Metal", "D3D12")
+
+
+def native_adapters(adapters) -> list:
+    """The adapters of a native backend (what setup insists on): an OpenGL one (Mesa's GL llvmpipe)
+    has no shader-f16 and is not what the tests run on."""
+    return [a for a in adapters if a.info.get("backend_type") in NATIVE_BACKENDS]
+
+
 def describe(adapter) -> str:
     info = adapter.info
     return f"{info.get('device', '?')} ({info.get('adapter_type', '?')}, {info.get('backend_type', '?')})"
