@@ -464,7 +464,7 @@ def train(s: dict) -> int:
                     del ev["samples"]
     except (TrainError, KeyboardInterrupt) as e:
         bar.close()
-        _write_plot(plot_loss_curve, png_path, history + new, [])
+        _write_plot(plot_run, png_path, history + new, evals_mid)
         where = (f"the newest checkpoint is {last_ckpt.resolve()} (continue with --resume {out})" if last_ckpt
                  else "no checkpoint was written (--checkpoint-every N writes them during the run)")
         if isinstance(e, KeyboardInterrupt):
@@ -486,9 +486,10 @@ def train(s: dict) -> int:
         with open(samples_path, "a") as f:
             f.writelines(json.dumps({"step": tr.optimizer_steps(), **x}) + "\n" for x in final_samples)
     final = _write_final_model(run, model, out) if run.rank == 0 else None
-    evals = ([(start, eval_before)] + [(e["step"], e["loss"]) for e in evals_mid if e["loss"] is not None]
-             + [(tr.optimizer_steps(), eval_after)]) if my_eval else []
-    _write_plot(plot_loss_curve, png_path, history + new, evals)
+    evals = ([{"step": start, "loss": eval_before}] + evals_mid
+             + [{"step": tr.optimizer_steps(), "loss": eval_after, "exact_match": final_eval.get("exact_match")}]
+             if my_eval else [])
+    _write_plot(plot_run, png_path, history + new, evals)
 
     # ---- summary ----
     losses = [m["loss"] for m in new if not m["skipped"] and m["loss"] is not None]
@@ -590,9 +591,8 @@ def _save_dtype(run: Run) -> str:
     return "f32"
 
 
-def _write_plot(plot, path: Path, metrics: list[dict], evals) -> None:
-    pts = [(m["step"], m["loss"]) for m in metrics if not m.get("skipped") and m.get("loss") is not None]
+def _write_plot(plot, path: Path, metrics: list[dict], evals: list[dict]) -> None:
     try:
-        plot(path, [p[0] for p in pts], [p[1] for p in pts], evals=evals, title="training loss")
+        plot(path, metrics, evals, title=f"training: {path.parent.name}")
     except OSError as e:
         print(f"note: could not write {path}: {e}", file=sys.stderr)
