@@ -102,7 +102,8 @@ def test_two_processes_on_halves_equal_one_process_on_all(ctx, engine, tmp_path,
     # each rank removed its file of round k-2 at round k: only the last two rounds are left
     left = sorted(p.name for p in sync_dir.iterdir())
     assert left == sorted([p.name for p in old] + [stale_tmp]
-                          + [f"new.round{k:08d}.rank{r}.safetensors" for k in (3, 4) for r in (0, 1)])
+                          + [f"new.round{k:08d}.rank{r}.safetensors" for k in (3, 4) for r in (0, 1)]
+                          + [f"new.hello.rank{r}.json" for r in (0, 1)])     # the handshake's announcements
 
 
 def test_killed_peer_is_a_train_error_after_the_timeout(ctx, engine, tmp_path):
@@ -148,7 +149,7 @@ def test_missing_peers_are_named_and_other_runs_files_are_not_used(ctx, engine, 
         save_file(grads, str(sync_dir / f"a.step00000001.rank{r}.safetensors"))
     weights = snap(model)
     t0 = time.monotonic()
-    with pytest.raises(TrainError, match=r"rank\(s\) \[1, 2\] of 3 did not write their gradients"):
+    with pytest.raises(TrainError, match=r"rank\(s\) \[1, 2\] of 3 did not announce themselves"):
         tr.train_step_masked(*all_data(1)[0], model.parameters())
     assert time.monotonic() - t0 >= 0.5
     assert tr.optimizer_steps() == 0 and not tr.optimizer.state

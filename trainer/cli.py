@@ -185,11 +185,15 @@ def main(argv: list[str] | None = None) -> int:
         from .eval_cli import main as eval_main
         return eval_main(argv[1:])
     args = build_parser().parse_args(argv)
+    from .errors import TrainError
     try:
         setup = prepare(args, argv_empty=not argv)
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except TrainError as e:           # the sync handshake: another rank disagrees, or none answered
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     return train(setup)
 
 
@@ -305,6 +309,8 @@ def prepare(args, argv_empty: bool) -> dict:
                   f"{run.steps}; nothing to train", file=sys.stderr)
     if run.world_size > 1:
         check_sync_dir(run, tr.distributed_grad_sync.run_id)
+        # every rank agrees on the run (world size, ranks, parameters) before any of them writes a file
+        tr.sync_handshake(params)
     if run.out:
         out = Path(run.out)
     elif ckpt is not None:              # resume into the run directory the checkpoint lives in

@@ -211,7 +211,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--rank", type=int, metavar="R", help="this process's rank, 0 .. world-size - 1 (default 0)")
     s.add_argument("--world-size", type=int, metavar="N", help="number of processes (default 1)")
     s.add_argument("--run-id", metavar="ID",
-                   help="name of the run's sync files, so files of another run are never mixed in (default run)")
+                   help="name of the run's sync files, so files of another run are never mixed in: 1 to 64 letters, "
+                        "digits, '.', '_', '-', starting with a letter or digit (default run)")
     s.add_argument("--sync-timeout", type=float, metavar="S",
                    help="seconds to wait for the other ranks at a step before failing (default 600)")
     s.add_argument("--adapter", metavar="SUBSTRING",
@@ -319,8 +320,10 @@ def resolve(args: argparse.Namespace, argv_empty: bool, saved: dict | None = Non
                          + ", ".join(f"{k} {base[k]!r} -> {g[k]!r}" for k in changed))
         if "epochs" in g:
             base.pop("steps", None)
+        cmd = dict(g)
         base.update({k: v for k, v in g.items() if k in RESUMABLE})
         g = {**g, **base}
+        _confirm_resumed_sync(cmd, g, ckpt, notes)
         source = g["source"]
     else:
         source = "model" if "model" in g else "scratch"
@@ -392,6 +395,55 @@ def resolve(args: argparse.Namespace, argv_empty: bool, saved: dict | None = Non
     return run
 
 
+def _confirm_resumed_sync(cmd: dict, g: dict, ckpt: Path | None, notes: list[str]) -> None:
+    """The sync settings a resumed run takes from the checkpoint's trainer.json alone (not from the
+    command line) are checked, confirmed against the command line and reported in a note: a crafted
+    or moved checkpoint must not decide silently where the run writes its gradient files."""
+    import os
+    from .sync import run_id_problem
+    src = f"--resume {ckpt}: {Path(ckpt) / 'trainer.json' if ckpt is not None else 'trainer.json'}"
+    world = g.get("world_size", 1)
+    if "world_size" not in cmd and (type(world) is not int or world < 1):
+        raise UsageError(f"{src}: world_size must be a positive integer, got {world!r}")
+    if "sync_timeout" not in cmd and "sync_timeout" in g and (type(g["sync_timeout"]) not in (int, float)
+                                                              or not g["sync_timeout"] > 0):
+        raise UsageError(f"{src}: sync_timeout must be a positive number, got {g['sync_timeout']!r}")
+    if "run_id" not in cmd and "run_id" in g and run_id_problem(g["run_id"]):
+        raise UsageError(f"{src}: run_id {run_id_problem(g['run_id'])}")
+    if "sync_dir" not in cmd and "sync_dir" in g and not isinstance(g["sync_dir"], str):
+        raise UsageError(f"{src}: sync_dir must be a string, got {g['sync_dir']!r}")
+    if type(world) is not int or world <= 1:
+        return
+    taken = [k for k in ("world_size", "sync_dir", "run_id") if k in g and k not in cmd]
+    if not taken:
+        return
+    if not any(k in cmd for k in ("rank", "world_size", "sync_dir")):
+        raise UsageError(f"{src} holds rank 0 of a {world}-process run syncing through {g.get('sync_dir')!r}: to "
+                         "continue it, start every rank with --resume and its --rank R (add --sync-dir DIR to sync "
+                         "elsewhere), or pass --world-size 1 to continue in one process")
+    if "sync_dir" not in cmd:
+        d = g.get("sync_dir")
+        if not d or not os.path.isabs(d) or not Path(d).is_dir():
+            raise UsageError(f"{src} names the sync directory {d!r}, which is not an existing directory given by an "
+                             "absolute path; pass --sync-dir DIR (the same to every rank)")
+    notes.append(f"--resume: gradients are synced through {g.get('sync_dir')} as run {g.get('run_id', 'run')!r} "
+                 f"({', '.join(taken)} from {Path(ckpt) / 'trainer.json' if ckpt is not None else 'trainer.json'}; "
+                 "pass --sync-dir and --run-id to choose others)")
+
+
+def _dir_problem(value) -> str | None:
+    """Why ``value`` cannot be (or become) a directory: empty, or it or a parent is an existing non-directory."""
+    if not str(value).strip():
+        return "must name a directory, got ''"
+    p = Path(value)
+    for q in (p, *p.parents):
+        if q.is_dir():
+            return None
+        if q.exists() or q.is_symlink():
+            return f"{value}: {'exists' if q == p else f'{q} exists'} and is not a directory"
+    return None
+
+
 def _validate(r: Run) -> None:
     def positive(name, value, allow_zero=False):
         if value is None:
@@ -428,5 +480,9 @@ def _validate(r: Run) -> None:
     if r.lora_dropout:
         raise UsageError(f"--lora-dropout {r.lora_dropout:g}: training with LoRA dropout is not implemented yet; "
                          "use 0")
-    if r.run_id and any(ch in r.run_id for ch in "/\\"):
-        raise UsageError(f"--run-id must not contain slashes, got {r.run_id!r}")
+    from .sync import run_id_problem
+    if run_id_problem(r.run_id):
+        raise UsageError(f"--run-id {run_id_problem(r.run_id)}")
+    for flag, value in (("out", r.out), ("sync-dir", r.sync_dir)):
+        if value is not None and _dir_problem(value):
+            raise UsageError(f"--{flag} {_dir_problem(value)}")

@@ -131,6 +131,16 @@ class Trainer:
         self.distributed_grad_sync = FileGradSync(config) if config is not None else None
         return self
 
+    def sync_handshake(self, params) -> None:
+        """With a file gradient sync: announce this rank and wait until every rank has announced
+        the same run (world size, distinct ranks, the parameters' names, shapes and dtypes); a
+        mismatch, a duplicate rank or a timeout is a TrainError on every rank, before any step.
+        The first window does it when it was not called; later calls return at once."""
+        sync = self.distributed_grad_sync
+        if sync is not None and not sync.ready:
+            params = self._params(params)
+            sync.handshake(self._names(params), params)
+
     # ---- counters ----
     def optimizer_steps(self) -> int:
         return self._steps
@@ -213,6 +223,7 @@ class Trainer:
         model, engine = self.model, self.engine
         params = group[0][3]
         if self.step_in_accum == 0:
+            self.sync_handshake(params)     # a no-op after the first window (and without a sync)
             self._start_window(params)
         tokens = [int(mask.sum()) for _, _, mask, _ in group]
         if len(group) == 1:
