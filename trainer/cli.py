@@ -406,7 +406,7 @@ def train(s: dict) -> int:
     per_step = run.world_size * run.grad_accum
     order = epoch_order(n, run.seed, epoch)
     new: list[dict] = []
-    skipped_in_a_row = 0
+    skipped_in_a_row = zero_in_a_row = 0      # windows in a row without a finite, nonzero step; of them, zero-norm steps
     last_ckpt = None
     t0 = time.perf_counter()
     bar = tqdm(total=run.steps, initial=start, unit="step", dynamic_ncols=True, disable=not run.progress,
@@ -445,13 +445,20 @@ def train(s: dict) -> int:
                 mf.write(json.dumps(rec) + "\n")
                 mf.flush()
                 new.append(rec)
+                # The guard counts windows without a finite, nonzero step: skipped ones (overflow) and
+                # steps whose gradient norm is 0 (under a loss scale, gradients that underflowed to zero)
+                lost = last.skipped or not (last.grad_norm and np.isfinite(last.grad_norm))
+                skipped_in_a_row, zero_in_a_row = ((skipped_in_a_row + 1, zero_in_a_row + (not last.skipped))
+                                                   if lost else (0, 0))
+                if skipped_in_a_row >= MAX_SKIPPED_IN_A_ROW:
+                    raise TrainError(
+                        f"{skipped_in_a_row} windows in a row took no finite, nonzero step: "
+                        f"{skipped_in_a_row - zero_in_a_row} overflowed (inf/NaN gradients) and were skipped, "
+                        f"{zero_in_a_row} had a gradient norm of 0 (all-zero gradients"
+                        + (", the loss scale underflowed" if tr.scaler is not None else "")
+                        + f"); the loss scale is down to {last.loss_scale:g}")
                 if last.skipped:
-                    skipped_in_a_row += 1
-                    if skipped_in_a_row >= MAX_SKIPPED_IN_A_ROW:
-                        raise TrainError(f"{skipped_in_a_row} steps in a row overflowed (inf/NaN gradients) and were "
-                                         f"skipped; the loss scale is down to {last.loss_scale:g}")
                     continue
-                skipped_in_a_row = 0
                 bar.set_postfix_str(f"loss={rec['loss'] if rec['loss'] is None else round(rec['loss'], 3)} "
                                     f"tok/s={rec['tokens_per_s'] or 0:.0f} lr={last.lr:.2e}", refresh=False)
                 bar.update(1)

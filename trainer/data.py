@@ -273,8 +273,9 @@ class Batch:
         seqs: list[Sequence] = []
         cut_lines: list[int] = []
         lost_lines: list[int] = []
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
+        with open(path, "rb") as f:            # decoded line by line, so a bad byte is located
+            for lineno, raw in enumerate(f, 1):
+                line = _decode_line(raw, path, lineno)
                 if not line.strip():
                     continue
                 record = _parse_line(line, path, lineno)
@@ -482,6 +483,7 @@ def encode_chat(messages: list[dict], tokenizer, add_generation_prompt: bool = F
 def encode_text(text: str, tokenizer):
     """``<|startoftext|>`` + text + ``<|endoftext|>`` (each special token only if the tokenizer has it)."""
     bos, eos = tokenizer.token_to_id(BOS_TOKEN), tokenizer.token_to_id(EOS_TOKEN)
+    _check_unicode(text, "text", None, None)
     ids = ([bos] if bos is not None else []) + tokenizer.encode(text, add_special_tokens=False).ids \
         + ([eos] if eos is not None else [])
     return np.array(ids, np.int32)
@@ -502,11 +504,29 @@ def _lines(lines: list[int], show: int = 8) -> str:
     return head + (f", ... ({len(lines) - show} more)" if len(lines) > show else "")
 
 
+MAX_JSON_DEPTH = 64          # nesting levels of a record's values (deeper: a DataError, not a RecursionError)
+
+
+def _decode_line(raw: bytes, path: Path, lineno: int) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"not UTF-8 text: {e.reason} at byte {e.start + 1} of the line "
+                        f"({raw[e.start:e.start + 4]!r})", path, lineno) from None
+
+
 def _parse_line(line: str, path: Path, lineno: int) -> dict:
+    # Without its line break, so an error at the end of the line is at its last column + 1 (json
+    # would count the break as the start of a second line and say column 1).
+    line = line[:-1] if line.endswith("\n") else line
+    line = line[:-1] if line.endswith("\r") else line
     try:
         record = json.loads(line)
     except json.JSONDecodeError as e:
-        raise DataError(f"malformed JSON: {e.msg} at column {e.colno}", path, lineno) from None
+        raise DataError(f"malformed JSON: {e.msg} at column {e.pos + 1}", path, lineno) from None
+    except RecursionError:
+        raise DataError(f"malformed JSON: nested too deeply to parse (records may nest at most "
+                        f"{MAX_JSON_DEPTH} levels)", path, lineno) from None
     if not isinstance(record, dict):
         raise DataError(f"expected a JSON object, got {type(record).__name__}", path, lineno)
     return record
@@ -527,11 +547,44 @@ def _record_kind(record: dict, kind: str, path: Path, lineno: int) -> str:
     return "text" if has_text else "chat"
 
 
+def _check_unicode(text: str, where: str, path, lineno) -> None:
+    """A lone surrogate (JSON's "\\ud800" without its pair) is not text a tokenizer can take."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise DataError(f"{where} holds a lone surrogate {text[e.start]!r} at character {e.start} "
+                        "(an unpaired \\uD800-\\uDFFF escape is not valid Unicode text)", path, lineno) from None
+
+
+def _check_json_value(value, where: str, path, lineno) -> None:
+    """Every string (keys included) of ``value`` is valid Unicode and it nests at most
+    MAX_JSON_DEPTH levels; walked without recursion."""
+    stack = [(value, where, 1)]
+    while stack:
+        v, at, depth = stack.pop()
+        if isinstance(v, str):
+            _check_unicode(v, at, path, lineno)
+            continue
+        if not isinstance(v, (dict, list)):
+            continue
+        if depth > MAX_JSON_DEPTH:
+            raise DataError(f"{at} nests more than {MAX_JSON_DEPTH} levels deep", path, lineno)
+        if isinstance(v, dict):
+            for k, x in v.items():
+                if isinstance(k, str):
+                    _check_unicode(k, f"a key of {at}", path, lineno)
+                stack.append((x, f"{at}.{k}" if isinstance(k, str) and k.isidentifier() else f"{at}[{k!r}]",
+                              depth + 1))
+        else:
+            stack.extend((x, f"{at}[{i}]", depth + 1) for i, x in enumerate(v))
+
+
 def _text_tokens(text, tok, path: Path, lineno: int):
     if not isinstance(text, str):
         raise DataError(f"'text' must be a string, got {type(text).__name__}", path, lineno)
     if not text:
         raise DataError("'text' is empty", path, lineno)
+    _check_unicode(text, "'text'", path, lineno)
     ids = encode_text(text, tok)
     return ids, np.ones(ids.size, np.float32)
 
@@ -583,6 +636,7 @@ def _check_tool_calls(calls, i: int, path, lineno) -> None:
 def _check_messages(messages, path, lineno) -> None:
     if not isinstance(messages, list):
         raise DataError(f"'messages' must be a list, got {type(messages).__name__}", path, lineno)
+    _check_json_value(messages, "messages", path, lineno)
     for i, m in enumerate(messages):
         _check_message(m, i, path, lineno)
 
@@ -590,6 +644,7 @@ def _check_messages(messages, path, lineno) -> None:
 def _check_tools(tools, path, lineno) -> None:
     if tools is None:
         return
+    _check_json_value(tools, "tools", path, lineno)
     if not isinstance(tools, list) or not all(isinstance(t, (dict, str)) for t in tools):
         raise DataError("'tools' must be a list of tool schemas (JSON objects), got " + json.dumps(tools)[:80],
                         path, lineno)

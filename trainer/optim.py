@@ -10,11 +10,11 @@ parameters with the same scalars (usually one group, all of them).
 """
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from lfm2jit.ops import optim as optim_kernels
+
+from . import checks
 
 
 class Optimizer:
@@ -28,10 +28,19 @@ class Optimizer:
     state_names: tuple[str, ...] = ()     # the buffers a step keeps per parameter
 
     def __init__(self, lr: float):
-        if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr >= 0):
-            raise ValueError(f"lr must be a finite number >= 0, got {lr!r}")
-        self.lr = float(lr)
+        self.lr = lr
         self.state: dict[int, dict] = {}     # id(param) -> {"step": int, buffer name: Tensor}
+
+    # Hyperparameters are checked whenever they are set (at construction or later): a bad value is
+    # a TypeError or ValueError naming it (e.g. "SGD: momentum must be a finite number >= 0, got nan")
+    # and the old value stays.
+    @property
+    def lr(self) -> float:
+        return self._lr
+
+    @lr.setter
+    def lr(self, lr: float) -> None:
+        self._lr = checks.real(f"{self.kind}: lr", lr, minimum=0.0)
 
     def step(self, engine, params, lr: float, gscale: float) -> None:
         """One torch step on ``params`` (gradients read as ``.grad * gscale``): each parameter's
@@ -140,12 +149,44 @@ class AdamW(Optimizer):
     state_names = ("m", "v")
 
     def __init__(self, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01):
+        checks.real("AdamW: lr", lr, minimum=0.0)          # every argument is checked before any is set
+        betas = self._check_betas(betas)
+        eps = checks.real("AdamW: eps", eps, minimum=0.0)
+        weight_decay = checks.real("AdamW: weight_decay", weight_decay, minimum=0.0)
         super().__init__(lr)
-        if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
-            raise ValueError(f"betas must be two numbers in [0, 1), got {betas!r}")
-        if not eps >= 0 or not weight_decay >= 0:
-            raise ValueError(f"eps and weight_decay must be >= 0, got {eps!r}, {weight_decay!r}")
-        self.betas, self.eps, self.weight_decay = (float(betas[0]), float(betas[1])), float(eps), float(weight_decay)
+        self.betas, self.eps, self.weight_decay = betas, eps, weight_decay
+
+    @staticmethod
+    def _check_betas(betas) -> tuple[float, float]:
+        if isinstance(betas, (str, bytes)) or not hasattr(betas, "__len__"):
+            raise TypeError(f"AdamW: betas must be two finite numbers in [0, 1), got {type(betas).__name__} {betas!r}")
+        if len(betas) != 2:
+            raise ValueError(f"AdamW: betas must be two finite numbers in [0, 1), got {len(betas)}: {betas!r}")
+        return tuple(checks.real(f"AdamW: betas[{i}]", b, minimum=0.0, below=1.0) for i, b in enumerate(betas))
+
+    @property
+    def betas(self) -> tuple[float, float]:
+        return self._betas
+
+    @betas.setter
+    def betas(self, betas) -> None:
+        self._betas = self._check_betas(betas)
+
+    @property
+    def eps(self) -> float:
+        return self._eps
+
+    @eps.setter
+    def eps(self, eps: float) -> None:
+        self._eps = checks.real("AdamW: eps", eps, minimum=0.0)
+
+    @property
+    def weight_decay(self) -> float:
+        return self._weight_decay
+
+    @weight_decay.setter
+    def weight_decay(self, weight_decay: float) -> None:
+        self._weight_decay = checks.real("AdamW: weight_decay", weight_decay, minimum=0.0)
 
     def kernel_scalars(self, lr: float, step: int, gscale: float) -> dict[str, float]:
         return optim_kernels.adamw_scalars(lr=lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay,
@@ -170,14 +211,66 @@ class SGD(Optimizer):
 
     def __init__(self, lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0, weight_decay: float = 0.0,
                  nesterov: bool = False):
+        checks.real("SGD: lr", lr, minimum=0.0)            # every argument is checked before any is set
+        momentum = checks.real("SGD: momentum", momentum, minimum=0.0)
+        dampening = checks.real("SGD: dampening", dampening)
+        weight_decay = checks.real("SGD: weight_decay", weight_decay, minimum=0.0)
+        nesterov = checks.boolean("SGD: nesterov", nesterov)
+        self._check_nesterov(momentum, dampening, nesterov)
         super().__init__(lr)
-        if momentum < 0 or weight_decay < 0:
-            raise ValueError(f"momentum and weight_decay must be >= 0, got {momentum!r}, {weight_decay!r}")
+        self._momentum, self._dampening, self._nesterov = momentum, dampening, nesterov
+        self.weight_decay = weight_decay
+
+    @property
+    def state_names(self) -> tuple[str, ...]:
+        return ("momentum",) if self._momentum else ()
+
+    @staticmethod
+    def _check_nesterov(momentum: float, dampening: float, nesterov: bool) -> None:
         if nesterov and (momentum <= 0 or dampening != 0):
-            raise ValueError("Nesterov momentum requires a momentum > 0 and zero dampening")
-        self.momentum, self.dampening = float(momentum), float(dampening)
-        self.state_names = ("momentum",) if momentum else ()
-        self.weight_decay, self.nesterov = float(weight_decay), bool(nesterov)
+            raise ValueError(f"SGD: Nesterov momentum requires a momentum > 0 and zero dampening, "
+                             f"got momentum={momentum!r}, dampening={dampening!r}")
+
+    @property
+    def momentum(self) -> float:
+        return self._momentum
+
+    @momentum.setter
+    def momentum(self, momentum: float) -> None:
+        momentum = checks.real("SGD: momentum", momentum, minimum=0.0)
+        self._check_nesterov(momentum, self._dampening, self._nesterov)
+        if self.state and bool(momentum) != bool(self._momentum):
+            raise ValueError(f"SGD: momentum cannot change from {self._momentum!r} to {momentum!r} once "
+                             "parameters have state (momentum buffers exist only with a momentum > 0)")
+        self._momentum = momentum
+
+    @property
+    def dampening(self) -> float:
+        return self._dampening
+
+    @dampening.setter
+    def dampening(self, dampening: float) -> None:
+        dampening = checks.real("SGD: dampening", dampening)
+        self._check_nesterov(self._momentum, dampening, self._nesterov)
+        self._dampening = dampening
+
+    @property
+    def nesterov(self) -> bool:
+        return self._nesterov
+
+    @nesterov.setter
+    def nesterov(self, nesterov: bool) -> None:
+        nesterov = checks.boolean("SGD: nesterov", nesterov)
+        self._check_nesterov(self._momentum, self._dampening, nesterov)
+        self._nesterov = nesterov
+
+    @property
+    def weight_decay(self) -> float:
+        return self._weight_decay
+
+    @weight_decay.setter
+    def weight_decay(self, weight_decay: float) -> None:
+        self._weight_decay = checks.real("SGD: weight_decay", weight_decay, minimum=0.0)
 
     def kernel_scalars(self, lr: float, step: int, gscale: float) -> dict[str, float]:
         return optim_kernels.sgd_scalars(lr=lr, momentum=self.momentum, dampening=self.dampening,

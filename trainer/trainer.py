@@ -27,9 +27,10 @@ from math import lcm
 
 import numpy as np
 
-from lfm2jit.ops.lmhead import lm_head_cross_entropy, xent_scalars
+from lfm2jit.ops.lmhead import ROW_MULTIPLE, lm_head_cross_entropy, xent_scalars
 from lfm2jit.ops.optim import grad_sumsq, norm_of
 
+from . import checks
 from .errors import TrainError
 from .optim import Optimizer, recordable
 from .recorded import RecordedSteps
@@ -51,6 +52,7 @@ class StepStats:
 
 DEFAULT_PACK_TOKENS = 4096      # rows of one packed pass: activations grow with it
 DEFAULT_REPLAY_PASSES = 2       # recorded forward/backward passes kept (each holds its activations)
+_F32_MAX = float(np.finfo(np.float32).max)
 PACK_WASTE = 1.25               # packed rows per row of the sequences' own (bucketed) lengths, at most
 
 
@@ -60,19 +62,26 @@ def _where(*tensor_lists) -> tuple:
 
 
 class Trainer:
+    """Public attributes (``clip_grad_norm``, ``grad_accum_steps``, ``step_in_accum``, ``scaler``,
+    ``distributed_grad_sync``, ``lr_scheduler``, ``length_bucket``, ``optimizer``, ``lm_head_chunk``,
+    ``pack_tokens``) are checked whenever they are set, by a builder or directly: a bad value is a
+    TypeError or ValueError naming the attribute, the value and what was expected, and leaves the
+    attribute as it was (see trainer/checks.py)."""
+
     def __init__(self, model, optimizer: Optimizer, ctx, engine):
-        if not isinstance(optimizer, Optimizer):
-            raise TypeError(f"optimizer must be an Optimizer (AdamW, SGD), got {type(optimizer).__name__}")
-        self.model = model
+        for what, value in (("model", model), ("ctx", ctx), ("engine", engine)):
+            if value is None:
+                raise TypeError(f"Trainer: {what} must not be None")
+        self._step_in_accum = 0
+        self._grad_accum_steps = 1
+        self._scaler: GradScaler | None = None
         self.optimizer = optimizer
+        self.model = model
         self.ctx = ctx
         self.engine = engine
-        self.clip_grad_norm: float | None = None
-        self.grad_accum_steps = 1
-        self.step_in_accum = 0
-        self.scaler: GradScaler | None = None
-        self.distributed_grad_sync: FileGradSync | None = None
-        self.lr_scheduler: LRScheduler | None = None
+        self.clip_grad_norm = None
+        self.distributed_grad_sync = None
+        self.lr_scheduler = None
         self.length_bucket = 64
         self.lm_head_chunk = 4096
         self.pack_tokens = DEFAULT_PACK_TOKENS
@@ -80,24 +89,127 @@ class Trainer:
         self._window: list[object] | None = None     # the params of the open accumulation window
         self.recorded = RecordedSteps(engine, DEFAULT_REPLAY_PASSES)
 
-    # ---- builders ----
+    # ---- checked attributes ----
+    @property
+    def optimizer(self) -> Optimizer:
+        return self._optimizer
+
+    @optimizer.setter
+    def optimizer(self, optimizer: Optimizer) -> None:
+        if not isinstance(optimizer, Optimizer):
+            raise TypeError(f"optimizer must be an Optimizer (AdamW, SGD), got {type(optimizer).__name__} {optimizer!r}")
+        self._refuse_mid_window("optimizer", getattr(self, "_optimizer", None) is not optimizer)
+        self._optimizer = optimizer
+
+    @property
+    def clip_grad_norm(self) -> float | None:
+        return self._clip_grad_norm
+
+    @clip_grad_norm.setter
+    def clip_grad_norm(self, max_norm: float | None) -> None:
+        """The largest global gradient norm (torch.nn.utils.clip_grad_norm_'s max_norm), or None."""
+        if max_norm is not None:
+            try:
+                max_norm = checks.real("clip_grad_norm", max_norm, above=0.0)
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"{e} (or None for no clipping)") from None
+        self._clip_grad_norm = max_norm
+
+    @property
+    def grad_accum_steps(self) -> int:
+        return self._grad_accum_steps
+
+    @grad_accum_steps.setter
+    def grad_accum_steps(self, steps: int) -> None:
+        steps = checks.integer("grad_accum_steps", steps, minimum=1)
+        self._refuse_mid_window("grad_accum_steps", steps != self._grad_accum_steps)
+        self._grad_accum_steps = steps
+
+    @property
+    def step_in_accum(self) -> int:
+        """Sequences done in the open accumulation window (0 when none is open)."""
+        return self._step_in_accum
+
+    @step_in_accum.setter
+    def step_in_accum(self, n: int) -> None:
+        self._step_in_accum = checks.integer(
+            "step_in_accum", n, minimum=0, maximum=self._grad_accum_steps - 1,
+            extra=f"(sequences done in a window of grad_accum_steps={self._grad_accum_steps})")
+
+    @property
+    def scaler(self) -> GradScaler | None:
+        return self._scaler
+
+    @scaler.setter
+    def scaler(self, scaler: GradScaler | None) -> None:
+        checks.instance("scaler", scaler, GradScaler, "a GradScaler")
+        # the window's gradients so far carry the old scale: unscaling them by another is wrong
+        self._refuse_mid_window("scaler", scaler is not self._scaler)
+        self._scaler = scaler
+
+    @property
+    def lr_scheduler(self) -> LRScheduler | None:
+        return self._lr_scheduler
+
+    @lr_scheduler.setter
+    def lr_scheduler(self, scheduler: LRScheduler | None) -> None:
+        self._lr_scheduler = checks.instance("lr_scheduler", scheduler, LRScheduler,
+                                             "an LRScheduler (ConstantLR, LinearWarmup, CosineWithWarmup, LinearDecay)")
+
+    @property
+    def distributed_grad_sync(self):
+        return self._distributed_grad_sync
+
+    @distributed_grad_sync.setter
+    def distributed_grad_sync(self, sync) -> None:
+        if sync is not None and not callable(getattr(sync, "average", None)):
+            raise TypeError(f"distributed_grad_sync must be a gradient sync (with an average(engine, names, "
+                            f"params, step) method, e.g. FileGradSync) or None, got {type(sync).__name__} {sync!r}")
+        self._distributed_grad_sync = sync
+
+    @property
+    def length_bucket(self) -> int:
+        return self._length_bucket
+
+    @length_bucket.setter
+    def length_bucket(self, bucket: int) -> None:
+        self._length_bucket = checks.integer("length_bucket", bucket, minimum=1)
+
+    @property
+    def lm_head_chunk(self) -> int:
+        return self._lm_head_chunk
+
+    @lm_head_chunk.setter
+    def lm_head_chunk(self, chunk: int) -> None:
+        chunk = checks.integer("lm_head_chunk", chunk, minimum=ROW_MULTIPLE, extra=f"and a multiple of {ROW_MULTIPLE}")
+        if chunk % ROW_MULTIPLE:
+            raise ValueError(f"lm_head_chunk must be an integer >= {ROW_MULTIPLE} and a multiple of "
+                             f"{ROW_MULTIPLE}, got {chunk}")
+        self._lm_head_chunk = chunk
+
+    @property
+    def pack_tokens(self) -> int:
+        return self._pack_tokens
+
+    @pack_tokens.setter
+    def pack_tokens(self, max_tokens: int) -> None:
+        self._pack_tokens = checks.integer("pack_tokens", max_tokens, minimum=0, extra="(0: no packing)")
+
+    def _refuse_mid_window(self, what: str, changes: bool) -> None:
+        if changes and self._step_in_accum:
+            raise ValueError(f"cannot change {what} in the middle of an accumulation window "
+                             f"({self._step_in_accum} of {self._grad_accum_steps} sequences done)")
+
+    # ---- builders (each sets its attribute, checked as above) ----
     def with_length_bucket(self, bucket: int) -> "Trainer":
-        if not isinstance(bucket, int) or bucket < 1:
-            raise ValueError(f"length bucket must be a positive integer, got {bucket!r}")
         self.length_bucket = bucket
         return self
 
     def with_clip_grad_norm(self, max_norm: float | None) -> "Trainer":
-        if max_norm is not None and not (max_norm > 0 and math.isfinite(max_norm)):
-            raise ValueError(f"clip_grad_norm must be a positive number or None, got {max_norm!r}")
         self.clip_grad_norm = max_norm
         return self
 
     def with_grad_accum_steps(self, steps: int) -> "Trainer":
-        if not isinstance(steps, int) or steps < 1:
-            raise ValueError(f"grad_accum_steps must be a positive integer, got {steps!r}")
-        if self.step_in_accum:
-            raise ValueError("cannot change grad_accum_steps in the middle of an accumulation window")
         self.grad_accum_steps = steps
         return self
 
@@ -112,9 +224,7 @@ class Trainer:
     def with_packing(self, max_tokens: int | None) -> "Trainer":
         """Pack up to ``max_tokens`` rows (padded positions included) of consecutive sequences of a
         window into one pass in train_sequences / train_batch; None or 0 runs them one by one."""
-        if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 0):
-            raise ValueError(f"max_tokens must be a non-negative integer or None, got {max_tokens!r}")
-        self.pack_tokens = max_tokens or 0
+        self.pack_tokens = 0 if max_tokens is None else max_tokens
         return self
 
     def with_replay(self, passes: int) -> "Trainer":
@@ -128,6 +238,7 @@ class Trainer:
         return self
 
     def with_file_grad_sync(self, config: FileGradSyncConfig | None) -> "Trainer":
+        checks.instance("with_file_grad_sync: config", config, FileGradSyncConfig, "a FileGradSyncConfig")
         self.distributed_grad_sync = FileGradSync(config) if config is not None else None
         return self
 
@@ -279,7 +390,7 @@ class Trainer:
                              "was discarded, no weight changed")
         stats = []
         for loss, n in zip(losses, tokens):
-            self.step_in_accum += 1
+            self._step_in_accum += 1      # reaches grad_accum_steps: _finish_window resets it
             stats.append(StepStats(loss=float(loss), tokens=n, stepped=False, skipped=False, grad_norm=None,
                                    lr=self.lr_at(self._steps + 1), loss_scale=self.loss_scale))
         if self.step_in_accum == self.grad_accum_steps:
@@ -315,6 +426,10 @@ class Trainer:
             tot = self._record_norm(params)
         norm, finite = norm_of(tot.numpy() if tot is not None else None)
         scale = self.loss_scale
+        # As torch unscales (by an f32 1/scale) before it checks: a scale so small that 1/scale or the
+        # unscaled norm is no f32 (a scale backed off to 0, say) makes the gradients inf/NaN: skipped
+        if finite and not (scale > 0 and 1.0 / scale <= _F32_MAX and norm / scale <= _F32_MAX):
+            finite = False
         if not finite:
             if self.scaler is None:
                 self._abandon_window(params)
