@@ -344,7 +344,7 @@ def _attach_lora_and_choose(run: Run, model, ckpt: Path | None) -> list:
 def train(s: dict) -> int:
     from tqdm import tqdm
     from . import TrainError
-    from .plot import plot_loss_curve
+    from .plot import plot_run
     run: Run = s["run"]
     data: Data = s["data"]
     model, engine, tr, out = s["model"], s["engine"], s["trainer"], s["out"]
