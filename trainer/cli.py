@@ -276,7 +276,8 @@ def prepare(args, argv_empty: bool) -> dict:
         else:
             model = Lfm2Model(cfg, ctx, engine, seed=run.seed, activation_dtype=dtype, recompute_mlp=run.recompute_mlp)
     except (CheckpointError, ConfigError) as e:
-        raise UsageError(f"model: {e}") from None
+        where = ckpt / "model" if ckpt is not None else run.model
+        raise UsageError(f"model: {e}" if where is None or str(where) in str(e) else f"model {where}: {e}") from None
     params = _attach_lora_and_choose(run, model, ckpt)
 
     from . import AdamW, SGD, FileGradSyncConfig, GradScaler, TrainError, Trainer
@@ -295,7 +296,7 @@ def prepare(args, argv_empty: bool) -> dict:
     if ckpt is not None:
         try:
             position = tr.load_checkpoint(ckpt)
-        except (TrainError, CheckpointError, KeyError) as e:
+        except (TrainError, CheckpointError, ConfigError, KeyError) as e:
             raise UsageError(f"--resume {ckpt}: {e}") from None
         saved_sched = meta.get("lr_scheduler")
         if saved_sched is not None and saved_sched != schedule.to_dict():
@@ -416,8 +417,8 @@ def train(s: dict) -> int:
         path = ckpt_root / f"step-{step:06d}"
         position = {"epoch": epoch, "next": nxt, "elapsed": elapsed0 + time.perf_counter() - t0,
                     "tokens": tokens_seen, "data_sha1": data.sha1, "n_train": n, "run": run.saved()}
-        tr.save_checkpoint(path, position)
-        copy_model_files(run.tokenizer, path / "model", run.model)
+        # the tokenizer and the other model files go in before the checkpoint becomes visible
+        tr.save_checkpoint(path, position, fill=lambda tmp: copy_model_files(run.tokenizer, tmp / "model", run.model))
         prune_checkpoints(ckpt_root, run.keep_checkpoints)
         return path
 

@@ -271,13 +271,17 @@ class Trainer:
         return self.scaler.loss_scale if self.scaler is not None else 1.0
 
     # ---- checkpoints ----
-    def save_checkpoint(self, directory, data_position: dict | None = None):
-        """Write a checkpoint (atomically); see trainer/checkpoint.py for what it holds."""
+    def save_checkpoint(self, directory, data_position: dict | None = None, fill=None):
+        """Write a checkpoint (atomically); see trainer/checkpoint.py for what it holds. ``fill``:
+        called with the temporary directory before it is renamed into place, to add files (the
+        tokenizer, say) that must be in the checkpoint when it appears."""
         from .checkpoint import save_checkpoint
-        return save_checkpoint(self, directory, data_position)
+        return save_checkpoint(self, directory, data_position, fill)
 
     def load_checkpoint(self, directory) -> dict:
-        """Restore a checkpoint written by save_checkpoint; returns the saved data position."""
+        """Restore a checkpoint written by save_checkpoint; returns the saved data position. Every
+        file is checked before anything changes: a bad one raises TrainError naming it, and the
+        weights, optimizer state and counters stay as they were."""
         from .checkpoint import load_checkpoint
         return load_checkpoint(self, directory)
 

@@ -15,7 +15,6 @@ from safetensors import TensorSpec, serialize_file
 
 from .config import Lfm2Config
 
-_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64}
 SAVE_DTYPES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}     # ours -> safetensors' names
 _STORED = {"F32": "f32", "F64": "f32", "F16": "f16", "BF16": "bf16"}
 
@@ -59,47 +58,142 @@ def parameter_shapes(cfg: Lfm2Config) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def read_safetensors(path: Path) -> dict[str, np.ndarray]:
-    """All tensors of one file as float32 arrays (bf16 and f16 widened)."""
-    raw = Path(path).read_bytes()
-    if len(raw) < 8:
-        raise CheckpointError(f"{path} is not a safetensors file (too short)")
-    (n,) = struct.unpack("<Q", raw[:8])
+_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+_RAW = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16, "I64": np.int64,
+        "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
+MAX_HEADER = 100 << 20          # safetensors' own limit on the header's size
+
+
+def _int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def parse_safetensors_header(raw: bytes, path, dtypes=FLOAT_DTYPES, size: int | None = None
+                             ) -> tuple[dict[str, dict], int]:
+    """The tensor entries of a safetensors file's bytes, every one checked against the file: a JSON
+    object of {"dtype", "shape", "data_offsets"} entries, dtypes among ``dtypes``, offsets within the
+    file and not overlapping, each tensor's byte count equal to its shape's. Returns them with the
+    offset of the data section. Any problem is a CheckpointError naming the file (and tensor).
+    ``size``: the file's length, when ``raw`` holds only its beginning (the header)."""
+    size = len(raw) if size is None else size
+    if size < 8:
+        raise CheckpointError(f"{path}: not a safetensors file ({size} bytes; the header length alone takes 8)")
+    (n,) = struct.unpack("<Q", bytes(raw[:8]))
+    if n > MAX_HEADER or 8 + n > size:
+        raise CheckpointError(f"{path}: not a safetensors file or cut short: its header claims {n} bytes but the "
+                              f"file has {size}")
     try:
-        header = json.loads(raw[8:8 + n])
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise CheckpointError(f"{path} has an unreadable safetensors header") from None
-    base = 8 + n
-    out = {}
+        header = json.loads(bytes(raw[8:8 + n]))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: unreadable safetensors header (not JSON: {e})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: the safetensors header is a JSON {type(header).__name__}; expected an object "
+                              "of tensor entries")
+    base, data_size = 8 + n, size - 8 - n
+    entries: dict[str, dict] = {}
     for name, meta in header.items():
         if name == "__metadata__":
+            if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+                raise CheckpointError(f"{path}: __metadata__ must be an object of strings, got {meta!r:.80}")
             continue
-        if meta["dtype"] not in _DTYPES:
-            raise CheckpointError(f"{path}: tensor {name!r} has dtype {meta['dtype']}; expected F32, F16 or BF16")
+        where = f"{path}: tensor {name!r}"
+        if not isinstance(meta, dict):
+            raise CheckpointError(f"{where}: expected an object with dtype, shape and data_offsets, got {meta!r:.80}")
+        lacking = [k for k in ("dtype", "shape", "data_offsets") if k not in meta]
+        if lacking:
+            raise CheckpointError(f"{where} lacks {', '.join(lacking)}")
+        dtype, shape, offsets = meta["dtype"], meta["shape"], meta["data_offsets"]
+        if dtype not in dtypes:
+            raise CheckpointError(f"{where} has dtype {dtype!r}; expected {', '.join(dtypes)}")
+        if not isinstance(shape, list) or not all(_int(d) and d >= 0 for d in shape):
+            raise CheckpointError(f"{where}: shape must be a list of sizes >= 0, got {shape!r:.80}")
+        if (not isinstance(offsets, list) or len(offsets) != 2 or not all(_int(o) for o in offsets)
+                or not 0 <= offsets[0] <= offsets[1]):
+            raise CheckpointError(f"{where}: data_offsets must be [begin, end] with 0 <= begin <= end, "
+                                  f"got {offsets!r:.80}")
+        if offsets[1] > data_size:
+            raise CheckpointError(f"{where}: data_offsets {offsets} reach past the end of the file (its data section "
+                                  f"has {data_size} bytes): the file is cut short or its header is damaged")
+        want = int(np.prod(shape, dtype=np.int64)) * _ITEMSIZE[dtype]
+        if offsets[1] - offsets[0] != want:
+            raise CheckpointError(f"{where}: shape {shape} of {dtype} takes {want} bytes but data_offsets {offsets} "
+                                  f"hold {offsets[1] - offsets[0]}")
+        entries[name] = {"dtype": dtype, "shape": shape, "data_offsets": offsets}
+    spans = sorted((m["data_offsets"][0], m["data_offsets"][1], name) for name, m in entries.items()
+                   if m["data_offsets"][1] > m["data_offsets"][0])
+    for (_, end, a), (begin, _, b) in zip(spans, spans[1:]):
+        if begin < end:
+            raise CheckpointError(f"{path}: the data of tensors {a!r} and {b!r} overlap")
+    return entries, base
+
+
+def read_file_bytes(path) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: no such file") from None
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot be read ({e.strerror or e})") from None
+
+
+def read_safetensors_raw(path, dtypes=FLOAT_DTYPES, raw: bytes | None = None) -> dict[str, np.ndarray]:
+    """All tensors of one file in their stored dtypes (BF16 as its uint16 bits), checked as
+    ``parse_safetensors_header`` describes; ``raw``: the file's bytes, if already read."""
+    raw = read_file_bytes(path) if raw is None else raw
+    entries, base = parse_safetensors_header(raw, path, dtypes)
+    out = {}
+    for name, meta in entries.items():
         start, end = meta["data_offsets"]
-        arr = np.frombuffer(raw, dtype=_DTYPES[meta["dtype"]], count=(end - start) // np.dtype(_DTYPES[meta["dtype"]]).itemsize,
+        arr = np.frombuffer(raw, dtype=_RAW[meta["dtype"]], count=(end - start) // _ITEMSIZE[meta["dtype"]],
                             offset=base + start)
-        if meta["dtype"] == "BF16":
-            arr = (arr.astype(np.uint32) << 16).view(np.float32)
-        out[name] = arr.astype(np.float32).reshape(meta["shape"])
+        out[name] = arr.reshape(meta["shape"])
     return out
 
 
-def load_checkpoint(directory: Path) -> dict[str, np.ndarray]:
-    d = Path(directory)
+def read_safetensors(path: Path, raw: bytes | None = None) -> dict[str, np.ndarray]:
+    """All tensors of one file as float32 arrays (bf16 and f16 widened)."""
+    out = {}
+    for name, arr in read_safetensors_raw(path, FLOAT_DTYPES, raw).items():
+        if arr.dtype == np.uint16:          # BF16
+            arr = (arr.astype(np.uint32) << 16).view(np.float32)
+        out[name] = arr.astype(np.float32)
+    return out
+
+
+def _weight_files(d: Path) -> list[Path]:
+    """The safetensors files of a model directory: model.safetensors, or the shards its index names."""
     index = d / "model.safetensors.index.json"
     if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        tensors: dict[str, np.ndarray] = {}
-        for shard in sorted(set(weight_map.values())):
-            if not (d / shard).exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{index}: not valid JSON ({e})") from None
+        except (TypeError, KeyError):
+            raise CheckpointError(f"{index}: expected a JSON object with a weight_map") from None
+        except OSError as e:
+            raise CheckpointError(f"{index}: cannot be read ({e.strerror or e})") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(f"{index}: weight_map must be an object of tensor name -> file name")
+        shards = sorted(set(weight_map.values()))
+        bad = [s for s in shards if Path(s).name != s or s in ("", ".", "..")]
+        if bad:
+            raise CheckpointError(f"{index}: weight_map names {bad[0]!r}; expected file names inside {d}")
+        for shard in shards:
+            if not (d / shard).is_file():
                 raise CheckpointError(f"{index.name} names shard {shard}, which is missing from {d}")
-            tensors.update(read_safetensors(d / shard))
-        return tensors
+        return [d / s for s in shards]
     single = d / "model.safetensors"
     if not single.exists():
         raise CheckpointError(f"no model.safetensors or model.safetensors.index.json in {d}")
-    return read_safetensors(single)
+    return [single]
+
+
+def load_checkpoint(directory: Path) -> dict[str, np.ndarray]:
+    tensors: dict[str, np.ndarray] = {}
+    for f in _weight_files(Path(directory)):
+        tensors.update(read_safetensors(f))
+    return tensors
 
 
 def read_generation_eos(directory: Path) -> list[int]:
@@ -141,19 +235,19 @@ def check_tensors(cfg: Lfm2Config, tensors: dict[str, np.ndarray]) -> dict[str, 
 
 def stored_dtype(directory: Path) -> str:
     """The dtype most of a checkpoint's tensor bytes are stored in: "f32", "f16" or "bf16"."""
-    d = Path(directory)
-    index = d / "model.safetensors.index.json"
-    files = sorted({d / f for f in json.loads(index.read_text())["weight_map"].values()}) if index.exists() \
-        else [d / "model.safetensors"]
     sizes: dict[str, int] = {}
-    for f in files:
-        with f.open("rb") as fh:
-            (n,) = struct.unpack("<Q", fh.read(8))
-            header = json.loads(fh.read(n))
-        for name, meta in header.items():
-            if name != "__metadata__" and meta["dtype"] in _STORED:
-                key = _STORED[meta["dtype"]]
-                sizes[key] = sizes.get(key, 0) + meta["data_offsets"][1] - meta["data_offsets"][0]
+    for f in _weight_files(Path(directory)):
+        try:
+            with f.open("rb") as fh:
+                head = fh.read(8)
+                n = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
+                head += fh.read(min(n, MAX_HEADER))
+        except OSError as e:
+            raise CheckpointError(f"{f}: cannot be read ({e.strerror or e})") from None
+        entries, _ = parse_safetensors_header(head, f, size=f.stat().st_size)
+        for meta in entries.values():
+            key = _STORED[meta["dtype"]]
+            sizes[key] = sizes.get(key, 0) + meta["data_offsets"][1] - meta["data_offsets"][0]
     return max(sizes, key=sizes.get) if sizes else "f32"
 
 

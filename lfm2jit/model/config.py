@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -10,6 +11,22 @@ LAYER_TYPES = ("conv", "full_attention")
 
 class ConfigError(ValueError):
     """A config value that is unknown, out of range or contradicts another; names the key."""
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_real(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _shown(v) -> str:
+    """A value as the message shows it: its JSON type too, so "1.0" (a string) reads apart from 1.0."""
+    text = repr(v)
+    text = text if len(text) <= 60 else text[:57] + "..."
+    kind = {str: "string", list: "list", dict: "object", bool: "boolean", type(None): "null"}.get(type(v))
+    return f"{text} ({kind})" if kind else text
 
 
 @dataclass
@@ -37,7 +54,7 @@ class Lfm2Config:
     eos_token_id: int | list[int] | None = 2
 
     def __post_init__(self):
-        if self.layer_types is None:
+        if self.layer_types is None and _is_int(self.num_hidden_layers):
             self.layer_types = ["full_attention"] * self.num_hidden_layers
         self.validate()
 
@@ -63,11 +80,36 @@ class Lfm2Config:
         return [i for i, t in enumerate(self.layer_types) if t == "full_attention"]
 
     def validate(self) -> None:
+        """Every field's type and range, then the sizes' relations; a ConfigError names the key."""
         for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                    "num_key_value_heads", "conv_L_cache", "block_multiple_of"):
+                    "num_key_value_heads", "conv_L_cache", "block_multiple_of", "max_position_embeddings"):
             value = getattr(self, key)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"{key} must be a positive integer, got {value!r}")
+            if not _is_int(value) or value < 1:
+                raise ConfigError(f"{key} must be a positive integer, got {_shown(value)}")
+        for key in ("conv_bias", "tie_word_embeddings", "block_auto_adjust_ff_dim"):
+            if not isinstance(getattr(self, key), bool):
+                raise ConfigError(f"{key} must be true or false, got {_shown(getattr(self, key))}")
+        for key, allow_none, allow_zero in (("norm_eps", False, False), ("rope_theta", False, False),
+                                            ("block_ffn_dim_multiplier", True, False),
+                                            ("initializer_range", False, True)):
+            value = getattr(self, key)
+            if value is None and allow_none:
+                continue
+            if not _is_real(value) or not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+                raise ConfigError(f"{key} must be a {'non-negative' if allow_zero else 'positive'} finite number"
+                                  f"{' or null' if allow_none else ''}, got {_shown(value)}")
+        if not isinstance(self.layer_types, list) or not all(isinstance(t, str) for t in self.layer_types):
+            raise ConfigError(f"layer_types must be a list of layer names ({', '.join(LAYER_TYPES)}), "
+                              f"got {_shown(self.layer_types)}")
+        for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
+            value = getattr(self, key)
+            if value is None:
+                continue
+            ids = value if key == "eos_token_id" and isinstance(value, list) else [value]
+            if not ids or not all(_is_int(i) and 0 <= i < self.vocab_size for i in ids):
+                expected = "an id or a non-empty list of ids" if key == "eos_token_id" else "an id"
+                raise ConfigError(f"{key} must be {expected} in 0..{self.vocab_size - 1} (vocab_size "
+                                  f"{self.vocab_size}) or null, got {_shown(value)}")
         if self.hidden_size % self.num_attention_heads:
             raise ConfigError(f"hidden_size {self.hidden_size} is not divisible by num_attention_heads "
                               f"{self.num_attention_heads}")
@@ -82,14 +124,15 @@ class Lfm2Config:
         bad = [t for t in self.layer_types if t not in LAYER_TYPES]
         if bad:
             raise ConfigError(f"layer_types has unknown values {sorted(set(bad))}; expected {', '.join(LAYER_TYPES)}")
-        if not self.norm_eps > 0:
-            raise ConfigError(f"norm_eps must be positive, got {self.norm_eps!r}")
-        if not self.rope_theta > 0:
-            raise ConfigError(f"rope_theta must be positive, got {self.rope_theta!r}")
+        if self.ff_dim < 1:
+            raise ConfigError(f"the MLP width from intermediate_size {self.intermediate_size} and "
+                              f"block_ffn_dim_multiplier {self.block_ffn_dim_multiplier} is {self.ff_dim}; expected >= 1")
 
     # ---- Hugging Face config.json ----
     @classmethod
     def from_dict(cls, d: dict) -> "Lfm2Config":
+        if not isinstance(d, dict):
+            raise ConfigError(f"a config must be a JSON object of settings, got {_shown(d)}")
         d = dict(d)
         model_type = d.get("model_type", "lfm2")
         if model_type != "lfm2":
@@ -117,22 +160,28 @@ class Lfm2Config:
                 raise ConfigError(f"rope_parameters.rope_type {kind!r} is not supported; expected 'default'")
             if "rope_theta" in rope:
                 d.setdefault("rope_parameters.rope_theta", rope["rope_theta"])
-        alias(("rope_theta", "theta", "rope_parameters.rope_theta"), "rope_theta", float)
+        alias(("rope_theta", "theta", "rope_parameters.rope_theta"), "rope_theta",
+              lambda v: float(v) if _is_real(v) else v)          # validate() names a value of another type
         for f in fields(cls):
             if f.name in d and f.name not in out and f.name != "layer_types":
                 out[f.name] = d[f.name]
         layers = out.get("num_hidden_layers", cls.num_hidden_layers)
+        idxs = d.get("full_attn_idxs")
+        if idxs is not None and (not isinstance(idxs, list) or not all(_is_int(i) for i in idxs)):
+            raise ConfigError(f"full_attn_idxs must be a list of layer indices, got {_shown(idxs)}")
         if d.get("layer_types") is not None:
-            out["layer_types"] = list(d["layer_types"])
-            if d.get("full_attn_idxs") is not None:
+            lt = d["layer_types"]
+            out["layer_types"] = list(lt) if isinstance(lt, list) else lt     # validate() names a bad one
+            if idxs is not None and isinstance(lt, list):
                 implied = [i for i, t in enumerate(out["layer_types"]) if t == "full_attention"]
                 if sorted(d["full_attn_idxs"]) != implied:
                     raise ConfigError(f"contradictory values: full_attn_idxs={d['full_attn_idxs']} but layer_types "
                                       f"puts attention at {implied}")
         else:
-            idxs = d.get("full_attn_idxs")
+            if not _is_int(layers) or layers < 1:
+                raise ConfigError(f"num_hidden_layers must be a positive integer, got {_shown(layers)}")
             idxs = list(range(layers)) if idxs is None else idxs
-            bad = [i for i in idxs if not isinstance(i, int) or not 0 <= i < layers]
+            bad = [i for i in idxs if not 0 <= i < layers]
             if bad:
                 raise ConfigError(f"full_attn_idxs has entries {bad} outside 0..{layers - 1}")
             out["layer_types"] = ["full_attention" if i in idxs else "conv" for i in range(layers)]
@@ -140,7 +189,8 @@ class Lfm2Config:
             cfg = cls(**out)
         except TypeError as e:
             raise ConfigError(str(e)) from None
-        if d.get("head_dim") is not None and d["head_dim"] != cfg.head_dim:   # transformers would honour it
+        head_dim = d.get("head_dim")        # transformers would honour another one
+        if head_dim is not None and (not _is_int(head_dim) or head_dim != cfg.head_dim):
             raise ConfigError(f"head_dim {d['head_dim']!r} is not supported: it must equal hidden_size / "
                               f"num_attention_heads = {cfg.head_dim}")
         return cfg
@@ -154,9 +204,14 @@ class Lfm2Config:
             data = json.loads(p.read_text())
         except FileNotFoundError:
             raise ConfigError(f"no config file at {p}") from None
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"{p} is not valid JSON: {e}") from None
-        return cls.from_dict(data)
+        except OSError as e:
+            raise ConfigError(f"{p}: cannot be read ({e.strerror or e})") from None
+        try:
+            return cls.from_dict(data)
+        except ConfigError as e:
+            raise ConfigError(f"{p}: {e}") from None
 
     def to_dict(self) -> dict:
         """A config.json that transformers' Lfm2Config reads back to the same model."""
