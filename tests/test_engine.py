@@ -256,3 +256,22 @@ def test_copy_rows_refuses_what_webgpu_cannot_copy(engine):
         engine.copy_rows(f, engine.empty((2, 2)), 3)
     with pytest.raises(ValueError, match="overlap"):
         engine.copy_rows(f, f, 2, 0, 1)
+
+
+def test_no_runtime_dir_noise_outside_the_scripts(tmp_path):
+    """Run as the README's `.venv/bin/python -m ...` commands are, with no XDG_RUNTIME_DIR: the
+    context gives the process a private one before a driver opens, so lavapipe prints nothing."""
+    import os
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "XDG_RUNTIME_DIR"}
+    env["TMPDIR"] = str(tmp_path)
+    code = ("import os, numpy as np; from lfm2jit import WgpuContext, ComputeEngine; c = WgpuContext.create(); "
+            "e = ComputeEngine(c); print(e.run('scale', x=e.tensor(np.ones((2, 3), np.float32)), alpha=2.0)['y']"
+            ".numpy().sum(), os.environ['XDG_RUNTIME_DIR'])")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    total, runtime_dir = done.stdout.split()
+    assert float(total) == 12.0 and runtime_dir == str(tmp_path / f"lfm2jit-runtime-{os.getuid()}")
+    assert os.stat(runtime_dir).st_mode & 0o777 == 0o700
+    assert "XDG_RUNTIME_DIR" not in done.stderr

@@ -27,6 +27,25 @@ class AdapterError(RuntimeError):
 
 
 @functools.lru_cache(maxsize=1)
+def ensure_runtime_dir() -> None:
+    """Give the process a valid XDG_RUNTIME_DIR before a driver opens (Mesa's lavapipe prints
+    "XDG_RUNTIME_DIR is invalid" for every device it opens without one), as scripts/env.sh does for
+    the scripts: a private directory of this user under the temp directory."""
+    if os.name != "posix" or os.path.isdir(os.environ.get("XDG_RUNTIME_DIR", "")):
+        return
+    import stat
+    import tempfile
+    path = os.path.join(tempfile.gettempdir(), f"lfm2jit-runtime-{os.getuid()}")
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        info = os.lstat(path)
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+            path = tempfile.mkdtemp(prefix="lfm2jit-runtime-")       # someone else's: a fresh private one
+    except OSError:
+        path = tempfile.mkdtemp(prefix="lfm2jit-runtime-")
+    os.environ["XDG_RUNTIME_DIR"] = path
+
+
 def dawn_has_gpu() -> bool:
     """Whether Dawn lists a GPU adapter here. Asked once, and quietly: on a machine where it finds
     none (lavapipe) Dawn prints why on stderr, which is no news to someone who did not ask for it."""
@@ -119,6 +138,7 @@ class WgpuContext:
         """The best adapter (or the best matching ``adapter_substring`` / LFM2JIT_ADAPTER) of the
         implementation ``webgpu`` / LFM2JIT_WEBGPU: "dawn", "wgpu-native", or "auto" (Dawn when it
         lists a GPU, else wgpu-native)."""
+        ensure_runtime_dir()
         opts = settings()
         wanted = adapter_substring if adapter_substring is not None else opts.adapter
         impl = choose_implementation(webgpu or opts.webgpu)
