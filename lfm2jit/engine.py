@@ -122,13 +122,21 @@ class ComputeEngine(Recorder):
         for t in kernel.temps:         # back in the pool once recorded: later work runs after this call's
             env[t.name] = self.empty(tuple(sizes[a] for a in t.shape), t.dtype,
                                      capacity=math.prod(_padded(sizes, bucket, t.shape)))
+        calls = []
+        limit = self.ctx.limits.get("max-storage-buffer-binding-size")
         for k, compiled in parts:
             spec = compiled.spec
-            tensors = [env[n] for n in spec.inputs] + [env[n] for n, _, _ in spec.outputs]
-            tensors += [self.empty((s.elements,), s.dtype) for s in spec.scratch]
+            names = list(spec.inputs) + [n for n, _, _ in spec.outputs]
+            tensors = [env[n] for n in names] + [self.empty((s.elements,), s.dtype) for s in spec.scratch]
+            for name, t in zip(names + [f"scratch {s.tensor}" for s in spec.scratch], tensors):
+                if limit and t.binding_size > limit:     # wgpu would fail inside the dispatch: refuse first
+                    raise ValueError(f"{ir.name}: {name} binds {t.binding_size} bytes ({t.dtype}{list(t.shape)}); the "
+                                     f"adapter binds at most {limit} (max-storage-buffer-binding-size): split the "
+                                     "work or use a smaller length bucket")
             values = tuple(scalars[s] for s in k.ir.scalars)
-            info = struct.pack(f"<I{len(values)}f", t_valid, *values)
-            self.dispatch(compiled.pipelines, tensors, info, k.ir.scalars, values)
+            calls.append((compiled, tensors, struct.pack(f"<I{len(values)}f", t_valid, *values), k.ir.scalars, values))
+        for compiled, tensors, info, names, values in calls:
+            self.dispatch(compiled.pipelines, tensors, info, names, values)
         return {n: _drop_leading(outputs[n], decl, left_out) for n, decl in zip(outputs, ir.outputs)}
 
     def _leading_axes(self, ir, args: dict) -> tuple[dict, set[str]]:

@@ -275,3 +275,16 @@ def test_no_runtime_dir_noise_outside_the_scripts(tmp_path):
     assert float(total) == 12.0 and runtime_dir == str(tmp_path / f"lfm2jit-runtime-{os.getuid()}")
     assert os.stat(runtime_dir).st_mode & 0o777 == 0o700
     assert "XDG_RUNTIME_DIR" not in done.stderr
+
+
+def test_a_binding_over_the_adapters_limit_is_refused_before_gpu_work(ctx, rng, monkeypatch):
+    """wgpu would fail inside the dispatch (or the device be lost); the engine names the tensor first."""
+    e = ComputeEngine(ctx)
+    x = e.tensor(rng.standard_normal((64, 32)).astype(np.float32))
+    monkeypatch.setitem(e.ctx.limits, "max-storage-buffer-binding-size", 4096)    # 64 x 32 f32 = 8192 bytes
+    before = e.dispatches
+    with pytest.raises(ValueError, match=r"softmax: x binds 8192 bytes \(f32\[64, 32\]\); the adapter binds at most 4096"):
+        e.run("softmax", x=x)
+    assert e.dispatches == before
+    monkeypatch.setitem(e.ctx.limits, "max-storage-buffer-binding-size", 8192)
+    assert e.run("softmax", x=x)["y"].shape == (64, 32)
