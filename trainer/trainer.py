@@ -242,6 +242,13 @@ class Trainer:
         self.distributed_grad_sync = FileGradSync(config) if config is not None else None
         return self
 
+    def with_mpi_grad_sync(self, comm=None, timeout_s: float = 600.0, run_id: str = "run") -> "Trainer":
+        """Average gradients over MPI ranks (mpi4py; ``comm`` defaults to COMM_WORLD): see
+        trainer/mpi_sync.py. Each rank trains its own share of a window, as with the file sync."""
+        from .mpi_sync import MpiGradSync
+        self.distributed_grad_sync = MpiGradSync(comm, timeout_s, run_id)
+        return self
+
     def sync_handshake(self, params) -> None:
         """With a file gradient sync: announce this rank and wait until every rank has announced
         the same run (world size, distinct ranks, the parameters' names, shapes and dtypes); a

@@ -1,0 +1,68 @@
+"""Data-parallel training over MPI (trainer/mpi_sync.py), under a real mpiexec: 2 ranks equal one
+process with the same total batch (within f32 rounding; the ranks bit for bit); a killed, a hung and a mismatched rank end the job
+with a non-zero exit (and a clear error where a rank lives to say it), nothing saved."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from conftest import rel_err  # noqa: E402
+from sync_worker import make_trainer, rank_sequences  # noqa: E402
+
+MPIEXEC = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
+WINDOWS = 3
+
+
+def _mpiexec(n: int, tmp_path: Path, *extra: str, timeout: float = 240):
+    if MPIEXEC is None:
+        pytest.fail("mpiexec is not installed: pip install mpi4py mpich (the test extras include them)")
+    return subprocess.run([MPIEXEC, "-n", str(n), sys.executable, str(HERE / "mpi_worker.py"), "--windows",
+                           str(WINDOWS), "--accum", "1", "--out", str(tmp_path / "w"), *extra],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_two_ranks_equal_one_process_with_the_same_batch(ctx, tmp_path):
+    done = _mpiexec(2, tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    ranks = [np.load(tmp_path / f"w.rank{r}.npz") for r in (0, 1)]
+    from lfm2jit import ComputeEngine
+    engine = ComputeEngine(ctx)
+    model, tr = make_trainer(ctx, engine, 2)
+    init = model.state_dict()
+    tr.with_packing(0)                                  # one sequence per pass, as each rank runs them
+    for i, t, m in rank_sequences(0, 1, WINDOWS, 2):
+        tr.train_step_masked(i, t, m, model.parameters())
+    want = model.state_dict()
+    assert int(ranks[0]["optimizer_steps"]) == tr.optimizer_steps() == WINDOWS
+    for name, w in want.items():             # one process adds the window's sequences into one buffer, in
+        assert rel_err(ranks[0][name], w) < 1e-5, name      # another order: equal within f32 rounding
+        np.testing.assert_array_equal(ranks[0][name], ranks[1][name], err_msg=f"ranks disagree on {name}")
+        assert not np.array_equal(w, init[name]), f"{name} was not trained"
+
+
+def test_a_killed_rank_ends_the_job(tmp_path):
+    done = _mpiexec(2, tmp_path, "--die-at", "2", "--timeout", "20", timeout=120)
+    assert done.returncode != 0
+    assert not list(tmp_path.glob("w.rank*.npz"))
+
+
+def test_a_hung_rank_is_a_clear_error_within_the_timeout(tmp_path):
+    done = _mpiexec(2, tmp_path, "--hang-at", "2", "--timeout", "5", timeout=120)
+    assert done.returncode != 0
+    assert ("error: rank 0: MPI gradient sync: the allreduce at optimizer step 2 did not complete within 5s"
+            in done.stderr), done.stderr[-2000:]
+    assert not list(tmp_path.glob("w.rank*.npz"))
+
+
+def test_a_rank_of_another_run_is_refused_before_any_step(tmp_path):
+    done = _mpiexec(2, tmp_path, "--run-id-of-rank1", "other", "--timeout", "20", timeout=120)
+    assert done.returncode != 0
+    assert "has run id" in done.stderr and "every rank must run the same job" in done.stderr, done.stderr[-2000:]
+    assert not list(tmp_path.glob("w.rank*.npz"))

@@ -1,0 +1,124 @@
+"""Gradients averaged over MPI ranks (``mpiexec -n N python -m trainer --distributed mpi``).
+
+The same contract as the file sync (trainer/sync.py), through an MPI communicator (mpi4py; the
+``mpich`` wheel from PyPI is all it takes, a system MPI works too):
+
+* ``handshake``: every rank's run id, world size and trained parameters (names, shapes, dtypes)
+  are gathered on every rank, so each one reaches the same verdict; a mismatch is a TrainError
+  on every rank before the first step.
+* ``average``: each rank reads its gradients back in bucket order, and each bucket is summed over
+  the ranks by a non-blocking allreduce in float64 while the next bucket is read back. A sum of a
+  few float32 values in float64 is exact, so every rank gets the same bits whatever order MPI
+  adds in, and the mean (rounded to float32 once) equals the file sync's and one process's.
+* Faults: a collective that does not complete within ``timeout_s`` (a rank died or hangs) is a
+  TrainError naming the step and the ranks' state; nothing is applied. A dead rank normally makes
+  mpiexec end the job; the timeout covers the rest.
+"""
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+
+from .errors import TrainError
+
+BUCKET_BYTES = 32 << 20        # float32 gradient bytes per allreduce
+POLL_S = 0.001
+
+
+def _mpi():
+    try:
+        from mpi4py import MPI
+    except ImportError as e:
+        raise TrainError(f"--distributed mpi needs mpi4py and an MPI library ({e}): pip install mpi4py mpich") from None
+    return MPI
+
+
+class MpiGradSync:
+    """A ``Trainer.distributed_grad_sync`` over an MPI communicator (default: COMM_WORLD)."""
+
+    def __init__(self, comm=None, timeout_s: float = 600.0, run_id: str = "run"):
+        MPI = _mpi()
+        self.MPI = MPI
+        self.comm = comm if comm is not None else MPI.COMM_WORLD
+        self.rank, self.world_size = self.comm.Get_rank(), self.comm.Get_size()
+        if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
+            raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+        self.timeout_s, self.run_id = float(timeout_s), run_id
+        self.ready = False
+        self.rounds = 0
+
+    def resume_from(self, step: int) -> None:
+        self.rounds = step
+
+    def _wait(self, request, what: str):
+        """Complete a non-blocking MPI request, or raise after timeout_s."""
+        deadline = time.monotonic() + self.timeout_s
+        while not request.Test():
+            if time.monotonic() > deadline:
+                raise TrainError(f"MPI gradient sync: {what} did not complete within {self.timeout_s:g}s on rank "
+                                 f"{self.rank} of {self.world_size} (a rank died, hangs or is elsewhere in the run); "
+                                 "nothing was applied")
+            time.sleep(POLL_S)
+
+    def _allgather_json(self, value, what: str) -> list:
+        """Every rank's ``value`` (JSON), gathered with non-blocking collectives under the timeout."""
+        mine = np.frombuffer(json.dumps(value).encode(), np.uint8)
+        lengths = np.zeros(self.world_size, np.int64)
+        self._wait(self.comm.Iallgather(np.array([mine.size], np.int64), lengths), what)
+        data = np.empty(int(lengths.sum()), np.uint8)
+        self._wait(self.comm.Iallgatherv(mine, [data, lengths.tolist()]), what)
+        ends = np.cumsum(lengths)
+        return [json.loads(bytes(data[e - n:e])) for n, e in zip(lengths, ends)]
+
+    def handshake(self, names: list[str], params: list) -> None:
+        me = {"run_id": self.run_id, "world_size": self.world_size, "rank": self.rank,
+              "params": [[n, list(p.shape), p.dtype] for n, p in zip(names, params)]}
+        hellos = self._allgather_json(me, "the handshake (every rank announcing its run)")
+        for other in hellos:
+            for key, what in (("run_id", "run id"), ("world_size", "world size")):
+                if other[key] != me[key]:
+                    raise TrainError(f"MPI gradient sync: rank {other['rank']} has {what} {other[key]!r} but rank "
+                                     f"{self.rank} has {me[key]!r}: every rank must run the same job")
+            if other["params"] != me["params"]:
+                ours, theirs = dict((n, (s, d)) for n, s, d in me["params"]), dict(
+                    (n, (s, d)) for n, s, d in other["params"])
+                diff = sorted(set(ours) ^ set(theirs)) or [n for n in ours if ours[n] != theirs[n]]
+                raise TrainError(f"MPI gradient sync: rank {other['rank']} trains other parameters than rank "
+                                 f"{self.rank} (first difference: {diff[0]}): every rank must train the same model")
+        self.ready = True
+
+    def average(self, engine, names: list[str], params: list, step: int) -> None:
+        """Replace each parameter's .grad by the mean over the ranks of this window's gradients."""
+        if self.world_size == 1:
+            return
+        if not self.ready:
+            self.handshake(names, params)
+        MPI = self.MPI
+        buckets, current, size = [], [], 0
+        for p in params:
+            current.append(p)
+            size += 4 * p.grad.size
+            if size >= BUCKET_BYTES:
+                buckets.append(current)
+                current, size = [], 0
+        if current:
+            buckets.append(current)
+        sums, pending = [], None
+        for bucket in buckets:                        # read the next bucket back while the last one is summed
+            send = np.concatenate([p.grad.numpy().astype(np.float64).ravel() for p in bucket])
+            recv = np.empty_like(send)
+            request = self.comm.Iallreduce(send, recv, op=MPI.SUM)
+            if pending is not None:
+                self._wait(pending[0], f"the allreduce at optimizer step {step}")
+            pending = (request, send, recv)
+            sums.append(recv)
+        self._wait(pending[0], f"the allreduce at optimizer step {step}")
+        for bucket, total in zip(buckets, sums):
+            at = 0
+            for p in bucket:
+                n = p.grad.size
+                p.grad.write((total[at:at + n] / self.world_size).astype(np.float32).reshape(p.grad.shape))
+                at += n
+        self.rounds += 1
