@@ -6,8 +6,9 @@ The same contract as the file sync (trainer/sync.py), through an MPI communicato
 * ``handshake``: every rank's run id, world size and trained parameters (names, shapes, dtypes)
   are gathered on every rank, so each one reaches the same verdict; a mismatch is a TrainError
   on every rank before the first step.
-* ``average``: each rank reads its gradients back in bucket order, and each bucket is summed over
-  the ranks by a non-blocking allreduce in float64 while the next bucket is read back. A sum of a
+* ``average``: each rank reads its gradients back in bucket order (each bucket copied on the GPU
+  into one buffer and read back in one mapping), and each bucket is summed over the ranks by a
+  non-blocking allreduce in float64 while the next bucket is read back. A sum of a
   few float32 values in float64 is exact, so every rank gets the same bits whatever order MPI
   adds in, and the mean (rounded to float32 once) equals the file sync's and one process's.
 * Faults: a collective that does not complete within ``timeout_s`` (a rank died or hangs) is a
@@ -48,6 +49,8 @@ class MpiGradSync:
         self.timeout_s, self.run_id = float(timeout_s), run_id
         self.ready = False
         self.rounds = 0
+        self.seconds = {"readback": 0.0, "allreduce_wait": 0.0, "write": 0.0}   # summed over rounds, for benches
+        self.bytes = 0                                  # float32 gradient bytes read back, summed
 
     def resume_from(self, step: int) -> None:
         self.rounds = step
@@ -105,20 +108,46 @@ class MpiGradSync:
                 current, size = [], 0
         if current:
             buckets.append(current)
-        sums, pending = [], None
+        sums, pending, clock = [], None, time.perf_counter
         for bucket in buckets:                        # read the next bucket back while the last one is summed
-            send = np.concatenate([p.grad.numpy().astype(np.float64).ravel() for p in bucket])
+            t0 = clock()
+            send = _read_back(engine, bucket).astype(np.float64)
+            t1 = clock()
             recv = np.empty_like(send)
             request = self.comm.Iallreduce(send, recv, op=MPI.SUM)
             if pending is not None:
                 self._wait(pending[0], f"the allreduce at optimizer step {step}")
+            self.seconds["readback"] += t1 - t0
+            self.seconds["allreduce_wait"] += clock() - t1
+            self.bytes += 4 * send.size
             pending = (request, send, recv)
             sums.append(recv)
+        t0 = clock()
         self._wait(pending[0], f"the allreduce at optimizer step {step}")
+        t1 = clock()
         for bucket, total in zip(buckets, sums):
-            at = 0
-            for p in bucket:
-                n = p.grad.size
-                p.grad.write((total[at:at + n] / self.world_size).astype(np.float32).reshape(p.grad.shape))
-                at += n
+            _write_back(engine, bucket, (total / self.world_size).astype(np.float32))
+        self.seconds["allreduce_wait"] += t1 - t0
+        self.seconds["write"] += clock() - t1
         self.rounds += 1
+
+
+def _read_back(engine, bucket) -> np.ndarray:
+    """A bucket's gradients as one float32 array: copied on the GPU into one buffer (recorded
+    copies), then read back in one mapping instead of one per tensor."""
+    total = sum(p.grad.size for p in bucket)
+    stage = engine.empty((total, 1), "f32")
+    at = 0
+    for p in bucket:
+        engine.copy_rows(p.grad.view(p.grad.size, 1), stage, p.grad.size, 0, at)
+        at += p.grad.size
+    return stage.numpy().reshape(-1)
+
+
+def _write_back(engine, bucket, values: np.ndarray) -> None:
+    """The averaged gradients into each .grad: one upload, then recorded copies."""
+    stage = engine.tensor(values.reshape(-1, 1))
+    at = 0
+    for p in bucket:
+        engine.copy_rows(stage, p.grad.view(p.grad.size, 1), p.grad.size, at, 0)
+        at += p.grad.size
