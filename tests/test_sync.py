@@ -155,3 +155,66 @@ def test_missing_peers_are_named_and_other_runs_files_are_not_used(ctx, engine, 
     assert tr.optimizer_steps() == 0 and not tr.optimizer.state
     for n, a in snap(model).items():
         assert np.array_equal(a, weights[n]), f"{n} changed"
+
+
+# ---- the CLI's two ranks: global metrics and evaluation, and no files left behind ----
+
+def trainer_cli(args, cwd=ROOT) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.Popen([sys.executable, "-m", "trainer", *map(str, args)], cwd=cwd, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def jsonl(path: Path) -> list[dict]:
+    import json
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_two_cli_ranks_report_the_one_process_runs_metrics_and_evaluation(tmp_path):
+    """Two ranks with --grad-accum 1 take the steps of one process with --grad-accum 2: both ranks'
+    metrics.jsonl hold that run's losses and token counts, and the held-out loss, answer loss and
+    exact match (5 records split 3 + 2 over the ranks, sums combined) are the one-process run's."""
+    import json
+    common = ["--preset", "tiny", "--steps", 3, "--schedule", "constant", "--eval-max", 5, "--no-progress"]
+    one = trainer_cli([*common, "--grad-accum", 2, "--pack-tokens", 0, "--out", tmp_path / "one"])
+    out, err = one.communicate(timeout=300)
+    assert one.returncode == 0, err
+    sync = tmp_path / "sync"
+    two = [["--sync-dir", sync, "--world-size", 2, "--rank", r, "--grad-accum", 1, "--out", tmp_path / "two",
+            "--sync-timeout", 120] for r in (0, 1)]
+    procs = [trainer_cli(common + a) for a in two]
+    results = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], results
+    want = jsonl(tmp_path / "one" / "metrics.jsonl")
+    for d in (tmp_path / "two", tmp_path / "two" / "rank1"):
+        got = jsonl(d / "metrics.jsonl")
+        assert [m["step"] for m in got] == [m["step"] for m in want] == [1, 2, 3]
+        for g, w in zip(got, want):
+            assert g["loss"] == pytest.approx(w["loss"], rel=1e-6), (d, g, w)
+            assert (g["tokens"], g["supervised"]) == (w["tokens"], w["supervised"])
+    s1 = json.loads((tmp_path / "one" / "summary.json").read_text())
+    for d in (tmp_path / "two", tmp_path / "two" / "rank1"):
+        s2 = json.loads((d / "summary.json").read_text())
+        for key in ("eval_before", "eval_after", "eval_answer_before", "eval_answer_after", "first_loss", "last_loss"):
+            assert s2[key] == pytest.approx(s1[key], rel=1e-5), (d, key)
+        for key in ("eval_sequences", "eval_answers_scored", "eval_exact_match", "tokens", "sequences"):
+            assert s2[key] == s1[key], (d, key)
+    assert s1["eval_sequences"] == 5 and s1["eval_answers_scored"] == 5
+    assert "5 sequences" in results[0][0]                        # rank 0 prints the whole held-out set's numbers
+    assert sorted(os.listdir(sync)) == []                        # a run that ended well leaves no sync file
+
+
+def test_readme_two_rank_example_runs_twice_in_a_row(tmp_path):
+    """The README's two-rank command, as written (with this interpreter), twice in the same directory."""
+    import re
+    readme = (ROOT / "README.md").read_text()
+    block = re.search(r"```bash\n(for r in 0 1; do\n.*?--world-size 2.*?done; wait)\n```", readme, re.S).group(1)
+    script = block.replace(".venv/bin/python", f'"{sys.executable}"')
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    for attempt in (1, 2):
+        r = subprocess.run(["bash", "-c", "set -e; " + script.replace("done; wait", "done\nfor j in $(jobs -p); do "
+                                                                    "wait $j; done")],
+                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, (attempt, r.stdout[-3000:], r.stderr[-3000:])
+        assert r.stdout.count("done: 5 optimizer steps") == 2, (attempt, r.stdout[-3000:])
+        assert os.listdir(tmp_path / "runs" / "sync") == [], attempt

@@ -41,6 +41,10 @@ from .run_dir import (check_sync_dir, clean, copy_model_files, default_out, find
                       read_checkpoint_meta, read_metrics)
 
 MAX_SKIPPED_IN_A_ROW = 50
+# Without --checkpoint-every: after AUTO_CHECKPOINT_AFTER steps, checkpoint every N steps, N such that
+# a checkpoint is written about every AUTO_CHECKPOINT_SECONDS of training at the measured step time.
+AUTO_CHECKPOINT_SECONDS = 600.0
+AUTO_CHECKPOINT_AFTER = 10
 
 METRICS_KEYS = ("step", "loss", "tokens", "supervised", "tokens_per_s", "lr", "grad_norm", "loss_scale",
                 "skipped", "elapsed", "epoch")
@@ -342,10 +346,36 @@ def _attach_lora_and_choose(run: Run, model, ckpt: Path | None) -> list:
     return trainable(model, run.lora_r is not None, run.train_only, run.freeze)
 
 
+def auto_checkpoint_every(step_seconds: list[float], target: float = AUTO_CHECKPOINT_SECONDS) -> int:
+    """Steps between checkpoints so that one is written about every ``target`` seconds: from the median
+    time of the measured steps, leaving out the first two (they compile the kernels) when there are more."""
+    times = step_seconds[2:] if len(step_seconds) > 2 else step_seconds
+    per = float(np.median(times)) if times else 0.0
+    return max(1, int(round(target / per))) if per > 0 and np.isfinite(per) else 1
+
+
+class _Interrupted(Exception):
+    """SIGINT/SIGTERM arrived: the loop stops at the next step boundary."""
+
+
+def _saved_evals(pos: dict, start: int) -> list[dict]:
+    """The held-out evaluations at the starts and ends of the earlier segments of a resumed run (kept in
+    the checkpoint's data position as "evals"); anything malformed is left out."""
+    out = []
+    for e in pos.get("evals") or [] if isinstance(pos.get("evals"), list) else []:
+        if (isinstance(e, dict) and type(e.get("step")) is int and 0 <= e["step"] <= start
+                and isinstance(e.get("loss"), (int, float)) and not isinstance(e.get("loss"), bool)):
+            out.append({k: e[k] for k in ("step", "loss", "answer_loss", "exact_match") if k in e})
+    return out
+
+
 def train(s: dict) -> int:
+    import signal
+    import threading
     from tqdm import tqdm
     from . import TrainError
     from .plot import plot_run
+    from .report import Reporters
     run: Run = s["run"]
     data: Data = s["data"]
     model, engine, tr, out = s["model"], s["engine"], s["trainer"], s["out"]
@@ -385,6 +415,9 @@ def train(s: dict) -> int:
           + (", loss scaling" if run.scaler else "") + (", f16 activations" if run.f16 else ""))
     print(f"  output: {out.resolve()}")
     sys.stdout.flush()
+    reporters = Reporters(run.report_to if run.rank == 0 else [], out, first_step=start + 1,
+                          warn=lambda line: print(line, file=sys.stderr))
+    reporters.start(json.loads((rank_dir / "run.json").read_text()))
 
     my_eval = data.eval[run.rank::run.world_size]
     nan = float("nan")
@@ -399,8 +432,13 @@ def train(s: dict) -> int:
               + (f" (answer tokens only: {answer_before:.4f})" if data.has_answers else "")
               + f"; {len(my_eval)} sequences, {time.perf_counter() - t_eval:.1f}s")
         sys.stdout.flush()
+        reporters.log_eval(start, before)
 
     pos = s["position"]
+    # the evaluations at the starts and ends of the run's segments, kept in every checkpoint
+    run_evals = _saved_evals(pos, start)
+    if my_eval and not any(e["step"] == start for e in run_evals):
+        run_evals.append({"step": start, "loss": clean(eval_before), "answer_loss": clean(answer_before)})
     epoch, nxt = int(pos.get("epoch", 0)), int(pos.get("next", 0))
     elapsed0, tokens_seen = float(pos.get("elapsed", 0.0)), int(pos.get("tokens", 0))
     n = len(data.train)
@@ -416,15 +454,32 @@ def train(s: dict) -> int:
     def save(step: int) -> Path:
         path = ckpt_root / f"step-{step:06d}"
         position = {"epoch": epoch, "next": nxt, "elapsed": elapsed0 + time.perf_counter() - t0,
-                    "tokens": tokens_seen, "data_sha1": data.sha1, "n_train": n, "run": run.saved()}
+                    "tokens": tokens_seen, "data_sha1": data.sha1, "n_train": n, "run": run.saved(),
+                    "evals": run_evals}
         # the tokenizer and the other model files go in before the checkpoint becomes visible
         tr.save_checkpoint(path, position, fill=lambda tmp: copy_model_files(run.tokenizer, tmp / "model", run.model))
         prune_checkpoints(ckpt_root, run.keep_checkpoints)
         return path
 
+    # SIGINT/SIGTERM: the current step finishes, then a checkpoint is saved (a second signal abandons the step)
+    stop: list[int] = []
+
+    def on_signal(signum, frame):
+        if stop:
+            raise KeyboardInterrupt
+        stop.append(signum)
+        bar.write(f"\n{signal.Signals(signum).name}: finishing the current step, then saving a checkpoint "
+                  "(send it again to stop at once without one)", file=sys.stderr)
+
+    handlers = ({sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+                if threading.current_thread() is threading.main_thread() else {})
+    every = run.checkpoint_every            # None: chosen from the step time after AUTO_CHECKPOINT_AFTER steps
+    step_seconds: list[float] = []
     try:
         with open(metrics_path, "a") as mf:
             while tr.optimizer_steps() < run.steps:
+                if stop:
+                    raise _Interrupted
                 if nxt + per_step > n:
                     epoch, nxt = epoch + 1, 0
                     order = epoch_order(n, run.seed, epoch)
@@ -446,6 +501,7 @@ def train(s: dict) -> int:
                 mf.write(json.dumps(rec) + "\n")
                 mf.flush()
                 new.append(rec)
+                reporters.log(step, rec)
                 # The guard counts windows without a finite, nonzero step: skipped ones (overflow) and
                 # steps whose gradient norm is 0 (under a loss scale, gradients that underflowed to zero)
                 lost = last.skipped or not (last.grad_norm and np.isfinite(last.grad_norm))
@@ -464,11 +520,19 @@ def train(s: dict) -> int:
                                     f"tok/s={rec['tokens_per_s'] or 0:.0f} lr={last.lr:.2e}", refresh=False)
                 bar.update(1)
                 k = tr.optimizer_steps()
-                if run.rank == 0 and run.checkpoint_every and k % run.checkpoint_every == 0 and k < run.steps:
+                step_seconds.append(dt)
+                if every is None and len(step_seconds) >= min(AUTO_CHECKPOINT_AFTER, run.steps - start):
+                    every = auto_checkpoint_every(step_seconds)
+                    if run.rank == 0 and k + every < run.steps:
+                        bar.write(f"  checkpointing every {every} steps (about every "
+                                  f"{AUTO_CHECKPOINT_SECONDS / 60:g} minutes at the measured step time; "
+                                  "--checkpoint-every N chooses)", file=sys.stderr)
+                if run.rank == 0 and every and k % every == 0 and k < run.steps:
                     last_ckpt = save(k)
-                if run.eval_every and my_eval and k % run.eval_every == 0 and k < run.steps:
+                if run.eval_every and my_eval and k % run.eval_every == 0 and k < run.steps and not stop:
                     ev = _record_eval(k, evaluate(s, my_eval, answers=True), eval_path, samples_path, run.samples)
                     evals_mid.append(ev)
+                    reporters.log_eval(k, ev)
                     bar.write(f"  step {k}: held-out loss {ev['loss']:.4f}"
                               + (f" (answers {ev['answer_loss']:.4f})" if data.has_answers else "")
                               + (f", exact match {ev['exact_match']:.0%} of {ev['answers_scored']}"
@@ -476,9 +540,28 @@ def train(s: dict) -> int:
                     if ev["exact_match"] is not None:
                         _print_samples(ev["samples"], run.samples, lambda line: bar.write(line, file=sys.stderr))
                     del ev["samples"]
+    except _Interrupted:
+        bar.close()
+        k = tr.optimizer_steps()
+        if run.rank == 0 and k > start and (last_ckpt is None or Path(last_ckpt).name != f"step-{k:06d}"):
+            last_ckpt = save(k)
+        last_ckpt = last_ckpt or s["ckpt"]
+        _restore_handlers(handlers)
+        _write_plot(plot_run, png_path, history + new, sorted(run_evals + evals_mid, key=lambda e: e["step"]))
+        reporters.finish("interrupted")
+        sig = signal.Signals(stop[0]).name
+        if run.rank == 0 and last_ckpt:
+            print(f"\n{sig}: stopped after step {k}; checkpoint {Path(last_ckpt).resolve()}\n"
+                  f"  continue with: {sys.executable} -m trainer --resume {out}", file=sys.stderr)
+        else:
+            print(f"\n{sig}: stopped after step {k}"
+                  + ("" if run.rank == 0 else " (rank 0 writes the checkpoint)"), file=sys.stderr)
+        return 130
     except (TrainError, KeyboardInterrupt) as e:
         bar.close()
+        _restore_handlers(handlers)
         _write_plot(plot_run, png_path, history + new, evals_mid)
+        reporters.finish("interrupted" if isinstance(e, KeyboardInterrupt) else "failed")
         where = (f"the newest checkpoint is {last_ckpt.resolve()} (continue with --resume {out})" if last_ckpt
                  else "no checkpoint was written (--checkpoint-every N writes them during the run)")
         if isinstance(e, KeyboardInterrupt):
@@ -486,41 +569,61 @@ def train(s: dict) -> int:
             return 130
         print(f"error: training failed at step {tr.optimizer_steps() + 1}: {e}\n  {where}", file=sys.stderr)
         return 1
+    except BaseException:
+        _restore_handlers(handlers)
+        reporters.finish("failed")
+        raise
     bar.close()
+    _restore_handlers(handlers)
     train_seconds = time.perf_counter() - t0
-    if run.rank == 0 and (new or last_ckpt is None):
-        last_ckpt = save(tr.optimizer_steps()) if (new or not s["ckpt"]) else s["ckpt"]
 
     t_eval = time.perf_counter()
     final_eval = evaluate(s, my_eval, answers=True) if my_eval else {}
     eval_after, answer_after = final_eval.get("loss", nan), final_eval.get("answer_loss", nan)
     eval_seconds = time.perf_counter() - t_eval
+    if my_eval:                 # into the final checkpoint, so that a resumed run's summary and plot show it
+        reporters.log_eval(tr.optimizer_steps(), final_eval)
+        run_evals = [e for e in run_evals if e["step"] != tr.optimizer_steps()] + [
+            {"step": tr.optimizer_steps(), "loss": clean(eval_after), "answer_loss": clean(answer_after),
+             "exact_match": clean(final_eval.get("exact_match"))}]
+    if run.rank == 0 and (new or last_ckpt is None):
+        last_ckpt = save(tr.optimizer_steps()) if (new or not s["ckpt"]) else s["ckpt"]
     final_samples = final_eval.pop("samples", [])
     if final_samples:          # every scored answer of the last evaluation
         with open(samples_path, "a") as f:
             f.writelines(json.dumps({"step": tr.optimizer_steps(), **x}) + "\n" for x in final_samples)
     final = _write_final_model(run, model, out) if run.rank == 0 else None
-    evals = ([{"step": start, "loss": eval_before}] + evals_mid
-             + [{"step": tr.optimizer_steps(), "loss": eval_after, "exact_match": final_eval.get("exact_match")}]
-             if my_eval else [])
+    # the whole run's evaluations: the segments' starts and ends (run_evals) and those during training
+    evals = sorted(run_evals + evals_mid, key=lambda e: e["step"]) if my_eval else []
     _write_plot(plot_run, png_path, history + new, evals)
 
-    # ---- summary ----
-    losses = [m["loss"] for m in new if not m["skipped"] and m["loss"] is not None]
+    # ---- summary: the whole run (the earlier segments of a resumed run too) ----
+    whole = history + new
+    if run_evals and run_evals[0]["step"] < start:       # the held-out loss at the run's start
+        eval_before = run_evals[0]["loss"] if run_evals[0]["loss"] is not None else nan
+        answer_before = run_evals[0].get("answer_loss")
+        answer_before = nan if answer_before is None else answer_before
+    seg_toks, seg_seconds = sum(m["tokens"] for m in new), train_seconds
+    losses = [m["loss"] for m in whole if not m["skipped"] and m["loss"] is not None]
+    loss_steps = [m["step"] for m in whole if not m["skipped"] and m["loss"] is not None]
     k = max(1, len(losses) // 10)
     first, last = (losses[0], losses[-1]) if losses else (float("nan"), float("nan"))
     first_avg = float(np.mean(losses[:k])) if losses else float("nan")
     last_avg = float(np.mean(losses[-k:])) if losses else float("nan")
     toks = sum(m["tokens"] for m in new)
     tps = toks / train_seconds if train_seconds > 0 else float("nan")
+    run_toks, run_seconds = sum(m["tokens"] for m in whole), elapsed0 + train_seconds
     if my_eval:
         fell, ratio = eval_after < eval_before, eval_after / eval_before
     else:
         fell, ratio = last_avg < first_avg, last_avg / first_avg if losses else float("nan")
     summary = {
         "steps": tr.optimizer_steps(), "steps_this_run": len(new), "first_step": start + 1,
-        "sequences": sum(run.grad_accum for _ in new), "tokens": toks, "train_seconds": round(train_seconds, 2),
-        "tokens_per_s": round(tps, 1), "first_loss": first, "last_loss": last,
+        "sequences": sum(run.grad_accum for _ in whole), "tokens": run_toks,
+        "train_seconds": round(run_seconds, 2),
+        "tokens_per_s": round(run_toks / run_seconds, 1) if run_seconds > 0 else None,
+        "tokens_this_run": seg_toks, "train_seconds_this_run": round(seg_seconds, 2),
+        "tokens_per_s_this_run": round(tps, 1), "first_loss": first, "last_loss": last,
         f"first_{k}_steps_mean_loss": first_avg, f"last_{k}_steps_mean_loss": last_avg,
         "eval_sequences": len(my_eval), "eval_before": eval_before, "eval_after": eval_after,
         "eval_answer_before": answer_before, "eval_answer_after": answer_after,
@@ -534,11 +637,12 @@ def train(s: dict) -> int:
     }
     summary = {key: clean(v) for key, v in summary.items()}
     (rank_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    reporters.finish("finished")
     print()
     print(f"done: {len(new)} optimizer steps (to step {tr.optimizer_steps()}) on {toks} tokens in "
           f"{train_seconds:.1f}s: {tps:.0f} tokens/s")
     if losses:
-        print(f"  train loss: step {start + 1} {first:.4f} -> step {tr.optimizer_steps()} {last:.4f}"
+        print(f"  train loss: step {loss_steps[0]} {first:.4f} -> step {loss_steps[-1]} {last:.4f}"
               + (f"  (mean of the first {k} steps {first_avg:.4f} -> of the last {k} {last_avg:.4f})" if k > 1 else ""))
     if my_eval:
         print(f"  held-out loss ({data.label}): {eval_before:.4f} before -> {eval_after:.4f} after  "
@@ -566,6 +670,13 @@ def train(s: dict) -> int:
                   f"(x{ratio:.2f}); --check-loss-drop wants at most x{run.check_loss_drop:g}", file=sys.stderr)
             return 1
     return 0
+
+
+def _restore_handlers(handlers: dict) -> None:
+    import signal
+    for sig, h in handlers.items():
+        signal.signal(sig, h)
+    handlers.clear()
 
 
 def _record_eval(step: int, ev: dict, eval_path: Path, samples_path: Path, k: int) -> dict:

@@ -187,7 +187,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default runs/<date>-<time>; with --world-size > 1 runs/<run-id>; with --resume the run "
                         "directory holding the checkpoint, whose metrics.jsonl is continued)")
     c.add_argument("--checkpoint-every", type=int, metavar="N",
-                   help="also checkpoint every N optimizer steps (default 0: only at the end)")
+                   help="also checkpoint every N optimizer steps; 0: only at the end (and on Ctrl-C/SIGTERM). "
+                        "Default: N chosen from the measured step time after the first 10 steps so that a "
+                        "checkpoint is written about every 10 minutes of training (none in runs shorter than that)")
     c.add_argument("--keep-checkpoints", type=int, metavar="K",
                    help=f"keep only the newest K checkpoints of the run; 0 keeps all (default {DEFAULT_KEEP})")
     c.add_argument("--resume", metavar="DIR",
@@ -203,6 +205,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="exit with status 1 unless the held-out loss after training is at most F times the loss "
                         f"before (default: off; {DEMO_CHECK_LOSS_DROP} for the no-argument run)")
     c.add_argument("--no-progress", action="store_true", default=None, help="no progress bar")
+    c.add_argument("--report-to", nargs="+", choices=("tensorboard", "wandb", "mlflow"), metavar="BACKEND",
+                   help="also log the settings, every step's metrics.jsonl scalars (train/KEY) and the evaluations "
+                        "(eval/KEY) to tensorboard (event files in OUT/tensorboard; pip install tensorboardX), "
+                        "wandb (files in OUT/wandb) and/or mlflow (MLFLOW_TRACKING_URI, else OUT/mlruns) "
+                        "(default: none)")
 
     s = p.add_argument_group("multi-process gradient sync (FileGradSync) and device")
     s.add_argument("--sync-dir", metavar="DIR",
@@ -266,7 +273,7 @@ class Run:
     steps: int | None
     epochs: float | None
     out: str | None
-    checkpoint_every: int
+    checkpoint_every: int | None    # None: chosen from the measured step time (about every 10 minutes)
     keep_checkpoints: int
     check_loss_drop: float | None
     progress: bool
@@ -290,6 +297,7 @@ class Run:
     eval_answers: int | None = None   # None: every evaluated record
     samples: int = DEFAULT_SAMPLES
     save_dtype: str | None = None     # None: the input model's (resolved in prepare), f32 from scratch
+    report_to: list[str] = field(default_factory=list)   # --report-to backends (not kept in checkpoints)
     builtin_data: bool = False
     notes: list[str] = field(default_factory=list)
     derived: set = field(default_factory=set)     # settings left to defaults that follow others
@@ -376,7 +384,7 @@ def resolve(args: argparse.Namespace, argv_empty: bool, saved: dict | None = Non
         replay=g.get("replay", DEFAULT_REPLAY_PASSES), recompute_mlp=bool(g.get("recompute_mlp", False)), clip=g.get("clip", 1.0), bucket=g.get("bucket", 64),
         scaler=bool(g.get("scaler", False) or g.get("f16", False)), f16=bool(g.get("f16", False)),
         steps=steps, epochs=epochs, out=g.get("out"),
-        checkpoint_every=g.get("checkpoint_every", 0), keep_checkpoints=g.get("keep_checkpoints", DEFAULT_KEEP),
+        checkpoint_every=g.get("checkpoint_every"), keep_checkpoints=g.get("keep_checkpoints", DEFAULT_KEEP),
         check_loss_drop=g.get("check_loss_drop", DEMO_CHECK_LOSS_DROP if argv_empty else None),
         progress=not g.get("no_progress", False), sync_dir=g.get("sync_dir"), rank=g.get("rank", 0),
         world_size=world, run_id=g.get("run_id", "run"), sync_timeout=g.get("sync_timeout", 600.0),
@@ -387,6 +395,7 @@ def resolve(args: argparse.Namespace, argv_empty: bool, saved: dict | None = Non
         merge_lora=bool(g.get("merge_lora", False)), train_only=g.get("train_only"), freeze=g.get("freeze"),
         eval_every=g.get("eval_every", 0), save_dtype=g.get("save_dtype"), eval_data=g.get("eval_data"),
         eval_answers=g.get("eval_answers"), samples=g.get("samples", DEFAULT_SAMPLES),
+        report_to=list(dict.fromkeys(g.get("report_to") or [])),
         derived={k for k in ("min_lr", "warmup_steps", "tokenizer", "data") if k not in g})
     _validate(run)
     for key in ("model", "tokenizer", "data", "eval_data", "sync_dir"):   # kept in checkpoints: independent of the cwd
@@ -480,6 +489,10 @@ def _validate(r: Run) -> None:
     if r.lora_dropout:
         raise UsageError(f"--lora-dropout {r.lora_dropout:g}: training with LoRA dropout is not implemented yet; "
                          "use 0")
+    from .report import missing
+    for name in r.report_to:
+        if missing(name):
+            raise UsageError(f"--report-to {name}: {missing(name)}")
     from .sync import run_id_problem
     if run_id_problem(r.run_id):
         raise UsageError(f"--run-id {run_id_problem(r.run_id)}")

@@ -298,8 +298,9 @@ class Batch:
                          f"positions and were truncated to their first {max_len + 1} tokens "
                          f"(lines {_lines(cut_lines)})")
         if lost_lines:
-            notes.append(f"{path}: {len(lost_lines)} truncated chat record(s) lost every assistant token and "
-                         f"will be skipped (lines {_lines(lost_lines)}); raise max_len to keep them")
+            notes.append(f"{path}: {len(lost_lines)} truncated chat record(s) lost every assistant token (lines "
+                         f"{_lines(lost_lines)}): a loss on the assistant tokens only has nothing to learn from "
+                         "them (Batch.sequences() skips them); raise max_len to keep their answers")
         for note in notes:
             warnings.warn(note, stacklevel=2)
         return cls(seqs, pad_id=0 if pad_id is None else pad_id, notes=notes)

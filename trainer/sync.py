@@ -23,6 +23,16 @@ must not read a peer's file of the skipped one. A rank deletes its own file of r
 n: every peer that reached round n-1 has read it. Files carry the run id, so leftovers of an
 earlier run with another id are never read; a run resumed from a checkpoint of optimizer step k
 syncs as ``<run_id>.from<k>``.
+
+Besides gradients, ranks combine a few numbers (a step's loss sum, token counts, held-out sums):
+``gather(values)`` writes ``<run_id>.scalars<n>.rank<r>.json`` (run id, rank, number n, nonce and
+the values), waits for every rank's file n and returns all ranks' values in rank order;
+``allreduce_sum`` adds them up in rank order, so every rank gets the same float. A rank deletes its
+own file n-2 at gather n, as for gradients. ``finish()`` ends a run that went well: a last gather
+(every rank has read every file before it), then each rank removes its own files (gradients,
+numbers, announcement) and writes ``<run_id>.bye.rank<r>``; rank 0 waits for every rank's bye and
+removes the last gather's files and the byes, so the directory holds nothing of the run and the same
+command can run again.
 """
 from __future__ import annotations
 
@@ -153,12 +163,14 @@ class FileGradSync:
         self.nonce = secrets.token_hex(8)
         self.ready = config.world_size == 1   # the handshake is done
         self.peers: dict[int, dict] = {}      # rank -> its announcement
+        self.gathers = 0                      # scalar gathers completed
 
     def resume_from(self, step: int) -> None:
         """Sync as run ``<run_id>.from<step>`` from round 1: every rank resumes from the same
         checkpoint, so all pick the same name, and the interrupted run's files are left unread."""
         self.run_id = f"{self.config.run_id}.from{step}"
         self.rounds = 0
+        self.gathers = 0
         self.ready = self.config.world_size == 1
         self.peers = {}
 
@@ -171,6 +183,12 @@ class FileGradSync:
 
     def abort_path(self) -> Path:
         return self.dir / f"{self.run_id}.abort.json"
+
+    def scalars_path(self, n: int, rank: int) -> Path:
+        return self.dir / f"{self.run_id}.scalars{n:08d}.rank{rank}.json"
+
+    def bye_path(self, rank: int) -> Path:
+        return self.dir / f"{self.run_id}.bye.rank{rank}.json"
 
     # ---- stopping every rank ----
     def _fail(self, reason: str) -> TrainError:
@@ -346,6 +364,128 @@ class FileGradSync:
             old.unlink()
         except FileNotFoundError:
             pass
+
+    # ---- a few numbers ----
+    def gather(self, values, what: str = "numbers") -> list[list[float]]:
+        """Every rank's ``values`` (a list of floats, the same length on every rank), in rank order.
+        Every rank must call it at the same points of the run (``what`` names the point in errors).
+        Needs the handshake done (the CLI does it before the first step)."""
+        cfg = self.config
+        mine = [float(v) for v in values]
+        if cfg.world_size == 1:
+            return [mine]
+        if not self.ready:
+            raise TrainError(f"gather of {what} before the sync handshake (call Trainer.sync_handshake first)")
+        self._check_abort()
+        n = self.gathers + 1
+        own = self.scalars_path(n, cfg.rank)
+        note = {"run_id": self.run_id, "rank": cfg.rank, "n": n, "nonce": self.nonce, "what": what, "values": mine}
+        try:
+            write_new(own, json.dumps(note).encode())
+        except OSError as e:
+            raise TrainError(f"gathering {what} in {self.dir}: cannot write {own}: {e}") from None
+        out: dict[int, list[float]] = {cfg.rank: mine}
+        deadline = time.monotonic() + cfg.timeout_s
+        while len(out) < cfg.world_size:
+            for r in range(cfg.world_size):
+                if r in out:
+                    continue
+                got = self._read_scalars(r, n, len(mine), what)
+                if got is not None:
+                    out[r] = got
+            if len(out) == cfg.world_size:
+                break
+            self._check_abort()
+            if time.monotonic() > deadline:
+                missing = [r for r in range(cfg.world_size) if r not in out]
+                raise TrainError(f"gradient sync timed out after {cfg.timeout_s:g}s gathering {what}: rank(s) "
+                                 f"{missing} of {cfg.world_size} did not write {self.scalars_path(n, missing[0]).name} "
+                                 f"to {self.dir}")
+            time.sleep(cfg.poll_s)
+        self.gathers = n
+        try:
+            self.scalars_path(n - 2, cfg.rank).unlink()     # every peer that reached n-1 has read it
+        except FileNotFoundError:
+            pass
+        return [out[r] for r in range(cfg.world_size)]
+
+    def allreduce_sum(self, values, what: str = "numbers") -> list[float]:
+        """The sum over ranks of each of ``values``, added in rank order (the same float on every rank)."""
+        rows = self.gather(values, what)
+        total = [0.0] * len(rows[0])
+        for row in rows:
+            total = [a + b for a, b in zip(total, row)]
+        return total
+
+    def _read_scalars(self, rank: int, n: int, count: int, what: str) -> list[float] | None:
+        """Rank ``rank``'s values of gather n; None while its file is not there (or is an earlier
+        run's, which the peer's write replaces)."""
+        p = self.scalars_path(n, rank)
+        if not os.path.lexists(p):
+            return None
+        try:
+            note = json.loads(_read_regular(p, 1 << 20))
+        except (OSError, ValueError) as e:
+            raise self._fail(f"gathering {what}: {p} is unreadable ({e})") from None
+        hello = self.peers.get(rank, {})
+        if not isinstance(note, dict) or note.get("nonce") != hello.get("nonce"):
+            return None
+        values = note.get("values")
+        if (note.get("run_id") != self.run_id or note.get("rank") != rank or note.get("n") != n
+                or not isinstance(values, list) or len(values) != count
+                or not all(type(v) in (int, float) for v in values)):
+            raise self._fail(f"gathering {what}: {p} is not rank {rank}'s gather {n} of run {self.run_id!r} with "
+                             f"{count} numbers (expected {{run_id, rank, n, nonce, values}}); a rank at another "
+                             "point of the run?")
+        return [float(v) for v in values]
+
+    # ---- the end of a run ----
+    def finish(self) -> None:
+        """End a run that went well and remove its files (see the module docstring). Every rank calls
+        it once, after its last step and gather. Raises a TrainError when a peer never says goodbye."""
+        cfg = self.config
+        if cfg.world_size == 1 or not self.ready:
+            return
+        self.gather([0.0], "the end of the run")        # every rank has read every earlier file
+        last = self.gathers
+        own = ([self.path(k, cfg.rank) for k in range(max(1, self.rounds - 1), self.rounds + 1)]
+               + [self.scalars_path(k, cfg.rank) for k in range(max(1, last - 2), last)]
+               + [self.hello_path(cfg.rank)])
+        for p in own:
+            try:
+                p.unlink()
+            except FileNotFoundError:
+                pass
+        if cfg.rank != 0:
+            try:
+                write_new(self.bye_path(cfg.rank), json.dumps({"rank": cfg.rank, "nonce": self.nonce}).encode())
+            except OSError as e:
+                raise TrainError(f"cannot write {self.bye_path(cfg.rank)}: {e}") from None
+            return
+        deadline = time.monotonic() + cfg.timeout_s
+        waiting = list(range(1, cfg.world_size))
+        while waiting:
+            waiting = [r for r in waiting if not self._said_bye(r)]
+            if not waiting:
+                break
+            if time.monotonic() > deadline:
+                raise TrainError(f"rank(s) {waiting} did not finish within {cfg.timeout_s:g}s; their files of run "
+                                 f"{self.run_id!r} stay in {self.dir}")
+            time.sleep(cfg.poll_s)
+        for p in [self.scalars_path(last, r) for r in range(cfg.world_size)] + [self.bye_path(r) for r in
+                                                                                 range(1, cfg.world_size)]:
+            try:
+                p.unlink()
+            except FileNotFoundError:
+                pass
+
+    def _said_bye(self, rank: int) -> bool:
+        """Whether rank ``rank`` of this run (its nonce, not an earlier run's) wrote its bye."""
+        try:
+            note = json.loads(_read_regular(self.bye_path(rank), 1 << 16))
+        except (OSError, ValueError):
+            return False
+        return isinstance(note, dict) and note.get("nonce") == self.peers.get(rank, {}).get("nonce")
 
     def _read_peer(self, rank: int, n_round: int, mine: dict[str, np.ndarray], step: int) -> dict[str, np.ndarray]:
         """Rank ``rank``'s gradients of round ``n_round``, checked against this rank's own."""

@@ -1,0 +1,80 @@
+"""What `python -m trainer` prints says what it does: notes on cut records and the held-out split,
+the loss verdict at the rounding it is shown with, and progress that does not fill a log with
+redrawn bars (plain lines every N steps when stderr is not a terminal, the time left estimated
+after the compiling steps)."""
+from __future__ import annotations
+
+import io
+import re
+
+from trainer.cli import _fell, main
+from trainer.progress import Progress
+
+
+def test_max_len_eval_max_and_progress_lines(tmp_path, capsys):
+    rc = main(["--steps", "4", "--max-len", "20", "--eval-max", "20", "--eval-answers", "0", "--out", str(tmp_path / "o")])
+    cap = capsys.readouterr()
+    assert rc == 0, cap.err
+    # every record lost its answer to the cut, but --loss-on all trains on all 2850 of them: no "skipped"
+    assert "3000 truncated chat record(s) lost every assistant token" in cap.err
+    assert "will be skipped" not in cap.err and "are skipped" not in cap.err
+    assert "still trained on" in cap.err
+    assert "2850 training sequences, 150 held out (20 of them evaluated: --eval-max 20)" in cap.out
+    assert "20 sequences" in cap.out
+    # stderr is no terminal here: plain lines, one per step of this 4-step run, no carriage returns
+    lines = [line for line in cap.err.splitlines() if line.startswith("train: step ")]
+    assert [re.match(r"train: step (\d+)/4", x).group(1) for x in lines] == ["1", "2", "3", "4"], cap.err
+    assert "\r" not in cap.err
+    # the first two steps compile kernels: no estimate from them
+    assert "time left estimated from step 3" in lines[0] and "time left estimated from step 3" in lines[1]
+    assert re.search(r"\d+:\d\d remaining", lines[2]) and "done" in lines[3]
+    ratio = float(re.search(r"held-out loss \(all tokens\): .* \(x(\d\.\d\d),", cap.out).group(1))
+    assert f"the held-out loss {'fell' if ratio < 1 else 'DID NOT FALL'} (x{ratio:.2f})" in cap.out
+
+
+def test_a_loss_shown_as_x1_00_did_not_fall(tmp_path, capsys):
+    rc = main(["--preset", "tiny", "--steps", "1", "--lr", "1e-9", "--eval-max", "4", "--eval-answers", "0",
+               "--no-progress", "--out", str(tmp_path / "o")])
+    cap = capsys.readouterr()
+    assert rc == 0, cap.err
+    assert "(x1.00, 4 sequences)" in cap.out
+    assert "the held-out loss DID NOT FALL (x1.00)" in cap.out and "loss fell" not in cap.out
+    assert "train: step" not in cap.err                    # --no-progress
+
+
+def test_fell_uses_the_shown_rounding():
+    assert _fell(0.13) and _fell(0.994)
+    assert not _fell(0.996) and not _fell(1.0) and not _fell(1.2) and not _fell(float("nan"))
+
+
+class FakeTerminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_progress_redraws_only_on_a_terminal():
+    log = io.StringIO()
+    p = Progress(total=100, initial=0, file=log)
+    for _ in range(100):
+        p.set_postfix_str("loss=1.0")
+        p.update(1)
+    p.close()
+    lines = log.getvalue().splitlines()
+    assert [int(re.match(r"train: step (\d+)/100", x).group(1)) for x in lines] == list(range(10, 101, 10))
+    assert "\r" not in log.getvalue() and lines[-1].endswith("done, loss=1.0")
+
+    term = FakeTerminal()
+    p = Progress(total=5, initial=0, file=term, redraw_s=0)
+    for _ in range(5):
+        p.update(1)
+    p.write("  step 5: held-out loss 1.0")
+    p.close()
+    text = term.getvalue()
+    assert text.count("\r") >= 5 and "[" + "#" * 24 + "]" in text and "  step 5: held-out loss 1.0\n" in text
+    assert text.endswith("\n") and "train: step" not in text
+
+    off = io.StringIO()
+    p = Progress(total=5, enabled=False, file=off)
+    p.update(5)
+    p.close()
+    assert off.getvalue() == ""
