@@ -62,6 +62,7 @@ class Data:
     notes: list[str]
     has_answers: bool      # eval holds chat records trained on all tokens: also report the answer loss
     label: str = "all tokens"    # which targets the loss counts, for the summary
+    held: int = 0          # held-out records before --eval-max (eval holds the first --eval-max of them)
 
 
 def _triples(seqs, loss_on: str):
@@ -101,6 +102,10 @@ def load_data(run: Run, tok) -> Data:
     empty = sum(1 for s in batch if s.is_empty if run.loss_on == "assistant" or s.length == 0)
     if empty:
         notes.append(f"{empty} record(s) have no supervised token and are skipped")
+    cut = sum(1 for s in batch if s.is_empty and s.length > 0) if run.loss_on == "all" else 0
+    if cut:
+        notes.append(f"--loss-on all: the {cut} record(s) without an assistant token are still trained on, on "
+                     "every token they kept (only an --loss-on assistant run skips them)")
     if run.eval_data is not None:
         held = _read_batch(run.eval_data, run, tok, notes, "--eval-data ")
         train = batch
@@ -121,7 +126,7 @@ def load_data(run: Run, tok) -> Data:
         raise UsageError(f"{run.data}: no training sequence has a supervised token")
     full = all(bool(t[2].all()) for t in tr)
     return Data(tr, ev, sha1, notes, has_answers=any(e[3] is not None for e in ev),
-                label="all tokens" if full else "assistant tokens")
+                label="all tokens" if full else "assistant tokens", held=len(held))
 
 
 def epoch_order(n: int, seed: int, epoch: int) -> np.ndarray:
@@ -144,11 +149,43 @@ def evaluate(s: dict, items, answers: bool) -> dict:
            "answer_perplexity": perplexity(answer_loss), "exact_match": None, "answers_scored": 0}
     if answers and run.eval_answers != 0:
         cases = answer_cases(items, data.label == "assistant tokens")[:run.eval_answers]
+        if run.world_size > 1:       # the one-process run's cases, every world_size-th of them on this rank
+            cases = answer_cases(data.eval, data.label == "assistant tokens")[:run.eval_answers][run.rank::run.world_size]
         if cases:
             end = s["tok"].token_to_id("<|im_end|>")
             samples = greedy_answers(model, s["tok"], cases, set(model.generation_eos) | ({end} - {None}))
             out.update(exact_match=exact_match(samples), answers_scored=len(samples), samples=samples)
-    return out
+    return _combine_eval(s, out, items) if run.world_size > 1 else out
+
+
+def _reduce(s: dict, values, what: str) -> list[float]:
+    """The sums over the ranks of ``values`` (through the gradient sync); this rank's own alone."""
+    sync = s["trainer"].distributed_grad_sync
+    if s["run"].world_size == 1 or not hasattr(sync, "allreduce_sum"):
+        return [float(v) for v in values]
+    return sync.allreduce_sum(values, what)
+
+
+def _combine_eval(s: dict, out: dict, items) -> dict:
+    """This rank's held-out metrics of its share ``items`` made the whole held-out set's: the loss
+    sums and token counts, correct answers and answers scored, added over the ranks."""
+    from .evaluation import perplexity
+    n_tok = float(sum(m.sum() for _, _, m, _ in items if m.any()))
+    n_ans = float(sum(a.sum() for *_, a in items if a is not None and a.any()))
+    correct = sum(bool(x["correct"]) for x in out.get("samples", []))
+    t = _reduce(s, [out["loss"] * n_tok if n_tok else 0.0, n_tok,
+                    out["answer_loss"] * n_ans if n_ans else 0.0, n_ans, correct, out["answers_scored"]],
+                "the held-out sums")
+    loss = t[0] / t[1] if t[1] else float("nan")
+    answer_loss = t[2] / t[3] if t[3] else float("nan")
+    return {**out, "loss": loss, "perplexity": perplexity(loss), "answer_loss": answer_loss,
+            "answer_perplexity": perplexity(answer_loss), "exact_match": t[4] / t[5] if t[5] else None,
+            "answers_scored": int(t[5])}
+
+
+def _fell(ratio: float) -> bool:
+    """Whether a loss ratio shown as x{ratio:.2f} shows a fall (x1.00 does not)."""
+    return bool(np.isfinite(ratio)) and float(f"{ratio:.2f}") < 1.0
 
 
 def _print_samples(samples: list[dict], k: int, write) -> None:
@@ -372,8 +409,8 @@ def _saved_evals(pos: dict, start: int) -> list[dict]:
 def train(s: dict) -> int:
     import signal
     import threading
-    from tqdm import tqdm
     from . import TrainError
+    from .progress import Progress
     from .plot import plot_run
     from .report import Reporters
     run: Run = s["run"]
@@ -407,7 +444,8 @@ def train(s: dict) -> int:
         lora = (f"LoRA r {run.lora_r} alpha {run.lora_alpha:g} on {', '.join(run.lora_targets)}"
                 + (", f16 base" if run.lora_f16_base else "") if run.lora_r is not None else "a subset")
         print(f"  training {_fmt_count(n_trained)} of them ({100 * n_trained / n_params:.2f}%): {lora}")
-    print(f"  data: {run.data}: {len(data.train)} training sequences, {len(data.eval)} held out"
+    print(f"  data: {run.data}: {len(data.train)} training sequences, {data.held} held out"
+          + (f" ({len(data.eval)} of them evaluated: --eval-max {run.eval_max})" if len(data.eval) < data.held else "")
           + (f"; rank {run.rank} of {run.world_size}" if run.world_size > 1 else ""))
     print(f"  steps {start + 1}..{run.steps}: {run.grad_accum} sequence(s) per step"
           + (f" per rank x {run.world_size} ranks" if run.world_size > 1 else "")
@@ -425,19 +463,19 @@ def train(s: dict) -> int:
     if not start:
         samples_path.unlink(missing_ok=True)
     t_eval = time.perf_counter()
-    before = evaluate(s, my_eval, answers=False) if my_eval else {}
+    before = evaluate(s, my_eval, answers=False) if data.eval else {}
     eval_before, answer_before = before.get("loss", nan), before.get("answer_loss", nan)
-    if my_eval:
+    if data.eval:
         print(f"  held-out loss before training: {eval_before:.4f}"
               + (f" (answer tokens only: {answer_before:.4f})" if data.has_answers else "")
-              + f"; {len(my_eval)} sequences, {time.perf_counter() - t_eval:.1f}s")
+              + f"; {len(data.eval)} sequences, {time.perf_counter() - t_eval:.1f}s")
         sys.stdout.flush()
         reporters.log_eval(start, before)
 
     pos = s["position"]
     # the evaluations at the starts and ends of the run's segments, kept in every checkpoint
     run_evals = _saved_evals(pos, start)
-    if my_eval and not any(e["step"] == start for e in run_evals):
+    if data.eval and not any(e["step"] == start for e in run_evals):
         run_evals.append({"step": start, "loss": clean(eval_before), "answer_loss": clean(answer_before)})
     epoch, nxt = int(pos.get("epoch", 0)), int(pos.get("next", 0))
     elapsed0, tokens_seen = float(pos.get("elapsed", 0.0)), int(pos.get("tokens", 0))
@@ -448,8 +486,7 @@ def train(s: dict) -> int:
     skipped_in_a_row = zero_in_a_row = 0      # windows in a row without a finite, nonzero step; of them, zero-norm steps
     last_ckpt = None
     t0 = time.perf_counter()
-    bar = tqdm(total=run.steps, initial=start, unit="step", dynamic_ncols=True, disable=not run.progress,
-               file=sys.stderr, desc="train")
+    bar = Progress(total=run.steps, initial=start, enabled=run.progress, file=sys.stderr, desc="train")
 
     def save(step: int) -> Path:
         path = ckpt_root / f"step-{step:06d}"
@@ -489,11 +526,15 @@ def train(s: dict) -> int:
                 nxt += per_step
                 last = stats[-1]
                 dt = time.perf_counter() - t_step
-                toks = sum(len(data.train[i][0]) for i in window)
+                # the window's numbers over all ranks: the mean loss of its sequences, its tokens
+                loss_sum, n_seq, toks, supervised = _reduce(
+                    s, [sum(float(x.loss) for x in stats), len(stats), sum(len(data.train[i][0]) for i in window),
+                        sum(x.tokens for x in stats)], "the step's loss and tokens")
+                toks = int(toks)
                 tokens_seen += toks
                 step = tr.optimizer_steps() if last.stepped else tr.optimizer_steps() + 1
-                rec = {"step": step, "loss": float(np.mean([x.loss for x in stats])), "tokens": toks,
-                       "supervised": int(sum(x.tokens for x in stats)), "tokens_per_s": toks / dt if dt > 0 else None,
+                rec = {"step": step, "loss": loss_sum / n_seq, "tokens": toks,
+                       "supervised": int(supervised), "tokens_per_s": toks / dt if dt > 0 else None,
                        "lr": last.lr, "grad_norm": last.grad_norm, "loss_scale": last.loss_scale,
                        "skipped": bool(last.skipped), "elapsed": round(elapsed0 + time.perf_counter() - t0, 3),
                        "epoch": epoch}
@@ -529,7 +570,7 @@ def train(s: dict) -> int:
                                   "--checkpoint-every N chooses)", file=sys.stderr)
                 if run.rank == 0 and every and k % every == 0 and k < run.steps:
                     last_ckpt = save(k)
-                if run.eval_every and my_eval and k % run.eval_every == 0 and k < run.steps and not stop:
+                if run.eval_every and data.eval and k % run.eval_every == 0 and k < run.steps and not stop:
                     ev = _record_eval(k, evaluate(s, my_eval, answers=True), eval_path, samples_path, run.samples)
                     evals_mid.append(ev)
                     reporters.log_eval(k, ev)
@@ -578,10 +619,10 @@ def train(s: dict) -> int:
     train_seconds = time.perf_counter() - t0
 
     t_eval = time.perf_counter()
-    final_eval = evaluate(s, my_eval, answers=True) if my_eval else {}
+    final_eval = evaluate(s, my_eval, answers=True) if data.eval else {}
     eval_after, answer_after = final_eval.get("loss", nan), final_eval.get("answer_loss", nan)
     eval_seconds = time.perf_counter() - t_eval
-    if my_eval:                 # into the final checkpoint, so that a resumed run's summary and plot show it
+    if data.eval:                 # into the final checkpoint, so that a resumed run's summary and plot show it
         reporters.log_eval(tr.optimizer_steps(), final_eval)
         run_evals = [e for e in run_evals if e["step"] != tr.optimizer_steps()] + [
             {"step": tr.optimizer_steps(), "loss": clean(eval_after), "answer_loss": clean(answer_after),
@@ -594,8 +635,13 @@ def train(s: dict) -> int:
             f.writelines(json.dumps({"step": tr.optimizer_steps(), **x}) + "\n" for x in final_samples)
     final = _write_final_model(run, model, out) if run.rank == 0 else None
     # the whole run's evaluations: the segments' starts and ends (run_evals) and those during training
-    evals = sorted(run_evals + evals_mid, key=lambda e: e["step"]) if my_eval else []
+    evals = sorted(run_evals + evals_mid, key=lambda e: e["step"]) if data.eval else []
     _write_plot(plot_run, png_path, history + new, evals)
+    if run.world_size > 1 and hasattr(tr.distributed_grad_sync, "finish"):
+        try:                  # the run went well: its sync files go, so the same command can run again
+            tr.distributed_grad_sync.finish()
+        except TrainError as e:
+            print(f"note: {e}", file=sys.stderr)
 
     # ---- summary: the whole run (the earlier segments of a resumed run too) ----
     whole = history + new
@@ -613,19 +659,20 @@ def train(s: dict) -> int:
     toks = sum(m["tokens"] for m in new)
     tps = toks / train_seconds if train_seconds > 0 else float("nan")
     run_toks, run_seconds = sum(m["tokens"] for m in whole), elapsed0 + train_seconds
-    if my_eval:
-        fell, ratio = eval_after < eval_before, eval_after / eval_before
+    if data.eval:
+        ratio = eval_after / eval_before
     else:
-        fell, ratio = last_avg < first_avg, last_avg / first_avg if losses else float("nan")
+        ratio = last_avg / first_avg if losses else float("nan")
+    fell = _fell(ratio)
     summary = {
         "steps": tr.optimizer_steps(), "steps_this_run": len(new), "first_step": start + 1,
-        "sequences": sum(run.grad_accum for _ in whole), "tokens": run_toks,
+        "sequences": run.grad_accum * run.world_size * len(whole), "tokens": run_toks,
         "train_seconds": round(run_seconds, 2),
         "tokens_per_s": round(run_toks / run_seconds, 1) if run_seconds > 0 else None,
         "tokens_this_run": seg_toks, "train_seconds_this_run": round(seg_seconds, 2),
         "tokens_per_s_this_run": round(tps, 1), "first_loss": first, "last_loss": last,
         f"first_{k}_steps_mean_loss": first_avg, f"last_{k}_steps_mean_loss": last_avg,
-        "eval_sequences": len(my_eval), "eval_before": eval_before, "eval_after": eval_after,
+        "eval_sequences": len(data.eval), "eval_before": eval_before, "eval_after": eval_after,
         "eval_answer_before": answer_before, "eval_answer_after": answer_after,
         "eval_perplexity_after": final_eval.get("perplexity"), "eval_answer_perplexity_after": final_eval.get(
             "answer_perplexity"), "eval_exact_match": final_eval.get("exact_match"),
@@ -644,9 +691,9 @@ def train(s: dict) -> int:
     if losses:
         print(f"  train loss: step {loss_steps[0]} {first:.4f} -> step {loss_steps[-1]} {last:.4f}"
               + (f"  (mean of the first {k} steps {first_avg:.4f} -> of the last {k} {last_avg:.4f})" if k > 1 else ""))
-    if my_eval:
+    if data.eval:
         print(f"  held-out loss ({data.label}): {eval_before:.4f} before -> {eval_after:.4f} after  "
-              f"(x{eval_after / eval_before:.2f}, {len(my_eval)} sequences)")
+              f"(x{eval_after / eval_before:.2f}, {len(data.eval)} sequences)")
         if data.has_answers:
             print(f"  held-out loss on the answers only: {answer_before:.4f} before -> {answer_after:.4f} after  "
                   f"(x{answer_after / answer_before:.2f})")
@@ -654,7 +701,8 @@ def train(s: dict) -> int:
             print(f"  held-out answers exactly right: {final_eval['exact_match']:.0%} of "
                   f"{final_eval['answers_scored']} (greedy; all in {samples_path.resolve()}), for example:")
             _print_samples(final_samples, run.samples, print)
-    print(f"  the loss {'fell' if fell else 'DID NOT FALL'}")
+    print(f"  the {'held-out' if data.eval else 'training'} loss {'fell' if fell else 'DID NOT FALL'} "
+          f"(x{ratio:.2f})")
     print(f"  metrics: {metrics_path.resolve()}")
     print(f"  loss curve: {png_path.resolve()}")
     if last_ckpt:
@@ -665,8 +713,8 @@ def train(s: dict) -> int:
     print(f"  summary: {(rank_dir / 'summary.json').resolve()}")
     if run.check_loss_drop is not None and len(new):
         if not (ratio <= run.check_loss_drop):
-            print(f"error: the {'held-out' if my_eval else 'training'} loss went from "
-                  f"{eval_before if my_eval else first_avg:.4f} to {eval_after if my_eval else last_avg:.4f} "
+            print(f"error: the {'held-out' if data.eval else 'training'} loss went from "
+                  f"{eval_before if data.eval else first_avg:.4f} to {eval_after if data.eval else last_avg:.4f} "
                   f"(x{ratio:.2f}); --check-loss-drop wants at most x{run.check_loss_drop:g}", file=sys.stderr)
             return 1
     return 0
