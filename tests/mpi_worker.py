@@ -52,6 +52,7 @@ def main(argv=None) -> int:
             tr.train_step_masked(i, t, m, model.parameters())
     except TrainError as e:
         print(f"error: rank {rank}: {e}", file=sys.stderr, flush=True)
+        time.sleep(1.0)                       # let mpiexec forward the line before the job is torn down
         comm.Abort(3)
     import numpy as np
     np.savez(f"{a.out}.rank{rank}.npz", **model.state_dict(), optimizer_steps=tr.optimizer_steps())

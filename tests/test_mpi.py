@@ -66,3 +66,31 @@ def test_a_rank_of_another_run_is_refused_before_any_step(tmp_path):
     assert done.returncode != 0
     assert "has run id" in done.stderr and "every rank must run the same job" in done.stderr, done.stderr[-2000:]
     assert not list(tmp_path.glob("w.rank*.npz"))
+
+
+def test_the_cli_under_mpiexec_equals_one_process(tmp_path):
+    """`mpiexec -n 2 python -m trainer ... --distributed mpi` against one process with the two ranks'
+    accumulation: the same global losses step by step and the same final weights (f32 rounding)."""
+    from safetensors.numpy import load_file
+    if MPIEXEC is None:
+        pytest.fail("mpiexec is not installed: pip install mpi4py mpich (the test extras include them)")
+    common = ["-m", "trainer", "--preset", "tiny", "--steps", "5", "--pack-tokens", "0", "--eval-fraction", "0",
+              "--no-progress", "--checkpoint-every", "0"]
+    two = subprocess.run([MPIEXEC, "-n", "2", sys.executable, *common, "--grad-accum", "1", "--distributed", "mpi",
+                          "--out", str(tmp_path / "two")], capture_output=True, text=True, timeout=400)
+    assert two.returncode == 0, two.stderr[-3000:]
+    one = subprocess.run([sys.executable, *common, "--grad-accum", "2", "--out", str(tmp_path / "one")],
+                         capture_output=True, text=True, timeout=400)
+    assert one.returncode == 0, one.stderr[-3000:]
+    import json
+
+    def losses(d):
+        return [json.loads(line)["loss"] for line in (d / "metrics.jsonl").read_text().splitlines()]
+    assert losses(tmp_path / "two") == pytest.approx(losses(tmp_path / "one"), rel=1e-5)
+    a, b = (load_file(str(d / "model" / "model.safetensors")) for d in (tmp_path / "two", tmp_path / "one"))
+    for name in b:
+        assert rel_err(a[name], b[name]) < 1e-4, name
+    assert "--distributed mpi" not in two.stderr
+    bad = subprocess.run([sys.executable, *common, "--distributed", "mpi", "--rank", "1"], capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode == 2 and "--distributed mpi takes the rank and world size from MPI" in bad.stderr

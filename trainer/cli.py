@@ -330,7 +330,9 @@ def prepare(args, argv_empty: bool) -> dict:
           .with_lr_scheduler(schedule))
     if run.scaler:
         tr.with_grad_scaler(GradScaler())
-    if run.world_size > 1:        # before loading a checkpoint, which renames the sync files of a resumed run
+    if run.world_size > 1 and run.distributed == "mpi":
+        tr.with_mpi_grad_sync(timeout_s=run.sync_timeout, run_id=run.run_id)
+    elif run.world_size > 1:        # before loading a checkpoint, which renames the sync files of a resumed run
         tr.with_file_grad_sync(FileGradSyncConfig(dir=run.sync_dir, rank=run.rank, world_size=run.world_size,
                                                   timeout_s=run.sync_timeout, run_id=run.run_id))
     position = {"epoch": 0, "next": 0, "elapsed": 0.0, "tokens": 0}
@@ -350,7 +352,8 @@ def prepare(args, argv_empty: bool) -> dict:
             print(f"note: the checkpoint is at step {tr.optimizer_steps()}, which already reaches --steps "
                   f"{run.steps}; nothing to train", file=sys.stderr)
     if run.world_size > 1:
-        check_sync_dir(run, tr.distributed_grad_sync.run_id)
+        if run.distributed == "file":
+            check_sync_dir(run, tr.distributed_grad_sync.run_id)
         # every rank agrees on the run (world size, ranks, parameters) before any of them writes a file
         tr.sync_handshake(params)
     if run.out:

@@ -211,7 +211,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "wandb (files in OUT/wandb) and/or mlflow (MLFLOW_TRACKING_URI, else OUT/mlruns) "
                         "(default: none)")
 
-    s = p.add_argument_group("multi-process gradient sync (FileGradSync) and device")
+    s = p.add_argument_group("multi-process gradient sync (FileGradSync or MPI) and device")
+    s.add_argument("--distributed", choices=("file", "mpi"),
+                   help="how ranks average their gradients: file (through --sync-dir, the default) or mpi (launch "
+                        "with mpiexec -n N python -m trainer ... --distributed mpi: rank and world size from MPI; "
+                        "pip install mpi4py mpich)")
     s.add_argument("--sync-dir", metavar="DIR",
                    help="shared directory through which --world-size processes average their gradients every "
                         "optimizer step; start one process per rank with the same flags")
@@ -298,6 +302,7 @@ class Run:
     samples: int = DEFAULT_SAMPLES
     save_dtype: str | None = None     # None: the input model's (resolved in prepare), f32 from scratch
     report_to: list[str] = field(default_factory=list)   # --report-to backends (not kept in checkpoints)
+    distributed: str = "file"                             # how ranks average gradients: "file" or "mpi"
     builtin_data: bool = False
     notes: list[str] = field(default_factory=list)
     derived: set = field(default_factory=set)     # settings left to defaults that follow others
@@ -317,6 +322,8 @@ def resolve(args: argparse.Namespace, argv_empty: bool, saved: dict | None = Non
     from .data import default_dataset, default_tokenizer
     g = _given(args)
     notes: list[str] = []
+    if g.get("distributed") == "mpi":
+        g.update(_mpi_world(g))
     if saved is not None:
         for flag in ("model", "preset"):
             if flag in g:
@@ -395,7 +402,7 @@ def resolve(args: argparse.Namespace, argv_empty: bool, saved: dict | None = Non
         merge_lora=bool(g.get("merge_lora", False)), train_only=g.get("train_only"), freeze=g.get("freeze"),
         eval_every=g.get("eval_every", 0), save_dtype=g.get("save_dtype"), eval_data=g.get("eval_data"),
         eval_answers=g.get("eval_answers"), samples=g.get("samples", DEFAULT_SAMPLES),
-        report_to=list(dict.fromkeys(g.get("report_to") or [])),
+        report_to=list(dict.fromkeys(g.get("report_to") or [])), distributed=g.get("distributed", "file"),
         derived={k for k in ("min_lr", "warmup_steps", "tokenizer", "data") if k not in g})
     _validate(run)
     for key in ("model", "tokenizer", "data", "eval_data", "sync_dir"):   # kept in checkpoints: independent of the cwd
@@ -404,12 +411,27 @@ def resolve(args: argparse.Namespace, argv_empty: bool, saved: dict | None = Non
     return run
 
 
+def _mpi_world(g: dict) -> dict:
+    """--distributed mpi: this process's rank and the world size, from MPI's COMM_WORLD."""
+    given = [f"--{k.replace('_', '-')}" for k in ("rank", "world_size", "sync_dir") if k in g]
+    if given:
+        raise UsageError(f"--distributed mpi takes the rank and world size from MPI (mpiexec -n N); drop "
+                         f"{', '.join(given)}")
+    try:
+        from mpi4py import MPI
+    except ImportError as e:
+        raise UsageError(f"--distributed mpi needs mpi4py and an MPI library ({e}): pip install mpi4py mpich") from None
+    return {"rank": MPI.COMM_WORLD.Get_rank(), "world_size": MPI.COMM_WORLD.Get_size(), "sync_dir": None}
+
+
 def _confirm_resumed_sync(cmd: dict, g: dict, ckpt: Path | None, notes: list[str]) -> None:
     """The sync settings a resumed run takes from the checkpoint's trainer.json alone (not from the
     command line) are checked, confirmed against the command line and reported in a note: a crafted
     or moved checkpoint must not decide silently where the run writes its gradient files."""
     import os
     from .sync import run_id_problem
+    if cmd.get("distributed") == "mpi":          # rank and world from MPI, no directory
+        return
     src = f"--resume {ckpt}: {Path(ckpt) / 'trainer.json' if ckpt is not None else 'trainer.json'}"
     world = g.get("world_size", 1)
     if "world_size" not in cmd and (type(world) is not int or world < 1):
@@ -478,8 +500,9 @@ def _validate(r: Run) -> None:
             raise UsageError(f"unknown --preset {r.preset!r}; available: {', '.join([DEMO_PRESET, *PRESETS])}")
     if not 0 <= r.rank < r.world_size:
         raise UsageError(f"--rank must be in 0..{r.world_size - 1} for --world-size {r.world_size}, got {r.rank}")
-    if r.world_size > 1 and not r.sync_dir:
-        raise UsageError("--world-size > 1 needs --sync-dir DIR, a directory every rank can read and write")
+    if r.world_size > 1 and not r.sync_dir and r.distributed != "mpi":
+        raise UsageError("--world-size > 1 needs --sync-dir DIR, a directory every rank can read and write "
+                         "(or launch under mpiexec with --distributed mpi)")
     lora_only = [f for f, v in (("lora-alpha", "lora_alpha"), ("lora-targets", "lora_targets"), ("lora-f16-base",
                                 "lora_f16_base"), ("merge-lora", "merge_lora")) if getattr(r, v) and r.lora_r is None]
     if lora_only:

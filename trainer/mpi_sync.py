@@ -92,6 +92,22 @@ class MpiGradSync:
                                  f"{self.rank} (first difference: {diff[0]}): every rank must train the same model")
         self.ready = True
 
+    def gather(self, values, what: str = "numbers") -> list[list[float]]:
+        """Every rank's ``values`` (floats, the same count on every rank), in rank order."""
+        return [[float(v) for v in row] for row in self._allgather_json([float(v) for v in values], what)]
+
+    def allreduce_sum(self, values, what: str = "numbers") -> list[float]:
+        """The sum over ranks of each of ``values``, added in rank order (the same float on every rank)."""
+        total = [0.0] * len(values)
+        for row in self.gather(values, what):
+            total = [a + b for a, b in zip(total, row)]
+        return total
+
+    def finish(self) -> None:
+        """The end of a run that went well: every rank waits for every other (nothing on disk to clean)."""
+        if self.world_size > 1 and self.ready:
+            self.gather([0.0], "the end of the run")
+
     def average(self, engine, names: list[str], params: list, step: int) -> None:
         """Replace each parameter's .grad by the mean over the ranks of this window's gradients."""
         if self.world_size == 1:
