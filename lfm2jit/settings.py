@@ -1,6 +1,9 @@
 """Every knob lfm2jit reads from the environment, in one place.
 
 LFM2JIT_ADAPTER    substring of the adapter name/vendor/backend to use (default: the best adapter)
+LFM2JIT_ADAPTER_INDEX  N: of several equally good adapters (two GPUs of one kind), the N-th (mod
+                   their number), in the order the implementation lists them; python -m trainer
+                   --distributed mpi sets it to each rank's local rank, one GPU per rank (default 0)
 LFM2JIT_CACHE_DIR  directory for the on-disk cache of generated WGSL (default: no disk cache)
 LFM2JIT_DUMP_DIR   directory where every WGSL the engine compiles is also written (default: none)
 LFM2JIT_TIMING     1 to time every dispatch with GPU timestamp queries (default: off)
@@ -32,6 +35,7 @@ DAWN_DEVICE_DISABLED_TOGGLES = ("timestamp_quantization",)
 @dataclass(frozen=True)
 class Settings:
     adapter: str | None
+    adapter_index: int
     cache_dir: Path | None
     dump_dir: Path | None
     timing: bool
@@ -49,6 +53,7 @@ def settings() -> Settings:
     """Read the environment now (not at import), so tests and tools can change it per run."""
     return Settings(
         adapter=os.environ.get("LFM2JIT_ADAPTER", "").strip() or None,
+        adapter_index=_index("LFM2JIT_ADAPTER_INDEX"),
         cache_dir=_path("LFM2JIT_CACHE_DIR"),
         dump_dir=_path("LFM2JIT_DUMP_DIR"),
         timing=os.environ.get("LFM2JIT_TIMING", "").strip() in ("1", "true", "yes"),
@@ -56,6 +61,15 @@ def settings() -> Settings:
         webgpu=os.environ.get("LFM2JIT_WEBGPU", "").strip().lower() or "auto",
         dawn_robustness=_on_off("LFM2JIT_DAWN_ROBUSTNESS", default=True),
     )
+
+
+def _index(name: str) -> int:
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return 0
+    if not value.isdigit():
+        raise ValueError(f"{name}={value!r}: expected a whole number >= 0")
+    return int(value)
 
 
 def _on_off(name: str, default: bool) -> bool:

@@ -26,6 +26,15 @@ def test_adapter_preference_discrete_then_integrated_then_cpu():
     assert choose_adapter(ADAPTERS[:1], None) is ADAPTERS[0]
 
 
+def test_equal_adapters_are_shared_out_by_index():
+    """Two GPUs of one kind: LFM2JIT_ADAPTER_INDEX (an MPI rank's local rank) picks one each."""
+    two = [FakeAdapter("NVIDIA H200", "DiscreteGPU"), FakeAdapter("NVIDIA H200", "DiscreteGPU"),
+           FakeAdapter("llvmpipe", "CPU")]
+    assert [choose_adapter(two, None, index=i) for i in range(4)] == [two[0], two[1], two[0], two[1]]
+    assert choose_adapter(two, "llvm", index=1) is two[2]            # one match: every index gets it
+    assert choose_adapter(ADAPTERS, None, index=3) is ADAPTERS[2]
+
+
 def test_setup_insists_on_a_native_backend():
     """scripts/setup.sh installs lavapipe unless wgpu lists a Vulkan, Metal or D3D12 adapter: Mesa's
     OpenGL llvmpipe alone (no shader-f16) does not count."""

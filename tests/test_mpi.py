@@ -97,3 +97,13 @@ def test_the_cli_under_mpiexec_equals_one_process(tmp_path):
     bad = subprocess.run([sys.executable, *common, "--distributed", "mpi", "--rank", "1"], capture_output=True,
                          text=True, timeout=120)
     assert bad.returncode == 2 and "--distributed mpi takes the rank and world size from MPI" in bad.stderr
+
+
+def test_each_rank_of_a_host_takes_its_own_gpu_index():
+    """--distributed mpi sets LFM2JIT_ADAPTER_INDEX to the local rank: on a two-GPU host rank 0 and
+    rank 1 open different adapters (choose_adapter shares equal ones out by index)."""
+    code = "from trainer.mpi_sync import local_rank; print(local_rank())"
+    done = subprocess.run([MPIEXEC, "-n", "2", sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, cwd=HERE.parent)
+    assert done.returncode == 0, done.stderr
+    assert sorted(done.stdout.split()) == ["0", "1"]

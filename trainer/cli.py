@@ -254,6 +254,9 @@ def prepare(args, argv_empty: bool) -> dict:
         print(f"note: {note}", file=sys.stderr)
     if run.adapter is not None:
         os.environ["LFM2JIT_ADAPTER"] = run.adapter
+    if run.distributed == "mpi" and "LFM2JIT_ADAPTER_INDEX" not in os.environ:
+        from .mpi_sync import local_rank
+        os.environ["LFM2JIT_ADAPTER_INDEX"] = str(local_rank())     # one GPU per rank on a multi-GPU host
 
     from lfm2jit.model import CheckpointError, ConfigError, Lfm2Config, Lfm2Model
     from .data import BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, load_tokenizer

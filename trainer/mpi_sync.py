@@ -36,6 +36,12 @@ def _mpi():
     return MPI
 
 
+def local_rank() -> int:
+    """This process's rank among the ranks on its host (which GPU of the host it takes)."""
+    MPI = _mpi()
+    return MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED).Get_rank()
+
+
 class MpiGradSync:
     """A ``Trainer.distributed_grad_sync`` over an MPI communicator (default: COMM_WORLD)."""
 

@@ -98,8 +98,9 @@ def _rank(adapter) -> tuple[int, int]:
     return (_TYPE_RANK.get(info.get("adapter_type"), 4), _BACKEND_RANK.get(info.get("backend_type"), 1))
 
 
-def choose_adapter(adapters, wanted: str | None, implementation: str = "wgpu-native"):
-    """The best adapter, or the best one whose name/vendor/backend contains ``wanted``."""
+def choose_adapter(adapters, wanted: str | None, implementation: str = "wgpu-native", index: int = 0):
+    """The best adapter, or the best one whose name/vendor/backend contains ``wanted``; of several
+    equally good ones (two GPUs of one kind) the ``index``-th (mod their number), in list order."""
     if not adapters:
         if implementation == "dawn":
             raise AdapterError("LFM2JIT_WEBGPU=dawn, but Dawn found no adapter (it does not list Mesa's lavapipe; "
@@ -115,7 +116,9 @@ def choose_adapter(adapters, wanted: str | None, implementation: str = "wgpu-nat
         if not pool:
             listing = "\n".join(f"  - {describe(a)}" for a in adapters)
             raise AdapterError(f"LFM2JIT_ADAPTER={wanted!r} matches none of the adapters:\n{listing}")
-    return min(pool, key=_rank)
+    best = _rank(min(pool, key=_rank))
+    ties = [a for a in pool if _rank(a) == best]
+    return ties[index % len(ties)]
 
 
 class WgpuContext:
@@ -142,7 +145,7 @@ class WgpuContext:
         opts = settings()
         wanted = adapter_substring if adapter_substring is not None else opts.adapter
         impl = choose_implementation(webgpu or opts.webgpu)
-        adapter = choose_adapter(impl.adapters(), wanted, impl.name)
+        adapter = choose_adapter(impl.adapters(), wanted, impl.name, opts.adapter_index)
         features = frozenset(f for f in OPTIONAL_FEATURES if f in adapter.features)
         limits = {k: adapter.limits[k] for k in RAISED_LIMITS if k in adapter.limits}
         device = impl.request_device(adapter, features, limits)
