@@ -295,28 +295,10 @@ def _read_optimizer_state(src: Path, meta: dict, optimizer, params: dict) -> tup
         raise TrainError(f"{path}: optimizer state {first!r} names no parameter of this model: state of another "
                          f"model? Refusing partial optimizer state. Unknown: {_few(unknown)}"
                          + (f"; the model's parameters without state: {_few(lacking)}" if lacking else ""))
-    entries = ("step", *optimizer.state_names)
-    by_name: dict[str, dict] = {}
-    for key, arr in state.items():
-        name, _, buf = key.rpartition("::")
-        if buf not in entries:
-            raise TrainError(f"{path}: optimizer state {key!r}: {optimizer.kind} keeps {', '.join(entries)} "
-                             "per parameter")
-        by_name.setdefault(name, {})[buf] = arr
-    for name, st in by_name.items():
-        missing = [e for e in entries if e not in st]
-        if missing:
-            raise TrainError(f"{path}: optimizer state of {name} lacks {', '.join(missing)}")
-        step = st["step"]
-        if step.shape != () or not np.issubdtype(step.dtype, np.integer) or step < 1:
-            raise TrainError(f"{path}: optimizer state {name}::step must be one integer >= 1, got {step!r}")
-        shape = tuple(params[name].shape)
-        for buf in optimizer.state_names:
-            if not np.issubdtype(st[buf].dtype, np.floating):
-                raise TrainError(f"{path}: optimizer state {name}::{buf} is {st[buf].dtype}; expected floats")
-            if tuple(st[buf].shape) != shape:
-                raise TrainError(f"{path}: optimizer state {name}::{buf} has shape {list(st[buf].shape)} "
-                                 f"but the parameter has {list(shape)}")
+    try:
+        optimizer.check_state_arrays(params, state)
+    except ValueError as e:
+        raise TrainError(f"{path}: {e}") from None
     return state, raw
 
 

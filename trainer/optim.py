@@ -114,8 +114,10 @@ class Optimizer:
         return {f"{names[pid]}::{k}": np.array(v, np.int64) if k == "step" else v.numpy()
                 for pid, st in self.state.items() for k, v in st.items()}
 
-    def load_state_arrays(self, engine, params_by_name: dict, arrays: dict[str, np.ndarray]) -> None:
-        """Replace all state by ``state_arrays``' output; every entry is checked before anything changes."""
+    def check_state_arrays(self, params_by_name: dict, arrays: dict[str, np.ndarray]) -> dict[str, dict]:
+        """``state_arrays``' output grouped by parameter, every entry checked (a ValueError naming
+        it): known parameters, this optimizer's buffers, a step count >= 1, float buffers of the
+        parameter's shape."""
         entries = ("step", *self.state_names)
         by_name: dict[str, dict] = {}
         for key, arr in arrays.items():
@@ -134,9 +136,16 @@ class Optimizer:
                 raise ValueError(f"optimizer state {name}::step must be one integer >= 1, got {step!r}")
             shape = tuple(params_by_name[name].shape)
             for buf in self.state_names:
-                if st[buf].shape != shape:
+                if not np.issubdtype(st[buf].dtype, np.floating):
+                    raise ValueError(f"optimizer state {name}::{buf} is {st[buf].dtype}; expected floats")
+                if tuple(st[buf].shape) != shape:
                     raise ValueError(f"optimizer state {name}::{buf} has shape {list(st[buf].shape)} "
                                      f"but the parameter has {list(shape)}")
+        return by_name
+
+    def load_state_arrays(self, engine, params_by_name: dict, arrays: dict[str, np.ndarray]) -> None:
+        """Replace all state by ``state_arrays``' output; every entry is checked before anything changes."""
+        by_name = self.check_state_arrays(params_by_name, arrays)
         self.state.clear()
         for name, st in by_name.items():
             self.state[id(params_by_name[name])] = {
