@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import warnings
 from pathlib import Path
 
 from .cli_options import DEFAULT_MAX_LEN, DEFAULT_SAMPLES, UsageError
+from .open_model import load_model, open_tokenizer
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,20 +49,14 @@ def main(argv: list[str]) -> int:
 
 
 def _run(args) -> int:
-    from .data import Batch, DataError, load_tokenizer
+    from .data import Batch, DataError
     from .evaluation import answer_cases, exact_match, greedy_answers, held_out_loss, last_user_turn, perplexity
     for flag, value in (("--max-records", args.max_records), ("--max-len", args.max_len), ("--bucket", args.bucket)):
         if value is not None and value < 1:
             raise UsageError(f"{flag} must be at least 1, got {value}")
-    model_dir = Path(args.model)
-    if not (model_dir / "config.json").is_file():
-        raise UsageError(f"--model {model_dir}: not a model directory (no config.json)")
+    model_dir, tok = open_tokenizer(args.model, args.tokenizer)
     if not Path(args.data).is_file():
         raise UsageError(f"--data {args.data}: no such file")
-    try:
-        tok = load_tokenizer(args.tokenizer or model_dir)
-    except (ValueError, FileNotFoundError) as e:
-        raise UsageError(f"tokenizer: {e} (give --tokenizer PATH)") from None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
@@ -80,27 +74,8 @@ def _run(args) -> int:
     if not items:
         raise UsageError(f"--data {args.data}: no record with a target to score")
 
-    if args.gpu:
-        os.environ["LFM2JIT_ADAPTER"] = args.gpu
-    from lfm2jit import ComputeEngine, WgpuContext
-    from lfm2jit.model import CheckpointError, ConfigError, Lfm2Model
-    from lfm2jit.model.lora import AdapterError
-    from lfm2jit.runtime.context import AdapterError as GpuError
-    try:
-        ctx = WgpuContext.create()
-    except GpuError as e:
-        raise UsageError(str(e)) from None
-    engine = ComputeEngine(ctx)
-    try:
-        model = Lfm2Model.from_pretrained(model_dir, ctx, engine)
-        if args.adapter:
-            model.load_adapter(args.adapter)
-    except (CheckpointError, ConfigError, AdapterError, ValueError) as e:
-        raise UsageError(f"--model {model_dir}{' --adapter ' + args.adapter if args.adapter else ''}: {e}") from None
-    if tok.get_vocab_size(with_added_tokens=True) > model.cfg.vocab_size:
-        raise UsageError(f"the tokenizer has {tok.get_vocab_size(with_added_tokens=True)} ids but the model's "
-                         f"vocab_size is {model.cfg.vocab_size}")
-
+    model = load_model(model_dir, tok, args.adapter, args.gpu)
+    engine = model.engine
     loss, answer_loss = held_out_loss(model, engine, items, args.bucket)
     result = {"model": str(model_dir), "adapter": args.adapter, "data": args.data, "records": len(items),
               "loss": loss, "perplexity": perplexity(loss), "answer_loss": answer_loss,

@@ -12,11 +12,10 @@ Exit status: 0 done, 2 bad usage or input (one line, no traceback).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-from pathlib import Path
 
 from .cli_options import UsageError
+from .open_model import load_model, open_tokenizer
 
 IM_END = "<|im_end|>"
 
@@ -115,33 +114,6 @@ def _open(args) -> Session:
         Sampling(args.sample, args.temperature, args.top_k, args.top_p)
     except (ValueError, TypeError) as e:
         raise UsageError(f"sampling: {e}") from None
-    model_dir = Path(args.model)
-    if not (model_dir / "config.json").is_file():
-        raise UsageError(f"--model {model_dir}: not a model directory (no config.json)")
-    from .data import load_tokenizer
-    try:
-        tok = load_tokenizer(args.tokenizer or model_dir)
-    except (ValueError, FileNotFoundError) as e:
-        raise UsageError(f"tokenizer: {e} (give --tokenizer PATH)") from None
-    if args.gpu:
-        os.environ["LFM2JIT_ADAPTER"] = args.gpu
-    from lfm2jit import ComputeEngine, WgpuContext
-    from lfm2jit.model import CheckpointError, ConfigError, Lfm2Model
-    from lfm2jit.model.lora import AdapterError
-    from lfm2jit.runtime.context import AdapterError as GpuError
-    try:
-        ctx = WgpuContext.create()
-    except GpuError as e:
-        raise UsageError(str(e)) from None
-    if args.f16 and not ctx.has_f16:
-        raise UsageError(f"--f16: adapter {ctx.name!r} has no shader-f16 feature; run without --f16")
-    try:
-        model = Lfm2Model.from_pretrained(model_dir, ctx, ComputeEngine(ctx), "f16" if args.f16 else "f32")
-        if args.adapter:
-            model.load_adapter(args.adapter)
-    except (CheckpointError, ConfigError, AdapterError, ValueError) as e:
-        raise UsageError(f"--model {model_dir}{' --adapter ' + args.adapter if args.adapter else ''}: {e}") from None
-    if tok.get_vocab_size(with_added_tokens=True) > model.cfg.vocab_size:
-        raise UsageError(f"the tokenizer has {tok.get_vocab_size(with_added_tokens=True)} ids but the model's "
-                         f"vocab_size is {model.cfg.vocab_size}")
+    model_dir, tok = open_tokenizer(args.model, args.tokenizer)
+    model = load_model(model_dir, tok, args.adapter, args.gpu, args.f16)
     return Session(model, tok, args)
