@@ -69,3 +69,23 @@ def instance(what: str, value: Any, cls: type | tuple[type, ...], expected: str,
     if (value is None and optional) or isinstance(value, cls):
         return value
     raise TypeError(f"{what} must be {expected}{' or None' if optional else ''}, got {_got(value)}")
+
+
+class Checked:
+    """A public attribute every assignment of which goes through ``check(label, value, **bounds)``
+    (one of the checks above), from the class's own code and its users alike; the value lives in
+    ``_<name>``. The label is ``label`` with ``{name}`` and ``{kind}`` (the owner's ``kind``, as
+    the optimizers have it) filled in."""
+
+    def __init__(self, check, label: str = "{name}", **bounds):
+        self.check, self.label, self.bounds = check, label, bounds
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name, self.slot = name, "_" + name
+
+    def __get__(self, obj, owner=None):
+        return self if obj is None else getattr(obj, self.slot)
+
+    def __set__(self, obj, value) -> None:
+        what = self.label.format(name=self.name, kind=getattr(obj, "kind", ""))
+        setattr(obj, self.slot, self.check(what, value, **self.bounds))

@@ -34,13 +34,7 @@ class Optimizer:
     # Hyperparameters are checked whenever they are set (at construction or later): a bad value is
     # a TypeError or ValueError naming it (e.g. "SGD: momentum must be a finite number >= 0, got nan")
     # and the old value stays.
-    @property
-    def lr(self) -> float:
-        return self._lr
-
-    @lr.setter
-    def lr(self, lr: float) -> None:
-        self._lr = checks.real(f"{self.kind}: lr", lr, minimum=0.0)
+    lr = checks.Checked(checks.real, "{kind}: {name}", minimum=0.0)
 
     def step(self, engine, params, lr: float, gscale: float) -> None:
         """One torch step on ``params`` (gradients read as ``.grad * gscale``): each parameter's
@@ -181,21 +175,8 @@ class AdamW(Optimizer):
     def betas(self, betas) -> None:
         self._betas = self._check_betas(betas)
 
-    @property
-    def eps(self) -> float:
-        return self._eps
-
-    @eps.setter
-    def eps(self, eps: float) -> None:
-        self._eps = checks.real("AdamW: eps", eps, minimum=0.0)
-
-    @property
-    def weight_decay(self) -> float:
-        return self._weight_decay
-
-    @weight_decay.setter
-    def weight_decay(self, weight_decay: float) -> None:
-        self._weight_decay = checks.real("AdamW: weight_decay", weight_decay, minimum=0.0)
+    eps = checks.Checked(checks.real, "{kind}: {name}", minimum=0.0)
+    weight_decay = checks.Checked(checks.real, "{kind}: {name}", minimum=0.0)
 
     def kernel_scalars(self, lr: float, step: int, gscale: float) -> dict[str, float]:
         return optim_kernels.adamw_scalars(lr=lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay,
@@ -273,13 +254,7 @@ class SGD(Optimizer):
         self._check_nesterov(self._momentum, self._dampening, nesterov)
         self._nesterov = nesterov
 
-    @property
-    def weight_decay(self) -> float:
-        return self._weight_decay
-
-    @weight_decay.setter
-    def weight_decay(self, weight_decay: float) -> None:
-        self._weight_decay = checks.real("SGD: weight_decay", weight_decay, minimum=0.0)
+    weight_decay = checks.Checked(checks.real, "{kind}: {name}", minimum=0.0)
 
     def kernel_scalars(self, lr: float, step: int, gscale: float) -> dict[str, float]:
         return optim_kernels.sgd_scalars(lr=lr, momentum=self.momentum, dampening=self.dampening,

@@ -147,14 +147,8 @@ class Trainer:
         self._refuse_mid_window("scaler", scaler is not self._scaler)
         self._scaler = scaler
 
-    @property
-    def lr_scheduler(self) -> LRScheduler | None:
-        return self._lr_scheduler
-
-    @lr_scheduler.setter
-    def lr_scheduler(self, scheduler: LRScheduler | None) -> None:
-        self._lr_scheduler = checks.instance("lr_scheduler", scheduler, LRScheduler,
-                                             "an LRScheduler (ConstantLR, LinearWarmup, CosineWithWarmup, LinearDecay)")
+    lr_scheduler = checks.Checked(checks.instance, cls=LRScheduler,
+                                  expected="an LRScheduler (ConstantLR, LinearWarmup, CosineWithWarmup, LinearDecay)")
 
     @property
     def distributed_grad_sync(self):
@@ -167,13 +161,7 @@ class Trainer:
                             f"params, step) method, e.g. FileGradSync) or None, got {type(sync).__name__} {sync!r}")
         self._distributed_grad_sync = sync
 
-    @property
-    def length_bucket(self) -> int:
-        return self._length_bucket
-
-    @length_bucket.setter
-    def length_bucket(self, bucket: int) -> None:
-        self._length_bucket = checks.integer("length_bucket", bucket, minimum=1)
+    length_bucket = checks.Checked(checks.integer, minimum=1)
 
     @property
     def lm_head_chunk(self) -> int:
@@ -187,13 +175,7 @@ class Trainer:
                              f"{ROW_MULTIPLE}, got {chunk}")
         self._lm_head_chunk = chunk
 
-    @property
-    def pack_tokens(self) -> int:
-        return self._pack_tokens
-
-    @pack_tokens.setter
-    def pack_tokens(self, max_tokens: int) -> None:
-        self._pack_tokens = checks.integer("pack_tokens", max_tokens, minimum=0, extra="(0: no packing)")
+    pack_tokens = checks.Checked(checks.integer, minimum=0, extra="(0: no packing)")
 
     def _refuse_mid_window(self, what: str, changes: bool) -> None:
         if changes and self._step_in_accum:
