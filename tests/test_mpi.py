@@ -99,11 +99,13 @@ def test_the_cli_under_mpiexec_equals_one_process(tmp_path):
     assert bad.returncode == 2 and "--distributed mpi takes the rank and world size from MPI" in bad.stderr
 
 
-def test_each_rank_of_a_host_takes_its_own_gpu_index():
+def test_each_rank_of_a_host_takes_its_own_gpu_index(tmp_path):
     """--distributed mpi sets LFM2JIT_ADAPTER_INDEX to the local rank: on a two-GPU host rank 0 and
-    rank 1 open different adapters (choose_adapter shares equal ones out by index)."""
-    code = "from trainer.mpi_sync import local_rank; print(local_rank())"
-    done = subprocess.run([MPIEXEC, "-n", "2", sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=120, cwd=HERE.parent)
+    rank 1 open different adapters (choose_adapter shares equal ones out by index). Each rank writes its
+    own file: two ranks printing at once may interleave on mpiexec's shared stdout."""
+    code = ("import sys; from mpi4py import MPI; from trainer.mpi_sync import local_rank; "
+            "open(f'{sys.argv[1]}/rank{MPI.COMM_WORLD.Get_rank()}', 'w').write(str(local_rank()))")
+    done = subprocess.run([MPIEXEC, "-n", "2", sys.executable, "-c", code, str(tmp_path)], capture_output=True,
+                          text=True, timeout=120, cwd=HERE.parent)
     assert done.returncode == 0, done.stderr
-    assert sorted(done.stdout.split()) == ["0", "1"]
+    assert sorted((tmp_path / f"rank{r}").read_text() for r in range(2)) == ["0", "1"]
