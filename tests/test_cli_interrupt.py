@@ -107,4 +107,63 @@ def test_default_checkpoint_interval_is_about_ten_minutes_of_measured_steps():
     assert auto_checkpoint_every([5.0, 5.0, 120.0, 110.0, 130.0]) == 5
     assert auto_checkpoint_every([900.0, 900.0, 900.0]) == 1      # slower than the interval: every step
     help_text = " ".join(build_parser().format_help().split())
-    assert "about every 10 minutes" in help_text and "--report-to" in help_text
+    assert "checkpoint about every M minutes of training (default 10)" in help_text and "--report-to" in help_text
+
+
+def test_a_signal_to_one_of_two_ranks_stops_both_after_the_same_step(tmp_path):
+    """SIGINT to rank 1 alone: both ranks finish the same step (the step's reduction carries the vote),
+    rank 0 saves it, both exit 130, the sync's files are gone, and both ranks resume from it."""
+    out, sync = tmp_path / "run", tmp_path / "sync"
+    common = ["--preset", "tiny", "--out", out, "--no-progress", "--eval-max", "4", "--sync-dir", sync,
+              "--world-size", 2, "--sync-timeout", 60]
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    procs = [subprocess.Popen([sys.executable, "-m", "trainer", *map(str, common), "--steps", "100000", "--rank", str(r)],
+                              cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for r in (0, 1)]
+    try:
+        deadline = time.monotonic() + 240
+        f = out / "rank1" / "metrics.jsonl"
+        while time.monotonic() < deadline and not (f.is_file() and len(f.read_text().splitlines()) >= 3):
+            assert all(p.poll() is None for p in procs), [p.communicate() for p in procs]
+            time.sleep(0.05)
+        procs[1].send_signal(signal.SIGINT)
+        errs = [p.communicate(timeout=120)[1] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert [p.returncode for p in procs] == [130, 130], errs
+    k = metrics(out)[-1]["step"]
+    assert [m["step"] for m in metrics(out)] == [m["step"] for m in metrics(out / "rank1")] == list(range(1, k + 1))
+    ckpt = out / "checkpoints" / f"step-{k:06d}"
+    assert json.loads((ckpt / "trainer.json").read_text())["optimizer_steps"] == k
+    assert f"another rank's signal: stopped after step {k}; checkpoint {ckpt.resolve()}" in errs[0]
+    assert f"--resume {out} --rank R (every rank R of 2)" in errs[0]
+    assert f"SIGINT: stopped after step {k} (rank 0 writes the checkpoint)" in errs[1]
+    assert not any("Traceback" in e for e in errs)
+    assert not list(sync.glob("*.safetensors"))
+
+    resumed = [subprocess.Popen([sys.executable, "-m", "trainer", "--resume", str(out), "--steps", str(k + 2),
+                                 "--rank", str(r), "--no-progress"], cwd=ROOT, env=env, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in (0, 1)]
+    results = [p.communicate(timeout=240) for p in resumed]
+    assert [p.returncode for p in resumed] == [0, 0], results
+    assert [m["step"] for m in metrics(out)] == [m["step"] for m in metrics(out / "rank1")] == list(range(1, k + 3))
+
+
+def test_periodic_checkpoints_by_default_end_to_end(tmp_path):
+    """No --checkpoint-every: after 10 measured steps the interval is chosen from the step time, then
+    checkpoints appear at its multiples (here --checkpoint-minutes 0.005, i.e. every 0.3 s of training,
+    stands in for the 10 minutes of a long run); each one resumable."""
+    out = tmp_path / "run"
+    r = cli("--preset", "tiny", "--steps", 30, "--checkpoint-minutes", 0.005, "--keep-checkpoints", 0,
+            "--eval-fraction", 0, "--no-progress", "--out", out)
+    assert r.returncode == 0, r.stderr
+    import re
+    every = int(re.search(r"checkpointing every (\d+) steps \(about every 0.005 minutes", r.stderr).group(1))
+    assert 1 <= every < 20
+    steps = sorted(int(p.name.split("-")[1]) for p in (out / "checkpoints").glob("step-*"))
+    expected = [k for k in range(10, 30) if k % every == 0] + [30]
+    assert steps == sorted(set(expected)), (every, steps)
+    for k in steps:
+        assert json.loads((out / "checkpoints" / f"step-{k:06d}" / "trainer.json").read_text())["optimizer_steps"] == k

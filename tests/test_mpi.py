@@ -1,12 +1,16 @@
 """Data-parallel training over MPI (trainer/mpi_sync.py), under a real mpiexec: 2 and 4 ranks equal
 one process with the same total batch (within f32 rounding; the ranks bit for bit); a killed, a
 hung and a mismatched rank end the job with a non-zero exit (and a clear error where a rank lives
-to say it), nothing saved; the CLI under mpiexec equals one process."""
+to say it), nothing saved; the CLI under mpiexec equals one process; Ctrl-C to mpiexec checkpoints and
+--resume under mpiexec continues."""
 from __future__ import annotations
 
+import json
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -85,8 +89,6 @@ def test_the_cli_under_mpiexec_equals_one_process(tmp_path):
     one = subprocess.run([sys.executable, *common, "--grad-accum", "2", "--out", str(tmp_path / "one")],
                          capture_output=True, text=True, timeout=400)
     assert one.returncode == 0, one.stderr[-3000:]
-    import json
-
     def losses(d):
         return [json.loads(line)["loss"] for line in (d / "metrics.jsonl").read_text().splitlines()]
     assert losses(tmp_path / "two") == pytest.approx(losses(tmp_path / "one"), rel=1e-5)
@@ -109,3 +111,36 @@ def test_each_rank_of_a_host_takes_its_own_gpu_index(tmp_path):
                           text=True, timeout=120, cwd=HERE.parent)
     assert done.returncode == 0, done.stderr
     assert sorted((tmp_path / f"rank{r}").read_text() for r in range(2)) == ["0", "1"]
+
+
+def test_ctrl_c_to_mpiexec_saves_a_checkpoint_that_mpiexec_resume_continues(tmp_path):
+    """mpiexec forwards Ctrl-C (SIGINT) to every rank; the ranks stop after the same step, rank 0
+    saves it and says how to continue; the same mpiexec command with --resume continues from it."""
+    if MPIEXEC is None:
+        pytest.fail("mpiexec is not installed: pip install mpi4py mpich (the test extras include them)")
+    out = tmp_path / "run"
+    common = ["-m", "trainer", "--preset", "tiny", "--distributed", "mpi", "--out", str(out), "--no-progress",
+              "--eval-max", "4"]
+    p = subprocess.Popen([MPIEXEC, "-n", "2", sys.executable, *common, "--steps", "100000"], cwd=HERE.parent,
+                         text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 240
+        f = out / "metrics.jsonl"
+        while time.monotonic() < deadline and not (f.is_file() and len(f.read_text().splitlines()) >= 3):
+            assert p.poll() is None, p.communicate()
+            time.sleep(0.05)
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 130, err[-3000:]
+    k = json.loads(f.read_text().splitlines()[-1])["step"]
+    assert (out / "checkpoints" / f"step-{k:06d}" / "trainer.json").is_file()
+    assert f"continue with: mpiexec -n 2 {sys.executable} -m trainer --resume {out}" in err
+    assert f"SIGINT: stopped after step {k} (rank 0 writes the checkpoint)" in err
+    resumed = subprocess.run([MPIEXEC, "-n", "2", sys.executable, "-m", "trainer", "--resume", str(out), "--steps",
+                              str(k + 2), "--no-progress"], cwd=HERE.parent, capture_output=True, text=True,
+                             timeout=240)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert [json.loads(line)["step"] for line in f.read_text().splitlines()] == list(range(1, k + 3))

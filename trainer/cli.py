@@ -36,14 +36,15 @@ from pathlib import Path
 
 import numpy as np
 
-from .cli_options import DEMO_PRESET, DEMO_SHAPE, Run, UsageError, build_parser, resolve
+from .cli_options import DEFAULT_CHECKPOINT_MINUTES, DEMO_PRESET, DEMO_SHAPE, Run, UsageError, build_parser, resolve
 from .run_dir import (check_sync_dir, clean, copy_model_files, default_out, find_checkpoint, prune_checkpoints,
                       read_checkpoint_meta, read_metrics)
 
 MAX_SKIPPED_IN_A_ROW = 50
 # Without --checkpoint-every: after AUTO_CHECKPOINT_AFTER steps, checkpoint every N steps, N such that
-# a checkpoint is written about every AUTO_CHECKPOINT_SECONDS of training at the measured step time.
-AUTO_CHECKPOINT_SECONDS = 600.0
+# a checkpoint is written about every --checkpoint-minutes (AUTO_CHECKPOINT_SECONDS by default) of
+# training at the measured step time.
+AUTO_CHECKPOINT_SECONDS = 60 * DEFAULT_CHECKPOINT_MINUTES
 AUTO_CHECKPOINT_AFTER = 10
 
 METRICS_KEYS = ("step", "loss", "tokens", "supervised", "tokens_per_s", "lr", "grad_norm", "loss_scale",
@@ -412,6 +413,25 @@ def _saved_evals(pos: dict, start: int) -> list[dict]:
     return out
 
 
+def _resume_command(run: Run, out: Path) -> str:
+    """How this run continues: under mpiexec as it was launched, with the file sync every rank with its --rank."""
+    cmd = f"{sys.executable} -m trainer --resume {out}"
+    if run.world_size > 1 and run.distributed == "mpi":
+        return f"mpiexec -n {run.world_size} {cmd}"
+    return f"{cmd} --rank R (every rank R of {run.world_size})" if run.world_size > 1 else cmd
+
+
+def _finish_sync(run: Run, tr) -> None:
+    """The ranks ended together (done, or stopped after the same step by a signal): the sync's files
+    go, so that the same command can run again and --resume finds no earlier run's files."""
+    from . import TrainError
+    if run.world_size > 1 and hasattr(tr.distributed_grad_sync, "finish"):
+        try:
+            tr.distributed_grad_sync.finish()
+        except TrainError as e:
+            print(f"note: {e}", file=sys.stderr)
+
+
 def train(s: dict) -> int:
     import signal
     import threading
@@ -504,8 +524,11 @@ def train(s: dict) -> int:
         prune_checkpoints(ckpt_root, run.keep_checkpoints)
         return path
 
-    # SIGINT/SIGTERM: the current step finishes, then a checkpoint is saved (a second signal abandons the step)
+    # SIGINT/SIGTERM: the current step finishes, then a checkpoint is saved (a second signal abandons the step).
+    # With several ranks the signal may reach one rank, or reach them at different steps: each step's
+    # reduction carries a stop vote, so every rank stops after the same step and rank 0 saves it.
     stop: list[int] = []
+    agreed_stop = False
 
     def on_signal(signum, frame):
         if stop:
@@ -521,7 +544,7 @@ def train(s: dict) -> int:
     try:
         with open(metrics_path, "a") as mf:
             while tr.optimizer_steps() < run.steps:
-                if stop:
+                if agreed_stop or (stop and run.world_size == 1):
                     raise _Interrupted
                 if nxt + per_step > n:
                     epoch, nxt = epoch + 1, 0
@@ -532,10 +555,11 @@ def train(s: dict) -> int:
                 nxt += per_step
                 last = stats[-1]
                 dt = time.perf_counter() - t_step
-                # the window's numbers over all ranks: the mean loss of its sequences, its tokens
-                loss_sum, n_seq, toks, supervised = _reduce(
+                # the window's numbers over all ranks: the mean loss of its sequences, its tokens; stop votes
+                loss_sum, n_seq, toks, supervised, votes = _reduce(
                     s, [sum(float(x.loss) for x in stats), len(stats), sum(len(data.train[i][0]) for i in window),
-                        sum(x.tokens for x in stats)], "the step's loss and tokens")
+                        sum(x.tokens for x in stats), float(bool(stop))], "the step's loss and tokens")
+                agreed_stop = votes > 0
                 toks = int(toks)
                 tokens_seen += toks
                 step = tr.optimizer_steps() if last.stepped else tr.optimizer_steps() + 1
@@ -569,14 +593,13 @@ def train(s: dict) -> int:
                 k = tr.optimizer_steps()
                 step_seconds.append(dt)
                 if every is None and len(step_seconds) >= min(AUTO_CHECKPOINT_AFTER, run.steps - start):
-                    every = auto_checkpoint_every(step_seconds)
+                    every = auto_checkpoint_every(step_seconds, 60 * run.checkpoint_minutes)
                     if run.rank == 0 and k + every < run.steps:
-                        bar.write(f"  checkpointing every {every} steps (about every "
-                                  f"{AUTO_CHECKPOINT_SECONDS / 60:g} minutes at the measured step time; "
-                                  "--checkpoint-every N chooses)", file=sys.stderr)
+                        bar.write(f"  checkpointing every {every} steps (about every {run.checkpoint_minutes:g} "
+                                  "minutes at the measured step time; --checkpoint-every N chooses)", file=sys.stderr)
                 if run.rank == 0 and every and k % every == 0 and k < run.steps:
                     last_ckpt = save(k)
-                if run.eval_every and data.eval and k % run.eval_every == 0 and k < run.steps and not stop:
+                if run.eval_every and data.eval and k % run.eval_every == 0 and k < run.steps and not agreed_stop:
                     ev = _record_eval(k, evaluate(s, my_eval, answers=True), eval_path, samples_path, run.samples)
                     evals_mid.append(ev)
                     reporters.log_eval(k, ev)
@@ -596,10 +619,11 @@ def train(s: dict) -> int:
         _restore_handlers(handlers)
         _write_plot(plot_run, png_path, history + new, sorted(run_evals + evals_mid, key=lambda e: e["step"]))
         reporters.finish("interrupted")
-        sig = signal.Signals(stop[0]).name
+        _finish_sync(run, tr)            # every rank stopped after the same step: the run can resume or rerun
+        sig = signal.Signals(stop[0]).name if stop else "another rank's signal"
         if run.rank == 0 and last_ckpt:
             print(f"\n{sig}: stopped after step {k}; checkpoint {Path(last_ckpt).resolve()}\n"
-                  f"  continue with: {sys.executable} -m trainer --resume {out}", file=sys.stderr)
+                  f"  continue with: {_resume_command(run, out)}", file=sys.stderr)
         else:
             print(f"\n{sig}: stopped after step {k}"
                   + ("" if run.rank == 0 else " (rank 0 writes the checkpoint)"), file=sys.stderr)
@@ -643,11 +667,7 @@ def train(s: dict) -> int:
     # the whole run's evaluations: the segments' starts and ends (run_evals) and those during training
     evals = sorted(run_evals + evals_mid, key=lambda e: e["step"]) if data.eval else []
     _write_plot(plot_run, png_path, history + new, evals)
-    if run.world_size > 1 and hasattr(tr.distributed_grad_sync, "finish"):
-        try:                  # the run went well: its sync files go, so the same command can run again
-            tr.distributed_grad_sync.finish()
-        except TrainError as e:
-            print(f"note: {e}", file=sys.stderr)
+    _finish_sync(run, tr)
 
     # ---- summary: the whole run (the earlier segments of a resumed run too) ----
     whole = history + new

@@ -27,6 +27,7 @@ DEFAULT_MAX_LEN = 512
 DEFAULT_EVAL_FRACTION = 0.05
 DEFAULT_EVAL_MAX = 200
 DEFAULT_KEEP = 2
+DEFAULT_CHECKPOINT_MINUTES = 10.0
 DEFAULT_SAMPLES = 5
 
 SCHEDULES = ("constant", "warmup", "cosine", "linear")
@@ -189,7 +190,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--checkpoint-every", type=int, metavar="N",
                    help="also checkpoint every N optimizer steps; 0: only at the end (and on Ctrl-C/SIGTERM). "
                         "Default: N chosen from the measured step time after the first 10 steps so that a "
-                        "checkpoint is written about every 10 minutes of training (none in runs shorter than that)")
+                        "checkpoint is written about every --checkpoint-minutes of training (none in runs shorter "
+                        "than that)")
+    c.add_argument("--checkpoint-minutes", type=float, metavar="M",
+                   help="without --checkpoint-every: checkpoint about every M minutes of training "
+                        f"(default {DEFAULT_CHECKPOINT_MINUTES:g})")
     c.add_argument("--keep-checkpoints", type=int, metavar="K",
                    help=f"keep only the newest K checkpoints of the run; 0 keeps all (default {DEFAULT_KEEP})")
     c.add_argument("--resume", metavar="DIR",
@@ -208,7 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--report-to", nargs="+", choices=("tensorboard", "wandb", "mlflow"), metavar="BACKEND",
                    help="also log the settings, every step's metrics.jsonl scalars (train/KEY) and the evaluations "
                         "(eval/KEY) to tensorboard (event files in OUT/tensorboard; pip install tensorboardX), "
-                        "wandb (files in OUT/wandb) and/or mlflow (MLFLOW_TRACKING_URI, else OUT/mlruns) "
+                        "wandb (files in OUT/wandb) and/or mlflow (MLFLOW_TRACKING_URI, else the SQLite store OUT/mlflow.db) "
                         "(default: none)")
 
     s = p.add_argument_group("multi-process gradient sync (FileGradSync or MPI) and device")
@@ -233,16 +238,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 # Settings whose change on --resume does not alter the training itself (a changed --steps shows up as a
 # changed schedule, noted separately).
-AS_YOU_LIKE = {"steps", "checkpoint_every", "eval_every", "keep_checkpoints", "eval_max", "sync_timeout", "check_loss_drop",
+AS_YOU_LIKE = {"steps", "checkpoint_every", "checkpoint_minutes", "eval_every", "keep_checkpoints", "eval_max", "sync_timeout", "check_loss_drop",
                "eval_answers", "samples"}
 
 # Settings a checkpoint carries and --resume restores (flags given with --resume override them).
 RESUMABLE = ("tokenizer", "data", "data_kind", "loss_on", "max_len", "eval_fraction", "eval_max", "seed", "optimizer", "lr",
              "weight_decay", "momentum", "schedule", "warmup_steps", "min_lr", "grad_accum", "pack_tokens", "clip", "bucket",
-             "scaler", "f16", "steps", "checkpoint_every", "keep_checkpoints", "world_size", "sync_dir", "run_id",
+             "scaler", "f16", "steps", "checkpoint_every", "checkpoint_minutes", "keep_checkpoints", "world_size", "sync_dir", "run_id",
              "sync_timeout", "check_loss_drop", "source", "preset", "lora_r", "lora_alpha", "lora_targets",
              "lora_dropout", "lora_f16_base", "merge_lora", "train_only", "freeze", "eval_every", "save_dtype",
-             "eval_data", "eval_answers", "samples")
+             "eval_data", "eval_answers", "samples", "distributed")
 
 
 @dataclass
@@ -277,7 +282,8 @@ class Run:
     steps: int | None
     epochs: float | None
     out: str | None
-    checkpoint_every: int | None    # None: chosen from the measured step time (about every 10 minutes)
+    checkpoint_every: int | None    # None: chosen from the measured step time (about every checkpoint_minutes)
+    checkpoint_minutes: float
     keep_checkpoints: int
     check_loss_drop: float | None
     progress: bool
@@ -322,7 +328,8 @@ def resolve(args: argparse.Namespace, argv_empty: bool, saved: dict | None = Non
     from .data import default_dataset, default_tokenizer
     g = _given(args)
     notes: list[str] = []
-    if g.get("distributed") == "mpi":
+    # under MPI (given, or the resumed run's) the rank and world size come from MPI, never from the checkpoint
+    if g.get("distributed", (saved or {}).get("distributed")) == "mpi":
         g.update(_mpi_world(g))
     if saved is not None:
         for flag in ("model", "preset"):
@@ -391,7 +398,8 @@ def resolve(args: argparse.Namespace, argv_empty: bool, saved: dict | None = Non
         replay=g.get("replay", DEFAULT_REPLAY_PASSES), recompute_mlp=bool(g.get("recompute_mlp", False)), clip=g.get("clip", 1.0), bucket=g.get("bucket", 64),
         scaler=bool(g.get("scaler", False) or g.get("f16", False)), f16=bool(g.get("f16", False)),
         steps=steps, epochs=epochs, out=g.get("out"),
-        checkpoint_every=g.get("checkpoint_every"), keep_checkpoints=g.get("keep_checkpoints", DEFAULT_KEEP),
+        checkpoint_every=g.get("checkpoint_every"), checkpoint_minutes=g.get("checkpoint_minutes", DEFAULT_CHECKPOINT_MINUTES),
+        keep_checkpoints=g.get("keep_checkpoints", DEFAULT_KEEP),
         check_loss_drop=g.get("check_loss_drop", DEMO_CHECK_LOSS_DROP if argv_empty else None),
         progress=not g.get("no_progress", False), sync_dir=g.get("sync_dir"), rank=g.get("rank", 0),
         world_size=world, run_id=g.get("run_id", "run"), sync_timeout=g.get("sync_timeout", 600.0),
@@ -430,7 +438,7 @@ def _confirm_resumed_sync(cmd: dict, g: dict, ckpt: Path | None, notes: list[str
     or moved checkpoint must not decide silently where the run writes its gradient files."""
     import os
     from .sync import run_id_problem
-    if cmd.get("distributed") == "mpi":          # rank and world from MPI, no directory
+    if g.get("distributed") == "mpi":            # rank and world from MPI, no directory
         return
     src = f"--resume {ckpt}: {Path(ckpt) / 'trainer.json' if ckpt is not None else 'trainer.json'}"
     world = g.get("world_size", 1)
@@ -481,8 +489,11 @@ def _validate(r: Run) -> None:
             return
         if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
             raise UsageError(f"--{name.replace('_', '-')} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
-    for name in ("lr", "min_lr", "weight_decay", "momentum", "clip", "eval_fraction", "sync_timeout"):
-        positive(name, getattr(r, name), allow_zero=name not in ("sync_timeout",))
+    if r.distributed not in ("file", "mpi"):         # a checkpoint's value: the flag's choices are argparse's
+        raise UsageError(f"--distributed must be file or mpi, got {r.distributed!r}")
+    for name in ("lr", "min_lr", "weight_decay", "momentum", "clip", "eval_fraction", "sync_timeout",
+                 "checkpoint_minutes"):
+        positive(name, getattr(r, name), allow_zero=name not in ("sync_timeout", "checkpoint_minutes"))
     for name in ("grad_accum", "bucket", "max_len", "eval_max", "world_size"):
         positive(name, getattr(r, name))
     for name in ("checkpoint_every", "keep_checkpoints", "warmup_steps", "pack_tokens", "replay", "eval_every",

@@ -19,18 +19,29 @@ import math
 from pathlib import Path
 
 BACKENDS = ("tensorboard", "wandb", "mlflow")
-MODULES = {"tensorboard": "tensorboardX", "wandb": "wandb", "mlflow": "mlflow"}
+# The packages each backend imports. MLflow's own store, OUT/mlflow.db, is a SQLite database through
+# SQLAlchemy and Alembic (full mlflow brings them; mlflow-skinny does not); with MLFLOW_TRACKING_URI
+# set, mlflow alone.
+MODULES = {"tensorboard": ("tensorboardX",), "wandb": ("wandb",), "mlflow": ("mlflow", "sqlalchemy", "alembic")}
 PIP = {"tensorboard": "pip install tensorboardX  (or: pip install -e .[report])", "wandb": "pip install wandb",
        "mlflow": "pip install mlflow"}
 
 
-def missing(name: str) -> str | None:
-    """None when the backend's library can be imported, else a one-line reason naming the pip command."""
+def _importable(module: str) -> bool:
     try:
-        found = importlib.util.find_spec(MODULES[name]) is not None
+        return importlib.util.find_spec(module) is not None
     except (ImportError, ValueError):
-        found = False
-    return None if found else f"the {MODULES[name]} package is not installed ({PIP[name]})"
+        return False
+
+
+def missing(name: str) -> str | None:
+    """None when the backend's libraries can be imported, else a one-line reason naming the pip command."""
+    import os
+    needed = MODULES[name][:1] if name == "mlflow" and os.environ.get("MLFLOW_TRACKING_URI") else MODULES[name]
+    absent = [m for m in needed if not _importable(m)]
+    if not absent:
+        return None
+    return f"the {' and '.join(absent)} package{'s are' if len(absent) > 1 else ' is'} not installed ({PIP[name]})"
 
 
 def numbers(scalars: dict) -> dict[str, float]:
@@ -114,7 +125,8 @@ class WandbReporter(Reporter):
 
 
 class MlflowReporter(Reporter):
-    """An MLflow run: to MLFLOW_TRACKING_URI when set, else a file store in OUT/mlruns."""
+    """An MLflow run: to MLFLOW_TRACKING_URI when set, else to the SQLite store OUT/mlflow.db (MLflow's
+    default kind of store; its file store is deprecated and refused by MLflow 3)."""
     name = "mlflow"
 
     def __init__(self, out: Path, first_step: int = 1):
@@ -123,7 +135,7 @@ class MlflowReporter(Reporter):
         self.mlflow = mlflow
         self.out = Path(out)
         if not os.environ.get("MLFLOW_TRACKING_URI"):
-            mlflow.set_tracking_uri((self.out / "mlruns").resolve().as_uri())
+            mlflow.set_tracking_uri(f"sqlite:///{(self.out / 'mlflow.db').resolve()}")
 
     def start(self, settings: dict) -> None:
         self.mlflow.start_run(run_name=self.out.name)
