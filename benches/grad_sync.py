@@ -3,9 +3,10 @@
     mpiexec -n 2 python benches/grad_sync.py [--preset 350M] [--shape 1x512] [--lora 8] [--steps 3] [--json PATH]
 
 Each rank trains its share of the windows with Trainer.with_mpi_grad_sync; reported per step (rank
-0, the steps after the first): the GPU->host readback of the gradients (seconds and GB/s), the
-time spent waiting for the allreduces beyond the readback they overlap, the write back, and the
-whole step. Run with -n 1 (or without mpiexec) it times the readback alone.
+0, the steps after the first): the wait for the step's own GPU work to end (timed apart), the
+GPU->host readback of the gradients (seconds and GB/s: the copies into the staging buffers and
+their conversion to float64), the time spent waiting for the allreduces beyond the readback they
+overlap, the write back, and the whole step. Run with -n 1 (or without mpiexec) it times the readback alone.
 """
 from __future__ import annotations
 
@@ -58,7 +59,8 @@ def main(argv=None) -> int:
         n = sum(p.size for p in params)
         print(f"{ctx.name}: {a.preset} {'LoRA r=%d' % a.lora if a.lora else 'full'}, {n / 1e6:.2f}M trained "
               f"parameters, {sync.world_size} rank(s), {a.shape} per rank")
-        print(f"per step: readback {1e3 * mean['readback']:.1f} ms ({mean['readback_GBps'] or 0:.2f} GB/s of "
+        print(f"per step: waiting for the backward {1e3 * mean['backward_wait']:.1f} ms, "
+              f"readback {1e3 * mean['readback']:.1f} ms ({mean['readback_GBps'] or 0:.2f} GB/s of "
               f"{mean['bytes'] / 1e6:.1f} MB), allreduce wait {1e3 * mean['allreduce_wait']:.1f} ms, write "
               f"{1e3 * mean['write']:.1f} ms, step {1e3 * mean['step_s']:.1f} ms")
         if a.json:

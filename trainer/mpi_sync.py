@@ -6,9 +6,11 @@ The same contract as the file sync (trainer/sync.py), through an MPI communicato
 * ``handshake``: every rank's run id, world size and trained parameters (names, shapes, dtypes)
   are gathered on every rank, so each one reaches the same verdict; a mismatch is a TrainError
   on every rank before the first step.
-* ``average``: each rank reads its gradients back in bucket order (each bucket copied on the GPU
-  into one buffer and read back in one mapping), and each bucket is summed over the ranks by a
-  non-blocking allreduce in float64 while the next bucket is read back. A sum of a
+* ``average``: each rank reads its gradients back in bucket order (each bucket packed by buffer
+  copies into a persistent mappable staging buffer and converted to float64 in one pass; see
+  lfm2jit/runtime/readback.py), and each bucket is summed over the ranks by a non-blocking
+  allreduce in float64 while the next bucket is read back; the means are written straight into
+  each .grad. A sum of a
   few float32 values in float64 is exact, so every rank gets the same bits whatever order MPI
   adds in, and the mean (rounded to float32 once) equals the file sync's and one process's.
 * Faults: a collective that does not complete within ``timeout_s`` (a rank died or hangs) is a
@@ -21,6 +23,8 @@ import json
 import time
 
 import numpy as np
+
+from lfm2jit.runtime.readback import StagedReadback
 
 from .errors import TrainError
 
@@ -55,7 +59,10 @@ class MpiGradSync:
         self.timeout_s, self.run_id = float(timeout_s), run_id
         self.ready = False
         self.rounds = 0
-        self.seconds = {"readback": 0.0, "allreduce_wait": 0.0, "write": 0.0}   # summed over rounds, for benches
+        # summed over rounds, for benches: waiting for the step's GPU work, reading the gradients back,
+        # waiting for the allreduces beyond the reads they overlap, writing the means back
+        self.seconds = {"backward_wait": 0.0, "readback": 0.0, "allreduce_wait": 0.0, "write": 0.0}
+        self._staging = None                            # StagedReadback, made on the first average()
         self.bytes = 0                                  # float32 gradient bytes read back, summed
 
     def resume_from(self, step: int) -> None:
@@ -120,56 +127,49 @@ class MpiGradSync:
             return
         if not self.ready:
             self.handshake(names, params)
-        MPI = self.MPI
-        buckets, current, size = [], [], 0
-        for p in params:
-            current.append(p)
-            size += 4 * p.grad.size
-            if size >= BUCKET_BYTES:
-                buckets.append(current)
-                current, size = [], 0
-        if current:
-            buckets.append(current)
-        sums, pending, clock = [], None, time.perf_counter
-        for bucket in buckets:                        # read the next bucket back while the last one is summed
+        MPI, clock = self.MPI, time.perf_counter
+        buckets = _buckets(params)
+        if self._staging is None:
+            self._staging = StagedReadback(engine)
+        t0 = clock()
+        engine.synchronize()                          # the step's own work ends first: timed apart
+        t1 = clock()
+        self.seconds["backward_wait"] += t1 - t0
+        sizes = self._staging.submit([[p.grad for p in bucket] for bucket in buckets])
+        sends = [np.empty(n, np.float64) for n in sizes]
+        sums = [np.empty_like(x) for x in sends]
+        requests = []
+        for i, send in enumerate(sends):               # bucket i converts while the GPU copies i + 1 ...
             t0 = clock()
-            send = _read_back(engine, bucket).astype(np.float64)
+            self._staging.read(i, send)
             t1 = clock()
-            recv = np.empty_like(send)
-            request = self.comm.Iallreduce(send, recv, op=MPI.SUM)
-            if pending is not None:
-                self._wait(pending[0], f"the allreduce at optimizer step {step}")
+            requests.append(self.comm.Iallreduce(send, sums[i], op=MPI.SUM))
+            MPI.Request.Testall(requests)              # ... and the allreduces progress (MPI moves data in MPI calls)
             self.seconds["readback"] += t1 - t0
             self.seconds["allreduce_wait"] += clock() - t1
             self.bytes += 4 * send.size
-            pending = (request, send, recv)
-            sums.append(recv)
         t0 = clock()
-        self._wait(pending[0], f"the allreduce at optimizer step {step}")
+        for r in requests:
+            self._wait(r, f"the allreduce at optimizer step {step}")
         t1 = clock()
         for bucket, total in zip(buckets, sums):
-            _write_back(engine, bucket, (total / self.world_size).astype(np.float32))
+            total /= self.world_size
+            at = 0
+            for p in bucket:
+                p.grad.write(total[at:at + p.grad.size].astype(np.float32))
+                at += p.grad.size
         self.seconds["allreduce_wait"] += t1 - t0
         self.seconds["write"] += clock() - t1
         self.rounds += 1
 
 
-def _read_back(engine, bucket) -> np.ndarray:
-    """A bucket's gradients as one float32 array: copied on the GPU into one buffer (recorded
-    copies), then read back in one mapping instead of one per tensor."""
-    total = sum(p.grad.size for p in bucket)
-    stage = engine.empty((total, 1), "f32")
-    at = 0
-    for p in bucket:
-        engine.copy_rows(p.grad.view(p.grad.size, 1), stage, p.grad.size, 0, at)
-        at += p.grad.size
-    return stage.numpy().reshape(-1)
-
-
-def _write_back(engine, bucket, values: np.ndarray) -> None:
-    """The averaged gradients into each .grad: one upload, then recorded copies."""
-    stage = engine.tensor(values.reshape(-1, 1))
-    at = 0
-    for p in bucket:
-        engine.copy_rows(stage, p.grad.view(p.grad.size, 1), p.grad.size, at, 0)
-        at += p.grad.size
+def _buckets(params: list) -> list[list]:
+    """The parameters in order, cut into groups of about BUCKET_BYTES of float32 gradients."""
+    buckets, current, size = [], [], 0
+    for p in params:
+        current.append(p)
+        size += 4 * p.grad.size
+        if size >= BUCKET_BYTES:
+            buckets.append(current)
+            current, size = [], 0
+    return buckets + [current] if current else buckets

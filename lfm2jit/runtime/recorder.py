@@ -259,6 +259,20 @@ class Recorder:
         self._keepalive.extend((src.buffer, dst.buffer))
         return dst
 
+    def copy_into_buffer(self, src: Tensor, buffer, offset: int) -> None:
+        """Record copying all of ``src``'s elements into a raw wgpu buffer at byte ``offset`` (a
+        host-mappable staging buffer, see readback.py), in order with the recorded dispatches. Not
+        inside capture(): what is copied there is read on the host, which a replay cannot repeat."""
+        if self.capturing is not None:
+            raise RuntimeError("copy_into_buffer inside engine.capture(): its buffer is read on the host, which a "
+                               "replayed program cannot repeat")
+        nbytes = src.size * ITEMSIZE[src.dtype]
+        if nbytes % 4 or offset % 4 or src.offset % 4 or offset + nbytes > buffer.size:
+            raise ValueError(f"copy_into_buffer: {nbytes} bytes of {src!r} to byte {offset} of a {buffer.size}-byte "
+                             "buffer; WebGPU copies whole 4-byte words within the buffer")
+        self._commands.append(("copy", src.buffer, src.offset, buffer, offset, nbytes))
+        self._keepalive.extend((src.buffer, buffer))
+
     @contextlib.contextmanager
     def capture(self):
         """Record the work done inside into a replayable Program (see program.py); the work also
