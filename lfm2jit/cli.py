@@ -91,6 +91,11 @@ def cmd_info(args) -> None:
         print(f"LFM2JIT_DAWN_ROBUSTNESS: {'on' if settings().dawn_robustness else 'off (bounds clamping disabled)'}")
     print(f"features: {', '.join(sorted(ctx.features)) or 'none'}")
     print("subgroup matrix configs: " + ("; ".join(str(c) for c in ctx.subgroup_matrix_configs) or "none"))
+    mode = settings().matrix_units
+    print(f"LFM2JIT_MATRIX_UNITS={mode}: f16 products on "
+          + {"off": "the portable SIMT path",
+             "emulate": "the matrix templates, subgroup matrices emulated in plain WGSL (slow; for testing)"}.get(
+              mode, "the matrix units" if ctx.subgroup_matrix_configs else "the portable SIMT path (no matrix units)"))
     for key in ("max-compute-workgroup-storage-size", "max-compute-invocations-per-workgroup",
                 "max-storage-buffer-binding-size", "min-storage-buffer-offset-alignment"):
         if key in ctx.limits:

@@ -19,7 +19,7 @@ from .ir.nodes import SEQ_AXIS
 from .ops import library
 from .runtime.recorder import Compiled, Recorder, Shader
 from .runtime.tensor import Tensor
-from .schedule import KernelSpec, MatrixConfig, Target, bucketed
+from .schedule import EMULATED_MATRIX_CONFIGS, EMULATED_SUBGROUP, KernelSpec, MatrixConfig, Target, bucketed
 from .settings import settings
 from .tune.autotune import Tuner
 
@@ -47,7 +47,7 @@ class ComputeEngine(Recorder):
         self.stats = CacheStats()
         self.disk = WgslDiskCache(opts.cache_dir) if opts.cache_dir else None
         self.dump_dir = opts.dump_dir
-        self.target = target_of(ctx)
+        self.target = target_of(ctx, opts.matrix_units)
         self.tuner = Tuner(self) if opts.autotune else None
 
     # ---- compilation ----
@@ -259,14 +259,22 @@ class ComputeEngine(Recorder):
         return result
 
 
-def target_of(ctx) -> Target:
+def target_of(ctx, matrix_units: str = "auto") -> Target:
     """What the context's device offers the planners: its subgroup matrices (Dawn lists them per
-    adapter), the subgroup size they run at, and its workgroup memory."""
+    adapter), the subgroup size they run at, and its workgroup memory. ``matrix_units`` is
+    LFM2JIT_MATRIX_UNITS: "off" offers none, "emulate" the emulated ones on any device with f16."""
+    workgroup_bytes = int(ctx.limits.get("max-compute-workgroup-storage-size", 16384))
+    if matrix_units == "off":
+        return Target(workgroup_bytes=workgroup_bytes)
+    if matrix_units == "emulate":
+        if "shader-f16" not in {str(f) for f in getattr(ctx, "features", ())}:
+            raise ValueError(f"LFM2JIT_MATRIX_UNITS=emulate: {ctx.name} has no shader-f16, which the matrix "
+                             "templates need even when their subgroup matrices are emulated")
+        return Target(EMULATED_MATRIX_CONFIGS, EMULATED_SUBGROUP, workgroup_bytes, emulated=True)
     configs = tuple(c for c in (_matrix_config(d) for d in getattr(ctx, "subgroup_matrix_configs", ())) if c)
     info = getattr(ctx, "info", {})
     subgroup = int(info.get("subgroup_min_size") or info.get("subgroupMinSize") or (32 if configs else 0))
-    return Target(configs, subgroup if configs else 0,
-                  int(ctx.limits.get("max-compute-workgroup-storage-size", 16384)))
+    return Target(configs, subgroup if configs else 0, workgroup_bytes)
 
 
 def _matrix_config(d) -> MatrixConfig | None:

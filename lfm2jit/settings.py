@@ -12,6 +12,11 @@ LFM2JIT_AUTOTUNE   1 to benchmark the matmul and attention tile candidates once 
                    ~/.cache/lfm2jit (default: off)
 LFM2JIT_WEBGPU     the WebGPU implementation: auto (Dawn when it finds a GPU adapter, else
                    wgpu-native, which also reaches lavapipe), dawn or wgpu-native (default: auto)
+LFM2JIT_MATRIX_UNITS  auto (the device's subgroup matrices where it has them), off (never: every
+                   product on the portable SIMT path) or emulate (the matrix templates with their
+                   subgroup-matrix operations written out in plain WGSL on any device with shader-f16:
+                   slow, for testing those templates where no matrix units exist, e.g. lavapipe in
+                   CI, and for differential tests against the real ones) (default: auto)
 LFM2JIT_DAWN_ROBUSTNESS  on, or off to ask Dawn for devices without its bounds clamping of every
                    buffer access (the device toggle disable_robustness). lfm2jit's kernels keep
                    their own reads and writes in bounds, but off trusts that: a measured, opt-in
@@ -30,6 +35,7 @@ from pathlib import Path
 WEBGPU_IMPLEMENTATIONS = ("auto", "dawn", "wgpu-native")
 DAWN_INSTANCE_TOGGLES = ("allow_unsafe_apis", "vulkan_enable_f16_on_nvidia")
 DAWN_DEVICE_DISABLED_TOGGLES = ("timestamp_quantization",)
+MATRIX_UNIT_MODES = ("auto", "off", "emulate")
 
 
 @dataclass(frozen=True)
@@ -42,6 +48,7 @@ class Settings:
     autotune: bool
     webgpu: str
     dawn_robustness: bool
+    matrix_units: str
 
 
 def _path(name: str) -> Path | None:
@@ -60,7 +67,16 @@ def settings() -> Settings:
         autotune=os.environ.get("LFM2JIT_AUTOTUNE", "").strip() in ("1", "true", "yes"),
         webgpu=os.environ.get("LFM2JIT_WEBGPU", "").strip().lower() or "auto",
         dawn_robustness=_on_off("LFM2JIT_DAWN_ROBUSTNESS", default=True),
+        matrix_units=_choice("LFM2JIT_MATRIX_UNITS", MATRIX_UNIT_MODES),
     )
+
+
+def _choice(name: str, choices: tuple[str, ...]) -> str:
+    """The variable's value among ``choices`` (the first when unset)."""
+    value = os.environ.get(name, "").strip().lower() or choices[0]
+    if value not in choices:
+        raise ValueError(f"{name}={value!r}: expected one of {', '.join(choices)}")
+    return value
 
 
 def _index(name: str) -> int:

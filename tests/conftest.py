@@ -17,6 +17,23 @@ def engine(ctx) -> ComputeEngine:
     return ComputeEngine(ctx)
 
 
+@pytest.fixture(scope="session")
+def matrix_engine(ctx, engine) -> ComputeEngine:
+    """An engine whose f16 products run on the matrix templates: the device's subgroup matrices where
+    it has them, else the same templates with those operations emulated in plain WGSL
+    (LFM2JIT_MATRIX_UNITS=emulate), so that lavapipe in CI tests them too."""
+    if engine.target.matrix_configs:
+        return engine
+    mp = pytest.MonkeyPatch()
+    mp.setenv("LFM2JIT_MATRIX_UNITS", "emulate")
+    try:
+        emulated = ComputeEngine(ctx)
+    finally:
+        mp.undo()
+    assert emulated.target.emulated
+    return emulated
+
+
 @pytest.fixture
 def rng() -> np.random.Generator:
     return np.random.default_rng(1234)

@@ -2,19 +2,24 @@
 
 What the scheduler decides runs everywhere: contractions with an f16 operand go to the matrix
 template on a device with f16 subgroup matrices, f32 ones stay SIMT, and every tile the autotuner
-may try renders. The numbers need such a device (Dawn on an NVIDIA GPU): those tests run there and
-are skipped elsewhere (lavapipe has no subgroup matrices). They ran on the H200 under
-LFM2JIT_WEBGPU=dawn: benches/results/h200_matrix_tests_dawn.log (this template) and h200_tests_dawn*.log.
+may try renders. The numbers run on the device's matrix units where it has them (Dawn on an NVIDIA
+GPU: benches/results/h200_matrix_tests_dawn.log), and elsewhere (lavapipe in CI) on the same
+template with its subgroup-matrix operations emulated in plain WGSL (LFM2JIT_MATRIX_UNITS=emulate).
 """
 from __future__ import annotations
+
+import types
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
 from conftest import rel_err
-from lfm2jit import grad, library
+from lfm2jit import ComputeEngine, grad, library
 from lfm2jit.cli import MATRIX_UNITS
 from lfm2jit.codegen.render import render
+from lfm2jit.engine import target_of
+from lfm2jit.schedule import EMULATED_MATRIX_CONFIGS, EMULATED_SUBGROUP, Target
 from lfm2jit.schedule.matmul import MatrixTiles, narrow_matrix_tiles
 from lfm2jit.tune.candidates import MATRIX, matrix as matrix_candidates
 
@@ -104,17 +109,50 @@ def test_matrix_tiles_that_do_not_fit_are_refused():
         PRODUCTS["y"].specialize({"T": 8, "K": 16, "N": 16}, 1, frozenset(), MatrixTiles())
 
 
-# ---- on the matrix units (a device that has them) ----
+def test_emulated_matrix_templates_need_no_subgroup_matrix_feature():
+    """LFM2JIT_MATRIX_UNITS=emulate: the same template, its subgroup-matrix operations written out
+    (loops over workgroup memory), so no extension is enabled and no builtin is called."""
+    emulated = Target(EMULATED_MATRIX_CONFIGS, EMULATED_SUBGROUP, 32768, emulated=True)
+    for out, k in PRODUCTS.items():
+        spec = k.specialize({"T": 100, "K": 64, "N": 48}, 64, frozenset(), None, emulated)
+        assert spec.template == "matmul_matrix" and spec.params.emulated
+        assert spec.key != k.specialize({"T": 100, "K": 64, "N": 48}, 64, frozenset(), None,
+                                        replace(emulated, emulated=False)).key
+        wgsl = render(spec)
+        assert "subgroup_matrix" not in wgsl and "subgroupMatrix" not in wgsl and "enable f16;" in wgsl
+
+
+def test_matrix_units_setting(ctx, monkeypatch):
+    """off: every product on the portable path; emulate: the emulated target, refused by name on a
+    device without shader-f16; anything else is an error naming the variable."""
+    monkeypatch.setenv("LFM2JIT_MATRIX_UNITS", "off")
+    assert ComputeEngine(ctx).target.matrix_configs == ()
+    monkeypatch.setenv("LFM2JIT_MATRIX_UNITS", "sometimes")
+    with pytest.raises(ValueError, match="LFM2JIT_MATRIX_UNITS='sometimes': expected one of auto, off, emulate"):
+        ComputeEngine(ctx)
+    no_f16 = types.SimpleNamespace(name="a GPU without f16", features=frozenset({"subgroup"}),
+                                   limits={"max-compute-workgroup-storage-size": 16384})
+    with pytest.raises(ValueError, match="LFM2JIT_MATRIX_UNITS=emulate: a GPU without f16 has no shader-f16"):
+        target_of(no_f16, "emulate")
+    assert target_of(no_f16, "auto") == Target(workgroup_bytes=16384)
+
+
+# ---- on the matrix units: the device's own, or emulated in plain WGSL where it has none ----
 
 @pytest.fixture
-def units(engine):
-    if not engine.target.matrix_configs:
-        pytest.skip(f"{engine.ctx.name} has no f16 subgroup matrices (lavapipe has none; Dawn on an NVIDIA GPU has)")
-    return engine
+def units(matrix_engine):
+    return matrix_engine
 
 
 def _f16(rng, shape):
     return rng.standard_normal(shape).astype(np.float16)
+
+
+def _fits(e, tiles) -> bool:
+    """Whether the tiles fit this device's workgroup memory (lavapipe has 32 KiB, the H200 48): a
+    product with tiles that do not is refused by name, before any GPU work."""
+    return tiles is None or not tiles.problem(e.target.matrix("f16", "f32"), e.target.subgroup_size,
+                                              e.target.workgroup_bytes)
 
 
 @pytest.mark.parametrize("T,K,N", [(100, 64, 48), (129, 40, 132), (7, 8, 12), (256, 1024, 96), (300, 256, 520),
@@ -134,6 +172,10 @@ def test_matrix_products_match_float64(units, rng, T, K, N, tiles):
     want = {"y": x.astype(np.float64) @ w16.T, "d_x": dy.astype(np.float64) @ w16,
             "d_w": dy.T.astype(np.float64) @ x.astype(np.float64)}
     args = {"x": e.tensor(x), "w": e.tensor(w), "d_y": e.tensor(dy)}
+    if not _fits(e, tiles):
+        with pytest.raises(ValueError, match=r"do not fit the matrix template: \d+ bytes of workgroup memory"):
+            e.run(PRODUCTS["y"], bucket=16, tiles=tiles, x=args["x"], w=args["w"])
+        return
     for out, k in PRODUCTS.items():
         assert k.specialize({"T": T, "K": K, "N": N}, 16, frozenset(), tiles, e.target).template == "matmul_matrix"
         got = e.run(k, bucket=16, tiles=tiles, **{n: args[n] for n in k.inputs})[out].numpy()
@@ -148,6 +190,12 @@ def test_matrix_weight_gradient_accumulates(units, rng, T, K, N):
     base = rng.standard_normal((N, K)).astype(np.float32)
     for tiles in (None, MatrixTiles(64, 64, 2, 2, 32, split=4), MatrixTiles(128, 128, 2, 2, 32, stages=2)):
         dw = e.tensor(base)
+        if not _fits(e, tiles):
+            with pytest.raises(ValueError, match="do not fit the matrix template"):
+                e.run(PRODUCTS["d_w"], bucket=16, tiles=tiles, x=e.tensor(x), d_y=e.tensor(dy), out={"d_w": dw},
+                      accumulate={"d_w"})
+            np.testing.assert_array_equal(dw.numpy(), base)          # nothing half-applied
+            continue
         e.run(PRODUCTS["d_w"], bucket=16, tiles=tiles, x=e.tensor(x), d_y=e.tensor(dy), out={"d_w": dw},
               accumulate={"d_w"})
         want = base + dy.T.astype(np.float64) @ x.astype(np.float64)

@@ -33,6 +33,26 @@ def needs_f16(ctx):
 
 @pytest.mark.parametrize("name", GOLDEN_CONFIGS)
 def test_golden_configs_in_f16_match_transformers(ctx, engine, name):
+    _check_golden_f16(ctx, engine, name)
+
+
+@pytest.mark.parametrize("name", GOLDEN_CONFIGS)
+def test_golden_configs_in_f16_on_the_matrix_units_match_transformers(ctx, matrix_engine, name, monkeypatch):
+    """The same on the matrix templates (the device's subgroup matrices, or emulated where it has none):
+    every f16 product of the forward and backward goes through them, within the same bounds."""
+    templates = []
+    compile_ = matrix_engine.compile
+
+    def spy(*args, **kw):
+        compiled = compile_(*args, **kw)
+        templates.append(compiled.spec.template)
+        return compiled
+    monkeypatch.setattr(matrix_engine, "compile", spy)
+    _check_golden_f16(ctx, matrix_engine, name)
+    assert templates.count("matmul_matrix") >= 3 * 4, sorted(set(templates))   # forward, dX, dW of the layers
+
+
+def _check_golden_f16(ctx, engine, name):
     d = GOLDEN / name
     data, want = load_file(str(d / "golden.safetensors")), load_file(str(d / "grads.safetensors"))
     model = Lfm2Model.from_pretrained(d, ctx, engine, activation_dtype="f16")

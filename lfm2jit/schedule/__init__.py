@@ -13,9 +13,10 @@ from typing import Callable
 from ..ir.nodes import KernelIR, toposort
 from ..ir.ops import Op
 from . import intrinsic, matmul, pointwise, reduce
-from .spec import PORTABLE, Binding, KernelSpec, MatrixConfig, Plan, Target, bind_dims, bucketed, schedule_error
+from .spec import (EMULATED_MATRIX_CONFIGS, EMULATED_SUBGROUP, PORTABLE, Binding, KernelSpec, MatrixConfig, Plan, Target,
+                   bind_dims, bucketed, schedule_error)
 
-__all__ = ["PORTABLE", "KernelSpec", "MatrixConfig", "Target", "bind_dims", "bucketed", "specialize", "tiles_class"]
+__all__ = ["EMULATED_MATRIX_CONFIGS", "EMULATED_SUBGROUP", "PORTABLE", "KernelSpec", "MatrixConfig", "Target", "bind_dims", "bucketed", "specialize", "tiles_class"]
 
 
 @dataclass(frozen=True)

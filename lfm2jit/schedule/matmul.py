@@ -203,6 +203,7 @@ class MatrixParams(GemmParams):
     tiles: MatrixTiles
     frag: MatrixConfig
     subgroup_size: int
+    emulated: bool = False          # subgroup-matrix operations written out in plain WGSL (Target.emulated)
 
     @property
     def threads(self) -> int:
@@ -342,7 +343,8 @@ def plan(ir: KernelIR, sizes: dict[str, int], accumulate: frozenset[str], tiles=
                   axes=(m_axis, n_axis, k, bt), m_pad=sizes[m_axis], n_size=sizes[n_axis], batches=batches,
                   reduce_threads=REDUCE_THREADS)
     if matrix:
-        template, params = "matmul_matrix", MatrixParams(tiles=tiles, frag=frag, subgroup_size=target.subgroup_size, **common)
+        template, params = "matmul_matrix", MatrixParams(tiles=tiles, frag=frag, subgroup_size=target.subgroup_size,
+                                                   emulated=target.emulated, **common)
         tile_m, tile_n = tiles.wm, tiles.wn
     else:
         template, params = "matmul", MatmulParams(tiles=tiles, **common)

@@ -105,6 +105,7 @@ class Target:
     matrix_configs: tuple[MatrixConfig, ...] = ()
     subgroup_size: int = 0
     workgroup_bytes: int = 16384       # the device's maxComputeWorkgroupStorageSize
+    emulated: bool = False             # the subgroup matrices are written out in plain WGSL (testing)
 
     def matrix(self, component: str, result: str) -> MatrixConfig | None:
         """The largest config of these types (16x16x16 before 16x8x16 ...), or None."""
@@ -113,6 +114,12 @@ class Target:
 
 
 PORTABLE = Target()
+
+# What an emulated target offers: the f16 -> f32 shapes an NVIDIA GPU lists under Dawn, at a nominal
+# subgroup of 32 invocations (in emulation a "subgroup" is 32 consecutive invocations of the workgroup).
+EMULATED_MATRIX_CONFIGS = (MatrixConfig(16, 16, 16, "f16", "f32"), MatrixConfig(16, 8, 16, "f16", "f32"),
+                           MatrixConfig(16, 8, 8, "f16", "f32"))
+EMULATED_SUBGROUP = 32
 
 
 @dataclass(frozen=True)
