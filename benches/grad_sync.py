@@ -5,8 +5,9 @@
 Each rank trains its share of the windows with Trainer.with_mpi_grad_sync; reported per step (rank
 0, the steps after the first): the wait for the step's own GPU work to end (timed apart), the
 GPU->host readback of the gradients (seconds and GB/s: the copies into the staging buffers and
-their conversion to float64), the time spent waiting for the allreduces beyond the readback they
-overlap, the write back, and the whole step. Run with -n 1 (or without mpiexec) it times the readback alone.
+their conversion), the time spent waiting for the exchanges (reduce-scatter + allgather) beyond
+the readback they overlap, the write back, and the whole step. It needs two ranks or more (one
+rank exchanges nothing).
 """
 from __future__ import annotations
 
@@ -61,7 +62,7 @@ def main(argv=None) -> int:
               f"parameters, {sync.world_size} rank(s), {a.shape} per rank")
         print(f"per step: waiting for the backward {1e3 * mean['backward_wait']:.1f} ms, "
               f"readback {1e3 * mean['readback']:.1f} ms ({mean['readback_GBps'] or 0:.2f} GB/s of "
-              f"{mean['bytes'] / 1e6:.1f} MB), allreduce wait {1e3 * mean['allreduce_wait']:.1f} ms, write "
+              f"{mean['bytes'] / 1e6:.1f} MB), exchange wait {1e3 * mean['exchange_wait']:.1f} ms, write "
               f"{1e3 * mean['write']:.1f} ms, step {1e3 * mean['step_s']:.1f} ms")
         if a.json:
             Path(a.json).write_text(json.dumps({"argv": sys.argv, "adapter": ctx.name, "world": sync.world_size,

@@ -7,12 +7,12 @@ The same contract as the file sync (trainer/sync.py), through an MPI communicato
   are gathered on every rank, so each one reaches the same verdict; a mismatch is a TrainError
   on every rank before the first step.
 * ``average``: each rank reads its gradients back in bucket order (each bucket packed by buffer
-  copies into a persistent mappable staging buffer and converted to float64 in one pass; see
-  lfm2jit/runtime/readback.py), and each bucket is summed over the ranks by a non-blocking
-  allreduce in float64 while the next bucket is read back; the means are written straight into
-  each .grad. A sum of a
-  few float32 values in float64 is exact, so every rank gets the same bits whatever order MPI
-  adds in, and the mean (rounded to float32 once) equals the file sync's and one process's.
+  copies into a persistent mappable staging buffer, lfm2jit/runtime/readback.py), and each bucket
+  is averaged by a float32 reduce-scatter (an alltoall; each rank sums its chunk of the bucket in
+  float64, in rank order) and an allgather of the means, started while the next bucket is read
+  back; the means are written straight into each .grad. A sum of a few float32 values in float64
+  is exact and each chunk is summed by one rank, so every rank gets the same bits, and the mean
+  (rounded to float32 once) equals the file sync's and one process's.
 * Faults: a collective that does not complete within ``timeout_s`` (a rank died or hangs) is a
   TrainError naming the step and the ranks' state; nothing is applied. A dead rank normally makes
   mpiexec end the job; the timeout covers the rest.
@@ -28,7 +28,7 @@ from lfm2jit.runtime.readback import StagedReadback
 
 from .errors import TrainError
 
-BUCKET_BYTES = 32 << 20        # float32 gradient bytes per allreduce
+BUCKET_BYTES = 32 << 20        # float32 gradient bytes per exchange
 POLL_S = 0.001
 
 
@@ -60,8 +60,8 @@ class MpiGradSync:
         self.ready = False
         self.rounds = 0
         # summed over rounds, for benches: waiting for the step's GPU work, reading the gradients back,
-        # waiting for the allreduces beyond the reads they overlap, writing the means back
-        self.seconds = {"backward_wait": 0.0, "readback": 0.0, "allreduce_wait": 0.0, "write": 0.0}
+        # waiting for the exchanges beyond the reads they overlap, writing the means back
+        self.seconds = {"backward_wait": 0.0, "readback": 0.0, "exchange_wait": 0.0, "write": 0.0}
         self._staging = None                            # StagedReadback, made on the first average()
         self.bytes = 0                                  # float32 gradient bytes read back, summed
 
@@ -122,12 +122,18 @@ class MpiGradSync:
             self.gather([0.0], "the end of the run")
 
     def average(self, engine, names: list[str], params: list, step: int) -> None:
-        """Replace each parameter's .grad by the mean over the ranks of this window's gradients."""
+        """Replace each parameter's .grad by the mean over the ranks of this window's gradients.
+
+        Per bucket, a reduce-scatter then an allgather, both in float32 on the wire: an alltoall
+        hands rank r the r-th chunk of every rank's bucket, rank r sums its chunk in float64 in
+        rank order (exact for a few terms) and rounds the mean to float32 once, and an allgather
+        gives every rank every chunk's mean. Each chunk is summed by one rank, so all ranks hold the
+        same bits; half the bytes of a float64 allreduce."""
         if self.world_size == 1:
             return
         if not self.ready:
             self.handshake(names, params)
-        MPI, clock = self.MPI, time.perf_counter
+        MPI, clock, world = self.MPI, time.perf_counter, self.world_size
         buckets = _buckets(params)
         if self._staging is None:
             self._staging = StagedReadback(engine)
@@ -136,29 +142,38 @@ class MpiGradSync:
         t1 = clock()
         self.seconds["backward_wait"] += t1 - t0
         sizes = self._staging.submit([[p.grad for p in bucket] for bucket in buckets])
-        sends = [np.empty(n, np.float64) for n in sizes]
-        sums = [np.empty_like(x) for x in sends]
+        chunks = [-(-n // world) for n in sizes]
+        sends = [np.zeros(world * c, np.float32) for c in chunks]
+        parts = [np.empty((world, c), np.float32) for c in chunks]
         requests = []
-        for i, send in enumerate(sends):               # bucket i converts while the GPU copies i + 1 ...
+        for i, (send, n) in enumerate(zip(sends, sizes)):   # bucket i converts while the GPU copies i + 1 ...
             t0 = clock()
-            self._staging.read(i, send)
+            self._staging.read(i, send[:n])
             t1 = clock()
-            requests.append(self.comm.Iallreduce(send, sums[i], op=MPI.SUM))
-            MPI.Request.Testall(requests)              # ... and the allreduces progress (MPI moves data in MPI calls)
+            requests.append(self.comm.Ialltoall(send, parts[i]))
+            MPI.Request.Testall(requests)              # ... and the exchanges progress (MPI moves data in MPI calls)
             self.seconds["readback"] += t1 - t0
-            self.seconds["allreduce_wait"] += clock() - t1
-            self.bytes += 4 * send.size
+            self.seconds["exchange_wait"] += clock() - t1
+            self.bytes += 4 * n
         t0 = clock()
-        for r in requests:
-            self._wait(r, f"the allreduce at optimizer step {step}")
+        means = [np.empty(world * c, np.float32) for c in chunks]
+        gathers = []
+        for i, request in enumerate(requests):         # my chunk of each bucket, summed in rank order
+            self._wait(request, f"the gradient exchange (alltoall) at optimizer step {step}")
+            total = parts[i][0].astype(np.float64)
+            for r in range(1, world):
+                total += parts[i][r]
+            gathers.append(self.comm.Iallgather((total / world).astype(np.float32), means[i]))
+            MPI.Request.Testall(gathers)
+        for request in gathers:
+            self._wait(request, f"the gradient exchange (allgather) at optimizer step {step}")
         t1 = clock()
-        for bucket, total in zip(buckets, sums):
-            total /= self.world_size
+        for bucket, mean in zip(buckets, means):
             at = 0
             for p in bucket:
-                p.grad.write(total[at:at + p.grad.size].astype(np.float32))
+                p.grad.write(mean[at:at + p.grad.size])
                 at += p.grad.size
-        self.seconds["allreduce_wait"] += t1 - t0
+        self.seconds["exchange_wait"] += t1 - t0
         self.seconds["write"] += clock() - t1
         self.rounds += 1
 
