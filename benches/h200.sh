@@ -20,8 +20,8 @@
 #                                         at LFM2-350M shapes, batch 1 and 8, lfm2jit f32/f16 beside transformers
 #                                         fp32/bf16 on CUDA -> $OUT/h200_generate_tests_dawn.log, $OUT/h200_decode.json
 #   bash benches/h200.sh gradsync         on Dawn, two ranks under mpiexec (mpi4py + mpich wheels from .gpu-kit/mpi) on the
-#                                         one GPU: benches/grad_sync.py at LFM2-350M, 1x512 per rank, full fine-tuning and
-#                                         LoRA r = 8 -> $OUT/h200_grad_sync_full.json, h200_grad_sync_lora.json
+#                                         one GPU: benches/grad_sync.py at LFM2-350M, 1x512 per rank, LoRA r = 8 (3 timed
+#                                         steps) and full fine-tuning (2) -> $OUT/h200_grad_sync_lora.json, h200_grad_sync_full.json
 set -uo pipefail
 source .gpu-kit/env.sh
 export LFM2JIT_ADAPTER=H200 PYTHONUNBUFFERED=1
@@ -80,10 +80,10 @@ gradsync)
     python3 -m pip install -q --no-deps --no-index .gpu-kit/mpi/*.whl 2>&1 | tail -2
     MPIEXEC="$(python3 -c 'import sys, os; print(os.path.join(os.path.dirname(sys.executable), "mpiexec"))')"
     [ -x "$MPIEXEC" ] || MPIEXEC="$(command -v mpiexec || echo "$HOME/.local/bin/mpiexec")"
-    for run in "full" "lora --lora 8"; do
+    for run in "lora --lora 8 --steps 3" "full --steps 2"; do
         set -- $run
         name=$1; shift
-        timeout 200 "$MPIEXEC" -n 2 python3 benches/grad_sync.py --preset 350M --shape 1x512 --steps 3 "$@" \
+        timeout 200 "$MPIEXEC" -n 2 python3 benches/grad_sync.py --preset 350M --shape 1x512 "$@" \
             --json "$OUT/h200_grad_sync_${name}.json" 2>&1 | tail -2
     done
     ;;
