@@ -188,7 +188,7 @@ def test_a_failing_attention_candidate_scores_infinity(ctx, tmp_path, monkeypatc
     (AttentionTiles(64, 64, 1), "bytes of workgroup memory, expected at most 16384"),
     (AttentionTiles(32, 4, 8), "row_threads must divide tile"),
     (AttentionTiles(16, 16, 3), "row_threads must divide the head dim 16"),
-    (TileConfig(), "expected AttentionTiles or None"),
+    (TileConfig(), "expected AttentionTiles or MatrixAttentionTiles or None"),
 ])
 def test_bad_attention_tiles_are_refused_before_gpu_work(engine, tiles, rule):
     q, k, v, _ = (engine.tensor(x) for x in _inputs(0, DIMS))

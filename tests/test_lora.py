@@ -180,7 +180,10 @@ def test_merge_lora_writes_a_plain_model_transformers_reads(mg, ctx, engine, tmp
             assert rel_err(merged.state_dict()[name].numpy(), t.numpy()) < 1e-6, name
 
 
-def test_f16_base_halves_the_linear_weights_and_stays_frozen(mg, ctx, engine):
+@pytest.mark.parametrize("engine_kind", ["engine", "matrix_engine"])
+def test_f16_base_halves_the_linear_weights_and_stays_frozen(mg, ctx, engine_kind, request):
+    """On the portable path and on the matrix units (the device's, or emulated where it has none)."""
+    engine = request.getfixturevalue(engine_kind)
     if not ctx.has_f16:
         pytest.skip(f"{ctx.name} has no shader-f16")
     hf, kwargs = hf_base(mg, "tied_g1_attn_mid", 21)
@@ -199,10 +202,13 @@ def test_f16_base_halves_the_linear_weights_and_stays_frozen(mg, ctx, engine):
                 p.copy_(p.half().float())
     ids, targets, mask = inputs(kwargs["vocab_size"], 25, 3)
     want_logits, want_loss, want_grads = peft_reference(theirs, ids, targets, mask)
-    assert rel_err(ours.logits(ids, bucket=BUCKET), want_logits) < 1e-4
+    # On the matrix units a product with the f16 base runs in f16: its f32 input is rounded to f16 as
+    # it is staged (as PEFT runs a half-precision base layer), about 2**-11 relative per product
+    matrix = bool(engine.target.matrix_configs)
+    assert rel_err(ours.logits(ids, bucket=BUCKET), want_logits) < (3e-3 if matrix else 1e-4)
     loss, grads = loss_and_grads(ours, ids, targets, mask, params)
-    assert abs(loss - want_loss) < 1e-5
-    assert max(rel_err(grads[n], want_grads[n]) for n in want_grads) < 1e-3
+    assert abs(loss - want_loss) < (1e-3 if matrix else 1e-5)
+    assert max(rel_err(grads[n], want_grads[n]) for n in want_grads) < (2e-2 if matrix else 1e-3)
     with pytest.raises(ValueError, match="frozen f16 base weight"):
         loss_and_grads(ours, ids, targets, mask, params + [ours.p(linears[0])])
 

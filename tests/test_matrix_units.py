@@ -58,6 +58,23 @@ def test_outputs_sized_by_the_sequence_are_stored_element_by_element():
     assert "subgroupMatrixStore<row_major>(&y_" not in render(spec)
 
 
+def test_f16_results_of_f32_operands_go_to_the_matrix_units(matrix_engine, rng):
+    """The LM head's dh = dlogits @ E in --f16 mode: f32 operands, an f16 result. The result keeps no
+    more than f16 precision, so the product runs on the matrix units with its operands rounded to f16
+    as they are staged (as PyTorch's autocast rounds them to bf16): against float64 on those values."""
+    xent_dh = library.get("xent_dh").variant("f16", {"g", "E"})
+    assert xent_dh.specialize({"T": 100, "C": 256, "D": 64}, 64, target=MATRIX_UNITS).template == "matmul_matrix"
+    assert library.get("xent_dh").specialize({"T": 100, "C": 256, "D": 64}, 64,
+                                             target=MATRIX_UNITS).template == "matmul"      # f32 mode: f32
+    g = rng.standard_normal((100, 256)).astype(np.float32)
+    E = rng.standard_normal((256, 64)).astype(np.float32)
+    e = matrix_engine
+    got = e.run(xent_dh, bucket=64, g=e.tensor(g), E=e.tensor(E))["dh"]
+    assert got.dtype == "f16"
+    want = g.astype(np.float16).astype(np.float64) @ E.astype(np.float16).astype(np.float64)
+    assert rel_err(got.numpy(), want) < 2e-3
+
+
 def test_f32_contractions_stay_simt_on_a_device_with_matrix_units():
     assert LINEAR.specialize({"T": 100, "K": 64, "N": 48}, 64, target=MATRIX_UNITS).template == "matmul"
 

@@ -38,8 +38,9 @@ def environment() -> jinja2.Environment:
 
 def render(spec: KernelSpec) -> str:
     params = {f.name: getattr(spec.params, f.name) for f in dataclasses.fields(spec.params)}
-    params.update((name, getattr(spec.params, name)) for name, attr in vars(type(spec.params)).items()
-                  if isinstance(attr, property))
+    for cls in reversed(type(spec.params).__mro__):           # properties of the class and its bases
+        params.update((name, getattr(spec.params, name)) for name, attr in vars(cls).items()
+                      if isinstance(attr, property))
     return environment().get_template(f"{spec.template}.wgsl.j2").render(
         kernel=spec.kernel, template=spec.template, dims=spec.dims, scalars=spec.scalars,
         bindings=spec.bindings, uses_f16=any(b.dtype == "f16" for b in spec.bindings),

@@ -28,6 +28,12 @@ invocation ``part`` owns columns part, part + row_threads, ... (EPT = E / row_th
 Scores of one tile pass through workgroup memory; tiles read with a different row per lane have
 their rows padded by one word, so lanes hit different banks.
 
+On a target with f16 subgroup matrices, a forward whose q, k and v are f16 runs on the matrix
+units instead (template attention_fwd_matrix, MatrixAttentionTiles): a subgroup per 16 query rows
+multiplies S = q k^T and P v as fragments from f16 tiles in workgroup memory; the softmax
+statistics and o stay in f32 registers as above (o rescaled, then P v added, per key tile), P is
+rounded to f16 for its product, and lse is the same statistic, so the SIMT backward reads it.
+
 Block sizes (AttentionTiles) come from ``choose_tiles(mode, E)`` unless the caller passes tiles
 (``engine.run(..., tiles=...)``, the autotuner); ``tiles_problem`` holds the rules any tiles must
 keep; the autotuner's candidates are in tune/candidates.py.
@@ -40,14 +46,14 @@ from dataclasses import dataclass, replace
 from ..ir.intrinsics import ATTENTION_BWD_PARAMS, IntrinsicError
 from .code import Index
 from .matmul import REDUCE_THREADS
-from .spec import EntryPoint, IntrinsicCall, Plan, Scratch, extent, strides
+from .spec import EntryPoint, IntrinsicCall, MatrixConfig, Plan, Scratch, extent, strides
 
 WORKGROUP_BYTES = 16384      # portable maxComputeWorkgroupStorageSize
 MAX_THREADS = 256            # portable maxComputeInvocationsPerWorkgroup
 MAX_HEAD_DIM = 128
 TARGET_THREADS = 128         # invocations per workgroup to aim for
 SLICE_COLUMNS = 16           # accumulator columns per invocation to aim for (E / row_threads)
-TEMPLATES = ("attention_fwd", "attention_bwd")
+TEMPLATES = ("attention_fwd", "attention_fwd_matrix", "attention_bwd")
 
 
 # ---- tiling ----
@@ -180,8 +186,12 @@ class AttentionParams:
         return self.tiles.threads
 
     @property
+    def row_threads(self) -> int:  # invocations per owned row
+        return self.tiles.row_threads
+
+    @property
     def ept(self) -> int:         # accumulator columns per invocation
-        return self.head_dim // self.tiles.row_threads
+        return self.head_dim // self.row_threads
 
     @property
     def group(self) -> int:       # query heads per kv head
@@ -226,19 +236,106 @@ def _params(call: IntrinsicCall, mode: str, params: tuple[str, ...], outputs: tu
                            batch=batch, **tensors)
 
 
-def plan_forward(call: IntrinsicCall) -> Plan:
-    p = _params(call, "fwd", ("q", "k", "v"), ("o", "lse"))
+# ---- the forward on the matrix units ----
+
+@dataclass(frozen=True)
+class MatrixAttentionTiles:
+    """Block sizes of the forward on the matrix units (template attention_fwd_matrix): ``rows``
+    queries per workgroup, one subgroup per fragment height of them; ``tile`` keys per step."""
+    rows: int
+    tile: int
+
+
+MATRIX_CANDIDATES = (MatrixAttentionTiles(64, 64), MatrixAttentionTiles(64, 32), MatrixAttentionTiles(32, 32),
+                     MatrixAttentionTiles(16, 32), MatrixAttentionTiles(16, 16))   # preferred first
+
+
+def matrix_workgroup_bytes(t: MatrixAttentionTiles, e: int) -> int:
+    """q, k, v and P tiles as f16; scores, then P v, as f32 in one buffer."""
+    return 2 * (t.rows * e + 2 * t.tile * e + t.rows * t.tile) + 4 * t.rows * max(t.tile, e)
+
+
+def matrix_tiles_problem(t: MatrixAttentionTiles, e: int, frag, subgroup: int, workgroup_bytes: int) -> str | None:
+    """The first rule of attention_fwd_matrix that ``t`` breaks (None: it keeps them all)."""
+    if not all(isinstance(v, int) and v >= 1 for v in (t.rows, t.tile)):
+        return "rows and tile must be positive integers"
+    if t.rows % frag.m or subgroup % frag.m:
+        return f"rows ({t.rows}) and the subgroup size ({subgroup}) must be multiples of the fragment height {frag.m}"
+    if t.tile % frag.n or t.tile % frag.k or e % frag.n or e % frag.k:
+        return (f"the key tile ({t.tile}) and the head dim ({e}) must be multiples of the fragment's "
+                f"n = {frag.n} and k = {frag.k}")
+    if t.rows // frag.m * subgroup > MAX_THREADS:
+        return f"{t.rows // frag.m} subgroups of {subgroup} invocations, expected at most {MAX_THREADS}"
+    need = matrix_workgroup_bytes(t, e)
+    if need > workgroup_bytes:
+        return f"{need} bytes of workgroup memory, the device allows {workgroup_bytes}"
+    return None
+
+
+@dataclass(frozen=True)
+class MatrixAttentionParams(AttentionParams):
+    frag: MatrixConfig | None = None
+    subgroup_size: int = 32
+    emulated: bool = False
+
+    @property
+    def row_threads(self) -> int:   # a subgroup's invocations over its fragment rows
+        return self.subgroup_size // self.frag.m
+
+    @property
+    def threads(self) -> int:
+        return self.tiles.rows // self.frag.m * self.subgroup_size
+
+    @property
+    def smem_bytes(self) -> int:
+        return matrix_workgroup_bytes(self.tiles, self.head_dim)
+
+
+def _matrix_forward(call: IntrinsicCall, target) -> MatrixAttentionParams | None:
+    """The forward's parameters on the matrix units, or None where it stays SIMT: the target has no
+    f16 subgroup matrices, an operand is not f16, or no candidate fits (given tiles that do not fit
+    are an error)."""
+    frag = target.matrix("f16", "f32") if target is not None and target.subgroup_size else None
+    given = isinstance(call.tiles, MatrixAttentionTiles)
+    if frag is None:
+        if given:
+            raise IntrinsicError(f"{call.name}: tiles {call.tiles} need a device with f16 subgroup matrices")
+        return None
+    if not given and (call.tiles is not None or any(op.dtype != "f16" for op in call.operands[:3])):
+        return None
+    e = _sizes(call)[4]
+    if given:
+        problem = matrix_tiles_problem(call.tiles, e, frag, target.subgroup_size, target.workgroup_bytes)
+        if problem:
+            raise IntrinsicError(f"{call.name}: tiles {call.tiles} do not fit attention_fwd_matrix: {problem}")
+        tiles = call.tiles
+    else:
+        tiles = next((t for t in MATRIX_CANDIDATES if not matrix_tiles_problem(t, e, frag, target.subgroup_size,
+                                                                                target.workgroup_bytes)), None)
+        if tiles is None:
+            return None
+    simt = _params(replace(call, tiles=None), "fwd", ("q", "k", "v"), ("o", "lse"))
+    fields = {f: getattr(simt, f) for f in AttentionParams.__dataclass_fields__}
+    return MatrixAttentionParams(**{**fields, "tiles": tiles}, frag=frag, subgroup_size=target.subgroup_size,
+                                 emulated=target.emulated)
+
+
+def plan_forward(call: IntrinsicCall, target=None) -> Plan:
+    """On the matrix units where the target has them and q, k, v are f16; else SIMT."""
+    p = _matrix_forward(call, target)
+    template = "attention_fwd_matrix" if p is not None else "attention_fwd"
+    p = p if p is not None else _params(call, "fwd", ("q", "k", "v"), ("o", "lse"))
     blocks = -(-call.sizes[call.operands[0].shape[-3]] // p.tiles.rows)
-    return Plan("attention_fwd", p, (EntryPoint("main", (blocks, p.heads, p.batch)),))
+    return Plan(template, p, (EntryPoint("main", (blocks, p.heads, p.batch)),))
 
 
-def plan_dq(call: IntrinsicCall) -> Plan:
+def plan_dq(call: IntrinsicCall, target=None) -> Plan:
     p = _params(call, "dq", ATTENTION_BWD_PARAMS, ("dq",))
     blocks = -(-call.sizes[call.operands[0].shape[-3]] // p.tiles.rows)
     return Plan("attention_bwd", p, (EntryPoint("main", (blocks, p.heads, p.batch)),))
 
 
-def plan_dkdv(call: IntrinsicCall) -> Plan:
+def plan_dkdv(call: IntrinsicCall, target=None) -> Plan:
     """One workgroup per (key block, kv head, query head of its group), so a group's heads run in
     parallel rather than one after another (a short sequence otherwise leaves most of a big GPU
     idle); their partial dk, dv meet in a workspace and a second pass sums them in a fixed order."""

@@ -16,12 +16,13 @@ from .spec import IntrinsicCall, Plan
 
 @dataclass(frozen=True)
 class IntrinsicPlanner:
-    plan: Callable[[IntrinsicCall], Plan]
-    tiles: type | None = None                # the class of tiles a caller may pass; None: no override
+    plan: Callable[..., Plan]                # (call, target) -> Plan
+    tiles: type | tuple[type, ...] | None = None   # the class(es) of tiles a caller may pass; None: no override
 
 
 PLANNERS: dict[str, IntrinsicPlanner] = {
-    intrinsics.ATTENTION: IntrinsicPlanner(attention.plan_forward, attention.AttentionTiles),
+    intrinsics.ATTENTION: IntrinsicPlanner(attention.plan_forward,
+                                           (attention.AttentionTiles, attention.MatrixAttentionTiles)),
     intrinsics.ATTENTION_DQ: IntrinsicPlanner(attention.plan_dq, attention.AttentionTiles),
     intrinsics.ATTENTION_DKDV: IntrinsicPlanner(attention.plan_dkdv, attention.AttentionTiles),
     intrinsics.EMBEDDING_GRAD: IntrinsicPlanner(scatter.plan),
@@ -38,4 +39,4 @@ def plan(ir: KernelIR, sizes: dict[str, int], accumulate: frozenset[str], tiles=
     operands = tuple(TensorArg(src.arg, src.dtype, src.shape) for src in call.srcs)
     by_index = {ir.results[o.name].arg: o for o in ir.outputs}
     outputs = tuple(by_index.get(i) for i in range(len(intrinsics.get(call.arg).outputs)))
-    return PLANNERS[call.arg].plan(IntrinsicCall(call.arg, operands, outputs, sizes, accumulate, tiles))
+    return PLANNERS[call.arg].plan(IntrinsicCall(call.arg, operands, outputs, sizes, accumulate, tiles), target)

@@ -299,8 +299,9 @@ def vector_reads(tiles: TileConfig, op: Operand, row_axis: str, k: str, sizes: d
 
 
 def plan(ir: KernelIR, sizes: dict[str, int], accumulate: frozenset[str], tiles=None, target=None) -> Plan:
-    """SIMT tiles, or the matrix units where the target has f16 subgroup matrices and an operand is
-    stored as f16 (the other is converted to f16 as it is staged; f32 contractions keep f32)."""
+    """SIMT tiles, or the matrix units where the target has f16 subgroup matrices and an operand or
+    the result is stored as f16 (f32 operands are converted to f16 as they are staged: a result
+    stored as f16 keeps no more precision than that; f32 contractions keep f32)."""
     out = ir.outputs[0]
     node = ir.results[out.name]
     if node.op == Op.CAST:                 # a contraction stored in another dtype
@@ -311,7 +312,8 @@ def plan(ir: KernelIR, sizes: dict[str, int], accumulate: frozenset[str], tiles=
     if n_axis in a.shape:                      # A is the operand that carries M
         a, b = b, a
     frag = target.matrix("f16", "f32") if target is not None and target.subgroup_size else None
-    matrix = isinstance(tiles, MatrixTiles) or (tiles is None and frag is not None and "f16" in (a.dtype, b.dtype))
+    matrix = isinstance(tiles, MatrixTiles) or (tiles is None and frag is not None
+                                                 and "f16" in (a.dtype, b.dtype, out.dtype))
     if matrix and frag is None:
         raise ValueError(f"{ir.name}: tiles={tiles!r} need a device with f16 subgroup matrices (the matrix units)")
     if matrix:

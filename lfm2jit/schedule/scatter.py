@@ -31,7 +31,7 @@ class ScatterParams:
     out_row: int            # the table's row stride
 
 
-def plan(call: IntrinsicCall) -> Plan:
+def plan(call: IntrinsicCall, target=None) -> Plan:
     g, order, bounds, rows = call.operands
     (out,) = call.outputs
     t_axis, d_axis = g.shape

@@ -1,0 +1,97 @@
+"""The attention forward on the matrix units (template attention_fwd_matrix): f16 q, k, v on a device
+with f16 subgroup matrices (emulated in plain WGSL where it has none), against numpy float64 on the
+same f16 values, over generated shapes: ragged lengths, grouped heads, several query and key blocks,
+packed sequences, every tile candidate that fits; the SIMT backward reads its lse.
+
+Tolerance: q k^T and P v take f16 inputs and accumulate in f32; P is rounded to f16 (2**-11
+relative) before P v, and o is stored as f16: errors of a few u = 4.9e-4 (seen: ~1e-3); 4e-3 as the
+SIMT f16 test allows.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import rel_err
+from lfm2jit import library
+from lfm2jit.codegen.render import render
+from lfm2jit.driver import grad
+from lfm2jit.ir.intrinsics import IntrinsicError
+from lfm2jit.schedule.attention import MATRIX_CANDIDATES, MatrixAttentionTiles, matrix_tiles_problem
+from test_attention import H, _check, _inputs, _run, attention_kernel, reference
+
+TOL = 4e-3
+
+
+@pytest.fixture(scope="module")
+def fwd16():
+    return attention_kernel().variant("f16")
+
+
+def _fitting(engine, e):
+    t = engine.target
+    return [c for c in MATRIX_CANDIDATES if not matrix_tiles_problem(c, e, t.matrix("f16", "f32"), t.subgroup_size,
+                                                                        t.workgroup_bytes)]
+
+
+def test_f16_attention_goes_to_the_matrix_units_and_f32_stays_simt(matrix_engine, engine, fwd16):
+    dims = {"T": 100, "H": H, "G": 2, "E": 64}
+    spec = fwd16.specialize(dims, 16, target=matrix_engine.target)
+    assert spec.template == "attention_fwd_matrix"
+    wgsl = render(spec)
+    assert ("subgroupMatrixMultiplyAccumulate" in wgsl) != matrix_engine.target.emulated
+    assert attention_kernel().specialize(dims, 16, target=matrix_engine.target).template == "attention_fwd"
+    assert fwd16.specialize(dims, 16, target=engine.target).template == (
+        "attention_fwd_matrix" if engine.target.matrix_configs else "attention_fwd")
+
+
+def test_random_shapes_match_float64(matrix_engine, rng, fwd16):
+    """20 generated cases: T from 1 to 200 (mostly off their bucket of 64), G in 1, 2, 4, E in 16..128."""
+    bwd = grad(fwd16, cotangents=["o"])
+    for case in range(20):
+        T = int(rng.integers(1, 201))
+        G = int(rng.choice([1, 2, 4]))
+        E = int(rng.choice([16, 32, 64, 128]))
+        q, k, v, do = _inputs(rng, T, G, E, np.float16)
+        got = _run(matrix_engine, fwd16, bwd, q, k, v, do, bucket=64)
+        want = reference(q, k, v, do)
+        assert rel_err(got[0], want[0]) < TOL, (case, T, G, E)
+        assert rel_err(got[1], want[1]) < TOL, (case, T, G, E)
+        if case < 4:                        # the SIMT backward from this forward's o and lse
+            _check(got, want, TOL)
+
+
+def test_every_fitting_tile_candidate(matrix_engine, rng, fwd16):
+    T, G, E = 150, 2, 64
+    q, k, v, do = _inputs(rng, T, G, E, np.float16)
+    want = reference(q, k, v, do)
+    e = matrix_engine
+    tiles = _fitting(e, E)
+    assert tiles
+    for t in tiles:
+        out = e.run(fwd16, bucket=16, tiles=t, q=e.tensor(q), k=e.tensor(k), v=e.tensor(v))
+        assert rel_err(out["o"].numpy(), want[0]) < TOL, t
+        assert rel_err(out["lse"].numpy(), want[1]) < TOL, t
+
+
+def test_packed_sequences(matrix_engine, rng):
+    fwd = library.get("attention").variant("f16")
+    B, S, G, E = 3, 48, 2, 64
+    seqs = [_inputs(rng, S, G, E, np.float16) for _ in range(B)]
+    q, k, v, _ = (np.stack(x) for x in zip(*seqs))
+    e = matrix_engine
+    out = e.run(fwd, bucket=16, q=e.tensor(q), k=e.tensor(k), v=e.tensor(v))
+    for b in range(B):
+        o, lse = reference(*seqs[b])[:2]
+        assert rel_err(out["o"].numpy()[b], o) < TOL and rel_err(out["lse"].numpy()[b], lse) < TOL
+
+
+def test_tiles_that_do_not_fit_are_refused_by_name(matrix_engine, fwd16):
+    dims = {"T": 64, "H": H, "G": 2, "E": 64}
+    target = matrix_engine.target
+    with pytest.raises(IntrinsicError, match="must be multiples of the fragment height"):
+        fwd16.specialize(dims, 16, frozenset(), MatrixAttentionTiles(24, 32), target)
+    with pytest.raises(IntrinsicError, match="bytes of workgroup memory, the device allows"):
+        fwd16.specialize(dims, 16, frozenset(), MatrixAttentionTiles(64, 256), target)
+    with pytest.raises(IntrinsicError, match="need a device with f16 subgroup matrices"):
+        fwd16.specialize(dims, 16, frozenset(), MatrixAttentionTiles(32, 32))
