@@ -28,11 +28,13 @@ invocation ``part`` owns columns part, part + row_threads, ... (EPT = E / row_th
 Scores of one tile pass through workgroup memory; tiles read with a different row per lane have
 their rows padded by one word, so lanes hit different banks.
 
-On a target with f16 subgroup matrices, a forward whose q, k and v are f16 runs on the matrix
-units instead (template attention_fwd_matrix, MatrixAttentionTiles): a subgroup per 16 query rows
-multiplies S = q k^T and P v as fragments from f16 tiles in workgroup memory; the softmax
-statistics and o stay in f32 registers as above (o rescaled, then P v added, per key tile), P is
-rounded to f16 for its product, and lse is the same statistic, so the SIMT backward reads it.
+On a target with f16 subgroup matrices, the three kernels run on the matrix units instead where
+q, k, v (and dO) are f16 (templates attention_fwd_matrix, attention_dq_matrix and
+attention_dkdv_matrix; MatrixAttentionTiles): a subgroup per 16 owned rows multiplies S, P v, dO
+v^T, dS k, P^T dO and dS^T q as fragments from f16 tiles in workgroup memory; softmax statistics,
+D and o stay f32 (o rescaled, then P v added, per key tile), P and dS are rounded to f16 for
+their products, dq, dk and dv accumulate in f32 fragments across the tiles, and the grouped heads'
+partial dk, dv meet in the same workspace and fixed-order second pass.
 
 Block sizes (AttentionTiles) come from ``choose_tiles(mode, E)`` unless the caller passes tiles
 (``engine.run(..., tiles=...)``, the autotuner); ``tiles_problem`` holds the rules any tiles must
@@ -53,7 +55,7 @@ MAX_THREADS = 256            # portable maxComputeInvocationsPerWorkgroup
 MAX_HEAD_DIM = 128
 TARGET_THREADS = 128         # invocations per workgroup to aim for
 SLICE_COLUMNS = 16           # accumulator columns per invocation to aim for (E / row_threads)
-TEMPLATES = ("attention_fwd", "attention_fwd_matrix", "attention_bwd")
+TEMPLATES = ("attention_fwd", "attention_fwd_matrix", "attention_bwd", "attention_dq_matrix", "attention_dkdv_matrix")
 
 
 # ---- tiling ----
@@ -246,17 +248,29 @@ class MatrixAttentionTiles:
     tile: int
 
 
-MATRIX_CANDIDATES = (MatrixAttentionTiles(64, 64), MatrixAttentionTiles(64, 32), MatrixAttentionTiles(32, 32),
-                     MatrixAttentionTiles(16, 32), MatrixAttentionTiles(16, 16))   # preferred first
+MATRIX_CANDIDATES = (MatrixAttentionTiles(64, 64), MatrixAttentionTiles(64, 32), MatrixAttentionTiles(32, 64),
+                     MatrixAttentionTiles(32, 32), MatrixAttentionTiles(16, 32), MatrixAttentionTiles(16, 16))
+# (preferred first: each kernel takes the first that fits the device's workgroup memory)
 
 
-def matrix_workgroup_bytes(t: MatrixAttentionTiles, e: int) -> int:
-    """q, k, v and P tiles as f16; scores, then P v, as f32 in one buffer."""
-    return 2 * (t.rows * e + 2 * t.tile * e + t.rows * t.tile) + 4 * t.rows * max(t.tile, e)
+MATRIX_TEMPLATES = {"fwd": "attention_fwd_matrix", "dq": "attention_dq_matrix", "dkdv": "attention_dkdv_matrix"}
 
 
-def matrix_tiles_problem(t: MatrixAttentionTiles, e: int, frag, subgroup: int, workgroup_bytes: int) -> str | None:
-    """The first rule of attention_fwd_matrix that ``t`` breaks (None: it keeps them all)."""
+def matrix_workgroup_bytes(mode: str, t: MatrixAttentionTiles, e: int) -> int:
+    """fwd: q, k, v and P tiles as f16, and one f32 buffer for the scores, then P v; dq: q, dO, k, v
+    and dS tiles as f16, the scores (at the end dq) and dO v^T as f32; dkdv: k, v, q, dO, P^T and
+    dS^T as f16, S^T (at the end dk, dv) and dP^T as f32, and the query tile's lse and D."""
+    if mode == "fwd":
+        return 2 * (t.rows * e + 2 * t.tile * e + t.rows * t.tile) + 4 * t.rows * max(t.tile, e)
+    if mode == "dq":
+        return 2 * (2 * t.rows * e + 2 * t.tile * e + t.rows * t.tile) + 4 * t.rows * (max(t.tile, e) + t.tile)
+    return (2 * (2 * t.rows * e + 2 * t.tile * e + 2 * t.rows * t.tile)
+            + 4 * (t.rows * (max(t.tile, e) + t.tile) + 2 * t.tile))
+
+
+def matrix_tiles_problem(mode: str, t: MatrixAttentionTiles, e: int, frag, subgroup: int,
+                         workgroup_bytes: int) -> str | None:
+    """The first rule of the ``mode`` matrix template that ``t`` breaks (None: it keeps them all)."""
     if not all(isinstance(v, int) and v >= 1 for v in (t.rows, t.tile)):
         return "rows and tile must be positive integers"
     if t.rows % frag.m or subgroup % frag.m:
@@ -266,7 +280,7 @@ def matrix_tiles_problem(t: MatrixAttentionTiles, e: int, frag, subgroup: int, w
                 f"n = {frag.n} and k = {frag.k}")
     if t.rows // frag.m * subgroup > MAX_THREADS:
         return f"{t.rows // frag.m} subgroups of {subgroup} invocations, expected at most {MAX_THREADS}"
-    need = matrix_workgroup_bytes(t, e)
+    need = matrix_workgroup_bytes(mode, t, e)
     if need > workgroup_bytes:
         return f"{need} bytes of workgroup memory, the device allows {workgroup_bytes}"
     return None
@@ -288,66 +302,76 @@ class MatrixAttentionParams(AttentionParams):
 
     @property
     def smem_bytes(self) -> int:
-        return matrix_workgroup_bytes(self.tiles, self.head_dim)
+        return matrix_workgroup_bytes(self.mode, self.tiles, self.head_dim)
 
 
-def _matrix_forward(call: IntrinsicCall, target) -> MatrixAttentionParams | None:
-    """The forward's parameters on the matrix units, or None where it stays SIMT: the target has no
-    f16 subgroup matrices, an operand is not f16, or no candidate fits (given tiles that do not fit
-    are an error)."""
+def _matrix_params(call: IntrinsicCall, target, mode: str, params: tuple[str, ...],
+                   outputs: tuple[str, ...]) -> MatrixAttentionParams | None:
+    """The ``mode`` kernel's parameters on the matrix units, or None where it stays SIMT: the target
+    has no f16 subgroup matrices, an operand it multiplies is not f16, or no candidate fits (given
+    tiles that do not fit are an error)."""
     frag = target.matrix("f16", "f32") if target is not None and target.subgroup_size else None
     given = isinstance(call.tiles, MatrixAttentionTiles)
     if frag is None:
         if given:
             raise IntrinsicError(f"{call.name}: tiles {call.tiles} need a device with f16 subgroup matrices")
         return None
-    if not given and (call.tiles is not None or any(op.dtype != "f16" for op in call.operands[:3])):
+    multiplied = [op for name, op in zip(params, call.operands) if name in ("q", "k", "v", "do")]
+    if not given and (call.tiles is not None or any(op.dtype != "f16" for op in multiplied)):
         return None
     e = _sizes(call)[4]
+
+    def problem(t):
+        return matrix_tiles_problem(mode, t, e, frag, target.subgroup_size, target.workgroup_bytes)
     if given:
-        problem = matrix_tiles_problem(call.tiles, e, frag, target.subgroup_size, target.workgroup_bytes)
-        if problem:
-            raise IntrinsicError(f"{call.name}: tiles {call.tiles} do not fit attention_fwd_matrix: {problem}")
+        if problem(call.tiles):
+            raise IntrinsicError(f"{call.name}: tiles {call.tiles} do not fit {MATRIX_TEMPLATES[mode]}: "
+                                 f"{problem(call.tiles)}")
         tiles = call.tiles
     else:
-        tiles = next((t for t in MATRIX_CANDIDATES if not matrix_tiles_problem(t, e, frag, target.subgroup_size,
-                                                                                target.workgroup_bytes)), None)
+        tiles = next((t for t in MATRIX_CANDIDATES if not problem(t)), None)
         if tiles is None:
             return None
-    simt = _params(replace(call, tiles=None), "fwd", ("q", "k", "v"), ("o", "lse"))
+    simt = _params(replace(call, tiles=None), mode, params, outputs)
     fields = {f: getattr(simt, f) for f in AttentionParams.__dataclass_fields__}
     return MatrixAttentionParams(**{**fields, "tiles": tiles}, frag=frag, subgroup_size=target.subgroup_size,
                                  emulated=target.emulated)
 
 
-def plan_forward(call: IntrinsicCall, target=None) -> Plan:
-    """On the matrix units where the target has them and q, k, v are f16; else SIMT."""
-    p = _matrix_forward(call, target)
-    template = "attention_fwd_matrix" if p is not None else "attention_fwd"
-    p = p if p is not None else _params(call, "fwd", ("q", "k", "v"), ("o", "lse"))
+def _plan_rows(call: IntrinsicCall, target, mode: str, params: tuple[str, ...], outputs: tuple[str, ...],
+               simt_template: str) -> Plan:
+    """A kernel with a workgroup per block of query rows and head: on the matrix units where the
+    target has them and the multiplied operands are f16, else SIMT."""
+    p = _matrix_params(call, target, mode, params, outputs)
+    template = MATRIX_TEMPLATES[mode] if p is not None else simt_template
+    p = p if p is not None else _params(call, mode, params, outputs)
     blocks = -(-call.sizes[call.operands[0].shape[-3]] // p.tiles.rows)
     return Plan(template, p, (EntryPoint("main", (blocks, p.heads, p.batch)),))
 
 
+def plan_forward(call: IntrinsicCall, target=None) -> Plan:
+    return _plan_rows(call, target, "fwd", ("q", "k", "v"), ("o", "lse"), "attention_fwd")
+
+
 def plan_dq(call: IntrinsicCall, target=None) -> Plan:
-    p = _params(call, "dq", ATTENTION_BWD_PARAMS, ("dq",))
-    blocks = -(-call.sizes[call.operands[0].shape[-3]] // p.tiles.rows)
-    return Plan("attention_bwd", p, (EntryPoint("main", (blocks, p.heads, p.batch)),))
+    return _plan_rows(call, target, "dq", ATTENTION_BWD_PARAMS, ("dq",), "attention_bwd")
 
 
 def plan_dkdv(call: IntrinsicCall, target=None) -> Plan:
     """One workgroup per (key block, kv head, query head of its group), so a group's heads run in
     parallel rather than one after another (a short sequence otherwise leaves most of a big GPU
     idle); their partial dk, dv meet in a workspace and a second pass sums them in a fixed order."""
-    p = _params(call, "dkdv", ATTENTION_BWD_PARAMS, ("dk", "dv"))
+    p = _matrix_params(call, target, "dkdv", ATTENTION_BWD_PARAMS, ("dk", "dv"))
+    template = MATRIX_TEMPLATES["dkdv"] if p is not None else "attention_bwd"
+    p = p if p is not None else _params(call, "dkdv", ATTENTION_BWD_PARAMS, ("dk", "dv"))
     t_pad = call.sizes[call.operands[0].shape[-3]]
     blocks = -(-t_pad // p.tiles.rows)
     split = p.group
     main = EntryPoint("main", (blocks, p.kv_heads, p.batch * split))
     if split == 1:
-        return Plan("attention_bwd", p, (main,))
+        return Plan(template, p, (main,))
     elements = p.batch * t_pad * p.kv_heads * p.head_dim
     p = replace(p, split=split, t_pad=t_pad, workspace=2 * split * elements)
-    return Plan("attention_bwd", p, (main, EntryPoint("reduce", -(-elements // REDUCE_THREADS))),
+    return Plan(template, p, (main, EntryPoint("reduce", -(-elements // REDUCE_THREADS))),
                 (Scratch("ws", "f32", 2 * split * elements),))
 

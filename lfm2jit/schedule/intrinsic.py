@@ -23,8 +23,10 @@ class IntrinsicPlanner:
 PLANNERS: dict[str, IntrinsicPlanner] = {
     intrinsics.ATTENTION: IntrinsicPlanner(attention.plan_forward,
                                            (attention.AttentionTiles, attention.MatrixAttentionTiles)),
-    intrinsics.ATTENTION_DQ: IntrinsicPlanner(attention.plan_dq, attention.AttentionTiles),
-    intrinsics.ATTENTION_DKDV: IntrinsicPlanner(attention.plan_dkdv, attention.AttentionTiles),
+    intrinsics.ATTENTION_DQ: IntrinsicPlanner(attention.plan_dq,
+                                              (attention.AttentionTiles, attention.MatrixAttentionTiles)),
+    intrinsics.ATTENTION_DKDV: IntrinsicPlanner(attention.plan_dkdv,
+                                                (attention.AttentionTiles, attention.MatrixAttentionTiles)),
     intrinsics.EMBEDDING_GRAD: IntrinsicPlanner(scatter.plan),
 }
 
