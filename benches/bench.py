@@ -334,27 +334,34 @@ class Bench:
 
     # ---- attention ----
     def attention(self):
-        att = library.get("attention")
-        bwd = grad(att, ["q", "k", "v"], ["o"])
+        """f32 (SIMT) and f16 q, k, v (the matrix units where the device has them, else SIMT)."""
         h, g, e_ = (4, 2, 16) if self.quick else (16, 8, 64)
-        for t in ((64, 96) if self.quick else (512, 2048)):
-            shape = f"T{t} H{h} G{g} E{e_}"
-            fwd_flops = 2.0 * t * t * h * e_          # causal: half of 2 products of 2*T*T*E per head
-            bwd_flops = 2.5 * fwd_flops               # FA2 convention: 5 products (S, dP, dV, dQ, dK)
+        for dtype in ("f32", "f16"):
+            att = library.get("attention") if dtype == "f32" else library.get("attention").variant("f16")
+            bwd = grad(att, ["q", "k", "v"], ["o"])
+            suffix = "" if dtype == "f32" else "_f16"
+            npdt = np.float32 if dtype == "f32" else np.float16
+            for t in ((64, 96) if self.quick else (512, 2048)):
+                shape = f"T{t} H{h} G{g} E{e_}"
+                fwd_flops = 2.0 * t * t * h * e_          # causal: half of 2 products of 2*T*T*E per head
+                bwd_flops = 2.5 * fwd_flops               # FA2 convention: 5 products (S, dP, dV, dQ, dK)
 
-            def one(t=t, shape=shape, fwd_flops=fwd_flops, bwd_flops=bwd_flops):
-                e = self.engine
-                q, k, v = (e.tensor(_rand(self.rng, s)) for s in ((t, h, e_), (t, g, e_), (t, g, e_)))
-                s, timer, wall, _ = time_engine(e, lambda: e.run(att, q=q, k=k, v=v), self.reps)
-                io = 4.0 * (2 * t * h * e_ + 2 * t * g * e_ + t * h)
-                self.add(Line("attention", "attention_fwd", shape, s, timer, fwd_flops, io, wall_seconds=wall))
-                r = e.run(att, q=q, k=k, v=v)
-                do = e.tensor(_rand(self.rng, (t, h, e_)))
-                s, timer, wall, by = time_engine(
-                    e, lambda: e.run(bwd, q=q, k=k, v=v, o=r["o"], lse=r["lse"], d_o=do), self.reps)
-                self.add(Line("attention", "attention_bwd", shape, s, timer, bwd_flops, 2 * io, wall_seconds=wall,
-                              extra={"per_kernel_s": by}))
-            self.guarded("attention", "attention", shape, one)
+                def one(t=t, shape=shape, fwd_flops=fwd_flops, bwd_flops=bwd_flops, att=att, bwd=bwd, suffix=suffix,
+                        npdt=npdt):
+                    e = self.engine
+                    q, k, v = (e.tensor(_rand(self.rng, s).astype(npdt)) for s in ((t, h, e_), (t, g, e_), (t, g, e_)))
+                    s, timer, wall, _ = time_engine(e, lambda: e.run(att, q=q, k=k, v=v), self.reps)
+                    io = np.dtype(npdt).itemsize * (2 * t * h * e_ + 2 * t * g * e_ + t * h)
+                    template = att.specialize({"B": 1, "T": t, "H": h, "G": g, "E": e_}, 1, target=e.target).template
+                    self.add(Line("attention", "attention_fwd" + suffix, shape, s, timer, fwd_flops, io,
+                                  wall_seconds=wall, extra={"template": template}))
+                    r = e.run(att, q=q, k=k, v=v)
+                    do = e.tensor(_rand(self.rng, (t, h, e_)).astype(npdt))
+                    s, timer, wall, by = time_engine(
+                        e, lambda: e.run(bwd, q=q, k=k, v=v, o=r["o"], lse=r["lse"], d_o=do), self.reps)
+                    self.add(Line("attention", "attention_bwd" + suffix, shape, s, timer, bwd_flops, 2 * io,
+                                  wall_seconds=wall, extra={"per_kernel_s": by}))
+                self.guarded("attention", "attention" + suffix, shape, one)
 
     # ---- conv / rmsnorm / pointwise ----
     def _rows(self):
