@@ -104,3 +104,21 @@ def test_tiles_that_do_not_fit_are_refused_by_name(matrix_engine, fwd16):
         fwd16.specialize(dims, 16, frozenset(), MatrixAttentionTiles(64, 256), target)
     with pytest.raises(IntrinsicError, match="need a device with f16 subgroup matrices"):
         fwd16.specialize(dims, 16, frozenset(), MatrixAttentionTiles(32, 32))
+
+
+@pytest.mark.parametrize("E", [16, 64, 128])
+def test_declared_workgroup_memory_is_what_the_planner_counts(E):
+    """The planner keeps tiles within the device's workgroup memory by its own count; the arrays each
+    matrix template declares must add up to exactly that (else the device refuses the pipeline)."""
+    import re
+    from lfm2jit.schedule import EMULATED_MATRIX_CONFIGS, Target
+    kernels = dict(zip(("fwd", "dq", "dkdv"), [attention_kernel().variant("f16"),
+                                               *grad(attention_kernel().variant("f16"), cotangents=["o"]).kernels]))
+    for emulated in (False, True):
+        target = Target(EMULATED_MATRIX_CONFIGS, 32, 1 << 20, emulated=emulated)
+        for mode, kernel in kernels.items():
+            for tiles in MATRIX_CANDIDATES:
+                spec = kernel.specialize({"T": 100, "H": H, "G": 2, "E": E}, 16, frozenset(), tiles, target)
+                declared = sum(int(n) * (2 if t == "f16" else 4) for t, n in
+                               re.findall(r"var<workgroup> \w+: array<(f16|f32), (\d+)>", render(spec)))
+                assert declared == spec.params.smem_bytes, (mode, tiles, E)
