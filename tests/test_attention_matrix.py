@@ -122,3 +122,27 @@ def test_declared_workgroup_memory_is_what_the_planner_counts(E):
                 declared = sum(int(n) * (2 if t == "f16" else 4) for t, n in
                                re.findall(r"var<workgroup> \w+: array<(f16|f32), (\d+)>", render(spec)))
                 assert declared == spec.params.smem_bytes, (mode, tiles, E)
+
+
+def test_autotuned_matrix_attention_is_correct_and_cached(ctx, matrix_engine, tmp_path, monkeypatch, rng):
+    """LFM2JIT_AUTOTUNE=1: each of the three kernels tries the matrix candidates (those that do not
+    fit score infinity), keeps the fastest in autotune.json, and a second engine reads them back."""
+    import json
+    from lfm2jit import ComputeEngine
+    monkeypatch.setenv("LFM2JIT_AUTOTUNE", "1")
+    monkeypatch.setenv("LFM2JIT_CACHE_DIR", str(tmp_path))
+    if matrix_engine.target.emulated:
+        monkeypatch.setenv("LFM2JIT_MATRIX_UNITS", "emulate")
+    fwd = attention_kernel().variant("f16")
+    bwd = grad(fwd, cotangents=["o"])
+    q, k, v, do = _inputs(rng, 40, 2, 16, np.float16)
+    tuned = ComputeEngine(ctx)
+    got = _run(tuned, fwd, bwd, q, k, v, do, bucket=16)
+    _check(got, reference(q, k, v, do), TOL)
+    saved = json.loads((tmp_path / "autotune.json").read_text())
+    assert sorted(e["kind"] for e in saved.values()) == ["MatrixAttentionTiles"] * 3
+    assert all(len(e["seconds"]) == len(MATRIX_CANDIDATES) for e in saved.values())
+    again = ComputeEngine(ctx)
+    for a, g in zip(_run(again, fwd, bwd, q, k, v, do, bucket=16), got):
+        np.testing.assert_array_equal(a, g)
+    assert again.tuner.trials == 0

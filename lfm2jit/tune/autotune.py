@@ -1,4 +1,5 @@
-"""Autotuning of the tiled templates: matmul (TileConfig) and attention (AttentionTiles).
+"""Autotuning of the tiled templates: matmul (TileConfig, MatrixTiles) and attention (AttentionTiles,
+MatrixAttentionTiles).
 
 Each candidate of a specialization's template is benchmarked once per (adapter, specialization)
 and the fastest kept, in memory and in autotune.json, so later runs skip the search. A candidate
@@ -12,7 +13,7 @@ import os
 from dataclasses import asdict
 from pathlib import Path
 
-from ..schedule.attention import AttentionTiles
+from ..schedule.attention import AttentionTiles, MatrixAttentionTiles
 from ..schedule.matmul import MatrixTiles, TileConfig
 from ..safefiles import read_own_file, untrusted_reason, write_atomic
 from ..settings import settings
@@ -21,7 +22,8 @@ from .timing import WARM_SECONDS, seconds_per_call, warm_up
 
 CANDIDATE_WARM_SECONDS = 0.02   # after the search's warm-up, each candidate runs this long before it is timed
 
-KINDS = {cls.__name__: cls for cls in (TileConfig, MatrixTiles, AttentionTiles)}   # how saved tiles name their class
+KINDS = {cls.__name__: cls for cls in (TileConfig, MatrixTiles, AttentionTiles,
+                                       MatrixAttentionTiles)}          # how saved tiles name their class
 
 
 def cache_file() -> Path:

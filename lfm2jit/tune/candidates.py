@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import math
 
-from ..schedule.attention import TARGET_THREADS, AttentionTiles, choose_tiles, tiles_problem
+from ..schedule.attention import (MATRIX_CANDIDATES, MATRIX_TEMPLATES, TARGET_THREADS, AttentionTiles, choose_tiles,
+                                  tiles_problem)
 from ..schedule.matmul import NARROW, MatrixTiles, TileConfig, narrow_matrix_tiles
 
 MIN_THREADS = 64             # fewest invocations per workgroup an attention candidate has
@@ -59,4 +60,6 @@ def for_spec(spec) -> tuple:
         return matrix(spec.params)
     if spec.template in ("attention_fwd", "attention_bwd"):
         return attention(spec.params.mode, spec.params.head_dim)
+    if spec.template in MATRIX_TEMPLATES.values():   # the planner's pick first; one that does not fit scores inf
+        return (spec.params.tiles, *(t for t in MATRIX_CANDIDATES if t != spec.params.tiles))
     return ()
