@@ -8,19 +8,21 @@ Files:
 
 - ``chat.jsonl``: the built-in dataset of ``python -m trainer``: short synthetic chat questions that
   the tiny demo LFM2 learns in its 2500 steps: capitals, opposites, the length of a word, the
-  letter or number after one, the day or month after one. Each task has several phrasings; some
-  records start with a system message and a few have two user/assistant turns. Each record is
+  letter or number after one, the day or month after one. Each task has several phrasings; most
+  records start with a short system message (a draw retries phrasings and system prompts until it
+  finds a record not drawn before, and a task's plain records run out first) and a few have two
+  user/assistant turns. Each record is
   ``{"task": ..., "messages": [...]}``; every record is distinct. A one-turn record is at most
   ONE_TURN_POSITIONS (64) positions long, so a default step (4 sequences packed, length bucket 64)
   is 4 x 64 rows; a two-turn one at most DEFAULT_MAX_LEN (128). String manipulation and arithmetic
   (reverse, uppercase, first/last letter, one-digit sums, counting) are left out: that model does
   not learn them in minutes on a CPU, and even a 7% share of them (first/last letter) slowed the
-  other tasks enough to cost a fifth of the held-out exact match (measured with PyTorch).
+  other tasks enough to cost about 20 points of held-out exact match (measured with PyTorch).
 - ``text.jsonl``: a small ``{"text": ...}`` sample (short factual sentences about the same tables).
 - ``tokenizer.json``: a character-level tokenizer (a ``tokenizers`` BPE model with no merges) over
   printable ASCII and newline, plus the special tokens ``<|pad|>`` (id 0, the model's padding_idx),
   ``<|startoftext|>``, ``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>`` and ``<unk>``. One
-  character a token keeps reversing, upper-casing and spelling learnable for a tiny model.
+  character a token keeps the vocabulary tiny and every string spellable.
 - ``tokenizer_config.json``: the same special tokens and the built-in LFM2 chat template
   (``trainer.chat_template.BUILTIN_TEMPLATE``), so that the assets directory also loads with
   ``transformers.AutoTokenizer`` (``apply_chat_template`` gives the ids that
@@ -196,12 +198,16 @@ def _sentence(rng: random.Random) -> str:
     return f"Counting from {a}: " + ", ".join(str(i) for i in range(a, a + rng.randrange(3, 6))) + "."
 
 
-def make_text(rng: random.Random, n: int = NUM_TEXT) -> list[dict]:
+def make_text(rng: random.Random, tok, n: int = NUM_TEXT) -> list[dict]:
+    """``n`` records of one to three sentences, each at most DEFAULT_MAX_LEN + 1 tokens (never truncated)."""
+    from .data import encode_text
     records = []
-    for i in range(n):
+    while len(records) < n:
         sentences = [_sentence(rng) for _ in range(rng.randrange(1, 4))]
-        sep = "\n" if i % 10 == 9 else " "          # a few records span several lines
-        records.append({"text": sep.join(sentences)})
+        sep = "\n" if len(records) % 10 == 9 else " "          # a few records span several lines
+        text = sep.join(sentences)
+        if len(encode_text(text, tok)) <= DEFAULT_MAX_LEN + 1:
+            records.append({"text": text})
     return records
 
 
@@ -267,7 +273,7 @@ def generate(out: Path) -> list[Path]:
     rng = random.Random(SEED)
     tok = make_tokenizer()
     chat = make_chat(rng, tok)
-    text = make_text(rng)
+    text = make_text(rng, tok)
     unk = tok.token_to_id(UNK_TOKEN)
     for r in chat:
         for m in r["messages"]:
