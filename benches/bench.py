@@ -18,6 +18,8 @@ Groups (``--only`` takes group names):
   mtiles       the matrix-unit template at each of its candidate tiles, for fwd, fwd with an f16
                weight, dX and dW (4096^3 and the T = 2048 MLP/QKV shapes; best of 3 timings)
   attention    causal GQA flash attention forward and backward, T = 512/2048, H=16, G=8, E=64
+  atiles       the three f16 attention kernels (fwd, dq, dkdv) at the SIMT template's tiles and at each
+               matrix-unit candidate, T = 512/2048 (best of 3 timings)
   conv         LFM2's fused gated short conv, forward and backward
   rmsnorm      rmsnorm (saving 1/rms), forward and backward
   pointwise    y = x + z (a pure bandwidth probe for generated elementwise kernels)
@@ -46,15 +48,17 @@ import numpy as np
 
 from lfm2jit import ComputeEngine, WgpuContext, grad
 from lfm2jit.ops import library
+from lfm2jit.schedule.attention import MATRIX_TEMPLATES, choose_tiles, matrix_tiles_problem
 from lfm2jit.schedule.matmul import TileConfig
 from lfm2jit.settings import settings
 from lfm2jit.tune.candidates import MATMUL as CANDIDATES
+from lfm2jit.tune.candidates import for_spec
 from lfm2jit.tune.candidates import matrix as matrix_candidates
 from lfm2jit.tune.timing import warm_up
 
 # Datasheet ceilings per adapter-name substring: (fp32 FLOP/s without tensor cores, bytes/s)
 CEILINGS = {"H200": (67e12, 4.8e12), "H100": (67e12, 3.35e12)}
-GROUPS = ("ref", "matmul", "matrix", "tiles", "mtiles", "attention", "conv", "rmsnorm", "pointwise", "xent", "adamw", "train")
+GROUPS = ("ref", "matmul", "matrix", "tiles", "mtiles", "attention", "atiles", "conv", "rmsnorm", "pointwise", "xent", "adamw", "train")
 QUICK_GROUPS = ("matmul", "attention", "conv", "rmsnorm", "pointwise", "xent", "adamw", "train")
 GiB = float(1 << 30)
 
@@ -362,6 +366,41 @@ class Bench:
                     self.add(Line("attention", "attention_bwd" + suffix, shape, s, timer, bwd_flops, 2 * io,
                                   wall_seconds=wall, extra={"per_kernel_s": by}))
                 self.guarded("attention", "attention" + suffix, shape, one)
+
+    def atiles(self):
+        """Each f16 attention kernel (fwd, dq, dkdv; H=16, G=8, E=64) at the SIMT template's tiles and at
+        every matrix-unit candidate the autotuner tries: which one the planner should pick, per T."""
+        if not self.engine.target.matrix_configs:
+            self.add(Line("atiles", "attention_tiles", "-", error="the device has no f16 subgroup matrices"))
+            return
+        h, g, e_ = (4, 2, 16) if self.quick else (16, 8, 64)
+        att = library.get("attention").variant("f16")
+        dq, dkdv = grad(att, ["q", "k", "v"], ["o"]).kernels
+        for t in ((64, 96) if self.quick else (512, 2048)):
+            shape = f"T{t} H{h} G{g} E{e_}"
+
+            def one(t=t, shape=shape):
+                e = self.engine
+                q, k, v, do = (e.tensor(_rand(self.rng, s).astype(np.float16))
+                               for s in ((t, h, e_), (t, g, e_), (t, g, e_), (t, h, e_)))
+                r = e.run(att, q=q, k=k, v=v)
+                args = {"q": q, "k": k, "v": v, "o": r["o"], "lse": r["lse"], "d_o": do}
+                fwd_flops = 2.0 * t * t * h * e_
+                for mode, kern, flops in (("fwd", att.kernels[0], fwd_flops), ("dq", dq, 1.0 * fwd_flops),
+                                          ("dkdv", dkdv, 1.5 * fwd_flops)):
+                    spec = kern.kernels[0].specialize({"B": 1, "T": t, "H": h, "G": g, "E": e_}, 1, target=e.target)
+                    matrix = tuple(c for c in (for_spec(spec) if spec.template in MATRIX_TEMPLATES.values() else ())
+                                   if matrix_tiles_problem(mode, c, e_, spec.params.frag, e.target.subgroup_size,
+                                                           e.target.workgroup_bytes) is None)
+                    given = {n: args[n] for n in kern.inputs}
+                    for cfg in (choose_tiles(mode, e_), *matrix):
+                        s, timer, wall = min(time_engine(e, lambda: e.run(kern, tiles=cfg, **given), self.reps)[:3]
+                                             for _ in range(MTILE_ROUNDS))
+                        label = (f"{mode}[matrix {cfg.rows}x{cfg.tile}]" if cfg in matrix
+                                 else f"{mode}[simt {cfg.rows}x{cfg.tile}x{cfg.row_threads}]")
+                        self.add(Line("atiles", label, shape, s, timer, flops, wall_seconds=wall,
+                                      extra={"tiles": asdict(cfg), "default": cfg == spec.params.tiles}))
+            self.guarded("atiles", "attention", shape, one)
 
     # ---- conv / rmsnorm / pointwise ----
     def _rows(self):

@@ -19,6 +19,9 @@
 #   bash benches/h200.sh decode           on Dawn: the generation tests (f16 decoding included), then benches/decode.py
 #                                         at LFM2-350M shapes, batch 1 and 8, lfm2jit f32/f16 beside transformers
 #                                         fp32/bf16 on CUDA -> $OUT/h200_generate_tests_dawn.log, $OUT/h200_decode.json
+#   bash benches/h200.sh attention        on Dawn: the attention tests (the f16 ones on the matrix units), then the attention
+#                                         group and each f16 attention kernel at every candidate tile
+#                                         -> $OUT/h200_attention_tests_dawn.log, $OUT/h200_attention.json
 #   bash benches/h200.sh gradsync         on Dawn, two ranks under mpiexec (mpi4py + mpich wheels from .gpu-kit/mpi) on the
 #                                         one GPU: benches/grad_sync.py at LFM2-350M, 1x512 per rank, LoRA r = 8 (3 timed
 #                                         steps) and full fine-tuning (2) -> $OUT/h200_grad_sync_lora.json, h200_grad_sync_full.json
@@ -69,6 +72,12 @@ lora)
             --json "$OUT/h200_${name}_1.2B.json" 2>&1 | tail -4
     done
     ;;
+attention)
+    export LFM2JIT_WEBGPU=dawn
+    python3 -m pytest -q -p no:cacheprovider -rs tests/test_attention.py tests/test_attention_matrix.py 2>&1 \
+        | tee "$OUT/h200_attention_tests_dawn.log" | tail -3
+    python3 benches/bench.py --only attention atiles --json "$OUT/h200_attention.json" 2>&1 | grep -v "^#" | tail -60
+    ;;
 decode)
     export LFM2JIT_WEBGPU=dawn
     python3 -m pytest -q -p no:cacheprovider -rs tests/test_generate.py tests/test_evaluation.py tests/test_cli_generate.py \
@@ -88,6 +97,6 @@ gradsync)
     done
     ;;
 *)
-    echo "usage: bash benches/h200.sh tests | matrix | speed [BASE] | lora | decode | gradsync" >&2; exit 2 ;;
+    echo "usage: bash benches/h200.sh tests | matrix | speed [BASE] | lora | attention | decode | gradsync" >&2; exit 2 ;;
 esac
 echo "took $(( $(date +%s) - start )) s"
