@@ -256,16 +256,22 @@ MATRIX_CANDIDATES = (MatrixAttentionTiles(64, 64), MatrixAttentionTiles(64, 32),
 MATRIX_TEMPLATES = {"fwd": "attention_fwd_matrix", "dq": "attention_dq_matrix", "dkdv": "attention_dkdv_matrix"}
 
 
-def matrix_workgroup_bytes(mode: str, t: MatrixAttentionTiles, e: int) -> int:
-    """fwd: q, k, v and P tiles as f16, and one f32 buffer for the scores, then P v; dq: q, dO, k, v
-    and dS tiles as f16, the scores (at the end dq) and dO v^T as f32; dkdv: k, v, q, dO, P^T and
-    dS^T as f16, S^T (at the end dk, dv) and dP^T as f32, and the query tile's lse and D."""
+def matrix_workgroup_bytes(mode: str, t: MatrixAttentionTiles, e: int, threads: int) -> int:
+    """fwd: q, k, v and P tiles as f16, one f32 buffer for the scores, then P v, and a word per
+    invocation (its share of a row's maximum); dq: q, dO, k, v and dS tiles as f16, the scores (at
+    the end dq) and dO v^T as f32; dkdv: k, v, q, dO, P^T and dS^T as f16, S^T (at the end dk, dv)
+    and dP^T as f32, and the query tile's lse, D and D's partial sums."""
     if mode == "fwd":
-        return 2 * (t.rows * e + 2 * t.tile * e + t.rows * t.tile) + 4 * t.rows * max(t.tile, e)
+        return 2 * (t.rows * e + 2 * t.tile * e + t.rows * t.tile) + 4 * (t.rows * max(t.tile, e) + threads)
     if mode == "dq":
         return 2 * (2 * t.rows * e + 2 * t.tile * e + t.rows * t.tile) + 4 * t.rows * (max(t.tile, e) + t.tile)
     return (2 * (2 * t.rows * e + 2 * t.tile * e + 2 * t.rows * t.tile)
-            + 4 * (t.rows * (max(t.tile, e) + t.tile) + 2 * t.tile))
+            + 4 * (t.rows * (max(t.tile, e) + t.tile) + (2 + d_parts(t, threads)) * t.tile))
+
+
+def d_parts(t: MatrixAttentionTiles, threads: int) -> int:
+    """dkdv: invocations summing each streamed query's D = dO . O (all of them take part)."""
+    return max(1, threads // t.tile)
 
 
 def matrix_tiles_problem(mode: str, t: MatrixAttentionTiles, e: int, frag, subgroup: int,
@@ -278,9 +284,17 @@ def matrix_tiles_problem(mode: str, t: MatrixAttentionTiles, e: int, frag, subgr
     if t.tile % frag.n or t.tile % frag.k or e % frag.n or e % frag.k:
         return (f"the key tile ({t.tile}) and the head dim ({e}) must be multiples of the fragment's "
                 f"n = {frag.n} and k = {frag.k}")
-    if t.rows // frag.m * subgroup > MAX_THREADS:
+    threads = t.rows // frag.m * subgroup
+    if threads > MAX_THREADS:
         return f"{t.rows // frag.m} subgroups of {subgroup} invocations, expected at most {MAX_THREADS}"
-    need = matrix_workgroup_bytes(mode, t, e)
+    if mode == "fwd" and t.tile % (subgroup // frag.m):
+        return (f"the key tile ({t.tile}) must be a multiple of the {subgroup // frag.m} invocations "
+                "serving each row (each takes an equal share of the scores)")
+    if mode == "dkdv" and (threads % t.tile if threads >= t.tile else t.tile % threads):
+        return f"the query tile ({t.tile}) and the {threads} invocations must divide one another (D's partial sums)"
+    if mode == "dkdv" and e % d_parts(t, threads):
+        return f"the head dim ({e}) must be a multiple of the {d_parts(t, threads)} invocations summing each D"
+    need = matrix_workgroup_bytes(mode, t, e, threads)
     if need > workgroup_bytes:
         return f"{need} bytes of workgroup memory, the device allows {workgroup_bytes}"
     return None
@@ -301,8 +315,12 @@ class MatrixAttentionParams(AttentionParams):
         return self.tiles.rows // self.frag.m * self.subgroup_size
 
     @property
+    def d_parts(self) -> int:
+        return d_parts(self.tiles, self.threads)
+
+    @property
     def smem_bytes(self) -> int:
-        return matrix_workgroup_bytes(self.mode, self.tiles, self.head_dim)
+        return matrix_workgroup_bytes(self.mode, self.tiles, self.head_dim, self.threads)
 
 
 def _matrix_params(call: IntrinsicCall, target, mode: str, params: tuple[str, ...],
