@@ -23,6 +23,12 @@ def ids_for(vocab: int) -> np.ndarray:
     return np.random.default_rng(0).integers(1, vocab, 19)
 
 
+def assert_same_adapters(run_a: Path, run_b: Path) -> None:
+    a = load_file(run_a / "adapter" / "adapter_model.safetensors")
+    b = load_file(run_b / "adapter" / "adapter_model.safetensors")
+    assert a.keys() == b.keys() and all(np.array_equal(a[n], b[n]) for n in a)
+
+
 @pytest.fixture(scope="module")
 def lora_long(tmp_path_factory):
     out = tmp_path_factory.mktemp("lora") / "long"
@@ -59,9 +65,7 @@ def test_lora_run_resumes_exactly(lora_long, tmp_path):
     r = cli("--resume", short, "--steps", 6, "--no-progress")
     assert r.returncode == 0, r.stderr
     assert_same_steps(metrics(short)[3:], metrics(long_out)[3:])
-    a = load_file(short / "adapter" / "adapter_model.safetensors")
-    b = load_file(long_out / "adapter" / "adapter_model.safetensors")
-    assert a.keys() == b.keys() and all(np.array_equal(a[n], b[n]) for n in a)
+    assert_same_adapters(short, long_out)
 
 
 def test_merge_lora_writes_the_merged_model(lora_long, tmp_path):
@@ -95,7 +99,8 @@ def test_train_only_and_freeze_train_what_they_name(tmp_path, ctx, engine):
     (["--lora-r", "0"], "--lora-r must be > 0"),
     (["--lora-r", "4", "--lora-targets", "q_proj", "o_proj"],
      "LoRA: LoRA target 'o_proj' matches no linear layer of this LFM2 (LFM2 calls it 'out_proj')"),
-    (["--lora-r", "4", "--lora-dropout", "0.1"], "training with LoRA dropout is not implemented yet"),
+    (["--lora-dropout", "0.1"], "--lora-dropout needs --lora-r R"),
+    (["--lora-r", "4", "--lora-dropout", "1"], "--lora-dropout must be in [0, 1), got 1"),
     (["--train-only", "nothing.*"], "--train-only 'nothing.*' matches no parameter"),
     (["--freeze", "*"], "leave no parameter to train"),
 ])
@@ -103,3 +108,23 @@ def test_bad_lora_flags_exit_2_with_a_message(args, message):
     r = cli(*SHORT, "--steps", 1, *args)
     assert r.returncode == 2, (r.stdout, r.stderr)
     assert message in r.stderr and "Traceback" not in r.stderr
+
+
+def test_lora_dropout_trains_resumes_exactly_and_is_written_for_peft(lora_long, tmp_path):
+    """--lora-dropout 0.25 trains (the adapters' inputs dropped in training) and differs from the same
+    run without dropout once B has moved; a run stopped after 2 steps and resumed continues bitwise
+    as the unbroken run (masks come from where a pass is in training); lora_dropout is written for PEFT."""
+    whole, part = tmp_path / "whole", tmp_path / "part"
+    for out, steps in ((whole, 4), (part, 2)):
+        r = cli(*SHORT, *LORA, "--lora-dropout", "0.25", "--steps", steps, "--out", out)
+        assert r.returncode == 0, r.stderr
+    r = cli("--resume", part, "--steps", 4, "--no-progress")
+    assert r.returncode == 0, r.stderr
+    assert_same_steps(metrics(part)[2:], metrics(whole)[2:])
+    assert_same_adapters(part, whole)
+    plain = {m["step"]: m["loss"] for m in metrics(lora_long[0])}
+    got = {m["step"]: m["loss"] for m in metrics(whole)}
+    assert got[1] == pytest.approx(plain[1], rel=1e-6)      # B = 0: dropout cannot show yet
+    assert got[4] != pytest.approx(plain[4], rel=1e-6)
+    config = peft.PeftConfig.from_pretrained(whole / "adapter")
+    assert config.lora_dropout == 0.25 and config.r == 4

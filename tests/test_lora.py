@@ -82,6 +82,24 @@ def peft_reference(model, ids, targets, mask):
     return logits.detach().numpy(), loss.item(), grads
 
 
+def share_adapters(theirs, ours: Lfm2Model) -> dict:
+    """PEFT's adapter weights written into ours; returns PEFT's parameters by saved name."""
+    state = {n.replace(".default", ""): p for n, p in theirs.named_parameters() if "lora_" in n}
+    for n, t in ours.lora.named.items():
+        t.write(state[n].detach().numpy())
+    return state
+
+
+def torch_step(theirs, opt, ids, targets, mask) -> None:
+    """One optimizer step of the PEFT model on the masked mean loss."""
+    logits = theirs(input_ids=torch.as_tensor(ids)[None]).logits[0]
+    sel = torch.as_tensor(mask != 0)
+    loss = torch.nn.functional.cross_entropy(logits[sel], torch.as_tensor(targets)[sel])
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+
+
 def loss_and_grads(model: Lfm2Model, ids, targets, mask, params):
     model.zero_grad(params)
     trace = model.forward(ids, BUCKET)
@@ -139,20 +157,13 @@ def test_adamw_steps_on_adapters_equal_peft_and_torch(mg, ctx, engine):
     ours = ours_from_hf(hf, ctx, engine)
     config = LoraConfig(r=4, alpha=8)
     params = ours.add_lora(config)
-    state = {n.replace(".default", ""): p for n, p in theirs.named_parameters() if "lora_" in n}
-    for n, t in ours.lora.named.items():
-        t.write(state[n].detach().numpy())
+    state = share_adapters(theirs, ours)
     opt = torch.optim.AdamW([p for p in theirs.parameters() if p.requires_grad], lr=5e-3, weight_decay=0.01)
     tr = Trainer(ours, AdamW(lr=5e-3, weight_decay=0.01), ctx, engine).with_length_bucket(BUCKET)
     for step in range(4):
         ids, targets, mask = inputs(kwargs["vocab_size"], 23, 100 + step)
         tr.train_step_masked(ids, targets, mask, params)
-        logits = theirs(input_ids=torch.as_tensor(ids)[None]).logits[0]
-        sel = torch.as_tensor(mask != 0)
-        loss = torch.nn.functional.cross_entropy(logits[sel], torch.as_tensor(targets)[sel])
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+        torch_step(theirs, opt, ids, targets, mask)
     for n, t in ours.lora.named.items():
         assert rel_err(t.numpy(), state[n].detach().numpy()) < 1e-4, n
     base = {n: t.detach().numpy() for n, t in hf.state_dict().items()}
@@ -190,9 +201,7 @@ def test_f16_base_halves_the_linear_weights_and_stays_frozen(mg, ctx, engine_kin
     theirs = peft_model(hf, 4, 8, seed=2)
     ours = ours_from_hf(hf, ctx, engine)
     params = ours.add_lora(LoraConfig(r=4, alpha=8), base_dtype="f16")
-    state = {n.replace(".default", ""): p for n, p in theirs.named_parameters() if "lora_" in n}
-    for n, t in ours.lora.named.items():
-        t.write(state[n].detach().numpy())
+    state = share_adapters(theirs, ours)
     linears = [n for n in ours.named_parameters() if ".layers." in n and n.endswith(("proj.weight", "w1.weight",
                                                                                         "w2.weight", "w3.weight"))]
     assert linears and all(ours.p(n).dtype == "f16" for n in linears)
@@ -300,9 +309,6 @@ def test_bad_adapters_change_nothing(mg, ctx, engine, tmp_path):
     ours.add_lora(LoraConfig(r=2, dropout=0.1))
     with pytest.raises(AdapterError, match="already has LoRA adapters"):
         ours.add_lora(LoraConfig(r=2))
-    ours.zero_grad(ours.lora_parameters())
-    with pytest.raises(ValueError, match="LoRA dropout 0.1 is not implemented for training"):
-        ours.check_trainable(ours.lora_parameters())
 
 
 def test_forward_keeps_only_what_the_backward_reads(mg, ctx, engine):

@@ -381,7 +381,7 @@ def _attach_lora_and_choose(run: Run, model, ckpt: Path | None) -> list:
             if ckpt is not None:
                 if not (ckpt / "adapter").is_dir():
                     raise UsageError(f"--resume {ckpt}: the run trains LoRA adapters but the checkpoint has no adapter/")
-                model.load_adapter(ckpt / "adapter", base_dtype=base)
+                model.load_adapter(ckpt / "adapter", base_dtype=base, seed=run.seed)
             else:
                 model.add_lora(LoraConfig(r=run.lora_r, alpha=run.lora_alpha, target_modules=tuple(run.lora_targets),
                                           dropout=run.lora_dropout), seed=run.seed, base_dtype=base)

@@ -172,8 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"linear layers that get adapters, matched as PEFT matches target_modules (a module name "
                          f"or its last part); default LFM2's every linear layer: {' '.join(DEFAULT_TARGETS)}")
     lo.add_argument("--lora-dropout", type=float, metavar="P",
-                    help="LoRA dropout, written to adapter_config.json; training with P > 0 is not implemented yet "
-                         "(default 0)")
+                    help="LoRA dropout probability, PEFT's lora_dropout: each adapter's input elements dropped "
+                         "with probability P in training (masks drawn on the GPU; default 0)")
     lo.add_argument("--lora-f16-base", action="store_true", default=None,
                     help="keep the frozen base's linear weights as f16: half their memory")
     lo.add_argument("--merge-lora", action="store_true", default=None,
@@ -523,9 +523,10 @@ def _validate(r: Run) -> None:
         raise UsageError(f"--{lora_only[0]} needs --lora-r R (the rank of the adapters to train)")
     positive("lora_r", r.lora_r)
     positive("lora_alpha", r.lora_alpha)
-    if r.lora_dropout:
-        raise UsageError(f"--lora-dropout {r.lora_dropout:g}: training with LoRA dropout is not implemented yet; "
-                         "use 0")
+    if r.lora_dropout and r.lora_r is None:
+        raise UsageError("--lora-dropout needs --lora-r R (the rank of the adapters to train)")
+    if not (0.0 <= r.lora_dropout < 1.0):
+        raise UsageError(f"--lora-dropout must be in [0, 1), got {r.lora_dropout:g}")
     from .report import missing
     for name in r.report_to:
         if missing(name):

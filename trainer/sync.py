@@ -165,6 +165,14 @@ class FileGradSync:
         self.peers: dict[int, dict] = {}      # rank -> its announcement
         self.gathers = 0                      # scalar gathers completed
 
+    @property
+    def rank(self) -> int:
+        return self.config.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.config.world_size
+
     def resume_from(self, step: int) -> None:
         """Sync as run ``<run_id>.from<step>`` from round 1: every rank resumes from the same
         checkpoint, so all pick the same name, and the interrupted run's files are left unread."""

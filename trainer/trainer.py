@@ -347,6 +347,9 @@ class Trainer:
         head_trained = any(p is head for p in params)
         bucket, loss_scale = self.length_bucket, self.loss_scale / self.grad_accum_steps
 
+        if model.lora is not None:   # this pass's LoRA dropout keys: from where the pass is in training
+            model.lora.draw_dropout(self._steps, self._micro_index())
+
         def upload():
             return model.upload_ids(ids), engine.tensor(targets, "i32"), engine.tensor(mask, "f32")
 
@@ -358,7 +361,7 @@ class Trainer:
 
         def record(inputs):
             dev_ids, tgt, msk = inputs
-            trace = model.forward(dev_ids, bucket, keep_from=model.backward_start(params))
+            trace = model.forward(dev_ids, bucket, keep_from=model.backward_start(params), train=True)
             # The loss divides by the supervised tokens; gradients are further scaled by the loss
             # scale and divided by grad_accum_steps, so a window's update is the mean over it.
             result = lm_head_cross_entropy(
@@ -389,6 +392,13 @@ class Trainer:
         if self.step_in_accum == self.grad_accum_steps:
             self._finish_window(params, stats[-1], tot)
         return stats
+
+    def _micro_index(self) -> int:
+        """The window's next micro-batch across every rank (rank r takes records r, r + world, ...),
+        so data-parallel ranks draw what one process accumulating their windows would."""
+        sync = self.distributed_grad_sync
+        world, rank = (sync.world_size, sync.rank) if sync is not None else (1, 0)
+        return self.step_in_accum * world + rank
 
     def _start_window(self, params) -> None:
         """Zero the window's gradients, releasing the gradients and optimizer state of parameters

@@ -11,6 +11,9 @@ intrinsics, so backward kernels still come from differentiating the IR. How each
         every operand may carry a leading batch axis ([B, S, H, E]: B sequences stored back to back)
     dE = embedding_grad(g, order, bounds, rows)     g: [T, D]   order, rows: i32[T]   bounds: i32[T, 2]
         the embedding table's gradient as a deterministic scatter-add (only ever added into)
+    y = dropout(x, key)     x: float [T, D]   key: i32[4]
+        x with elements zeroed or scaled by a mask drawn from key, the same mask for every call with
+        that key (so the gradient is dropout(dy, key)); schedule/dropout.py states the generator
 """
 from __future__ import annotations
 
@@ -177,3 +180,30 @@ def _infer_embedding_grad(operands):
 
 register(Intrinsic(EMBEDDING_GRAD, ("g", "order", "bounds", "rows"), ("dE",), _infer_embedding_grad,
                    adds_only=True))
+
+
+# ---- dropout ----
+
+DROPOUT = "dropout"
+
+
+def _infer_dropout(operands):
+    if len(operands) != 2:
+        raise IntrinsicError(f"{DROPOUT} takes 2 operands (x, key), got {len(operands)}")
+    (xd, x), (kd, key) = operands
+    if xd not in FLOAT_DTYPES or len(x) != 2:
+        raise IntrinsicError(f"{DROPOUT}: x must be a float [T, D], got {xd}[{', '.join(x)}]")
+    if kd != "i32" or key != ("4",):
+        raise IntrinsicError(f"{DROPOUT}: key must be i32[4] (two seed words, the drop threshold, the scale's "
+                             f"bits), got {kd}[{', '.join(key)}]")
+    return [(xd, x)]
+
+
+def _grad_dropout(b: GraphBuilder, call: Node, projs: dict[int, Node], outs: list) -> list:
+    """y = x * m for the key's mask m, so dx = dy * m: the same call on dy; the key has no adjoint."""
+    x, key = call.srcs
+    grad_call = b.node(Op.INTRINSIC, (outs[0], key), (), "tuple", DROPOUT)
+    return [b.node(Op.PROJ, (grad_call,), x.shape, x.dtype, 0), None]
+
+
+register(Intrinsic(DROPOUT, ("x", "key"), ("y",), _infer_dropout, grad=_grad_dropout, differentiable_outputs=("y",)))

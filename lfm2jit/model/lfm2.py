@@ -139,29 +139,32 @@ class Lfm2Model:
     def add_lora(self, config: LoraConfig = LoraConfig(), seed: int = 0, base_dtype: str = "f32") -> list[Tensor]:
         """New LoRA adapters (B = 0: the model's outputs are unchanged) on the layers ``config``
         targets; returns their tensors, the ones to train (``lora_parameters``). ``base_dtype="f16"``
-        keeps the decoder's linear weights as f16, halving their memory; they are then frozen."""
+        keeps the decoder's linear weights as f16, halving their memory; they are then frozen.
+        ``seed`` draws A and, with ``config.dropout``, the training passes' dropout masks."""
         if not isinstance(config, LoraConfig):
             raise TypeError(f"add_lora takes a LoraConfig, got {type(config).__name__}")
         modules = config.modules(self.cfg)
-        self._attach(config, modules, init_weights(config, modules, seed), base_dtype)
+        self._attach(config, modules, init_weights(config, modules, seed), base_dtype, seed)
         return self.lora_parameters()
 
-    def load_adapter(self, directory, base_dtype: str = "f32") -> list[Tensor]:
+    def load_adapter(self, directory, base_dtype: str = "f32", seed: int = 0) -> list[Tensor]:
         """A PEFT adapter directory (adapter_config.json + adapter_model.safetensors), checked in
-        full against this model before anything changes."""
+        full against this model before anything changes. ``seed``: of the dropout masks (add_lora's:
+        a resumed run passes the seed it started with, so it draws the masks the run would have)."""
         config, tensors = read_adapter(Path(directory))
         modules = config.modules(self.cfg)
-        self._attach(config, modules, check_weights(config, modules, tensors, str(directory)), base_dtype)
+        self._attach(config, modules, check_weights(config, modules, tensors, str(directory)), base_dtype, seed)
         return self.lora_parameters()
 
-    def _attach(self, config: LoraConfig, modules, weights: dict, base_dtype: str) -> None:
+    def _attach(self, config: LoraConfig, modules, weights: dict, base_dtype: str, seed: int = 0) -> None:
         if self.lora is not None:
             raise AdapterError("this model already has LoRA adapters: merge_lora() folds them in first")
         if base_dtype not in ("f32", "f16"):
             raise ValueError(f"base_dtype must be 'f32' or 'f16', got {base_dtype!r}")
         if base_dtype == "f16" and not self.ctx.has_f16:
             raise ValueError(f"base_dtype='f16' needs the shader-f16 feature, which adapter {self.ctx.name!r} lacks")
-        self.lora = LoraAdapters(config, {n: Tensor.from_numpy(self.ctx, a) for n, a in weights.items()}, modules)
+        self.lora = LoraAdapters(config, {n: Tensor.from_numpy(self.ctx, a) for n, a in weights.items()}, modules,
+                                 seed)
         if base_dtype == "f16":
             for name in self._base_linears():
                 # a parameter, not a pooled temporary (the pool's peak counts activations)
@@ -291,12 +294,14 @@ class Lfm2Model:
         return precision.run(self.engine, kernel, self.activation_dtype, **args)
 
     # ---- forward ----
-    def forward(self, input_ids, bucket: int = 1, keep_from: int = 0) -> Trace:
+    def forward(self, input_ids, bucket: int = 1, keep_from: int = 0, train: bool = False) -> Trace:
         """Record the forward pass up to the final norm; the trace holds what backward needs.
         ``input_ids`` is one sequence [S] or a batch [B, S] of equally long ones (packed; S a
         multiple of ``pack_multiple()`` when B > 1), or those ids already uploaded (``upload_ids``).
         Layers below ``keep_from`` keep nothing: a backward that starts higher (``backward_start``)
-        never reads them, so their activations go back to the pool as the forward moves on."""
+        never reads them, so their activations go back to the pool as the forward moves on.
+        ``train``: a training pass, which applies LoRA dropout (masks from the keys of the last
+        ``lora.draw_dropout``); evaluation and generation leave it out, as PEFT's eval mode does."""
         uploaded = isinstance(input_ids, DeviceIds)
         host = input_ids.host if uploaded else self.check_ids(input_ids)
         batch, seq = host.shape
@@ -309,7 +314,7 @@ class Lfm2Model:
         trace = Trace(ids, bucket, h, batch, seq)
         for i, kind in enumerate(cfg.layer_types):
             mix = self._conv_forward if kind == "conv" else self._attention_forward
-            s: dict = {"kind": kind, "pre": f"model.layers.{i}."}
+            s: dict = {"kind": kind, "pre": f"model.layers.{i}.", "dropout": train}
             h = self.block(h, s, bucket, lambda s: mix(s["pre"], s, trace))
             del s["xn"]            # xn, xf and g are recomputed by backward (see _recompute)
             if self.recompute_mlp:
@@ -363,7 +368,7 @@ class Lfm2Model:
         if name + ".bias" in self._params:
             self._run(_k("bias_add"), bucket=bucket, y=y, b=self.p(name + ".bias"))
         if self.lora and name in self.lora.by_module:
-            u = self.lora.forward(self._run, x, name, y, bucket)
+            u = self.lora.forward(self._run, x, name, y, bucket, dropout=bool(saved and saved.get("dropout")))
             if saved is not None:
                 saved["lora:" + name] = u
         return y
@@ -458,17 +463,13 @@ class Lfm2Model:
         return t.grad is not None and id(t) in self._train_ids
 
     def check_trainable(self, params) -> None:
-        """Refuse, before any GPU work, what backward cannot train: frozen f16 base weights, adapters
-        with dropout (PEFT's dropout draws from torch's generator)."""
+        """Refuse, before any GPU work, what backward cannot train: frozen f16 base weights."""
         ids = {id(t) for t in params}
         named = self.named_parameters()
         halves = [n for n, t in named.items() if id(t) in ids and t.dtype == "f16"]
         if halves:
             raise ValueError(f"{halves[0]} is a frozen f16 base weight (add_lora(base_dtype='f16')); it cannot be "
                              "trained: train the adapters (lora_parameters()), or keep the base in f32")
-        if self.lora and self.lora.config.dropout and any(id(t) in ids for t in self.lora.named.values()):
-            raise ValueError(f"LoRA dropout {self.lora.config.dropout} is not implemented for training; "
-                             "use dropout=0.0 (inference with such an adapter is fine)")
 
     def backward_start(self, params) -> int:
         """The first decoder layer a backward for ``params`` reaches (the number of layers when it
@@ -561,7 +562,8 @@ class Lfm2Model:
                 accumulate={"db"})
         if self.lora and name in self.lora.by_module:
             u = saved.pop("lora:" + name, None) if saved is not None else None
-            self.lora.backward(run, _grad, self._is_trained, x, name, dy, dx, bucket, u)
+            self.lora.backward(run, _grad, self._is_trained, x, name, dy, dx, bucket, u,
+                               dropout=bool(saved and saved.get("dropout")))
         return dx
 
     def _norm_backward(self, x: Tensor, inv: Tensor, name: str, dy: Tensor, bucket: int,

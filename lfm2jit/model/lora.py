@@ -34,8 +34,8 @@ class AdapterError(ValueError):
 
 @dataclass(frozen=True)
 class LoraConfig:
-    """PEFT's LoraConfig, the part lfm2jit runs. ``dropout`` is kept for PEFT's files; training with
-    dropout > 0 is refused (inference ignores dropout, as PEFT's eval mode does)."""
+    """PEFT's LoraConfig, the part lfm2jit runs. ``dropout`` applies to training passes only
+    (evaluation and generation leave it out, as PEFT's eval mode does)."""
     r: int = 8
     alpha: float = 16.0
     target_modules: tuple[str, ...] = DEFAULT_TARGETS

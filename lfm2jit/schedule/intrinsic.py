@@ -10,7 +10,7 @@ from typing import Callable
 
 from ..ir import intrinsics
 from ..ir.nodes import KernelIR, TensorArg
-from . import attention, scatter
+from . import attention, dropout, scatter
 from .spec import IntrinsicCall, Plan
 
 
@@ -28,6 +28,7 @@ PLANNERS: dict[str, IntrinsicPlanner] = {
     intrinsics.ATTENTION_DKDV: IntrinsicPlanner(attention.plan_dkdv,
                                                 (attention.AttentionTiles, attention.MatrixAttentionTiles)),
     intrinsics.EMBEDDING_GRAD: IntrinsicPlanner(scatter.plan),
+    intrinsics.DROPOUT: IntrinsicPlanner(dropout.plan),
 }
 
 
