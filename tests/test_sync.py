@@ -170,12 +170,14 @@ def jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def test_two_cli_ranks_report_the_one_process_runs_metrics_and_evaluation(tmp_path):
+@pytest.mark.parametrize("extra", [[], ["--lora-r", 4, "--lora-dropout", 0.3]], ids=["full", "lora_dropout"])
+def test_two_cli_ranks_report_the_one_process_runs_metrics_and_evaluation(tmp_path, extra):
     """Two ranks with --grad-accum 1 take the steps of one process with --grad-accum 2: both ranks'
     metrics.jsonl hold that run's losses and token counts, and the held-out loss, answer loss and
-    exact match (5 records split 3 + 2 over the ranks, sums combined) are the one-process run's."""
+    exact match (5 records split 3 + 2 over the ranks, sums combined) are the one-process run's.
+    With LoRA dropout, each rank draws the masks of the micro-batch it stands for."""
     import json
-    common = ["--preset", "tiny", "--steps", 3, "--schedule", "constant", "--eval-max", 5, "--no-progress"]
+    common = ["--preset", "tiny", "--steps", 3, "--schedule", "constant", "--eval-max", 5, "--no-progress", *extra]
     one = trainer_cli([*common, "--grad-accum", 2, "--pack-tokens", 0, "--out", tmp_path / "one"])
     out, err = one.communicate(timeout=300)
     assert one.returncode == 0, err
