@@ -149,9 +149,9 @@ def evaluate(s: dict, items, answers: bool) -> dict:
     out = {"loss": loss, "perplexity": perplexity(loss), "answer_loss": answer_loss,
            "answer_perplexity": perplexity(answer_loss), "exact_match": None, "answers_scored": 0}
     if answers and run.eval_answers != 0:
-        cases = answer_cases(items, data.label == "assistant tokens")[:run.eval_answers]
-        if run.world_size > 1:       # the one-process run's cases, every world_size-th of them on this rank
-            cases = answer_cases(data.eval, data.label == "assistant tokens")[:run.eval_answers][run.rank::run.world_size]
+        # with several ranks: the one-process run's cases, every world_size-th of them on this rank
+        source = data.eval if run.world_size > 1 else items
+        cases = answer_cases(source, data.label == "assistant tokens")[:run.eval_answers][run.rank::run.world_size]
         if cases:
             end = s["tok"].token_to_id("<|im_end|>")
             samples = greedy_answers(model, s["tok"], cases, set(model.generation_eos) | ({end} - {None}))
@@ -162,7 +162,7 @@ def evaluate(s: dict, items, answers: bool) -> dict:
 def _reduce(s: dict, values, what: str) -> list[float]:
     """The sums over the ranks of ``values`` (through the gradient sync); this rank's own alone."""
     sync = s["trainer"].distributed_grad_sync
-    if s["run"].world_size == 1 or not hasattr(sync, "allreduce_sum"):
+    if s["run"].world_size == 1:
         return [float(v) for v in values]
     return sync.allreduce_sum(values, what)
 

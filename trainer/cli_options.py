@@ -10,6 +10,7 @@ from pathlib import Path
 
 from lfm2jit.model.lora import DEFAULT_TARGETS
 
+from .report import BACKENDS
 from .trainer import DEFAULT_PACK_TOKENS, DEFAULT_REPLAY_PASSES
 
 # Defaults of the run `python -m trainer` does with no arguments: a small model trained from
@@ -213,7 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="exit with status 1 unless the held-out loss after training is at most F times the loss "
                         f"before (default: off; {DEMO_CHECK_LOSS_DROP} for the no-argument run)")
     c.add_argument("--no-progress", action="store_true", default=None, help="no progress bar")
-    c.add_argument("--report-to", nargs="+", choices=("tensorboard", "wandb", "mlflow"), metavar="BACKEND",
+    c.add_argument("--report-to", nargs="+", choices=BACKENDS, metavar="BACKEND",
                    help="also log the settings, every step's metrics.jsonl scalars (train/KEY) and the evaluations "
                         "(eval/KEY) to tensorboard (event files in OUT/tensorboard; pip install tensorboardX), "
                         "wandb (files in OUT/wandb) and/or mlflow (MLFLOW_TRACKING_URI, else the SQLite store OUT/mlflow.db) "

@@ -27,6 +27,7 @@ import numpy as np
 from lfm2jit.runtime.readback import StagedReadback
 
 from .errors import TrainError
+from .sync import sum_in_rank_order
 
 BUCKET_BYTES = 32 << 20        # float32 gradient bytes per exchange
 POLL_S = 0.001
@@ -111,15 +112,16 @@ class MpiGradSync:
 
     def allreduce_sum(self, values, what: str = "numbers") -> list[float]:
         """The sum over ranks of each of ``values``, added in rank order (the same float on every rank)."""
-        total = [0.0] * len(values)
-        for row in self.gather(values, what):
-            total = [a + b for a, b in zip(total, row)]
-        return total
+        return sum_in_rank_order(self.gather(values, what))
 
     def finish(self) -> None:
-        """The end of a run that went well: every rank waits for every other (nothing on disk to clean)."""
+        """The end of a run that went well: every rank waits for every other (nothing on disk to clean),
+        and the mapped staging buffers (as large as every trained gradient) are released."""
         if self.world_size > 1 and self.ready:
             self.gather([0.0], "the end of the run")
+        if self._staging is not None:
+            self._staging.release()
+            self._staging = None
 
     def average(self, engine, names: list[str], params: list, step: int) -> None:
         """Replace each parameter's .grad by the mean over the ranks of this window's gradients.

@@ -3,7 +3,6 @@ cheap checks first (the directory, its tokenizer), then the model and an optiona
 the GPU. Every problem is a one-line UsageError."""
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from .cli_options import UsageError
@@ -24,14 +23,12 @@ def open_tokenizer(model: str, tokenizer: str | None = None):
 def load_model(model_dir: Path, tok, adapter: str | None = None, gpu: str | None = None, f16: bool = False):
     """The model (with ``adapter`` applied) on the adapter whose name contains ``gpu`` (the best one
     by default), with f16 activations when ``f16``."""
-    if gpu:
-        os.environ["LFM2JIT_ADAPTER"] = gpu
     from lfm2jit import ComputeEngine, WgpuContext
     from lfm2jit.model import CheckpointError, ConfigError, Lfm2Model
     from lfm2jit.model.lora import AdapterError
     from lfm2jit.runtime.context import AdapterError as GpuError
     try:
-        ctx = WgpuContext.create()
+        ctx = WgpuContext.create(gpu or None)
     except GpuError as e:
         raise UsageError(str(e)) from None
     if f16 and not ctx.has_f16:

@@ -151,6 +151,14 @@ def _describe(hello) -> str:
     return text
 
 
+def sum_in_rank_order(rows: list[list[float]]) -> list[float]:
+    """Column sums of every rank's row, added in rank order: each rank computes the same float."""
+    total = [0.0] * len(rows[0])
+    for row in rows:
+        total = [a + b for a, b in zip(total, row)]
+    return total
+
+
 class FileGradSync:
     def __init__(self, config: FileGradSyncConfig):
         self.config = config
@@ -419,11 +427,7 @@ class FileGradSync:
 
     def allreduce_sum(self, values, what: str = "numbers") -> list[float]:
         """The sum over ranks of each of ``values``, added in rank order (the same float on every rank)."""
-        rows = self.gather(values, what)
-        total = [0.0] * len(rows[0])
-        for row in rows:
-            total = [a + b for a, b in zip(total, row)]
-        return total
+        return sum_in_rank_order(self.gather(values, what))
 
     def _read_scalars(self, rank: int, n: int, count: int, what: str) -> list[float] | None:
         """Rank ``rank``'s values of gather n; None while its file is not there (or is an earlier

@@ -95,4 +95,4 @@ class LoraAdapters:
             run(grad("linear", ("x",)), bucket=bucket, x=x, w=ad.a, d_y=du, out={"d_x": dx}, accumulate={"d_x"})
             return
         dxd = run(grad("linear", ("x",)), bucket=bucket, x=x, w=ad.a, d_y=du)["d_x"]              # (T, in)
-        run(grad("dropout", ("x",)), bucket=bucket, x=dxd, key=ad.key, d_y=dxd, out={"d_x": dx}, accumulate={"d_x"})
+        run("dropout", bucket=bucket, x=dxd, key=ad.key, out={"y": dx}, accumulate={"y"})   # dropout's gradient

@@ -238,12 +238,13 @@ def _params(call: IntrinsicCall, mode: str, params: tuple[str, ...], outputs: tu
                            batch=batch, **tensors)
 
 
-# ---- the forward on the matrix units ----
+# ---- the three kernels on the matrix units ----
 
 @dataclass(frozen=True)
 class MatrixAttentionTiles:
-    """Block sizes of the forward on the matrix units (template attention_fwd_matrix): ``rows``
-    queries per workgroup, one subgroup per fragment height of them; ``tile`` keys per step."""
+    """Block sizes of the matrix-unit kernels (MATRIX_TEMPLATES): ``rows`` owned rows per workgroup
+    (queries; keys for dkdv), one subgroup per fragment height of them; ``tile`` rows streamed per
+    step (keys; queries for dkdv)."""
     rows: int
     tile: int
 
@@ -356,13 +357,20 @@ def _matrix_params(call: IntrinsicCall, target, mode: str, params: tuple[str, ..
                                  emulated=target.emulated)
 
 
+def _choose(call: IntrinsicCall, target, mode: str, params: tuple[str, ...], outputs: tuple[str, ...],
+            simt_template: str) -> tuple[str, AttentionParams]:
+    """The ``mode`` kernel's template and parameters: on the matrix units where the target has them
+    and the multiplied operands are f16, else SIMT."""
+    p = _matrix_params(call, target, mode, params, outputs)
+    if p is not None:
+        return MATRIX_TEMPLATES[mode], p
+    return simt_template, _params(call, mode, params, outputs)
+
+
 def _plan_rows(call: IntrinsicCall, target, mode: str, params: tuple[str, ...], outputs: tuple[str, ...],
                simt_template: str) -> Plan:
-    """A kernel with a workgroup per block of query rows and head: on the matrix units where the
-    target has them and the multiplied operands are f16, else SIMT."""
-    p = _matrix_params(call, target, mode, params, outputs)
-    template = MATRIX_TEMPLATES[mode] if p is not None else simt_template
-    p = p if p is not None else _params(call, mode, params, outputs)
+    """A kernel with a workgroup per block of query rows and head."""
+    template, p = _choose(call, target, mode, params, outputs, simt_template)
     blocks = -(-call.sizes[call.operands[0].shape[-3]] // p.tiles.rows)
     return Plan(template, p, (EntryPoint("main", (blocks, p.heads, p.batch)),))
 
@@ -379,9 +387,7 @@ def plan_dkdv(call: IntrinsicCall, target=None) -> Plan:
     """One workgroup per (key block, kv head, query head of its group), so a group's heads run in
     parallel rather than one after another (a short sequence otherwise leaves most of a big GPU
     idle); their partial dk, dv meet in a workspace and a second pass sums them in a fixed order."""
-    p = _matrix_params(call, target, "dkdv", ATTENTION_BWD_PARAMS, ("dk", "dv"))
-    template = MATRIX_TEMPLATES["dkdv"] if p is not None else "attention_bwd"
-    p = p if p is not None else _params(call, "dkdv", ATTENTION_BWD_PARAMS, ("dk", "dv"))
+    template, p = _choose(call, target, "dkdv", ATTENTION_BWD_PARAMS, ("dk", "dv"), "attention_bwd")
     t_pad = call.sizes[call.operands[0].shape[-3]]
     blocks = -(-t_pad // p.tiles.rows)
     split = p.group

@@ -5,7 +5,7 @@
     m = scale if h >= threshold else 0        scale: the f32 whose bits are key[3] (1 / (1 - p))
 
 pcg is the 32-bit PCG output permutation (RXS-M-XS) of one LCG step: v * 747796405 + 2891336453.
-A drop probability p takes threshold = round(p * 2^32) (host side: lfm2jit/model/dropout.py). The
+A drop probability p takes threshold = round(p * 2^32) (host side: model/adapters.py, dropout_key). The
 mask depends only on the key and the element's place, so the backward redraws the forward's mask
 instead of keeping it, and a replayed program draws a new one when the host writes a new key.
 """
