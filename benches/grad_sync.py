@@ -27,9 +27,11 @@ def main(argv=None) -> int:
     ap.add_argument("--preset", default="350M")
     ap.add_argument("--shape", default="1x512", help="BxT per rank and step")
     ap.add_argument("--lora", type=int, metavar="R", help="train LoRA adapters of rank R only")
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=3, help="timed steps after the first (at least 1)")
     ap.add_argument("--json", metavar="PATH")
     a = ap.parse_args(argv)
+    if a.steps < 1:
+        ap.error(f"--steps must be at least 1 (the steps timed after the first), got {a.steps}")
     from lfm2jit import ComputeEngine, WgpuContext
     from lfm2jit.model import Lfm2Config, Lfm2Model, LoraConfig
     from trainer import AdamW, Trainer
