@@ -518,14 +518,13 @@ def _validate(r: Run) -> None:
     if r.world_size > 1 and not r.sync_dir and r.distributed != "mpi":
         raise UsageError("--world-size > 1 needs --sync-dir DIR, a directory every rank can read and write "
                          "(or launch under mpiexec with --distributed mpi)")
-    lora_only = [f for f, v in (("lora-alpha", "lora_alpha"), ("lora-targets", "lora_targets"), ("lora-f16-base",
-                                "lora_f16_base"), ("merge-lora", "merge_lora")) if getattr(r, v) and r.lora_r is None]
+    lora_only = [f for f, v in (("lora-alpha", "lora_alpha"), ("lora-targets", "lora_targets"), ("lora-dropout",
+                                "lora_dropout"), ("lora-f16-base", "lora_f16_base"), ("merge-lora", "merge_lora"))
+                 if getattr(r, v) and r.lora_r is None]
     if lora_only:
         raise UsageError(f"--{lora_only[0]} needs --lora-r R (the rank of the adapters to train)")
     positive("lora_r", r.lora_r)
     positive("lora_alpha", r.lora_alpha)
-    if r.lora_dropout and r.lora_r is None:
-        raise UsageError("--lora-dropout needs --lora-r R (the rank of the adapters to train)")
     if not (0.0 <= r.lora_dropout < 1.0):
         raise UsageError(f"--lora-dropout must be in [0, 1), got {r.lora_dropout:g}")
     from .report import missing

@@ -368,7 +368,7 @@ class Lfm2Model:
         if name + ".bias" in self._params:
             self._run(_k("bias_add"), bucket=bucket, y=y, b=self.p(name + ".bias"))
         if self.lora and name in self.lora.by_module:
-            u = self.lora.forward(self._run, x, name, y, bucket, dropout=bool(saved and saved.get("dropout")))
+            u = self.lora.forward(self._run, x, name, y, bucket, dropout=_training_pass(saved))
             if saved is not None:
                 saved["lora:" + name] = u
         return y
@@ -562,8 +562,7 @@ class Lfm2Model:
                 accumulate={"db"})
         if self.lora and name in self.lora.by_module:
             u = saved.pop("lora:" + name, None) if saved is not None else None
-            self.lora.backward(run, _grad, self._is_trained, x, name, dy, dx, bucket, u,
-                               dropout=bool(saved and saved.get("dropout")))
+            self.lora.backward(run, _grad, self._is_trained, x, name, dy, dx, bucket, u, dropout=_training_pass(saved))
         return dx
 
     def _norm_backward(self, x: Tensor, inv: Tensor, name: str, dy: Tensor, bucket: int,
@@ -633,6 +632,11 @@ class Lfm2Model:
 
 _NUMPY = {"f32": np.float32, "f16": np.float16}
 _BACKWARDS: dict[tuple, object] = {}
+
+
+def _training_pass(saved: dict | None) -> bool:
+    """Whether the layer trace ``saved`` is a training pass's (forward(train=True): LoRA dropout applies)."""
+    return bool(saved and saved.get("dropout"))
 
 
 def _grad(name: str, wrt: tuple[str, ...] | None = None, cotangents: tuple[str, ...] | None = None):

@@ -55,7 +55,6 @@ MAX_THREADS = 256            # portable maxComputeInvocationsPerWorkgroup
 MAX_HEAD_DIM = 128
 TARGET_THREADS = 128         # invocations per workgroup to aim for
 SLICE_COLUMNS = 16           # accumulator columns per invocation to aim for (E / row_threads)
-TEMPLATES = ("attention_fwd", "attention_fwd_matrix", "attention_bwd", "attention_dq_matrix", "attention_dkdv_matrix")
 
 
 # ---- tiling ----
@@ -343,9 +342,9 @@ def _matrix_params(call: IntrinsicCall, target, mode: str, params: tuple[str, ..
     def problem(t):
         return matrix_tiles_problem(mode, t, e, frag, target.subgroup_size, target.workgroup_bytes)
     if given:
-        if problem(call.tiles):
-            raise IntrinsicError(f"{call.name}: tiles {call.tiles} do not fit {MATRIX_TEMPLATES[mode]}: "
-                                 f"{problem(call.tiles)}")
+        why = problem(call.tiles)
+        if why:
+            raise IntrinsicError(f"{call.name}: tiles {call.tiles} do not fit {MATRIX_TEMPLATES[mode]}: {why}")
         tiles = call.tiles
     else:
         tiles = next((t for t in MATRIX_CANDIDATES if not problem(t)), None)
