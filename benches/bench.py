@@ -147,9 +147,10 @@ def _rand(rng, shape, scale=1.0):
 # ---------------------------------------------------------------- kernel benchmarks
 
 class Bench:
-    def __init__(self, ctx, quick: bool, reps: int, log=print, tile_shapes=None):
+    def __init__(self, ctx, quick: bool, reps: int, log=print, tile_shapes=None, tiles_matching=None):
         self.ctx = ctx
         self.tile_shapes = tile_shapes
+        self.tiles_matching = tiles_matching
         self.quick = quick
         self.reps = reps
         self.log = log
@@ -303,6 +304,10 @@ class Bench:
                                   extra={"tiles": asdict(cfg), "rel_err_first_rows": err}))
                 self.guarded("tiles", f"linear[{tag}]", shape, one)
 
+    def _matching(self, candidates):
+        """The candidates whose label contains one of --tiles-matching's texts (all without it)."""
+        return [c for c in candidates if not self.tiles_matching or any(m in c.label for m in self.tiles_matching)]
+
     def mtiles(self):
         """The matrix-unit template at each autotuner candidate for its shape, for the three products
         of a linear layer in --f16 mode, and the forward with the weight stored as f16 too (no
@@ -328,7 +333,7 @@ class Bench:
                     spec = kern.kernels[0].specialize({"T": m, "K": k, "N": n}, 1, target=e.target)
                     given = {t.name: (w16 if name == "fwd_w16" and t.name == "w" else args[t.name])
                              for t in kern.ir.inputs}
-                    for cfg in matrix_candidates(spec.params):
+                    for cfg in self._matching(matrix_candidates(spec.params)):
                         s, timer, wall = min(time_engine(e, lambda: e.run(kern, tiles=cfg, **given), self.reps)[:3]
                                              for _ in range(MTILE_ROUNDS))
                         self.add(Line("mtiles", f"{name}[{cfg.label}]", shape, s, timer, 2.0 * m * n * k,
@@ -815,6 +820,8 @@ def main(argv=None) -> int:
     ap.add_argument("--lora-f16-base", action="store_true", help="with --lora: the frozen base's linear weights as f16")
     ap.add_argument("--tile-shapes", nargs="+", metavar="MxNxK", help="shapes for the tiles group "
                     "(default 4096x4096x4096 2048x4608x1024 2048x1024x4608)")
+    ap.add_argument("--tiles-matching", nargs="+", metavar="TEXT", help="mtiles: only the candidates whose label "
+                    "contains one of these (e.g. noprefetch 128x128/sg2x2)")
     args = ap.parse_args(argv)
     reps = args.reps or (3 if args.quick else 10)
     ctx = WgpuContext.create()
@@ -827,7 +834,8 @@ def main(argv=None) -> int:
         return any(group == w or group.startswith(w) or w.startswith(group) for w in wanted)
 
     tile_shapes = [tuple(int(v) for v in t.lower().split("x")) for t in args.tile_shapes] if args.tile_shapes else None
-    bench = Bench(ctx, args.quick, reps, log=lambda s: print(s, flush=True), tile_shapes=tile_shapes)
+    bench = Bench(ctx, args.quick, reps, log=lambda s: print(s, flush=True), tile_shapes=tile_shapes,
+                  tiles_matching=args.tiles_matching)
     t_start = time.perf_counter()
     state = {"lines": [], "meta": {}}
 

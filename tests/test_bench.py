@@ -40,6 +40,18 @@ def test_quick_benchmarks_report_every_group(tmp_path):
         assert sum(extra["gpu_busy_by_class_s"].values()) == pytest.approx(extra["gpu_busy_s"], rel=1e-6)
 
 
+def test_matrix_tiles_lines_only_for_the_candidates_asked_for(tmp_path, monkeypatch):
+    """--tiles-matching: mtiles times the candidates whose label holds one of the texts, no others."""
+    monkeypatch.setenv("LFM2JIT_MATRIX_UNITS", "emulate")
+    out = tmp_path / "mtiles.json"
+    assert bench.main(["--only", "mtiles", "--tile-shapes", "64x48x32", "--reps", "1", "--tiles-matching",
+                       "64x64/sg2x2/bk32/split2", "--json", str(out)]) == 0
+    lines = json.loads(out.read_text())["lines"]
+    assert sorted(line["name"] for line in lines) == sorted(
+        f"{p}[64x64/sg2x2/bk32/split2/s1/g8{t}]" for p in ("fwd", "fwd_w16", "dx", "dw") for t in ("", "/noprefetch"))
+    assert all(line["error"] is None and line["seconds"] > 0 for line in lines)
+
+
 def test_side_by_side_quick_against_torch_on_cpu(tmp_path):
     pytest.importorskip("torch")
     script = load_script("side_by_side")

@@ -88,16 +88,32 @@ def test_every_matrix_candidate_renders(tiles):
 
 @pytest.mark.parametrize("sizes,want", [
     # T = 2048 LFM2-350M shapes: y = x W^T reads both operands along K, dX one, dW neither
-    ({"T": 2048, "K": 1024, "N": 4608}, {"y": (128, 128, 2, 4), "d_x": (128, 128, 2, 4), "d_w": (64, 64, 2, 2)}),
-    ({"T": 4096, "K": 4096, "N": 4096}, {"y": (128, 128, 2, 2), "d_x": (128, 128, 2, 2), "d_w": (128, 128, 2, 2)}),
-    ({"T": 512, "K": 1024, "N": 1024}, {"y": (64, 64, 2, 2), "d_x": (64, 64, 2, 2), "d_w": (64, 64, 2, 2)}),
+    ({"T": 2048, "K": 1024, "N": 4608}, {"y": (128, 128, 2, 2, False), "d_x": (128, 128, 2, 4, True),
+                                         "d_w": (128, 256, 2, 4, False)}),
+    ({"T": 4096, "K": 4096, "N": 4096}, {"y": (128, 128, 2, 2, False), "d_x": (128, 128, 2, 2, False),
+                                         "d_w": (128, 256, 2, 4, False)}),
+    ({"T": 512, "K": 1024, "N": 1024}, {"y": (64, 64, 2, 2, True), "d_x": (64, 64, 2, 2, True),
+                                        "d_w": (64, 64, 2, 2, True)}),
+    # T = 512: dW sums too few tokens for 128x256 tiles
+    ({"T": 512, "K": 1024, "N": 4608}, {"y": (128, 128, 2, 4, True), "d_x": (64, 64, 2, 2, True),
+                                        "d_w": (64, 64, 2, 2, True)}),
     # LoRA's rank-8 products: y = x A^T and dA = dU^T X are one fragment thin; dX = dU A is not
-    ({"T": 2048, "K": 2048, "N": 8}, {"y": (128, 16, 4, 1), "d_x": (128, 128, 2, 2), "d_w": (16, 128, 1, 4)}),
+    ({"T": 2048, "K": 2048, "N": 8}, {"y": (128, 16, 4, 1, True), "d_x": (128, 128, 2, 2, False),
+                                      "d_w": (16, 128, 1, 4, True)}),
 ])
 def test_matrix_tiles_follow_operand_layout_and_grid(sizes, want):
     for out, k in PRODUCTS.items():
         t = k.specialize(sizes, 64, target=MATRIX_UNITS).params.tiles
-        assert (t.wm, t.wn, t.sg_m, t.sg_n) == want[out], out
+        assert (t.wm, t.wn, t.sg_m, t.sg_n, t.prefetch) == want[out], out
+
+
+def test_tiles_picked_for_the_h200_fall_back_where_they_do_not_fit():
+    """dW at T = 2048 takes 128x256 tiles (34 KB of workgroup memory) on the H200's 48 KiB; a device
+    with 32 KiB (lavapipe) gets the small tiles instead of an error."""
+    sizes = {"T": 2048, "K": 1024, "N": 4608}
+    assert PRODUCTS["d_w"].specialize(sizes, 64, target=MATRIX_UNITS).params.tiles.wn == 256
+    small = replace(MATRIX_UNITS, workgroup_bytes=32768)
+    assert PRODUCTS["d_w"].specialize(sizes, 64, target=small).params.tiles == MatrixTiles(64, 64, 2, 2, 32)
 
 
 @pytest.mark.parametrize("K,split", [(8192, 8), (2048, 8), (1024, 4), (300, 1), (64, 1)])
@@ -122,6 +138,8 @@ def test_matrix_tiles_that_do_not_fit_are_refused():
                                  MATRIX_UNITS)        # two stages of BK = 64 do not fit; one does
     with pytest.raises(ValueError, match="stages must be 1 or 2"):
         MatrixTiles(stages=3)
+    with pytest.raises(ValueError, match="two stages always prefetch"):
+        MatrixTiles(stages=2, prefetch=False)
     with pytest.raises(ValueError, match="need a device with f16 subgroup matrices"):
         PRODUCTS["y"].specialize({"T": 8, "K": 16, "N": 16}, 1, frozenset(), MatrixTiles())
 
@@ -177,11 +195,13 @@ def _fits(e, tiles) -> bool:
 @pytest.mark.parametrize("tiles", [None, MatrixTiles(64, 64, 2, 2, 32, split=2), MatrixTiles(128, 128, 2, 2, 64),
                                    MatrixTiles(128, 128, 2, 4, 32, group=1), MatrixTiles(128, 64, 2, 2, 32, stages=2),
                                    MatrixTiles(64, 128, 2, 2, 32, group=3), narrow_matrix_tiles("n", 4),
-                                   narrow_matrix_tiles("m", 8)])
+                                   narrow_matrix_tiles("m", 8), MatrixTiles(128, 64, 2, 4, 32, prefetch=False),
+                                   MatrixTiles(64, 64, 2, 2, 32, split=2, prefetch=False)])
 def test_matrix_products_match_float64(units, rng, T, K, N, tiles):
     """f16 activations (x, dY), f32 weights converted as they are staged; against float64 on the same
     f16-rounded values, for all three products: ragged edges, interior tiles stored whole, split-K,
-    one and two staging buffers, and bands of tile rows that do not divide the grid."""
+    one and two staging buffers, bands of tile rows that do not divide the grid, and k-steps
+    fetched while the last is multiplied or at the top of their own step (no prefetch)."""
     e = units
     x, dy = _f16(rng, (T, K)), _f16(rng, (T, N))
     w = rng.standard_normal((N, K)).astype(np.float32)

@@ -149,7 +149,9 @@ class MatrixTiles:
     workgroup memory BK at a time (as f16) in ``stages`` buffers (2: the next k-step is stored
     while this one is multiplied, one barrier per step), workgroups walking the output in bands of
     ``group`` tile rows (so neighbours share operand tiles in L2), and split-K as the SIMT tiles
-    have it."""
+    have it. ``prefetch``: with one stage, the next k-step is fetched into registers while this one
+    is multiplied; without, at the top of each step, which holds fewer registers (and on the H200
+    ran 128x128 tiles 1.1-1.25x faster: the accumulators leave little room)."""
     wm: int = 128
     wn: int = 128
     sg_m: int = 2
@@ -158,17 +160,21 @@ class MatrixTiles:
     split: int = 1
     stages: int = 1
     group: int = 8
+    prefetch: bool = True
 
     def __post_init__(self):
         if min(self.wm, self.wn, self.sg_m, self.sg_n, self.bk, self.group) < 1 or self.split not in (1, 2, 4, 8):
             raise ValueError(f"{self}: sizes must be positive and split 1, 2, 4 or 8")
         if self.stages not in (1, 2):
             raise ValueError(f"{self}: stages must be 1 or 2")
+        if self.stages == 2 and not self.prefetch:
+            raise ValueError(f"{self}: two stages always prefetch (the next k-step is stored while this one is multiplied)")
 
     @property
     def label(self) -> str:
         return (f"{self.wm}x{self.wn}/sg{self.sg_m}x{self.sg_n}/bk{self.bk}" + (f"/split{self.split}" if self.split > 1 else "")
-                + f"/s{self.stages}" + (f"/g{self.group}" if self.group > 1 else ""))
+                + f"/s{self.stages}" + (f"/g{self.group}" if self.group > 1 else "")
+                + ("" if self.prefetch else "/noprefetch"))
 
     def problem(self, frag: MatrixConfig, subgroup: int, workgroup_bytes: int) -> str | None:
         """The first rule these tiles break for fragments ``frag`` and this subgroup size, or None."""
@@ -243,6 +249,10 @@ NARROW = 16            # an output at most this thin along M or N (a LoRA rank, 
 NARROW_SLICE = 256     # the shortest share of K a thin output's split-K leaves each slice
 BUSY_GROUPS = 128      # workgroups that keep an H200's 132 SMs busy
 ONE_STEP_K = 32        # contractions this short (LoRA's up-projections) run one k-step
+SMALL_MATRIX_GRID = 128   # fewer 128x128 tiles than this take 64x64 ones
+LARGE_MATRIX_GRID = 256   # from this many 128x128 tiles, 2x2 subgroups without prefetch
+HUGE_MATRIX_GRID = 1024   # dW shorter than LONG_K takes 128x128 tiles from this many on
+SMALL_MATRIX_TILES = MatrixTiles(64, 64, 2, 2, 32)
 
 
 def narrow_matrix_tiles(thin: str, split: int = 1) -> MatrixTiles:
@@ -252,11 +262,17 @@ def narrow_matrix_tiles(thin: str, split: int = 1) -> MatrixTiles:
 
 def choose_matrix_tiles(m: int, n: int, k: int, k_contiguous: int) -> MatrixTiles:
     """Tiles by what the H200 measured (benches/README.md, "Matrix units" and "LoRA"; best of each
-    product over the candidates at 4096^3, the LFM2-350M T = 2048 shapes and LFM2-1.2B's rank-8
-    products). Grids of 1024 128x128 tiles or more, and contractions of one k-step: 128x128 tiles
-    of 2x2 subgroups. Smaller grids: 2x4 subgroups for the products that read an operand along K
-    (y = x W^T, dX = dY W), 64x64 tiles for dW = dY^T X (which reads neither). Grids of fewer than
-    128 such tiles leave SMs idle, so they drop to 64x64.
+    product over the candidates at 4096^3, the LFM2-350M shapes at T = 2048 and 4096, and
+    LFM2-1.2B's rank-8 products), by the grid of 128x128 tiles:
+
+    * fewer than 128: 64x64 tiles (bigger ones leave SMs idle);
+    * y = x W^T and dX = dY W (an operand read along K): 128x128 tiles of 2x4 subgroups below 256
+      tiles, of 2x2 subgroups without prefetch from 256 (1.1-1.25x the prefetching 2x2 at 4096^3
+      and the T = 4096 shapes: its registers are short);
+    * dW = dY^T X (no operand read along K), summed over LONG_K tokens or more: 128x256 tiles of
+      2x4 subgroups without prefetch (1.2-1.35x 128x128 at 4096^3 and T = 4096; within 10% of the
+      best at T = 2048); over fewer (T = 512, where those tiles made dW 1.27x slower in the train
+      step) 64x64 tiles, or 128x128 ones like the other products from 1024 tiles.
 
     Outputs at most NARROW thin (LoRA's x A^T, dY B and its rank-r weight gradients) take tiles one
     fragment thin (square tiles would compute mostly padding), K split until BUSY_GROUPS
@@ -268,9 +284,15 @@ def choose_matrix_tiles(m: int, n: int, k: int, k_contiguous: int) -> MatrixTile
             split //= 2
         return narrow_matrix_tiles("m" if m <= n else "n", split)
     grid = -(-m // 128) * -(-n // 128)
-    if grid < 128 or (grid < 1024 and k_contiguous == 0):
-        return MatrixTiles(64, 64, 2, 2, 32)
-    return MatrixTiles(128, 128, 2, 2 if grid >= 1024 or k <= ONE_STEP_K else 4, 32)
+    if grid < SMALL_MATRIX_GRID:
+        return SMALL_MATRIX_TILES
+    if k_contiguous == 0 and k >= LONG_K:
+        return MatrixTiles(128, 256, 2, 4, 32, prefetch=False)
+    if k_contiguous == 0 and grid < HUGE_MATRIX_GRID:
+        return SMALL_MATRIX_TILES
+    if grid < LARGE_MATRIX_GRID and k > ONE_STEP_K:
+        return MatrixTiles(128, 128, 2, 4, 32)
+    return MatrixTiles(128, 128, 2, 2, 32, prefetch=False)
 
 
 def contiguity(op: Operand, row_axis: str, k: str, sizes: dict[str, int]) -> str | None:
@@ -318,8 +340,11 @@ def plan(ir: KernelIR, sizes: dict[str, int], accumulate: frozenset[str], tiles=
         raise ValueError(f"{ir.name}: tiles={tiles!r} need a device with f16 subgroup matrices (the matrix units)")
     if matrix:
         k_contiguous = sum(strides(x.shape, sizes)[k] == 1 for x in (a, b))
-        tiles = tiles or choose_matrix_tiles(sizes[m_axis], sizes[n_axis], sizes[k], k_contiguous)
+        given, tiles = tiles, tiles or choose_matrix_tiles(sizes[m_axis], sizes[n_axis], sizes[k], k_contiguous)
         problem = tiles.problem(frag, target.subgroup_size, target.workgroup_bytes)
+        if problem and given is None:        # the H200's pick does not fit this device: the smallest tiles
+            tiles = SMALL_MATRIX_TILES
+            problem = tiles.problem(frag, target.subgroup_size, target.workgroup_bytes)
         if problem:
             raise ValueError(f"{ir.name}: tiles {tiles} do not fit the matrix template: {problem}")
     else:

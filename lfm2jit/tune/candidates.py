@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from ..schedule.attention import (MATRIX_CANDIDATES, MATRIX_TEMPLATES, TARGET_THREADS, AttentionTiles, choose_tiles,
                                   tiles_problem)
@@ -41,7 +42,11 @@ MATRIX = (MatrixTiles(128, 128, 2, 2, 32), MatrixTiles(128, 128, 2, 2, 32, stage
           MatrixTiles(128, 128, 2, 2, 32, group=1), MatrixTiles(64, 64, 2, 2, 32), MatrixTiles(128, 64, 2, 2, 32),
           MatrixTiles(64, 128, 2, 2, 32), MatrixTiles(128, 128, 2, 4, 32), MatrixTiles(128, 128, 4, 2, 32),
           MatrixTiles(64, 64, 2, 2, 32, split=2), MatrixTiles(64, 64, 2, 2, 32, split=4),
-          MatrixTiles(128, 128, 2, 2, 64), MatrixTiles(64, 64, 2, 2, 64, stages=2))
+          MatrixTiles(128, 128, 2, 2, 64), MatrixTiles(64, 64, 2, 2, 64, stages=2), MatrixTiles(256, 128, 4, 2, 32),
+          *(replace(t, prefetch=False) for t in (
+              MatrixTiles(128, 128, 2, 2, 32), MatrixTiles(128, 128, 2, 4, 32), MatrixTiles(64, 64, 2, 2, 32),
+              MatrixTiles(128, 64, 2, 2, 32), MatrixTiles(256, 128, 4, 2, 32), MatrixTiles(128, 256, 2, 4, 32),
+              MatrixTiles(128, 128, 2, 2, 64), MatrixTiles(64, 64, 2, 2, 32, split=2))))
 
 
 def matrix(params) -> tuple[MatrixTiles, ...]:
