@@ -52,7 +52,7 @@ fi
 # Reinstall only when pyproject.toml changed since the last successful install, or the test extras
 # are wanted and only the runtime was installed (-I: not from the cwd). The stamp: "<hash> <extras>".
 want="$(sha256sum pyproject.toml | cut -d' ' -f1)"
-read -r have_hash have_extras < "$STAMP" 2>/dev/null || { have_hash=""; have_extras=""; }
+read -r have_hash have_extras 2>/dev/null < "$STAMP" || { have_hash=""; have_extras=""; }
 if [ "$have_hash" != "$want" ] || { [ "$EXTRAS" = test ] && [ "$have_extras" != test ]; } \
         || ! "$VENV_PY" -I -c "import lfm2jit" 2>/dev/null; then
     log "pip install -e $TARGET (quiet; a first install takes a few minutes)"

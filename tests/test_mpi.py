@@ -6,6 +6,7 @@ to say it), nothing saved; the CLI under mpiexec equals one process; Ctrl-C to m
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -144,3 +145,18 @@ def test_ctrl_c_to_mpiexec_saves_a_checkpoint_that_mpiexec_resume_continues(tmp_
                              timeout=240)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert [json.loads(line)["step"] for line in f.read_text().splitlines()] == list(range(1, k + 3))
+
+
+def test_distributed_mpi_without_an_mpi_library_is_a_usage_error(tmp_path):
+    """mpi4py that cannot load its library: one line naming what to install, exit 2, nothing written."""
+    fake = tmp_path / "fake" / "mpi4py"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text('raise ImportError("libmpi.so.12: cannot open shared object file")\n')
+    env = {**os.environ, "PYTHONPATH": str(fake.parent)}
+    r = subprocess.run([sys.executable, "-m", "trainer", "--preset", "tiny", "--steps", "1", "--distributed", "mpi",
+                        "--out", str(tmp_path / "run")], cwd=HERE.parent, env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert ("--distributed mpi needs mpi4py and an MPI library (libmpi.so.12: cannot open shared object file): "
+            "pip install mpi4py mpich") in r.stderr
+    assert not (tmp_path / "run").exists()

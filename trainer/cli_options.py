@@ -429,10 +429,12 @@ def _mpi_world(g: dict) -> dict:
     if given:
         raise UsageError(f"--distributed mpi takes the rank and world size from MPI (mpiexec -n N); drop "
                          f"{', '.join(given)}")
+    from .errors import TrainError
+    from .mpi_sync import load_mpi
     try:
-        from mpi4py import MPI
-    except ImportError as e:
-        raise UsageError(f"--distributed mpi needs mpi4py and an MPI library ({e}): pip install mpi4py mpich") from None
+        MPI = load_mpi()
+    except TrainError as e:
+        raise UsageError(str(e)) from None
     return {"rank": MPI.COMM_WORLD.Get_rank(), "world_size": MPI.COMM_WORLD.Get_size(), "sync_dir": None}
 
 

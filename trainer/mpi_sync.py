@@ -33,7 +33,8 @@ BUCKET_BYTES = 32 << 20        # float32 gradient bytes per exchange
 POLL_S = 0.001
 
 
-def _mpi():
+def load_mpi():
+    """mpi4py's MPI module, or a TrainError saying what to install."""
     try:
         from mpi4py import MPI
     except ImportError as e:
@@ -43,7 +44,7 @@ def _mpi():
 
 def local_rank() -> int:
     """This process's rank among the ranks on its host (which GPU of the host it takes)."""
-    MPI = _mpi()
+    MPI = load_mpi()
     return MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED).Get_rank()
 
 
@@ -51,7 +52,7 @@ class MpiGradSync:
     """A ``Trainer.distributed_grad_sync`` over an MPI communicator (default: COMM_WORLD)."""
 
     def __init__(self, comm=None, timeout_s: float = 600.0, run_id: str = "run"):
-        MPI = _mpi()
+        MPI = load_mpi()
         self.MPI = MPI
         self.comm = comm if comm is not None else MPI.COMM_WORLD
         self.rank, self.world_size = self.comm.Get_rank(), self.comm.Get_size()
