@@ -64,7 +64,7 @@ class Optimizer:
         """The runtime scalars of a parameter's update number ``step``."""
         raise NotImplementedError
 
-    def group_step(self, engine, group, lr: float, gscale: float) -> None:
+    def group_step(self, engine, group, lr: float, gscale: float, gate=None) -> None:
         """Record one update of ``group``, one group of ``groups`` (its first parameter's count
         stands for all), making the buffers of parameters that have none. Counts stay as they are:
         ``advance`` moves them, outside what a recorded piece replays."""
@@ -182,12 +182,12 @@ class AdamW(Optimizer):
         return optim_kernels.adamw_scalars(lr=lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay,
                                            step=step, gscale=gscale)
 
-    def group_step(self, engine, group, lr: float, gscale: float) -> None:
+    def group_step(self, engine, group, lr: float, gscale: float, gate=None) -> None:
         step = self.next_step(group[0])
         states = [self._buffers(engine, p) for p in group]
         optim_kernels.adamw_step(engine, group, [p.grad for p in group], [s["m"] for s in states],
                                  [s["v"] for s in states], lr=lr, betas=self.betas, eps=self.eps,
-                                 weight_decay=self.weight_decay, step=step, gscale=gscale)
+                                 weight_decay=self.weight_decay, step=step, gscale=gscale, gate=gate)
 
     def hyperparameters(self) -> dict:
         return {"lr": self.lr, "betas": list(self.betas), "eps": self.eps, "weight_decay": self.weight_decay}
@@ -261,12 +261,12 @@ class SGD(Optimizer):
                                          weight_decay=self.weight_decay, nesterov=self.nesterov,
                                          step=step, gscale=gscale)
 
-    def group_step(self, engine, group, lr: float, gscale: float) -> None:
+    def group_step(self, engine, group, lr: float, gscale: float, gate=None) -> None:
         step = self.next_step(group[0])
         bufs = [self._buffers(engine, p)["momentum"] for p in group] if self.momentum else None
         optim_kernels.sgd_step(engine, group, [p.grad for p in group], bufs, lr=lr, momentum=self.momentum,
                                dampening=self.dampening, weight_decay=self.weight_decay, nesterov=self.nesterov,
-                               step=step, gscale=gscale)
+                               step=step, gscale=gscale, gate=gate)
 
     def hyperparameters(self) -> dict:
         return {"lr": self.lr, "momentum": self.momentum, "dampening": self.dampening,

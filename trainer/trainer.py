@@ -28,7 +28,7 @@ from math import lcm
 import numpy as np
 
 from lfm2jit.ops.lmhead import ROW_MULTIPLE, lm_head_cross_entropy, xent_scalars
-from lfm2jit.ops.optim import grad_sumsq, norm_of
+from lfm2jit.ops.optim import grad_sumsq, norm_of, step_gate
 
 from . import checks
 from .errors import TrainError
@@ -75,6 +75,7 @@ class Trainer:
         self._step_in_accum = 0
         self._grad_accum_steps = 1
         self._scaler: GradScaler | None = None
+        self._gate = None                    # step_gate's f32[3], made by the first gated step
         self.optimizer = optimizer
         self.model = model
         self.ctx = ctx
@@ -379,6 +380,7 @@ class Trainer:
         # the GPU runs both behind one wait (with a distributed sync, the norm follows the averaging).
         ends_window = self.step_in_accum + len(group) == self.grad_accum_steps
         tot = self._record_norm(params) if ends_window and self.distributed_grad_sync is None else None
+        gate = self._record_gated_step(params, tot, loss) if tot is not None else None
         losses = loss.numpy().astype(np.float64)   # one small read-back; also runs the recorded work
         if not np.isfinite(losses).all() and self.scaler is None:
             self._abandon_window(params)
@@ -390,7 +392,7 @@ class Trainer:
             stats.append(StepStats(loss=float(loss), tokens=n, stepped=False, skipped=False, grad_norm=None,
                                    lr=self.lr_at(self._steps + 1), loss_scale=self.loss_scale))
         if self.step_in_accum == self.grad_accum_steps:
-            self._finish_window(params, stats[-1], tot)
+            self._finish_window(params, stats[-1], tot, gate)
         return stats
 
     def _micro_index(self) -> int:
@@ -418,11 +420,37 @@ class Trainer:
         grads = [p.grad for p in params]
         return self.recorded.run(("norm", _where(grads)), lambda _: grad_sumsq(self.engine, grads))
 
-    def _finish_window(self, params, stats: StepStats, tot=None) -> None:
+    def _record_gated_step(self, params, tot, loss):
+        """Record the window's clip, skip decision and optimizer step behind its norm, all on the
+        GPU (ops.optim.step_gate), so they run behind the one wait for the loss; the gate tensor,
+        or None where the host decides after reading the norm: an optimizer of other kernels, a
+        step that would create optimizer state (a first step), a loss scale whose inverse is no f32."""
+        opt, scale = self.optimizer, self.loss_scale
+        if not recordable(opt) or opt.state_key(params) is None or not (scale > 0 and 1.0 / scale <= _F32_MAX):
+            return None
+        clip = self.clip_grad_norm
+        if self._gate is None:           # one buffer for every step, so the pieces that read it stay recorded
+            self._gate = self.engine.empty((3,))
+        gate = self.recorded.run(("gate", _where([tot, loss])),
+                                 lambda _: step_gate(self.engine, tot, loss, loss_scale=scale, max_norm=clip,
+                                                     out=self._gate),
+                                 scalars={"inv_scale": 1.0 / scale, "max_norm": _F32_MAX if clip is None else clip})
+        self._optimizer_step(params, self.lr_at(self._steps + 1), 1.0, gate)
+        return gate
+
+    def _finish_window(self, params, stats: StepStats, tot=None, gate=None) -> None:
         """Clip and step (or skip, or raise) from the window's gradient norm; ``tot`` is its
-        recorded sum of squares when the caller already recorded it."""
+        recorded sum of squares when the caller already recorded it; with ``gate`` the GPU has
+        already stepped or skipped, and the host counts what it did."""
         engine = self.engine
         self.step_in_accum = 0
+        if gate is not None:
+            _, go, grad_norm = (float(x) for x in gate.numpy())
+            if not go:
+                self._skip(params, stats)
+                return
+            self._count_step(params, stats, grad_norm, advance=True)
+            return
         if tot is None:
             if self.distributed_grad_sync is not None:
                 self.distributed_grad_sync.average(engine, self._names(params), params, self._steps + 1)
@@ -434,30 +462,42 @@ class Trainer:
         if finite and not (scale > 0 and 1.0 / scale <= _F32_MAX and norm / scale <= _F32_MAX):
             finite = False
         if not finite:
-            if self.scaler is None:
-                self._abandon_window(params)
-                raise TrainError("the gradients hold inf or NaN (no GradScaler to skip the step); "
-                                 "the window was discarded, no weight changed")
-            self.scaler.update(found_inf=True)
-            stats.skipped = True
-            stats.loss_scale = self.loss_scale
+            self._skip(params, stats)
             return
         grad_norm = norm / scale
         coef = 1.0
         if self.clip_grad_norm is not None:
             coef = min(1.0, self.clip_grad_norm / (grad_norm + 1e-6))    # torch.nn.utils.clip_grad_norm_
+        self._optimizer_step(params, self.lr_at(self._steps + 1), coef / scale)
+        self._count_step(params, stats, grad_norm, advance=False)
+
+    def _skip(self, params, stats: StepStats) -> None:
+        """A window whose gradients (or norm, or loss) are inf or NaN: skipped with a GradScaler,
+        else discarded with an error; no weight changed either way."""
+        if self.scaler is None:
+            self._abandon_window(params)
+            raise TrainError("the gradients hold inf or NaN (no GradScaler to skip the step); "
+                             "the window was discarded, no weight changed")
+        self.scaler.update(found_inf=True)
+        stats.skipped = True
+        stats.loss_scale = self.loss_scale
+
+    def _count_step(self, params, stats: StepStats, grad_norm: float, advance: bool) -> None:
+        """Count the optimizer step just taken (``advance``: the parameters' counts too, which a
+        gated step leaves to here)."""
         k = self._steps + 1
-        lr = self.lr_at(k)
-        self._optimizer_step(params, lr, coef / scale)
+        if advance:
+            self.optimizer.advance(params)
         self._steps = k
         if self.scaler is not None:
             self.scaler.update(found_inf=False)
-        stats.stepped, stats.grad_norm, stats.lr = True, grad_norm, lr
+        stats.stepped, stats.grad_norm, stats.lr = True, grad_norm, self.lr_at(k)
 
-    def _optimizer_step(self, params, lr: float, gscale: float) -> None:
+    def _optimizer_step(self, params, lr: float, gscale: float, gate=None) -> None:
         """``optimizer.step``, recorded as one piece per group of parameters whose counts give the
         same scalars (a group whose update creates optimizer state is never captured); the counts
-        advance outside the pieces, which replay with the group's scalars of this step."""
+        advance outside the pieces, which replay with the group's scalars of this step (with a
+        step_gate ``gate``, only once the host has read whether the GPU took the step)."""
         opt, engine = self.optimizer, self.engine
         if not recordable(opt):
             opt.step(engine, params, lr=lr, gscale=gscale)
@@ -465,12 +505,15 @@ class Trainer:
         for group, scalars in opt.groups(params, lr, gscale):
             state = opt.state_key(group)
             if state is None:
-                opt.group_step(engine, group, lr=lr, gscale=gscale)
+                opt.group_step(engine, group, lr=lr, gscale=gscale, gate=gate)
                 continue
-            key = ("optimizer", id(opt), _where(group, [p.grad for p in group]), state)
-            self.recorded.run(key, lambda _, group=group: opt.group_step(engine, group, lr=lr, gscale=gscale),
+            key = ("optimizer", id(opt), _where(group, [p.grad for p in group]), state,
+                   None if gate is None else _where([gate]))
+            self.recorded.run(key, lambda _, group=group: opt.group_step(engine, group, lr=lr, gscale=gscale,
+                                                                         gate=gate),
                               scalars=scalars)
-        opt.advance(params)
+        if gate is None:
+            opt.advance(params)
 
     def _abandon_window(self, params) -> None:
         self.step_in_accum = 0

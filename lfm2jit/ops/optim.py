@@ -197,10 +197,37 @@ def adamw_scalars(*, lr: float, betas=(0.9, 0.999), eps: float = 1e-8, weight_de
                 step_size=lr / (1.0 - b1 ** step), bc2_sqrt=math.sqrt(1.0 - b2 ** step), eps=eps)
 
 
+def _gate(gate) -> dict:
+    """The kernels' ``gate`` argument: step_gate's f32[3] on the device, or nothing (all ones)."""
+    if gate is None:
+        return {}
+    if not isinstance(gate, Tensor) or gate.dtype != "f32" or tuple(gate.shape) != (3,):
+        raise ValueError(f"gate must be step_gate's f32 tensor of shape [3], got {gate!r}")
+    return {"gate": gate}
+
+
+def step_gate(engine, tot: Tensor, loss: Tensor, *, loss_scale: float = 1.0, max_norm: float | None = None,
+              out: Tensor | None = None) -> Tensor:
+    """Record the step's gate, f32[3] = [clip coefficient / loss_scale, go, unscaled norm], from
+    grad_sumsq's ``tot`` and the losses of the window's last pass, without reading anything back:
+    the optimizer steps take it as ``gate`` and leave everything unchanged where go is 0 (inf or
+    NaN gradients, norm or loss). The coefficient is torch.nn.utils.clip_grad_norm_'s on the
+    unscaled norm (1 without ``max_norm``), computed in f32. ``out``: an f32[3] to write it into."""
+    scale = _real("loss_scale", loss_scale)
+    if not 0 < scale or not 1.0 / scale <= 3.4028234e38:
+        raise ValueError(f"loss_scale must be > 0 with 1 / loss_scale an f32, got {loss_scale!r}")
+    clip = 3.4028234e38 if max_norm is None else _real("max_norm", max_norm, 0.0)
+    outs = {} if out is None else {"out": {"gate": _gate(out)["gate"]}}
+    return engine.run("step_gate", tot=tot, loss=loss.view((loss.size,)), inv_scale=1.0 / scale, max_norm=clip,
+                      **outs)["gate"]
+
+
 def adamw_step(engine, params, grads, ms, vs, *, lr: float, betas=(0.9, 0.999), eps: float = 1e-8,
-               weight_decay: float = 1e-2, step: int, gscale: float = 1.0) -> None:
+               weight_decay: float = 1e-2, step: int, gscale: float = 1.0, gate: Tensor | None = None) -> None:
     """One torch.optim.AdamW step (amsgrad=False) on every parameter, in place (p, m, v), with the
-    gradients read as ``g * gscale``. ``step`` counts from 1 (m and v start at zero before step 1)."""
+    gradients read as ``g * gscale`` (times gate[0], and no change where gate[1] is 0, with a
+    ``step_gate`` gate). ``step`` counts from 1 (m and v start at zero before step 1)."""
+    gate = _gate(gate)
     params = _tensor_list("params", params)
     n = len(params)
     grads, ms, vs = (_tensor_list(name, xs, n) for name, xs in (("grads", grads), ("ms", ms), ("vs", vs)))
@@ -210,7 +237,7 @@ def adamw_step(engine, params, grads, ms, vs, *, lr: float, betas=(0.9, 0.999), 
     scalars = adamw_scalars(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, step=step, gscale=gscale)
     for p, g, m, v in zip(params, grads, ms, vs):
         if p.size:
-            engine.run("adamw", p=_flat(p), g=_flat(g), m=_flat(m), v=_flat(v), **scalars)
+            engine.run("adamw", p=_flat(p), g=_flat(g), m=_flat(m), v=_flat(v), **scalars, **gate)
 
 
 def sgd_scalars(*, lr: float, momentum: float = 0.0, dampening: float = 0.0, weight_decay: float = 0.0,
@@ -230,12 +257,15 @@ def sgd_scalars(*, lr: float, momentum: float = 0.0, dampening: float = 0.0, wei
 
 
 def sgd_step(engine, params, grads, bufs=None, *, lr: float, momentum: float = 0.0, dampening: float = 0.0,
-             weight_decay: float = 0.0, nesterov: bool = False, step: int, gscale: float = 1.0) -> None:
-    """One torch.optim.SGD step on every parameter, in place, with gradients read as ``g * gscale``.
+             weight_decay: float = 0.0, nesterov: bool = False, step: int, gscale: float = 1.0,
+             gate: Tensor | None = None) -> None:
+    """One torch.optim.SGD step on every parameter, in place, with gradients read as ``g * gscale``
+    (and a ``step_gate`` gate as adamw_step takes it).
 
     With momentum, ``bufs`` are the momentum buffers (updated in place); on step 1 each is set to
     the gradient, as torch does when it creates them (their old contents are ignored).
     """
+    gate = _gate(gate)
     params = _tensor_list("params", params)
     n = len(params)
     grads = _tensor_list("grads", grads, n)
@@ -249,7 +279,7 @@ def sgd_step(engine, params, grads, bufs=None, *, lr: float, momentum: float = 0
         _read_apart(grads, params=params)
         for p, g in zip(params, grads):
             if p.size:
-                engine.run("sgd", p=_flat(p), g=_flat(g), **scalars)
+                engine.run("sgd", p=_flat(p), g=_flat(g), **scalars, **gate)
         return
     if bufs is None:
         raise ValueError("SGD with momentum needs bufs, one momentum buffer per parameter")
@@ -259,4 +289,4 @@ def sgd_step(engine, params, grads, bufs=None, *, lr: float, momentum: float = 0
     _read_apart(grads, params=params, bufs=bufs)
     for p, g, b in zip(params, grads, bufs):
         if p.size:
-            engine.run("sgd_momentum", p=_flat(p), g=_flat(g), buf=_flat(b), **scalars)
+            engine.run("sgd_momentum", p=_flat(p), g=_flat(g), buf=_flat(b), **scalars, **gate)
