@@ -62,16 +62,23 @@ def make_trainer(ctx, engine, accum: int, sync=None):
 
 
 def overflow_at_window(k: int):
-    """A stand-in for trainer.trainer.norm_of whose k-th call (window k's overflow check, after the
-    sync) reports non-finite gradients, as a loss-scale overflow would."""
-    import trainer.trainer as trainer_module
-    real, calls = trainer_module.norm_of, [0]
+    """A stand-in for Trainer._record_norm whose k-th call (window k's norm, after the sync) first
+    writes a NaN into a gradient on the device, as a loss-scale overflow would leave one: the
+    window's step is skipped on whichever side decides it (the host after reading the norm, or
+    the GPU's step_gate)."""
+    import numpy as np
+    from trainer import Trainer
+    real, calls = Trainer._record_norm, [0]
 
-    def norm_of(tot):
+    def record_norm(self, params):
         calls[0] += 1
-        norm, finite = real(tot)
-        return (math.inf, False) if calls[0] == k else (norm, finite)
-    return norm_of
+        if calls[0] == k:
+            g = next(p.grad for p in params if p.grad is not None and p.grad.size)
+            poisoned = g.numpy()
+            poisoned.flat[0] = np.nan
+            g.write(poisoned)
+        return real(self, params)
+    return record_norm
 
 
 def main(argv=None) -> int:
@@ -92,7 +99,7 @@ def main(argv=None) -> int:
     import trainer.trainer as trainer_module
     from trainer import FileGradSyncConfig
     if a.skip_window is not None:
-        trainer_module.norm_of = overflow_at_window(a.skip_window)
+        trainer_module.Trainer._record_norm = overflow_at_window(a.skip_window)
     ctx = WgpuContext.create()
     engine = ComputeEngine(ctx)
     sync = FileGradSyncConfig(a.dir, a.rank, a.world, timeout_s=a.timeout, run_id=a.run_id)

@@ -66,7 +66,7 @@ def test_two_processes_on_halves_equal_one_process_on_all(ctx, engine, tmp_path,
     peer, peer_out = start_rank(tmp_path, sync_dir, 1, 2, "--windows", str(windows), "--accum", str(accum),
                                 "--run-id", "new", "--skip-window", str(skip))
     try:
-        monkeypatch.setattr(trainer_module, "norm_of", overflow_at_window(skip))
+        monkeypatch.setattr(trainer_module.Trainer, "_record_norm", overflow_at_window(skip))
         model, tr = make_trainer(ctx, engine, accum, FileGradSyncConfig(sync_dir, 0, 2, timeout_s=120, run_id="new"))
         mine = [tr.train_step_masked(i, t, m, model.parameters())
                 for i, t, m in rank_sequences(0, 2, windows, accum)]
@@ -78,7 +78,7 @@ def test_two_processes_on_halves_equal_one_process_on_all(ctx, engine, tmp_path,
     assert int(theirs["optimizer_steps"]) == windows - 1
 
     # one process, grad_accum doubled, on all the data in the matching order, the same window skipped
-    monkeypatch.setattr(trainer_module, "norm_of", overflow_at_window(skip))
+    monkeypatch.setattr(trainer_module.Trainer, "_record_norm", overflow_at_window(skip))
     ref_model, ref = make_trainer(ctx, engine, 2 * accum)
     want = [ref.train_step_masked(i, t, m, ref_model.parameters()) for i, t, m in all_data(windows * 2 * accum)]
     assert ref.optimizer_steps() == windows - 1 and want[2 * accum * skip - 1].skipped

@@ -11,6 +11,7 @@ import torch
 
 import trainer.trainer as trainer_module
 from conftest import rel_err
+from sync_worker import overflow_at_window
 from lfm2jit.model import Lfm2Config, Lfm2Model
 from test_trainer import hf_model, torch_train, weights_of
 from trainer import SGD, AdamW, Batch, CosineWithWarmup, GradScaler, TrainError, Trainer
@@ -261,22 +262,16 @@ def test_grad_scaler_overflow_skips_exactly_that_step(ctx, engine, cfg, monkeypa
     s = window(W[0])                                               # clean: step 1
     assert s[1].stepped and not s[1].skipped and s[1].lr == sched.lr_at(1) and scaler.scale == 1024.0
 
-    # a reported overflow (the norm pass says non-finite once): skipped, scale halved, nothing applied
-    real = trainer_module.norm_of
-    calls = []
-
-    def overflow_once(tot):
-        calls.append(1)
-        norm, _ = real(tot)
-        return (math.inf, False) if len(calls) == 1 else (norm, True)
-    monkeypatch.setattr(trainer_module, "norm_of", overflow_once)
+    # an overflow (a NaN in a gradient when the norm runs): skipped, scale halved, nothing applied
+    real = trainer_module.Trainer._record_norm
+    monkeypatch.setattr(trainer_module.Trainer, "_record_norm", overflow_at_window(1))
     before = snap(model)
     s = window(W[1])
     assert [x.stepped for x in s] == [False, False] and [x.skipped for x in s] == [False, True]
     assert s[1].grad_norm is None and s[1].loss_scale == 512.0 and s[0].loss_scale == 1024.0
     assert scaler.scale == 512.0 and scaler.growth_tracker == 0 and tr.optimizer_steps() == 1
     assert_same(snap(model), before, what="skipped window: ")
-    monkeypatch.setattr(trainer_module, "norm_of", real)
+    monkeypatch.setattr(trainer_module.Trainer, "_record_norm", real)
 
     s = window(W[2])                                               # clean: step 2 at lr_at(2), tracker 1
     assert s[1].stepped and s[1].lr == sched.lr_at(2) and s[0].loss_scale == 512.0 and scaler.scale == 512.0
@@ -301,6 +296,30 @@ def test_grad_scaler_overflow_skips_exactly_that_step(ctx, engine, cfg, monkeypa
         for i, t, m in w:
             tr_ref.train_step_masked(i, t, m, ref.parameters())
     assert_same(snap(model), snap(ref), tol=1e-5)
+
+
+@pytest.mark.parametrize("opt", [lambda: AdamW(lr=1e-2), lambda: SGD(lr=1e-2, momentum=0.9)])
+def test_clip_skip_and_update_run_before_the_host_reads_anything(ctx, engine, cfg, monkeypatch, opt):
+    """From the second step on (the first creates optimizer state), the clip coefficient and the
+    skip decision are made on the GPU: the optimizer's kernels are recorded before the step's first
+    read-back, so the step waits for the GPU once. The first step still decides on the host."""
+    from lfm2jit.runtime.tensor import Tensor
+    model = Lfm2Model(cfg, ctx, engine, seed=5)
+    tr = (Trainer(model, opt(), ctx, engine).with_length_bucket(16).with_replay(0).with_clip_grad_norm(0.5)
+          .with_grad_scaler(GradScaler(init_scale=256.0)))
+    log = []
+    run, numpy = engine.run, Tensor.numpy
+    monkeypatch.setattr(engine, "run", lambda kernel, *a, **k: log.append(str(kernel)) or run(kernel, *a, **k))
+    monkeypatch.setattr(Tensor, "numpy", lambda self: log.append("read") or numpy(self))
+    for step, (ids, tgt, mask) in enumerate(make_data(cfg, [9, 7]), start=1):
+        log.clear()
+        s = tr.train_step_masked(ids, tgt, mask, model.parameters())
+        assert s.stepped and s.grad_norm > 0.5         # clipped
+        updates = [i for i, name in enumerate(log) if name in ("adamw", "sgd", "sgd_momentum")]
+        assert updates and log.count("read") == 2, log
+        first_read = log.index("read")
+        assert (max(updates) < first_read) == (step == 2), (step, log)
+        assert ("step_gate" in log) == (step == 2)
 
 
 def test_overflow_without_scaler_is_an_error_that_applies_nothing(ctx, engine, cfg, monkeypatch):

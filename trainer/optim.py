@@ -66,8 +66,9 @@ class Optimizer:
 
     def group_step(self, engine, group, lr: float, gscale: float, gate=None) -> None:
         """Record one update of ``group``, one group of ``groups`` (its first parameter's count
-        stands for all), making the buffers of parameters that have none. Counts stay as they are:
-        ``advance`` moves them, outside what a recorded piece replays."""
+        stands for all), making the buffers of parameters that have none; ``gate``, a step_gate
+        tensor, scales the gradients on the device and skips the update where it says so. Counts
+        stay as they are: ``advance`` moves them, outside what a recorded piece replays."""
         raise NotImplementedError
 
     def advance(self, params) -> None:

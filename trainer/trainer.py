@@ -3,8 +3,11 @@
 One call of ``train_step_masked`` runs a sequence forward and backward, adding its gradients
 (its loss divided by ``grad_accum_steps``). Every ``grad_accum_steps`` calls the window is
 finished: gradients are synced across processes (if configured), unscaled and checked for
-overflow, clipped on their global L2 norm, applied by the optimizer, and cleared. Input is
-checked before any GPU work; an error leaves weights, gradients and counters as they were.
+overflow, clipped on their global L2 norm, applied by the optimizer, and cleared. In one process,
+from the second optimizer step on, the unscaling, overflow check and clip coefficient are made on
+the GPU (ops.optim.step_gate) and the update is recorded behind them, so a step waits for the GPU
+once; the host then reads whether the step was taken. Input is checked before any GPU work; an
+error leaves weights, gradients and counters as they were.
 
 ``params`` may change from one window to the next (unfreezing layers, say). The optimizer keeps a
 step count per parameter, as torch does, so a parameter's bias corrections count its own updates.
