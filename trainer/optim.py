@@ -76,6 +76,14 @@ class Optimizer:
         for p in params:
             self.state.setdefault(id(p), {"step": 0})["step"] += 1
 
+    def drop_unstepped(self, params) -> bool:
+        """Drop the state of parameters in ``params`` never updated yet (made for a step the GPU
+        then skipped), as if it had not been made; whether any was dropped."""
+        fresh = [id(p) for p in params if self.state.get(id(p), {}).get("step") == 0]
+        for pid in fresh:
+            del self.state[pid]
+        return bool(fresh)
+
     def keep_only(self, params) -> bool:
         """Drop the state of every parameter not in ``params``; whether any was dropped."""
         keep = {id(p) for p in params}

@@ -2,10 +2,10 @@
 
 A training step is three replayable pieces, each keyed by everything that shapes its work (input
 shape, bucket, which parameter, gradient and optimizer-state buffers): the forward + LM head +
-backward pass, the gradient-norm passes, and the optimizer update; from a window's second step
-on (single process) also the step gate, which makes the clip coefficient and the skip decision
-on the GPU, so all of them run behind one wait for the loss. Elsewhere (a distributed sync, a
-first step) the host reads the norm back between them and decides. Each piece replays with only
+backward pass, the gradient-norm passes, and the optimizer update; in one process also the step
+gate, which makes the clip coefficient and the skip decision on the GPU, so all of them run
+behind one wait for the loss. With a distributed sync the host reads the norm back between them
+and decides. Each piece replays with only
 its scalars patched (normalizer and loss scale; lr, bias corrections and gradient scale; the
 gate's loss scale and clip norm) and its inputs written into the tensors it captured. Nothing
 else runs Python per kernel.

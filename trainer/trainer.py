@@ -4,8 +4,7 @@ One call of ``train_step_masked`` runs a sequence forward and backward, adding i
 (its loss divided by ``grad_accum_steps``). Every ``grad_accum_steps`` calls the window is
 finished: gradients are synced across processes (if configured), unscaled and checked for
 overflow, clipped on their global L2 norm, applied by the optimizer, and cleared. In one process,
-from the second optimizer step on, the unscaling, overflow check and clip coefficient are made on
-the GPU (ops.optim.step_gate) and the update is recorded behind them, so a step waits for the GPU
+the unscaling, overflow check and clip coefficient are made on the GPU (ops.optim.step_gate) and the update is recorded behind them, so a step waits for the GPU
 once; the host then reads whether the step was taken. Input is checked before any GPU work; an
 error leaves weights, gradients and counters as they were.
 
@@ -379,8 +378,9 @@ class Trainer:
         key = ("pass", np.shape(ids), bucket, self.lm_head_chunk, head_trained, _where(params, [p.grad for p in params]))
         loss = self.recorded.run(key, record, scalars=xent_scalars(normalizer, loss_scale), upload=upload,
                                  refill=refill, activations=True)
-        # A pass that ends the window records the gradient-norm passes before the loss is read, so
-        # the GPU runs both behind one wait (with a distributed sync, the norm follows the averaging).
+        # A pass that ends the window records the gradient-norm passes (and, where the GPU decides,
+        # the step gate and the optimizer update) before the loss is read, so the GPU runs them all
+        # behind one wait (with a distributed sync, the norm follows the averaging on the host).
         ends_window = self.step_in_accum + len(group) == self.grad_accum_steps
         tot = self._record_norm(params) if ends_window and self.distributed_grad_sync is None else None
         gate = self._record_gated_step(params, tot, loss) if tot is not None else None
@@ -427,9 +427,9 @@ class Trainer:
         """Record the window's clip, skip decision and optimizer step behind its norm, all on the
         GPU (ops.optim.step_gate), so they run behind the one wait for the loss; the gate tensor,
         or None where the host decides after reading the norm: an optimizer of other kernels, a
-        step that would create optimizer state (a first step), a loss scale whose inverse is no f32."""
+        loss scale whose inverse is no f32."""
         opt, scale = self.optimizer, self.loss_scale
-        if not recordable(opt) or opt.state_key(params) is None or not (scale > 0 and 1.0 / scale <= _F32_MAX):
+        if not recordable(opt) or not (scale > 0 and 1.0 / scale <= _F32_MAX):
             return None
         clip = self.clip_grad_norm
         if self._gate is None:           # one buffer for every step, so the pieces that read it stay recorded
@@ -449,7 +449,9 @@ class Trainer:
         self.step_in_accum = 0
         if gate is not None:
             _, go, grad_norm = (float(x) for x in gate.numpy())
-            if not go:
+            if not go:                   # state this step made for its first update was never used
+                if self.optimizer.drop_unstepped(params):
+                    self.recorded.clear()
                 self._skip(params, stats)
                 return
             self._count_step(params, stats, grad_norm, advance=True)
