@@ -11,7 +11,6 @@ With ``--hang-after K`` it writes ``<out>.hang`` after optimizer step K and slee
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 from pathlib import Path
@@ -66,7 +65,6 @@ def overflow_at_window(k: int):
     writes a NaN into a gradient on the device, as a loss-scale overflow would leave one: the
     window's step is skipped on whichever side decides it (the host after reading the norm, or
     the GPU's step_gate)."""
-    import numpy as np
     from trainer import Trainer
     real, calls = Trainer._record_norm, [0]
 

@@ -5,10 +5,9 @@ shape, bucket, which parameter, gradient and optimizer-state buffers): the forwa
 backward pass, the gradient-norm passes, and the optimizer update; in one process also the step
 gate, which makes the clip coefficient and the skip decision on the GPU, so all of them run
 behind one wait for the loss. With a distributed sync the host reads the norm back between them
-and decides. Each piece replays with only
-its scalars patched (normalizer and loss scale; lr, bias corrections and gradient scale; the
-gate's loss scale and clip norm) and its inputs written into the tensors it captured. Nothing
-else runs Python per kernel.
+and decides. Each piece replays with only its scalars patched (normalizer and loss scale; lr,
+bias corrections and gradient scale; the gate's loss scale and clip norm) and its inputs written
+into the tensors it captured. Nothing else runs Python per kernel.
 
 A key is captured on its second occurrence, not its first: the first step creates what later
 steps reuse (optimizer state, RoPE tables, pipelines), and a capture must not include that.

@@ -30,7 +30,7 @@ from math import lcm
 import numpy as np
 
 from lfm2jit.ops.lmhead import ROW_MULTIPLE, lm_head_cross_entropy, xent_scalars
-from lfm2jit.ops.optim import grad_sumsq, norm_of, step_gate
+from lfm2jit.ops.optim import F32_MAX, grad_sumsq, norm_of, step_gate, step_gate_scalars
 
 from . import checks
 from .errors import TrainError
@@ -54,7 +54,6 @@ class StepStats:
 
 DEFAULT_PACK_TOKENS = 4096      # rows of one packed pass: activations grow with it
 DEFAULT_REPLAY_PASSES = 2       # recorded forward/backward passes kept (each holds its activations)
-_F32_MAX = float(np.finfo(np.float32).max)
 PACK_WASTE = 1.25               # packed rows per row of the sequences' own (bucketed) lengths, at most
 
 
@@ -429,7 +428,7 @@ class Trainer:
         or None where the host decides after reading the norm: an optimizer of other kernels, a
         loss scale whose inverse is no f32."""
         opt, scale = self.optimizer, self.loss_scale
-        if not recordable(opt) or not (scale > 0 and 1.0 / scale <= _F32_MAX):
+        if not recordable(opt) or not (scale > 0 and 1.0 / scale <= F32_MAX):
             return None
         clip = self.clip_grad_norm
         if self._gate is None:           # one buffer for every step, so the pieces that read it stay recorded
@@ -437,7 +436,7 @@ class Trainer:
         gate = self.recorded.run(("gate", _where([tot, loss])),
                                  lambda _: step_gate(self.engine, tot, loss, loss_scale=scale, max_norm=clip,
                                                      out=self._gate),
-                                 scalars={"inv_scale": 1.0 / scale, "max_norm": _F32_MAX if clip is None else clip})
+                                 scalars=step_gate_scalars(loss_scale=scale, max_norm=clip))
         self._optimizer_step(params, self.lr_at(self._steps + 1), 1.0, gate)
         return gate
 
@@ -464,7 +463,7 @@ class Trainer:
         scale = self.loss_scale
         # As torch unscales (by an f32 1/scale) before it checks: a scale so small that 1/scale or the
         # unscaled norm is no f32 (a scale backed off to 0, say) makes the gradients inf/NaN: skipped
-        if finite and not (scale > 0 and 1.0 / scale <= _F32_MAX and norm / scale <= _F32_MAX):
+        if finite and not (scale > 0 and 1.0 / scale <= F32_MAX and norm / scale <= F32_MAX):
             finite = False
         if not finite:
             self._skip(params, stats)

@@ -36,6 +36,7 @@ CHUNK = 4096              # elements per row of the norm's first pass (one workg
 PASS2_CHUNK = 1024        # partial sums per row of the second pass
 MAX_ROWS = 1 << 24        # row and column indices travel as f32: exact up to 2^24
 PARTIALS_BUCKET = 1 << 20  # pass 3 loops to the runtime length; one pipeline for every length up to this
+F32_MAX = 3.4028234663852886e38   # the largest finite f32
 
 
 # ---- argument checks (all before any GPU work) ----
@@ -206,6 +207,15 @@ def _gate(gate) -> dict:
     return {"gate": gate}
 
 
+def step_gate_scalars(*, loss_scale: float = 1.0, max_norm: float | None = None) -> dict[str, float]:
+    """The step_gate kernel's runtime scalars, checked (a recorded gate replays with these):
+    1 / loss_scale, which must be an f32, and the clipping norm (F32_MAX: none)."""
+    scale = _real("loss_scale", loss_scale)
+    if not 0 < scale or not 1.0 / scale <= F32_MAX:
+        raise ValueError(f"loss_scale must be > 0 with 1 / loss_scale an f32, got {loss_scale!r}")
+    return dict(inv_scale=1.0 / scale, max_norm=F32_MAX if max_norm is None else _real("max_norm", max_norm, 0.0))
+
+
 def step_gate(engine, tot: Tensor, loss: Tensor, *, loss_scale: float = 1.0, max_norm: float | None = None,
               out: Tensor | None = None) -> Tensor:
     """Record the step's gate, f32[3] = [clip coefficient / loss_scale, go, unscaled norm], from
@@ -213,13 +223,9 @@ def step_gate(engine, tot: Tensor, loss: Tensor, *, loss_scale: float = 1.0, max
     the optimizer steps take it as ``gate`` and leave everything unchanged where go is 0 (inf or
     NaN gradients, norm or loss). The coefficient is torch.nn.utils.clip_grad_norm_'s on the
     unscaled norm (1 without ``max_norm``), computed in f32. ``out``: an f32[3] to write it into."""
-    scale = _real("loss_scale", loss_scale)
-    if not 0 < scale or not 1.0 / scale <= 3.4028234e38:
-        raise ValueError(f"loss_scale must be > 0 with 1 / loss_scale an f32, got {loss_scale!r}")
-    clip = 3.4028234e38 if max_norm is None else _real("max_norm", max_norm, 0.0)
-    outs = {} if out is None else {"out": {"gate": _gate(out)["gate"]}}
-    return engine.run("step_gate", tot=tot, loss=loss.view((loss.size,)), inv_scale=1.0 / scale, max_norm=clip,
-                      **outs)["gate"]
+    scalars = step_gate_scalars(loss_scale=loss_scale, max_norm=max_norm)
+    outs = {} if out is None else {"out": _gate(out)}
+    return engine.run("step_gate", tot=tot, loss=loss.view((loss.size,)), **scalars, **outs)["gate"]
 
 
 def adamw_step(engine, params, grads, ms, vs, *, lr: float, betas=(0.9, 0.999), eps: float = 1e-8,
