@@ -219,6 +219,43 @@ def test_matrix_products_match_float64(units, rng, T, K, N, tiles):
         assert rel_err(got, want[out]) < (2e-3 if out != "d_w" else 1e-5), (out, T, K, N, tiles)
 
 
+@pytest.mark.parametrize("tiles,frags,on_32k", [
+    (MatrixTiles(128, 128, 2, 4, 32), 2, 1),      # a row is 2 fragments: 36 KB in all, over 32 KiB
+    (MatrixTiles(64, 128, 2, 2, 32), 4, 4),       # 4 fragments: 31 KB
+    (MatrixTiles(128, 128, 2, 2, 32), 1, 1),      # 16 accumulators: one a round
+])
+def test_the_epilogue_takes_as_many_fragments_a_round_as_workgroup_memory_holds(tiles, frags, on_32k):
+    """f16 results go out through workgroup memory, a row of a subgroup's fragments per barrier
+    pair where they fit (subgroups of at most 8 accumulators); on 32 KiB (lavapipe) fewer; f32
+    results stored whole keep one (edges)."""
+    def frags_at(product, target):
+        sizes = {"T": 2048, "K": 1024, "N": 4608}
+        return PRODUCTS[product].specialize(sizes, 64, frozenset(), tiles, target).params.epilogue_frags
+    assert frags_at("y", MATRIX_UNITS) == frags_at("d_x", MATRIX_UNITS) == frags
+    assert frags_at("y", replace(MATRIX_UNITS, workgroup_bytes=32768)) == on_32k
+    assert frags_at("d_w", MATRIX_UNITS) == 1
+
+
+@pytest.mark.parametrize("T,K,N", [(70, 36, 44), (300, 96, 8)])
+def test_matrix_f16_results_accumulate(units, rng, T, K, N):
+    """dX += dY W and y += x W^T in f16 (LoRA adds its up-projection so): C's old values are all read
+    before the epilogue stores any; ragged edges, several fragments a round, and split-K's reduce."""
+    e = units
+    x, dy = _f16(rng, (T, K)), _f16(rng, (T, N))
+    w = rng.standard_normal((N, K)).astype(np.float32)
+    w16 = w.astype(np.float16).astype(np.float64)
+    old = {"y": _f16(rng, (T, N)), "d_x": _f16(rng, (T, K))}
+    product = {"y": x.astype(np.float64) @ w16.T, "d_x": dy.astype(np.float64) @ w16}
+    args = {"x": e.tensor(x), "w": e.tensor(w), "d_y": e.tensor(dy)}
+    for tiles in (None, MatrixTiles(64, 128, 2, 2, 32), MatrixTiles(64, 64, 2, 2, 32, split=2)):
+        for out in ("y", "d_x"):
+            k = PRODUCTS[out]
+            c = e.tensor(old[out])
+            e.run(k, bucket=16, tiles=tiles, out={out: c}, accumulate={out}, **{n: args[n] for n in k.inputs})
+            want = old[out].astype(np.float64) + product[out]
+            assert rel_err(c.numpy(), want) < 2e-3, (out, tiles)
+
+
 @pytest.mark.parametrize("T,K,N", [(70, 36, 44), (150, 200, 136)])
 def test_matrix_weight_gradient_accumulates(units, rng, T, K, N):
     """dW += dY^T X: edge tiles add element by element, interior ones start from the old contents."""

@@ -210,6 +210,7 @@ class MatrixParams(GemmParams):
     frag: MatrixConfig
     subgroup_size: int
     emulated: bool = False          # subgroup-matrix operations written out in plain WGSL (Target.emulated)
+    epilogue_frags: int = 1         # accumulator fragments each subgroup puts through workgroup memory at once
 
     @property
     def threads(self) -> int:
@@ -243,6 +244,24 @@ class MatrixParams(GemmParams):
             return self.n_size >= self.frag.n and self.tiles.split * self.batches * self.m_pad * self.n_size >= fragment
         return (not self.c.convert and self.c.sn == 1 and self.c.sm >= self.frag.n and SEQ_AXIS not in self.axes[:2]
                 and self.axes[3] != SEQ_AXIS and self.batches * self.m_pad * self.n_size >= fragment)
+
+
+MANY_ACCUMULATORS = 8  # a subgroup holding more fragments than this puts them out one a round
+
+
+def epilogue_frags(p: MatrixParams, workgroup_bytes: int) -> int:
+    """How many of a subgroup's accumulator fragments along N go out through workgroup memory per
+    round (one barrier pair each): a whole row of them where the device's workgroup memory holds it,
+    else the largest divisor that fits. On the H200 two a round ran subgroups of 8 accumulators
+    1.0-1.7x faster than one (short K and LoRA's rank-8 up-projections gained most), while four a
+    round ran subgroups of 16 (128x128 tiles of 2x2) 1.4-1.8x slower, so those keep one
+    (benches/README.md, "The matrix GEMM's epilogue"). Outputs stored straight from the fragments
+    use the scratch at edge tiles only, and keep one too."""
+    if p.direct_store or p.fm * p.fn > MANY_ACCUMULATORS:
+        return 1
+    per_frag = 4 * p.tiles.sg_m * p.tiles.sg_n * p.frag.m * p.frag.n
+    room = workgroup_bytes - p.tiles.workgroup_bytes(p.frag)
+    return max(d for d in range(1, p.fn + 1) if p.fn % d == 0 and (d - 1) * per_frag <= room)
 
 
 NARROW = 16            # an output at most this thin along M or N (a LoRA rank, a decode step's rows)
@@ -370,8 +389,9 @@ def plan(ir: KernelIR, sizes: dict[str, int], accumulate: frozenset[str], tiles=
                   axes=(m_axis, n_axis, k, bt), m_pad=sizes[m_axis], n_size=sizes[n_axis], batches=batches,
                   reduce_threads=REDUCE_THREADS)
     if matrix:
-        template, params = "matmul_matrix", MatrixParams(tiles=tiles, frag=frag, subgroup_size=target.subgroup_size,
-                                                   emulated=target.emulated, **common)
+        params = MatrixParams(tiles=tiles, frag=frag, subgroup_size=target.subgroup_size, emulated=target.emulated,
+                              **common)
+        template, params = "matmul_matrix", replace(params, epilogue_frags=epilogue_frags(params, target.workgroup_bytes))
         tile_m, tile_n = tiles.wm, tiles.wn
     else:
         template, params = "matmul", MatmulParams(tiles=tiles, **common)
