@@ -69,6 +69,7 @@ def main(argv=None) -> int:
         if a.json:
             Path(a.json).write_text(json.dumps({"argv": sys.argv, "adapter": ctx.name, "world": sync.world_size,
                                                 "trained_params": n, "per_step": mean, "steps": rows}, indent=1))
+    sync.finish()             # as the trainer's CLI ends a run: the ranks meet, the mapped staging is released
     return 0
 
 

@@ -146,3 +146,18 @@ def test_autotuned_matrix_attention_is_correct_and_cached(ctx, matrix_engine, tm
     for a, g in zip(_run(again, fwd, bwd, q, k, v, do, bucket=16), got):
         np.testing.assert_array_equal(a, g)
     assert again.tuner.trials == 0
+
+
+def test_picks_follow_the_h200_and_dkdv_takes_d_from_its_own_pass(fwd16):
+    """On a device with 48 KiB of workgroup memory the forward takes 32x32 tiles, dq and dk/dv 16x16;
+    dk/dv runs a first pass ("prep") that writes each query's D = dO . O into a scratch buffer once."""
+    from lfm2jit.cli import MATRIX_UNITS
+    dims = {"T": 2048, "H": H, "G": 2, "E": 64}
+    assert fwd16.specialize(dims, 64, target=MATRIX_UNITS).params.tiles == MatrixAttentionTiles(32, 32)
+    dq, dkdv = grad(fwd16, cotangents=["o"]).kernels
+    assert dq.specialize(dims, 64, target=MATRIX_UNITS).params.tiles == MatrixAttentionTiles(16, 16)
+    spec = dkdv.specialize(dims, 64, target=MATRIX_UNITS)
+    assert spec.params.tiles == MatrixAttentionTiles(16, 16)
+    assert [e.name for e in spec.entry_points][:2] == ["prep", "main"]
+    assert "dsum" in {s.tensor for s in spec.scratch}
+    assert "fn prep(" in render(spec) and "tile_dpart" not in render(spec)

@@ -34,7 +34,9 @@ attention_dkdv_matrix; MatrixAttentionTiles): a subgroup per 16 owned rows multi
 v^T, dS k, P^T dO and dS^T q as fragments from f16 tiles in workgroup memory; softmax statistics,
 D and o stay f32 (o rescaled, then P v added, per key tile), P and dS are rounded to f16 for
 their products, dq, dk and dv accumulate in f32 fragments across the tiles, and the grouped heads'
-partial dk, dv meet in the same workspace and fixed-order second pass.
+partial dk, dv meet in the same workspace and fixed-order second pass. The matrix dk/dv kernel
+takes D from a first pass ("prep", one invocation per query and head) instead of summing it again
+in every key block that streams the query.
 
 Block sizes (AttentionTiles) come from ``choose_tiles(mode, E)`` unless the caller passes tiles
 (``engine.run(..., tiles=...)``, the autotuner); ``tiles_problem`` holds the rules any tiles must
@@ -250,7 +252,11 @@ class MatrixAttentionTiles:
 
 MATRIX_CANDIDATES = (MatrixAttentionTiles(64, 64), MatrixAttentionTiles(64, 32), MatrixAttentionTiles(32, 64),
                      MatrixAttentionTiles(32, 32), MatrixAttentionTiles(16, 32), MatrixAttentionTiles(16, 16))
-# (preferred first: each kernel takes the first that fits the device's workgroup memory)
+# Each kernel takes the first of its preferences that fits the device's workgroup memory, then of the
+# rest in MATRIX_CANDIDATES' order. The H200 at T = 512 and 2048 (H = 16, G = 8, E = 64; benches/README.md,
+# "Attention's D pass"): the forward ran fastest at 32x32, dq and dk/dv (with D from its own pass) at 16x16.
+MATRIX_PREFERRED = {"fwd": (MatrixAttentionTiles(32, 32),), "dq": (MatrixAttentionTiles(16, 16),),
+                    "dkdv": (MatrixAttentionTiles(16, 16),)}
 
 
 MATRIX_TEMPLATES = {"fwd": "attention_fwd_matrix", "dq": "attention_dq_matrix", "dkdv": "attention_dkdv_matrix"}
@@ -260,18 +266,13 @@ def matrix_workgroup_bytes(mode: str, t: MatrixAttentionTiles, e: int, threads: 
     """fwd: q, k, v and P tiles as f16, one f32 buffer for the scores, then P v, and a word per
     invocation (its share of a row's maximum); dq: q, dO, k, v and dS tiles as f16, the scores (at
     the end dq) and dO v^T as f32; dkdv: k, v, q, dO, P^T and dS^T as f16, S^T (at the end dk, dv)
-    and dP^T as f32, and the query tile's lse, D and D's partial sums."""
+    and dP^T as f32, and the query tile's lse and D."""
     if mode == "fwd":
         return 2 * (t.rows * e + 2 * t.tile * e + t.rows * t.tile) + 4 * (t.rows * max(t.tile, e) + threads)
     if mode == "dq":
         return 2 * (2 * t.rows * e + 2 * t.tile * e + t.rows * t.tile) + 4 * t.rows * (max(t.tile, e) + t.tile)
     return (2 * (2 * t.rows * e + 2 * t.tile * e + 2 * t.rows * t.tile)
-            + 4 * (t.rows * (max(t.tile, e) + t.tile) + (2 + d_parts(t, threads)) * t.tile))
-
-
-def d_parts(t: MatrixAttentionTiles, threads: int) -> int:
-    """dkdv: invocations summing each streamed query's D = dO . O (all of them take part)."""
-    return max(1, threads // t.tile)
+            + 4 * (t.rows * (max(t.tile, e) + t.tile) + 2 * t.tile))
 
 
 def matrix_tiles_problem(mode: str, t: MatrixAttentionTiles, e: int, frag, subgroup: int,
@@ -290,10 +291,6 @@ def matrix_tiles_problem(mode: str, t: MatrixAttentionTiles, e: int, frag, subgr
     if mode == "fwd" and t.tile % (subgroup // frag.m):
         return (f"the key tile ({t.tile}) must be a multiple of the {subgroup // frag.m} invocations "
                 "serving each row (each takes an equal share of the scores)")
-    if mode == "dkdv" and (threads % t.tile if threads >= t.tile else t.tile % threads):
-        return f"the query tile ({t.tile}) and the {threads} invocations must divide one another (D's partial sums)"
-    if mode == "dkdv" and e % d_parts(t, threads):
-        return f"the head dim ({e}) must be a multiple of the {d_parts(t, threads)} invocations summing each D"
     need = matrix_workgroup_bytes(mode, t, e, threads)
     if need > workgroup_bytes:
         return f"{need} bytes of workgroup memory, the device allows {workgroup_bytes}"
@@ -313,10 +310,6 @@ class MatrixAttentionParams(AttentionParams):
     @property
     def threads(self) -> int:
         return self.tiles.rows // self.frag.m * self.subgroup_size
-
-    @property
-    def d_parts(self) -> int:
-        return d_parts(self.tiles, self.threads)
 
     @property
     def smem_bytes(self) -> int:
@@ -347,7 +340,7 @@ def _matrix_params(call: IntrinsicCall, target, mode: str, params: tuple[str, ..
             raise IntrinsicError(f"{call.name}: tiles {call.tiles} do not fit {MATRIX_TEMPLATES[mode]}: {why}")
         tiles = call.tiles
     else:
-        tiles = next((t for t in MATRIX_CANDIDATES if not problem(t)), None)
+        tiles = next((t for t in (*MATRIX_PREFERRED[mode], *MATRIX_CANDIDATES) if not problem(t)), None)
         if tiles is None:
             return None
     simt = _params(replace(call, tiles=None), mode, params, outputs)
@@ -390,11 +383,16 @@ def plan_dkdv(call: IntrinsicCall, target=None) -> Plan:
     t_pad = call.sizes[call.operands[0].shape[-3]]
     blocks = -(-t_pad // p.tiles.rows)
     split = p.group
+    p = replace(p, t_pad=t_pad)
     main = EntryPoint("main", (blocks, p.kv_heads, p.batch * split))
+    passes, scratch = (main,), ()
+    if isinstance(p, MatrixAttentionParams):    # D = dO . O once per query, not once per key block streaming it
+        rows = p.batch * t_pad * p.heads
+        passes, scratch = (EntryPoint("prep", -(-rows // REDUCE_THREADS)), main), (Scratch("dsum", "f32", rows),)
     if split == 1:
-        return Plan(template, p, (main,))
+        return Plan(template, p, passes, scratch)
     elements = p.batch * t_pad * p.kv_heads * p.head_dim
-    p = replace(p, split=split, t_pad=t_pad, workspace=2 * split * elements)
-    return Plan(template, p, (main, EntryPoint("reduce", -(-elements // REDUCE_THREADS))),
-                (Scratch("ws", "f32", 2 * split * elements),))
+    p = replace(p, split=split, workspace=2 * split * elements)
+    return Plan(template, p, (*passes, EntryPoint("reduce", -(-elements // REDUCE_THREADS))),
+                (*scratch, Scratch("ws", "f32", 2 * split * elements)))
 
