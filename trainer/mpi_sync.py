@@ -7,13 +7,14 @@ The same contract as the file sync (trainer/sync.py), through an MPI communicato
   are gathered on every rank, so each one reaches the same verdict; a mismatch is a TrainError
   on every rank before the first step.
 * ``average``: each rank reads its gradients back in bucket order (each bucket packed by buffer
-  copies into a persistent mappable staging buffer, lfm2jit/runtime/readback.py), and each bucket
-  is averaged by MPI's float32 reduce-scatter (rank r gets the sum of every rank's r-th chunk) and
-  an allgather of the means, started while the next bucket is read back; the means are written
-  straight into each .grad. MPI sums each chunk once, in an order fixed by the world size, and the
-  allgather hands every rank those bits, so all ranks step alike. With two ranks a chunk's sum is
-  one correctly rounded float32 addition; the file sync (float64 sums in rank order) and one
-  process agree with it within float32 rounding.
+  copies into a persistent mappable staging buffer, lfm2jit/runtime/staging.py), and each bucket is
+  averaged by MPI's float32 reduce-scatter (rank r gets the sum of every rank's r-th chunk) and an
+  allgather of the means, started while the next bucket is read back; once every bucket's means have
+  arrived they go back into the .grad buffers through two staging buffers taken in turn (one is
+  filled while the GPU unpacks the other). MPI sums each chunk once, in an order fixed by the world
+  size, and the allgather hands every rank those bits, so all ranks step alike. With two ranks a
+  chunk's sum is one correctly rounded float32 addition; the file sync (float64 sums in rank order)
+  and one process agree with it within float32 rounding.
 * Faults: a collective that does not complete within ``timeout_s`` (a rank died or hangs) is a
   TrainError naming the step and the ranks' state; nothing is applied. A dead rank normally makes
   mpiexec end the job; the timeout covers the rest.
@@ -25,13 +26,14 @@ import time
 
 import numpy as np
 
-from lfm2jit.runtime.readback import StagedReadback
+from lfm2jit.runtime.staging import StagedReadback, StagedWrite
 
 from .errors import TrainError
 from .sync import sum_in_rank_order
 
 BUCKET_BYTES = 32 << 20        # float32 gradient bytes per exchange
 POLL_S = 0.001
+UPLOAD_SLOTS = 2               # staging buffers the means are written back through, in turn
 
 
 def load_mpi():
@@ -65,7 +67,8 @@ class MpiGradSync:
         # summed over rounds, for benches: waiting for the step's GPU work, reading the gradients back,
         # waiting for the exchanges beyond the reads they overlap, writing the means back
         self.seconds = {"backward_wait": 0.0, "readback": 0.0, "exchange_wait": 0.0, "write": 0.0}
-        self._staging = None                            # StagedReadback, made on the first average()
+        self._staging = None                            # StagedReadback and StagedWrite, made on the first average()
+        self._upload = None
         self.bytes = 0                                  # float32 gradient bytes read back, summed
 
     def resume_from(self, step: int) -> None:
@@ -121,9 +124,10 @@ class MpiGradSync:
         and the mapped staging buffers (as large as every trained gradient) are released."""
         if self.world_size > 1 and self.ready:
             self.gather([0.0], "the end of the run")
-        if self._staging is not None:
-            self._staging.release()
-            self._staging = None
+        for staging in (self._staging, self._upload):
+            if staging is not None:
+                staging.release()
+        self._staging = self._upload = None
 
     def average(self, engine, names: list[str], params: list, step: int) -> None:
         """Replace each parameter's .grad by the mean over the ranks of this window's gradients.
@@ -140,7 +144,7 @@ class MpiGradSync:
         MPI, clock, world = self.MPI, time.perf_counter, self.world_size
         buckets = _buckets(params)
         if self._staging is None:
-            self._staging = StagedReadback(engine)
+            self._staging, self._upload = StagedReadback(engine), StagedWrite(engine)
         t0 = clock()
         engine.synchronize()                          # the step's own work ends first: timed apart
         t1 = clock()
@@ -167,14 +171,11 @@ class MpiGradSync:
             sums[i] /= np.float32(world)
             gathers.append(self.comm.Iallgather(sums[i], means[i]))
             MPI.Request.Testall(gathers)
-        for request in gathers:
+        for request in gathers:                         # every mean arrives before any .grad changes
             self._wait(request, f"the gradient exchange (allgather) at optimizer step {step}")
         t1 = clock()
-        for bucket, mean in zip(buckets, means):
-            at = 0
-            for p in bucket:
-                p.grad.write(mean[at:at + p.grad.size])
-                at += p.grad.size
+        for i, bucket in enumerate(buckets):
+            self._upload.write(i % UPLOAD_SLOTS, [p.grad for p in bucket], means[i][:sizes[i]])
         self.seconds["exchange_wait"] += t1 - t0
         self.seconds["write"] += clock() - t1
         self.rounds += 1

@@ -261,7 +261,7 @@ class Recorder:
 
     def copy_into_buffer(self, src: Tensor, buffer, offset: int) -> None:
         """Record copying all of ``src``'s elements into a raw wgpu buffer at byte ``offset`` (a
-        host-mappable staging buffer, see readback.py), in order with the recorded dispatches. Not
+        host-mappable staging buffer, see staging.py), in order with the recorded dispatches. Not
         inside capture(): what is copied there is read on the host, which a replay cannot repeat."""
         if self.capturing is not None:
             raise RuntimeError("copy_into_buffer inside engine.capture(): its buffer is read on the host, which a "
@@ -272,6 +272,20 @@ class Recorder:
                              "buffer; WebGPU copies whole 4-byte words within the buffer")
         self._commands.append(("copy", src.buffer, src.offset, buffer, offset, nbytes))
         self._keepalive.extend((src.buffer, buffer))
+
+    def copy_from_buffer(self, buffer, offset: int, dst: Tensor) -> None:
+        """Record copying ``dst``'s size in bytes from byte ``offset`` of a raw wgpu buffer (a
+        host-written staging buffer, see staging.py) into ``dst``, in order with the recorded
+        dispatches. Not inside capture(): a replay would copy whatever the host left there."""
+        if self.capturing is not None:
+            raise RuntimeError("copy_from_buffer inside engine.capture(): its buffer is written on the host, which "
+                               "a replayed program cannot repeat")
+        nbytes = dst.size * ITEMSIZE[dst.dtype]
+        if nbytes % 4 or offset % 4 or dst.offset % 4 or offset + nbytes > buffer.size:
+            raise ValueError(f"copy_from_buffer: {nbytes} bytes from byte {offset} of a {buffer.size}-byte buffer "
+                             f"into {dst!r}; WebGPU copies whole 4-byte words within the buffer")
+        self._commands.append(("copy", buffer, offset, dst.buffer, dst.offset, nbytes))
+        self._keepalive.extend((buffer, dst.buffer))
 
     @contextlib.contextmanager
     def capture(self):

@@ -1,0 +1,151 @@
+"""Many float32 tensors to and from the host in a few large transfers (the gradient exchange of
+data parallelism reads every gradient back and writes its mean once per step).
+
+``queue.read_buffer`` makes a new mappable buffer per call and hands back a copy that numpy copies
+again; ``Tensor.write`` copies its array to bytes, which ``queue.write_buffer`` copies once more,
+one tensor (and one flush) at a time. Here each slot (a bucket of tensors) has a persistent
+mappable staging buffer, made once and reused while large enough, and the tensors are packed into
+or unpacked from it by recorded buffer copies (the transfer itself: on a discrete GPU a mappable
+buffer lives in host memory), one submit per slot:
+
+* ``StagedReadback``: slot i is mapped and converted while the GPU still copies slot i + 1, and
+  the mapped bytes go straight into the caller's array in one pass (float64 for an exact sum, say);
+* ``StagedWrite``: a slot's values go into its mapped buffer in one copy, and its unpacking copies
+  are recorded in order with the recorded work, so nothing is flushed per tensor.
+"""
+from __future__ import annotations
+
+import numpy as np
+import wgpu
+
+from .tensor import Tensor
+
+READ_USAGE = wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST
+WRITE_USAGE = wgpu.BufferUsage.MAP_WRITE | wgpu.BufferUsage.COPY_SRC
+
+
+def _check_f32(what: str, tensors) -> None:
+    for t in tensors:
+        if t.dtype != "f32":
+            raise ValueError(f"{what} moves f32 tensors; got {t!r}")
+
+
+class _Slots:
+    """Persistent staging buffers of one usage, one per slot, grown (never shrunk) as needed."""
+
+    def __init__(self, engine, usage):
+        self.engine, self.usage = engine, usage
+        self._buffers: list = []           # slot -> staging buffer
+
+    def __getitem__(self, slot: int):
+        return self._buffers[slot]
+
+    def get(self, slot: int, nbytes: int):
+        """Slot ``slot``'s buffer, made (or remade larger) to hold ``nbytes``."""
+        while len(self._buffers) <= slot:
+            self._buffers.append(None)
+        buf = self._buffers[slot]
+        if buf is None or buf.size < nbytes:
+            if buf is not None:
+                buf.destroy()
+            buf = self._buffers[slot] = self.engine.device.create_buffer(size=nbytes, usage=self.usage)
+        return buf
+
+    def release(self) -> None:
+        """Free the staging buffers (they are made again when next needed)."""
+        for buf in self._buffers:
+            if buf is not None:
+                buf.destroy()
+        self._buffers = []
+
+
+class StagedReadback:
+    """Reusable staging for reading groups of f32 tensors: ``submit(groups)``, then ``read(i, out)``
+    for each group in order."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self._slots = _Slots(engine, READ_USAGE)
+        self._sizes: list[int] = []        # slot -> elements submitted by the last submit()
+
+    def submit(self, groups: list[list[Tensor]]) -> list[int]:
+        """Record the copies of each group's tensors, packed in order, into the group's staging
+        buffer, after everything recorded so far; submit them group by group. Returns each group's
+        number of elements."""
+        _check_f32("StagedReadback", (t for group in groups for t in group))
+        if self.engine.capturing is not None:
+            raise RuntimeError("StagedReadback.submit inside engine.capture(): its copies are read on the host, "
+                               "which a replayed program cannot repeat")
+        self.engine.flush()                      # the work that computes the tensors goes first
+        sizes = [sum(t.size for t in group) for group in groups]
+        for slot, (group, n) in enumerate(zip(groups, sizes)):
+            buf = self._slots.get(slot, max(4, 4 * n))
+            at = 0
+            for t in group:
+                if t.size:
+                    self.engine.copy_into_buffer(t, buf, at)
+                at += 4 * t.size
+            self.engine.flush()
+        self._sizes = sizes
+        return list(sizes)
+
+    def read(self, slot: int, out: np.ndarray) -> np.ndarray:
+        """Wait for slot ``slot``'s copies, then convert its elements into ``out`` (1-D, as many
+        elements as the group has, any float dtype) in one pass."""
+        n = self._sizes[slot]
+        if out.shape != (n,):
+            raise ValueError(f"StagedReadback.read: slot {slot} holds {n} elements; out has shape {out.shape}")
+        if n == 0:
+            return out
+        buf = self._slots[slot]
+        buf.map_sync(wgpu.MapMode.READ, 0, 4 * n)
+        try:
+            np.copyto(out, np.frombuffer(buf.read_mapped(0, 4 * n, copy=False), dtype=np.float32, count=n))
+        finally:
+            buf.unmap()
+        return out
+
+    def release(self) -> None:
+        """Free the staging buffers (they are made again when next needed)."""
+        self._slots.release()
+        self._sizes = []
+
+
+class StagedWrite:
+    """Reusable staging for overwriting groups of f32 tensors from host arrays: ``write(slot,
+    tensors, values)`` per group (a slot's buffer is reused by the next write to that slot, which
+    waits for the GPU to have unpacked it)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self._slots = _Slots(engine, WRITE_USAGE)
+
+    def write(self, slot: int, tensors: list[Tensor], values: np.ndarray) -> None:
+        """Overwrite ``tensors`` with ``values`` (1-D, as many elements as the tensors hold together,
+        packed in order; converted to float32), after all work recorded so far; the copies are
+        submitted before this returns. Bad input is refused before anything is written."""
+        _check_f32("StagedWrite", tensors)
+        n = sum(t.size for t in tensors)
+        if np.shape(values) != (n,):
+            raise ValueError(f"StagedWrite.write: the tensors hold {n} elements; values have shape {np.shape(values)}")
+        if self.engine.capturing is not None:
+            raise RuntimeError("StagedWrite.write inside engine.capture(): its values come from the host, which a "
+                               "replayed program cannot repeat")
+        if n == 0:
+            return
+        buf = self._slots.get(slot, 4 * n)
+        buf.map_sync(wgpu.MapMode.WRITE, 0, 4 * n)
+        try:
+            buf.write_mapped(np.ascontiguousarray(values, np.float32), 0)
+        finally:
+            buf.unmap()
+        at = 0
+        for t in tensors:
+            if t.size:
+                self.engine.copy_from_buffer(buf, at, t)
+            at += 4 * t.size
+        self.engine.flush()
+
+    def release(self) -> None:
+        """Free the staging buffers (they are made again when next needed)."""
+        self._slots.release()
