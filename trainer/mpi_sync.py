@@ -22,6 +22,7 @@ The same contract as the file sync (trainer/sync.py), through an MPI communicato
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import numpy as np
@@ -32,7 +33,8 @@ from .errors import TrainError
 from .sync import sum_in_rank_order
 
 BUCKET_BYTES = 32 << 20        # float32 gradient bytes per exchange
-POLL_S = 0.001
+POLL_S = 0.001                 # between tests of a request after SPIN_S seconds of testing back to back
+SPIN_S = 1.0
 UPLOAD_SLOTS = 2               # staging buffers the means are written back through, in turn
 
 
@@ -75,14 +77,22 @@ class MpiGradSync:
         self.rounds = step
 
     def _wait(self, request, what: str):
-        """Complete a non-blocking MPI request, or raise after timeout_s."""
-        deadline = time.monotonic() + self.timeout_s
+        """Complete a non-blocking MPI request, or raise after timeout_s. MPI moves a large message
+        only inside MPI calls, so for the first SPIN_S the request is tested back to back (giving
+        up the core between tests, for a GPU driver on the CPU); then every POLL_S (a peer still
+        in its backward)."""
+        start = time.monotonic()
+        deadline = start + self.timeout_s
         while not request.Test():
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > deadline:
                 raise TrainError(f"MPI gradient sync: {what} did not complete within {self.timeout_s:g}s on rank "
                                  f"{self.rank} of {self.world_size} (a rank died, hangs or is elsewhere in the run); "
                                  "nothing was applied")
-            time.sleep(POLL_S)
+            if now - start < SPIN_S:
+                os.sched_yield()
+            else:
+                time.sleep(POLL_S)
 
     def _allgather_json(self, value, what: str) -> list:
         """Every rank's ``value`` (JSON), gathered with non-blocking collectives under the timeout."""
