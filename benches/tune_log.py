@@ -1,10 +1,12 @@
 """Tune every matmul of LFM2-350M train steps and log what the autotuner measured, per kernel shape.
 
-    LFM2JIT_AUTOTUNE=1 python benches/tune_log.py --json tune_log.json [--shapes 1x512 8x512 1x2048]
+    LFM2JIT_AUTOTUNE=1 python benches/tune_log.py --json tune_log.json [--shapes 1x512 8x512 1x2048] [--f16]
 
 Runs one train window per shape with the autotuner on, recording for each tuned matmul the
-kernel, its M x N x K, how each operand is read (vec4 along k or m, or scalar), the candidates'
-seconds and the default tiles' seconds. This is what ``choose_tiles`` defaults are read from.
+kernel, its template (``matmul``, SIMT; ``matmul_matrix``, the matrix units: ``--f16`` on a device
+with f16 subgroup matrices), its M x N x K, how each operand is read (vec4 along k or m, or
+scalar), the candidates' seconds and the default tiles' seconds. This is what ``choose_tiles``
+and ``choose_matrix_tiles`` defaults are read from.
 """
 from __future__ import annotations
 
@@ -16,7 +18,6 @@ from lfm2jit import WgpuContext
 from bench import train_bench
 from lfm2jit.tune.autotune import Tuner
 from lfm2jit.model.config import Lfm2Config
-from lfm2jit.schedule.matmul import choose_tiles
 
 
 def main() -> None:
@@ -24,19 +25,21 @@ def main() -> None:
     ap.add_argument("--json", required=True)
     ap.add_argument("--shapes", nargs="+", default=["1x512", "8x512", "1x2048"])
     ap.add_argument("--preset", default="350M", help="model preset (tiny runs on lavapipe)")
+    ap.add_argument("--f16", action="store_true", help="train steps as --f16 runs them (f16 activations)")
     args = ap.parse_args()
     log = []
     search = Tuner._search
 
     def logged(self, key, kernel, dims, bucket, accumulate, options):
         winner = search(self, key, kernel, dims, bucket, accumulate, options)
-        spec = kernel.specialize(dims, bucket, accumulate)
-        if spec.template == "matmul":
-            p = spec.params
+        spec = kernel.specialize(dims, bucket, accumulate, None, self.engine.target)   # the pick the tuner replaces
+        if spec.template in ("matmul", "matmul_matrix"):
+            p = spec.params                       # untuned: the planner's default tiles
             sizes = dict(zip("mnk", (spec.sizes[a] for a in p.axes[:3])))
-            log.append({"kernel": kernel.ir.name, "sizes": sizes, "a": p.a.vec, "b": p.b.vec,
-                        "default": asdict(choose_tiles(sizes["m"], sizes["n"], sizes["k"])),
-                        "winner": asdict(winner), "seconds": self.best[key]["seconds"]})
+            log.append({"kernel": kernel.ir.name, "template": spec.template, "sizes": sizes, "a": p.a.vec,
+                        "b": p.b.vec, "default": asdict(p.tiles), "default_label": label(p.tiles),
+                        "winner": asdict(winner), "winner_label": label(winner),
+                        "seconds": self.best[key]["seconds"]})
             with open(args.json, "w") as f:      # after every search: a run cut short keeps what it tuned
                 json.dump(log, f, indent=1)
         return winner
@@ -44,15 +47,21 @@ def main() -> None:
     ctx = WgpuContext.create()
     cfg = Lfm2Config.preset(args.preset)
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes]
-    train_bench(ctx, cfg, shapes, steps=1, warmup=0, profile=False)
+    train_bench(ctx, cfg, shapes, steps=1, warmup=0, profile=False, activation_dtype="f16" if args.f16 else "f32")
     for e in log:
         best = min(e["seconds"].values())
-        default = e["seconds"][str(e["default"])]
-        w = e["winner"]
+        default = e["seconds"].get(str(e["default"]), float("nan"))   # the default may not be a candidate
         print(f"{e['kernel']:24s} {'x'.join(str(e['sizes'][x]) for x in 'mnk'):16s} a={e['a']} b={e['b']} "
-              f"best {best * 1e3:7.3f} ms default {default * 1e3:7.3f} ms  winner {w['bm']}x{w['bn']}/bk{w['bk']}/"
-              f"{w['tm']}x{w['tn']}{'/vec' if w['vec'] else ''}{'/split%d' % w['split'] if w['split'] > 1 else ''}"
-              f"{'/double' if w['double'] else ''}")
+              f"best {best * 1e3:7.3f} ms default {default * 1e3:7.3f} ms  winner {e['winner_label']} "
+              f"(default {e['default_label']})")
+
+
+def label(tiles) -> str:
+    """MatrixTiles' own label; SIMT tiles as BMxBN/bkBK/TMxTN[/vec][/splitS][/double]."""
+    if hasattr(tiles, "label"):
+        return tiles.label
+    return (f"{tiles.bm}x{tiles.bn}/bk{tiles.bk}/{tiles.tm}x{tiles.tn}" + ("/vec" if tiles.vec else "")
+            + (f"/split{tiles.split}" if tiles.split > 1 else "") + ("/double" if tiles.double else ""))
 
 
 if __name__ == "__main__":

@@ -94,8 +94,8 @@ def test_every_matrix_candidate_renders(tiles):
                                          "d_w": (128, 256, 2, 4, False)}),
     ({"T": 512, "K": 1024, "N": 1024}, {"y": (64, 64, 2, 2, True), "d_x": (64, 64, 2, 2, True),
                                         "d_w": (64, 64, 2, 2, True)}),
-    # T = 512: dW sums too few tokens for 128x256 tiles
-    ({"T": 512, "K": 1024, "N": 4608}, {"y": (128, 128, 2, 4, True), "d_x": (64, 64, 2, 2, True),
+    # T = 512: dW sums too few tokens for 128x256 tiles; y is just over a wave of 128x128 tiles
+    ({"T": 512, "K": 1024, "N": 4608}, {"y": (256, 128, 4, 2, False), "d_x": (64, 64, 2, 2, True),
                                         "d_w": (64, 64, 2, 2, True)}),
     # LoRA's rank-8 products: y = x A^T and dA = dU^T X are one fragment thin; dX = dU A is not
     ({"T": 2048, "K": 2048, "N": 8}, {"y": (128, 16, 4, 1, True), "d_x": (128, 128, 2, 2, False),
@@ -105,6 +105,22 @@ def test_matrix_tiles_follow_operand_layout_and_grid(sizes, want):
     for out, k in PRODUCTS.items():
         t = k.specialize(sizes, 64, target=MATRIX_UNITS).params.tiles
         assert (t.wm, t.wn, t.sg_m, t.sg_n, t.prefetch) == want[out], out
+
+
+@pytest.mark.parametrize("sizes,want", [
+    # T = 512: 512x1024x4608 (w2's y, w1's dX) is a grid of 32 tiles with K long: 64x64 tiles, K split
+    # over 2; 512x4608x1024 (w1's y, w2's dX) is 144 tiles of 128x128, just over a wave: 256x128 tiles
+    ({"T": 512, "K": 4608, "N": 1024}, {"y": MatrixTiles(64, 64, 2, 2, 32, split=2),
+                                        "d_x": MatrixTiles(256, 128, 4, 2, 32, prefetch=False)}),
+    ({"T": 512, "K": 1024, "N": 4608}, {"y": MatrixTiles(256, 128, 4, 2, 32, prefetch=False),
+                                        "d_x": MatrixTiles(64, 64, 2, 2, 32, split=2)}),
+    # exactly a wave (128 tiles) keeps 128x128 tiles; so does a one-k-step contraction (LoRA's up-projection)
+    ({"T": 2048, "K": 1024, "N": 1024}, {"y": MatrixTiles(128, 128, 2, 4, 32), "d_x": MatrixTiles(128, 128, 2, 4, 32)}),
+    ({"T": 512, "K": 16, "N": 4608}, {"y": MatrixTiles(128, 128, 2, 2, 32, prefetch=False)}),
+])
+def test_short_sequences_take_tiles_that_fill_the_gpu(sizes, want):
+    for out, tiles in want.items():
+        assert PRODUCTS[out].specialize(sizes, 64, target=MATRIX_UNITS).params.tiles == tiles, out
 
 
 def test_tiles_picked_for_the_h200_fall_back_where_they_do_not_fit():
@@ -196,7 +212,8 @@ def _fits(e, tiles) -> bool:
                                    MatrixTiles(128, 128, 2, 4, 32, group=1), MatrixTiles(128, 64, 2, 2, 32, stages=2),
                                    MatrixTiles(64, 128, 2, 2, 32, group=3), narrow_matrix_tiles("n", 4),
                                    narrow_matrix_tiles("m", 8), MatrixTiles(128, 64, 2, 4, 32, prefetch=False),
-                                   MatrixTiles(64, 64, 2, 2, 32, split=2, prefetch=False)])
+                                   MatrixTiles(64, 64, 2, 2, 32, split=2, prefetch=False),
+                                   MatrixTiles(256, 128, 4, 2, 32, prefetch=False)])
 def test_matrix_products_match_float64(units, rng, T, K, N, tiles):
     """f16 activations (x, dY), f32 weights converted as they are staged; against float64 on the same
     f16-rounded values, for all three products: ragged edges, interior tiles stored whole, split-K,

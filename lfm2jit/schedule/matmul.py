@@ -272,6 +272,8 @@ SMALL_MATRIX_GRID = 128   # fewer 128x128 tiles than this take 64x64 ones
 LARGE_MATRIX_GRID = 256   # from this many 128x128 tiles, 2x2 subgroups without prefetch
 HUGE_MATRIX_GRID = 1024   # dW shorter than LONG_K takes 128x128 tiles from this many on
 SMALL_MATRIX_TILES = MatrixTiles(64, 64, 2, 2, 32)
+SMALL_MATRIX_SPLIT_TILES = MatrixTiles(64, 64, 2, 2, 32, split=2)
+JUST_OVER_A_WAVE_TILES = MatrixTiles(256, 128, 4, 2, 32, prefetch=False)
 
 
 def narrow_matrix_tiles(thin: str, split: int = 1) -> MatrixTiles:
@@ -284,10 +286,13 @@ def choose_matrix_tiles(m: int, n: int, k: int, k_contiguous: int) -> MatrixTile
     product over the candidates at 4096^3, the LFM2-350M shapes at T = 2048 and 4096, and
     LFM2-1.2B's rank-8 products), by the grid of 128x128 tiles:
 
-    * fewer than 128: 64x64 tiles (bigger ones leave SMs idle);
-    * y = x W^T and dX = dY W (an operand read along K): 128x128 tiles of 2x4 subgroups below 256
-      tiles, of 2x2 subgroups without prefetch from 256 (1.1-1.25x the prefetching 2x2 at 4096^3
-      and the T = 4096 shapes: its registers are short);
+    * fewer than 128: 64x64 tiles (bigger ones leave SMs idle), K split over 2 for y and dX from
+      LONG_K (T = 512's 512x1024x4608: 1.05x y, 1.3x dX; the LM head's dh 1.2x);
+    * y = x W^T and dX = dY W (an operand read along K): over a wave of 128x128 tiles but under two
+      (BUSY_GROUPS to 2 x BUSY_GROUPS) with K short of LONG_K (and longer than one k-step), 256x128 tiles of 4x2 subgroups
+      without prefetch, one wave (T = 512's 512x4608x1024: 1.6x y, 1.2x dX); 128x128 tiles of 2x4
+      subgroups below 256 tiles, of 2x2 subgroups without prefetch from 256 (1.1-1.25x the
+      prefetching 2x2 at 4096^3 and the T = 4096 shapes: its registers are short);
     * dW = dY^T X (no operand read along K), summed over LONG_K tokens or more: 128x256 tiles of
       2x4 subgroups without prefetch (1.2-1.35x 128x128 at 4096^3 and T = 4096; within 10% of the
       best at T = 2048); over fewer (T = 512, where those tiles made dW 1.27x slower in the train
@@ -295,7 +300,8 @@ def choose_matrix_tiles(m: int, n: int, k: int, k_contiguous: int) -> MatrixTile
 
     Outputs at most NARROW thin (LoRA's x A^T, dY B and its rank-r weight gradients) take tiles one
     fragment thin (square tiles would compute mostly padding), K split until BUSY_GROUPS
-    workgroups run, each slice summing NARROW_SLICE or more."""
+    workgroups run, each slice summing NARROW_SLICE or more. The T = 512 rules are read from the
+    autotuner's log of a --f16 step at 1x512 (benches/results/h200_tune_log_f16_1x512.json)."""
     if min(m, n) <= NARROW:
         grid = -(-max(m, n) // 128)
         split = next((s for s in (1, 2, 4) if grid * s >= BUSY_GROUPS), 8)
@@ -304,7 +310,9 @@ def choose_matrix_tiles(m: int, n: int, k: int, k_contiguous: int) -> MatrixTile
         return narrow_matrix_tiles("m" if m <= n else "n", split)
     grid = -(-m // 128) * -(-n // 128)
     if grid < SMALL_MATRIX_GRID:
-        return SMALL_MATRIX_TILES
+        return SMALL_MATRIX_SPLIT_TILES if k_contiguous and k >= LONG_K else SMALL_MATRIX_TILES
+    if k_contiguous and BUSY_GROUPS < grid < 2 * BUSY_GROUPS and ONE_STEP_K < k < LONG_K:
+        return JUST_OVER_A_WAVE_TILES
     if k_contiguous == 0 and k >= LONG_K:
         return MatrixTiles(128, 256, 2, 4, 32, prefetch=False)
     if k_contiguous == 0 and grid < HUGE_MATRIX_GRID:
