@@ -28,7 +28,7 @@ class Schedule:
 SCHEDULES: dict[str, Schedule] = {
     "pointwise": Schedule(pointwise.plan),
     "rowreduce": Schedule(reduce.plan_rows),
-    "colreduce": Schedule(reduce.plan_columns),
+    "colreduce": Schedule(reduce.plan_columns, reduce.ColumnTiles),
     # SIMT tiles, or subgroup-matrix tiles (the matrix units, where the target has them)
     "contraction": Schedule(matmul.plan, (matmul.TileConfig, matmul.MatrixTiles)),
     "intrinsic": Schedule(intrinsic.plan),

@@ -4,6 +4,9 @@ rowreduce: reductions over the last axis of the space; one workgroup per row, a 
            reduction and a tree in workgroup memory.
 colreduce: reductions over other axes (e.g. summing a weight gradient over T); each workgroup owns
            a few outputs, and several invocations share each output's loop over the reduced axes.
+           Few outputs over a long loop (a norm weight's gradient: 64 outputs over T x heads) split
+           the loop into slices, summed into a workspace that a second pass combines in slice
+           order (deterministic), so that enough workgroups run to fill the GPU.
 
 Both evaluate the kernel in phases: values without a reduced axis are computed once ("outer"),
 values with one inside each phase's loop, so the same planner serves both.
@@ -18,9 +21,38 @@ from ..ir.partition import is_inline, reduction_chain, use_counts
 from .code import Bin, Compare, Const, Index, IndexLet, Let, SeqLen, Store, Var
 from .lower import Lowerer
 from .pointwise import result_store
-from .spec import MAX_WORKGROUP, EntryPoint, Plan, extent, index_vars, offset, total, unravel
+from .spec import MAX_WORKGROUP, EntryPoint, Plan, Scratch, extent, index_vars, offset, total, unravel
 
 COLUMN_THREADS = 256
+COLUMN_BUSY = 256      # workgroups a split column reduction aims for (an H200 has 132 SMs)
+COLUMN_SLICE = 4096    # the fewest iterations of the reduced loop a slice keeps
+COLUMN_SPLITS = (1, 2, 4, 8, 16, 32)
+REDUCE_THREADS = 256   # invocations per workgroup of the pass that combines the slices
+MAX_GROUPS_X = 65535   # a split reduction's output groups run along x alone (its slices along z)
+
+
+@dataclass(frozen=True)
+class ColumnTiles:
+    """How a column reduction spreads over the GPU: its reduced loop cut into ``split`` slices,
+    each summed by its own workgroups (``column_split`` picks it; tests and the autotuner may
+    give it)."""
+    split: int = 1
+
+    def __post_init__(self):
+        if self.split not in COLUMN_SPLITS:
+            raise ValueError(f"ColumnTiles.split must be one of {COLUMN_SPLITS}, got {self.split!r}")
+
+
+def column_split(groups: int, reach: int, phases: int) -> int:
+    """Slices for a column reduction of ``groups`` workgroups over a loop of up to ``reach``
+    iterations: doubled while the workgroups stay within COLUMN_BUSY and each slice keeps
+    COLUMN_SLICE iterations. Only a single reduction splits (a second one would need the first's
+    finished result inside its loop)."""
+    split = 1
+    while (phases == 1 and 2 * split <= COLUMN_SPLITS[-1] and 2 * split * groups <= COLUMN_BUSY
+           and reach // (2 * split) >= COLUMN_SLICE):
+        split *= 2
+    return split
 
 
 @dataclass(frozen=True)
@@ -62,6 +94,8 @@ class ColReduceParams:
     phases: tuple[Phase, ...]
     final_lets: tuple[Let, ...]
     stores: tuple[Store, ...]
+    split: int = 1                       # slices of the reduced loop (> 1: pass 2 "reduce" combines them)
+    reduce_threads: int = REDUCE_THREADS
 
 
 def _phases(ir: KernelIR, sizes, axes: tuple[str, ...], index_of: dict):
@@ -148,10 +182,20 @@ def plan_columns(ir: KernelIR, sizes, accumulate: frozenset[str], tiles=None, ta
     # Each workgroup owns OUTS outputs, with LANES invocations sharing each one's loop: few outputs
     # (a norm weight's gradient) still spread their long reduction over many invocations.
     outs = 4 if n <= 4096 else 16
+    groups = -(-n // outs)
+    split = tiles.split if tiles is not None else column_split(groups, total(axes, sizes), len(phases))
+    if split > 1 and (len(phases) != 1 or groups > MAX_GROUPS_X):
+        raise ValueError(f"{ir.name}: tiles={tiles!r}: only a single reduction of at most "
+                         f"{MAX_GROUPS_X * outs} outputs splits its loop (this one has {len(phases)} "
+                         f"reductions, {n} outputs)")
     params = ColReduceParams(
         COLUMN_THREADS, outs, COLUMN_THREADS // outs, n, loop_extent, tuple(loop_indices),
         unravel(out_axes, sizes, Var("gid")),
         Compare("<", index_of[SEQ_AXIS], SeqLen()) if SEQ_AXIS in out_axes else None,
         pre, phases, final_lets,
-        tuple(result_store(lower, ir, o, Var("gid"), bound, accumulate) for o in ir.outputs))
-    return Plan("colreduce", params, (EntryPoint("main", -(-n // outs)),))
+        tuple(result_store(lower, ir, o, Var("gid"), bound, accumulate) for o in ir.outputs), split)
+    if split == 1:
+        return Plan("colreduce", params, (EntryPoint("main", groups),))
+    return Plan("colreduce", params, (EntryPoint("main", (groups, 1, split)),
+                                      EntryPoint("reduce", -(-n // REDUCE_THREADS))),
+                (Scratch("ws", "f32", split * n),))
