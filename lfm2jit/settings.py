@@ -7,8 +7,9 @@ LFM2JIT_ADAPTER_INDEX  N: of several equally good adapters (two GPUs of one kind
 LFM2JIT_CACHE_DIR  directory for the on-disk cache of generated WGSL (default: no disk cache)
 LFM2JIT_DUMP_DIR   directory where every WGSL the engine compiles is also written (default: none)
 LFM2JIT_TIMING     1 to time every dispatch with GPU timestamp queries (default: off)
-LFM2JIT_AUTOTUNE   1 to benchmark the matmul and attention tile candidates once per (adapter,
-                   specialization) and keep the fastest; results are kept in LFM2JIT_CACHE_DIR or
+LFM2JIT_AUTOTUNE   1 to benchmark the matmul and attention tile candidates (and the slices of long
+                   narrow column reductions) once per (adapter, specialization) and keep the
+                   fastest; results are kept in LFM2JIT_CACHE_DIR or
                    ~/.cache/lfm2jit (default: off)
 LFM2JIT_WEBGPU     the WebGPU implementation: auto (Dawn when it finds a GPU adapter, else
                    wgpu-native, which also reaches lavapipe), dawn or wgpu-native (default: auto)

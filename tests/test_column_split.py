@@ -2,15 +2,18 @@
 every split gives what float64 numpy gives, for sums and maxima, over T (to its real length, with
 poisoned padding) and over several axes at once, with what follows the reduction (scaling, outer
 values) and accumulation into existing contents; the planner splits only what is long and narrow,
-and refuses a split it cannot make."""
+refuses a split it cannot make, and the autotuner tries every split of what it splits."""
 from __future__ import annotations
+
+import json
 
 import numpy as np
 import pytest
 
-from lfm2jit import Tensor, compile_source
-from lfm2jit.schedule.reduce import COLUMN_BUSY, COLUMN_SLICE, ColumnTiles, column_split
+from lfm2jit import ComputeEngine, Tensor, compile_source
+from lfm2jit.schedule.reduce import COLUMN_BUSY, COLUMN_SLICE, COLUMN_SPLITS, ColumnTiles, column_split
 from lfm2jit.schedule.spec import bucketed
+from lfm2jit.tune.candidates import for_spec
 
 BUCKET = 16
 
@@ -98,3 +101,25 @@ def test_a_split_it_cannot_make_is_refused_before_gpu_work():
     assert spec_kind.template == "colreduce" and spec_kind.params.split == 1
     with pytest.raises(ValueError, match="only a single reduction .* splits its loop .* 2 reductions"):
         kernel.specialize({"T": 8, "D": 4}, 8, tiles=ColumnTiles(2))
+
+
+def test_the_autotuner_tries_every_split_of_a_long_narrow_reduction(ctx, tmp_path, monkeypatch, rng):
+    """LFM2JIT_AUTOTUNE=1: the planner's split first, then every other; the winner is saved as
+    ColumnTiles, read back by a second engine (which times nothing) and gives the same bits."""
+    (kernel,) = list(compile_source(CASES["sum_over_T"][0]))
+    long, short = kernel.specialize({"T": 8192, "D": 6}, 64), kernel.specialize({"T": 64, "D": 6}, 64)
+    options = for_spec(long)
+    assert options[0] == ColumnTiles(long.params.split) and sorted(t.split for t in options) == list(COLUMN_SPLITS)
+    assert for_spec(short) == ()                       # not long and narrow: nothing to tune
+    monkeypatch.setenv("LFM2JIT_AUTOTUNE", "1")
+    monkeypatch.setenv("LFM2JIT_CACHE_DIR", str(tmp_path))
+    x = rng.standard_normal((8192, 6)).astype(np.float32)
+    eng = ComputeEngine(ctx)
+    got = eng.run(kernel, bucket=64, x=eng.tensor(x))["y"].numpy()
+    np.testing.assert_allclose(got, (x.astype(np.float64) ** 2).sum(0), rtol=2e-5)
+    assert eng.tuner.trials == len(COLUMN_SPLITS)
+    (entry,) = json.loads((tmp_path / "autotune.json").read_text()).values()
+    assert entry["kind"] == "ColumnTiles" and len(entry["seconds"]) == len(COLUMN_SPLITS)
+    again = ComputeEngine(ctx)
+    np.testing.assert_array_equal(again.run(kernel, bucket=64, x=again.tensor(x))["y"].numpy(), got)
+    assert again.tuner.trials == 0

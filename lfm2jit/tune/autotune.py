@@ -1,5 +1,5 @@
-"""Autotuning of the tiled templates: matmul (TileConfig, MatrixTiles) and attention (AttentionTiles,
-MatrixAttentionTiles).
+"""Autotuning of the tiled templates: matmul (TileConfig, MatrixTiles), attention (AttentionTiles,
+MatrixAttentionTiles) and the slices of long narrow column reductions (ColumnTiles).
 
 Each candidate of a specialization's template is benchmarked once per (adapter, specialization)
 and the fastest kept, in memory and in autotune.json, so later runs skip the search. A candidate
@@ -15,6 +15,7 @@ from pathlib import Path
 
 from ..schedule.attention import AttentionTiles, MatrixAttentionTiles
 from ..schedule.matmul import MatrixTiles, TileConfig
+from ..schedule.reduce import ColumnTiles
 from ..safefiles import read_own_file, untrusted_reason, write_atomic
 from ..settings import settings
 from . import candidates
@@ -23,7 +24,7 @@ from .timing import WARM_SECONDS, seconds_per_call, warm_up
 CANDIDATE_WARM_SECONDS = 0.02   # after the search's warm-up, each candidate runs this long before it is timed
 
 KINDS = {cls.__name__: cls for cls in (TileConfig, MatrixTiles, AttentionTiles,
-                                       MatrixAttentionTiles)}          # how saved tiles name their class
+                                       MatrixAttentionTiles, ColumnTiles)}   # how saved tiles name their class
 
 
 def cache_file() -> Path:

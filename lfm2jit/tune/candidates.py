@@ -1,4 +1,5 @@
-"""The tiles the autotuner tries for each schedule with knobs: the matmul and attention templates."""
+"""The tiles the autotuner tries for each schedule with knobs: the matmul and attention templates,
+and the slices of a long narrow column reduction."""
 from __future__ import annotations
 
 import math
@@ -7,6 +8,7 @@ from dataclasses import replace
 from ..schedule.attention import (MATRIX_CANDIDATES, MATRIX_TEMPLATES, TARGET_THREADS, AttentionTiles, choose_tiles,
                                   tiles_problem)
 from ..schedule.matmul import NARROW, MatrixTiles, TileConfig, narrow_matrix_tiles
+from ..schedule.reduce import COLUMN_SPLITS, ColumnTiles
 
 MIN_THREADS = 64             # fewest invocations per workgroup an attention candidate has
 MAX_CANDIDATES = 8           # attention candidates per (mode, head dim)
@@ -70,4 +72,6 @@ def for_spec(spec) -> tuple:
         return attention(spec.params.mode, spec.params.head_dim)
     if spec.template in MATRIX_TEMPLATES.values():   # the planner's pick first; one that does not fit scores inf
         return (spec.params.tiles, *(t for t in MATRIX_CANDIDATES if t != spec.params.tiles))
+    if spec.template == "colreduce" and spec.params.split > 1:   # only what the planner found long and narrow
+        return (ColumnTiles(spec.params.split), *(ColumnTiles(s) for s in COLUMN_SPLITS if s != spec.params.split))
     return ()
