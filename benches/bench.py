@@ -284,8 +284,7 @@ class Bench:
         for m, n, k in shapes:
             for cfg in configs:
                 shape = f"{m}x{n}x{k}"
-                tag = (f"{cfg.bm}x{cfg.bn}/bk{cfg.bk}/{cfg.tm}x{cfg.tn}" + ("/vec4" if cfg.vec else "")
-                       + (f"/split{cfg.split}" if cfg.split > 1 else "") + ("/double" if cfg.double else ""))
+                tag = cfg.label
 
                 def one(m=m, n=n, k=k, shape=shape, cfg=cfg, tag=tag):
                     e = self.engine

@@ -37,8 +37,8 @@ def main() -> None:
             p = spec.params                       # untuned: the planner's default tiles
             sizes = dict(zip("mnk", (spec.sizes[a] for a in p.axes[:3])))
             log.append({"kernel": kernel.ir.name, "template": spec.template, "sizes": sizes, "a": p.a.vec,
-                        "b": p.b.vec, "default": asdict(p.tiles), "default_label": label(p.tiles),
-                        "winner": asdict(winner), "winner_label": label(winner),
+                        "b": p.b.vec, "default": asdict(p.tiles), "default_label": p.tiles.label,
+                        "winner": asdict(winner), "winner_label": winner.label,
                         "seconds": self.best[key]["seconds"]})
             with open(args.json, "w") as f:      # after every search: a run cut short keeps what it tuned
                 json.dump(log, f, indent=1)
@@ -54,14 +54,6 @@ def main() -> None:
         print(f"{e['kernel']:24s} {'x'.join(str(e['sizes'][x]) for x in 'mnk'):16s} a={e['a']} b={e['b']} "
               f"best {best * 1e3:7.3f} ms default {default * 1e3:7.3f} ms  winner {e['winner_label']} "
               f"(default {e['default_label']})")
-
-
-def label(tiles) -> str:
-    """MatrixTiles' own label; SIMT tiles as BMxBN/bkBK/TMxTN[/vec][/splitS][/double]."""
-    if hasattr(tiles, "label"):
-        return tiles.label
-    return (f"{tiles.bm}x{tiles.bn}/bk{tiles.bk}/{tiles.tm}x{tiles.tn}" + ("/vec" if tiles.vec else "")
-            + (f"/split{tiles.split}" if tiles.split > 1 else "") + ("/double" if tiles.double else ""))
 
 
 if __name__ == "__main__":

@@ -263,29 +263,29 @@ class Recorder:
         """Record copying all of ``src``'s elements into a raw wgpu buffer at byte ``offset`` (a
         host-mappable staging buffer, see staging.py), in order with the recorded dispatches. Not
         inside capture(): what is copied there is read on the host, which a replay cannot repeat."""
-        if self.capturing is not None:
-            raise RuntimeError("copy_into_buffer inside engine.capture(): its buffer is read on the host, which a "
-                               "replayed program cannot repeat")
-        nbytes = src.size * ITEMSIZE[src.dtype]
-        if nbytes % 4 or offset % 4 or src.offset % 4 or offset + nbytes > buffer.size:
-            raise ValueError(f"copy_into_buffer: {nbytes} bytes of {src!r} to byte {offset} of a {buffer.size}-byte "
-                             "buffer; WebGPU copies whole 4-byte words within the buffer")
-        self._commands.append(("copy", src.buffer, src.offset, buffer, offset, nbytes))
-        self._keepalive.extend((src.buffer, buffer))
+        self._host_buffer_copy(src, buffer, offset, into_buffer=True)
 
     def copy_from_buffer(self, buffer, offset: int, dst: Tensor) -> None:
         """Record copying ``dst``'s size in bytes from byte ``offset`` of a raw wgpu buffer (a
         host-written staging buffer, see staging.py) into ``dst``, in order with the recorded
         dispatches. Not inside capture(): a replay would copy whatever the host left there."""
+        self._host_buffer_copy(dst, buffer, offset, into_buffer=False)
+
+    def _host_buffer_copy(self, tensor: Tensor, buffer, offset: int, into_buffer: bool) -> None:
+        """Record a copy of all of ``tensor`` into (or from) a staging buffer at byte ``offset``:
+        refused inside capture() and unless it moves whole words within the buffer."""
+        name, side = ("copy_into_buffer", "read") if into_buffer else ("copy_from_buffer", "written")
         if self.capturing is not None:
-            raise RuntimeError("copy_from_buffer inside engine.capture(): its buffer is written on the host, which "
-                               "a replayed program cannot repeat")
-        nbytes = dst.size * ITEMSIZE[dst.dtype]
-        if nbytes % 4 or offset % 4 or dst.offset % 4 or offset + nbytes > buffer.size:
-            raise ValueError(f"copy_from_buffer: {nbytes} bytes from byte {offset} of a {buffer.size}-byte buffer "
-                             f"into {dst!r}; WebGPU copies whole 4-byte words within the buffer")
-        self._commands.append(("copy", buffer, offset, dst.buffer, dst.offset, nbytes))
-        self._keepalive.extend((buffer, dst.buffer))
+            raise RuntimeError(f"{name} inside engine.capture(): its buffer is {side} on the host, which a "
+                               "replayed program cannot repeat")
+        nbytes = tensor.size * ITEMSIZE[tensor.dtype]
+        if nbytes % 4 or offset % 4 or tensor.offset % 4 or offset + nbytes > buffer.size:
+            where = (f"{nbytes} bytes of {tensor!r} to byte {offset} of a {buffer.size}-byte buffer" if into_buffer
+                     else f"{nbytes} bytes from byte {offset} of a {buffer.size}-byte buffer into {tensor!r}")
+            raise ValueError(f"{name}: {where}; WebGPU copies whole 4-byte words within the buffer")
+        ends = (tensor.buffer, tensor.offset, buffer, offset) if into_buffer else (buffer, offset, tensor.buffer, tensor.offset)
+        self._commands.append(("copy", *ends, nbytes))
+        self._keepalive.extend((tensor.buffer, buffer))
 
     @contextlib.contextmanager
     def capture(self):

@@ -30,6 +30,21 @@ def _check_f32(what: str, tensors) -> None:
             raise ValueError(f"{what} moves f32 tensors; got {t!r}")
 
 
+def _outside_capture(engine, what: str, why: str) -> None:
+    """Host transfers cannot be part of a recorded program: a replay would not repeat the host's side."""
+    if engine.capturing is not None:
+        raise RuntimeError(f"{what} inside engine.capture(): {why}, which a replayed program cannot repeat")
+
+
+def _packed(tensors):
+    """(tensor, byte offset) of each non-empty f32 tensor packed one after another in a staging buffer."""
+    at = 0
+    for t in tensors:
+        if t.size:
+            yield t, at
+        at += 4 * t.size
+
+
 class _Slots:
     """Persistent staging buffers of one usage, one per slot, grown (never shrunk) as needed."""
 
@@ -73,18 +88,13 @@ class StagedReadback:
         buffer, after everything recorded so far; submit them group by group. Returns each group's
         number of elements."""
         _check_f32("StagedReadback", (t for group in groups for t in group))
-        if self.engine.capturing is not None:
-            raise RuntimeError("StagedReadback.submit inside engine.capture(): its copies are read on the host, "
-                               "which a replayed program cannot repeat")
+        _outside_capture(self.engine, "StagedReadback.submit", "its copies are read on the host")
         self.engine.flush()                      # the work that computes the tensors goes first
         sizes = [sum(t.size for t in group) for group in groups]
         for slot, (group, n) in enumerate(zip(groups, sizes)):
             buf = self._slots.get(slot, max(4, 4 * n))
-            at = 0
-            for t in group:
-                if t.size:
-                    self.engine.copy_into_buffer(t, buf, at)
-                at += 4 * t.size
+            for t, at in _packed(group):
+                self.engine.copy_into_buffer(t, buf, at)
             self.engine.flush()
         self._sizes = sizes
         return list(sizes)
@@ -128,9 +138,7 @@ class StagedWrite:
         n = sum(t.size for t in tensors)
         if np.shape(values) != (n,):
             raise ValueError(f"StagedWrite.write: the tensors hold {n} elements; values have shape {np.shape(values)}")
-        if self.engine.capturing is not None:
-            raise RuntimeError("StagedWrite.write inside engine.capture(): its values come from the host, which a "
-                               "replayed program cannot repeat")
+        _outside_capture(self.engine, "StagedWrite.write", "its values come from the host")
         if n == 0:
             return
         buf = self._slots.get(slot, 4 * n)
@@ -139,11 +147,8 @@ class StagedWrite:
             buf.write_mapped(np.ascontiguousarray(values, np.float32), 0)
         finally:
             buf.unmap()
-        at = 0
-        for t in tensors:
-            if t.size:
-                self.engine.copy_from_buffer(buf, at, t)
-            at += 4 * t.size
+        for t, at in _packed(tensors):
+            self.engine.copy_from_buffer(buf, at, t)
         self.engine.flush()
 
     def release(self) -> None:

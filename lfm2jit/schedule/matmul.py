@@ -38,6 +38,11 @@ class TileConfig:
     def threads(self) -> int:
         return (self.bm // self.tm) * (self.bn // self.tn)
 
+    @property
+    def label(self) -> str:
+        return (f"{self.bm}x{self.bn}/bk{self.bk}/{self.tm}x{self.tn}" + ("/vec4" if self.vec else "")
+                + (f"/split{self.split}" if self.split > 1 else "") + ("/double" if self.double else ""))
+
     def __post_init__(self):
         """Reject shapes the template cannot tile exactly (they would compute garbage, not fail)."""
         if self.bm % self.tm or self.bn % self.tn:
