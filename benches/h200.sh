@@ -25,11 +25,19 @@
 #   bash benches/h200.sh gradsync         on Dawn, two ranks under mpiexec (mpi4py + mpich wheels from .gpu-kit/mpi) on the
 #                                         one GPU: benches/grad_sync.py at LFM2-350M, 1x512 per rank, LoRA r = 8 (3 timed
 #                                         steps) and full fine-tuning (2) -> $OUT/h200_grad_sync_lora.json, h200_grad_sync_full.json
+#   bash benches/h200.sh mpi              the host side of the gradient exchange: benches/readback.py (1 and 4 copy threads),
+#                                         then benches/mpi_exchange.py (no GPU) with 2 ranks under MPICH's transports and
+#                                         settings, and with 4 -> $OUT/h200_readback.json, $OUT/h200_mpi_exchange.log
 set -uo pipefail
 source .gpu-kit/env.sh
 export LFM2JIT_ADAPTER=H200 PYTHONUNBUFFERED=1
 python3 -c 'import wgpu; print([a.summary for a in wgpu.gpu.enumerate_adapters_sync()])'
 start=$(date +%s)
+install_mpi() {   # mpi4py + the mpich wheel from the kit; MPIEXEC: the mpiexec beside this python
+    python3 -m pip install -q --no-deps --no-index .gpu-kit/mpi/*.whl 2>&1 | tail -2
+    MPIEXEC="$(python3 -c 'import sys, os; print(os.path.join(os.path.dirname(sys.executable), "mpiexec"))')"
+    [ -x "$MPIEXEC" ] || MPIEXEC="$(command -v mpiexec || echo "$HOME/.local/bin/mpiexec")"
+}
 case "${1:-}" in
 tests)
     # wgpu-native and Dawn side by side (separate processes; the tests are not timed)
@@ -86,9 +94,7 @@ decode)
     ;;
 gradsync)
     export LFM2JIT_WEBGPU=dawn
-    python3 -m pip install -q --no-deps --no-index .gpu-kit/mpi/*.whl 2>&1 | tail -2
-    MPIEXEC="$(python3 -c 'import sys, os; print(os.path.join(os.path.dirname(sys.executable), "mpiexec"))')"
-    [ -x "$MPIEXEC" ] || MPIEXEC="$(command -v mpiexec || echo "$HOME/.local/bin/mpiexec")"
+    install_mpi
     for run in "lora --lora 8 --steps 3" "full --steps 2"; do
         set -- $run
         name=$1; shift
@@ -96,7 +102,21 @@ gradsync)
             --json "$OUT/h200_grad_sync_${name}.json" 2>&1 | tail -2
     done
     ;;
+mpi)
+    export LFM2JIT_WEBGPU=dawn
+    install_mpi
+    python3 benches/readback.py --threads 1 4 --json "$OUT/h200_readback.json" 2>&1 | tail -16
+    {
+        echo "ptrace_scope: $(cat /proc/sys/kernel/yama/ptrace_scope 2>/dev/null || echo absent); CPUs: $(nproc)"
+        for setting in default MPIR_CVAR_CH4_NETMOD=ucx MPIR_CVAR_CH4_NETMOD=ofi \
+                MPIR_CVAR_CH4_IPC_CMA_P2P_THRESHOLD=2147483647 MPIR_CVAR_ASYNC_PROGRESS=1; do
+            env ${setting/default/EXCHANGE=default} timeout 120 "$MPIEXEC" -n 2 python3 benches/mpi_exchange.py \
+                --bucket-mib 8 32 --label "$setting" 2>&1 | tail -n +2
+        done
+        timeout 120 "$MPIEXEC" -n 4 python3 benches/mpi_exchange.py --bucket-mib 8 32 --label "4 ranks" 2>&1
+    } | tee "$OUT/h200_mpi_exchange.log"
+    ;;
 *)
-    echo "usage: bash benches/h200.sh tests | matrix | speed [BASE] | lora | attention | decode | gradsync" >&2; exit 2 ;;
+    echo "usage: bash benches/h200.sh tests | matrix | speed [BASE] | lora | attention | decode | gradsync | mpi" >&2; exit 2 ;;
 esac
 echo "took $(( $(date +%s) - start )) s"

@@ -1,10 +1,10 @@
 """Where the GPU->host readback of data parallelism spends its time, piece by piece, one process:
 
-    python benches/readback.py [--mib 1352] [--bucket-mib 8 32 128] [--json PATH]
+    python benches/readback.py [--mib 1352] [--bucket-mib 8 32 128] [--threads 1 4] [--json PATH]
 
 ``--mib`` of float32 gradients (LFM2-350M's 1352 MiB by default) in tensors of 4 MiB are read back
 through ``StagedReadback`` (lfm2jit/runtime/staging.py) in buckets of each ``--bucket-mib``, and
-into host arrays made afresh or kept from the last round; each bucket's read is split into the wait for the GPU's copies (``map_sync``) and the conversion
+into host arrays made afresh or kept from the last round, by each of ``--threads`` copy threads; each bucket's read is split into the wait for the GPU's copies (``map_sync``) and the conversion
 out of the mapped memory (``np.copyto``); a second conversion of the same mapped bytes tells
 whether reading that memory is slow in itself (uncached) or the first touch is. References from
 the same run: a host-to-host ``np.copyto`` of one bucket (the CPU's copy speed) and, where torch
@@ -78,11 +78,12 @@ def torch_link(nbytes_total: int, chunk: int) -> dict | None:
     return out
 
 
-def staged(engine, tensors, bucket_bytes: int, reuse: bool, rounds: int = 3) -> dict:
+def staged(engine, tensors, bucket_bytes: int, reuse: bool, threads: int, rounds: int = 3) -> dict:
     """StagedReadback of ``tensors`` in buckets of about ``bucket_bytes``: per round the GPU wait
     (map) and the conversion of every bucket, and a second conversion of the last bucket. ``reuse``:
     the host arrays are kept from round to round (else made afresh, as np.empty: their pages are
-    first touched by the conversion)."""
+    first touched by the conversion). ``threads``: how many copy the mapped bytes out (copy_out)."""
+    from lfm2jit.runtime.host_threads import copy_out
     from lfm2jit.runtime.staging import StagedReadback
     import wgpu
     per = max(1, bucket_bytes // (TENSOR_MIB * MIB))
@@ -103,10 +104,10 @@ def staged(engine, tensors, bucket_bytes: int, reuse: bool, rounds: int = 3) -> 
             buf.map_sync(wgpu.MapMode.READ, 0, nbytes)
             t2 = time.perf_counter()
             view = np.frombuffer(buf.read_mapped(0, nbytes, copy=False), dtype=np.float32, count=sizes[slot])
-            np.copyto(out, view)
+            copy_out(out, view, threads)
             t3 = time.perf_counter()
             if slot == len(outs) - 1:
-                np.copyto(out, view)
+                copy_out(out, view, threads)
                 again = time.perf_counter() - t3
             del view
             buf.unmap()
@@ -119,7 +120,7 @@ def staged(engine, tensors, bucket_bytes: int, reuse: bool, rounds: int = 3) -> 
     nbytes = sum(4 * t.size for t in tensors)
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
     last = 4 * sum(t.size for t in groups[-1])
-    return {"bucket_bytes": bucket_bytes, "buckets": len(groups), "reused_host_arrays": reuse, **med,
+    return {"bucket_bytes": bucket_bytes, "buckets": len(groups), "reused_host_arrays": reuse, "threads": threads, **med,
             "GBps": _gbps(nbytes, med["total_s"]), "convert_GBps": _gbps(nbytes, med["convert_s"]),
             "map_GBps": _gbps(nbytes, med["map_wait_s"]), "again_GBps": _gbps(last, med["last_bucket_again_s"])}
 
@@ -128,10 +129,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--mib", type=int, default=1352, help="float32 MiB read back per round")
     ap.add_argument("--bucket-mib", type=int, nargs="+", default=[8, 32, 128])
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 4], help="copy threads to compare")
     ap.add_argument("--json", metavar="PATH")
     a = ap.parse_args(argv)
-    if a.mib < TENSOR_MIB or any(b < 1 for b in a.bucket_mib):
-        ap.error(f"--mib must be at least {TENSOR_MIB} and every --bucket-mib at least 1")
+    if a.mib < TENSOR_MIB or any(b < 1 for b in a.bucket_mib) or any(n < 1 for n in a.threads):
+        ap.error(f"--mib must be at least {TENSOR_MIB}, every --bucket-mib and --threads at least 1")
     from lfm2jit import ComputeEngine, Tensor, WgpuContext
     ctx = WgpuContext.create()
     engine = ComputeEngine(ctx)
@@ -143,14 +145,15 @@ def main(argv=None) -> int:
               "torch_link": torch_link(nbytes, 32 * MIB), "staged": []}
     for b in a.bucket_mib:
         for reuse in (False, True):
-            result["staged"].append(staged(engine, tensors, b * MIB, reuse))
+            for threads in a.threads:
+                result["staged"].append(staged(engine, tensors, b * MIB, reuse, threads))
     print(f"{ctx.info.get('device')} ({ctx.info.get('backend_type')}): {nbytes / 1e9:.2f} GB per round")
     print(f"host np.copyto 32 MiB: {result['host_copy']['GBps']:.1f} GB/s")
     for kind, row in (result["torch_link"] or {}).items():
         print(f"torch device->host {kind}: {row['GBps']:.1f} GB/s")
-    print(f"{'bucket MiB':>10} {'host out':>8} {'buckets':>7} {'total s':>8} {'GB/s':>6} {'map s':>7} {'conv s':>7} {'conv GB/s':>9} {'again GB/s':>10}")
+    print(f"{'bucket MiB':>10} {'host out':>8} {'threads':>7} {'buckets':>7} {'total s':>8} {'GB/s':>6} {'map s':>7} {'conv s':>7} {'conv GB/s':>9} {'again GB/s':>10}")
     for r in result["staged"]:
-        print(f"{r['bucket_bytes'] // MIB:>10} {'kept' if r['reused_host_arrays'] else 'fresh':>8} {r['buckets']:>7} {r['total_s']:>8.3f} {r['GBps']:>6.1f} "
+        print(f"{r['bucket_bytes'] // MIB:>10} {'kept' if r['reused_host_arrays'] else 'fresh':>8} {r['threads']:>7} {r['buckets']:>7} {r['total_s']:>8.3f} {r['GBps']:>6.1f} "
               f"{r['map_wait_s']:>7.3f} {r['convert_s']:>7.3f} {r['convert_GBps']:>9.1f} {r['again_GBps']:>10.1f}")
     if a.json:
         Path(a.json).write_text(json.dumps(result, indent=1))

@@ -22,6 +22,9 @@ LFM2JIT_DAWN_ROBUSTNESS  on, or off to ask Dawn for devices without its bounds c
                    buffer access (the device toggle disable_robustness). lfm2jit's kernels keep
                    their own reads and writes in bounds, but off trusts that: a measured, opt-in
                    speed setting, never the default (default: on)
+LFM2JIT_HOST_COPY_THREADS  threads that copy large readbacks out of mapped staging memory (one
+                   thread reads it at a fraction of the host's memory bandwidth; numpy lets go of
+                   the GIL while it copies) (default: the CPUs, at most 4)
 
 Dawn runs with the toggles below: experimental features (subgroup matrices) need allow_unsafe_apis,
 NVIDIA drivers below 615.71 get shader-f16 only with vulkan_enable_f16_on_nvidia, and GPU timestamps
@@ -50,6 +53,7 @@ class Settings:
     webgpu: str
     dawn_robustness: bool
     matrix_units: str
+    host_copy_threads: int
 
 
 def _path(name: str) -> Path | None:
@@ -69,6 +73,7 @@ def settings() -> Settings:
         webgpu=os.environ.get("LFM2JIT_WEBGPU", "").strip().lower() or "auto",
         dawn_robustness=_on_off("LFM2JIT_DAWN_ROBUSTNESS", default=True),
         matrix_units=_choice("LFM2JIT_MATRIX_UNITS", MATRIX_UNIT_MODES),
+        host_copy_threads=_index("LFM2JIT_HOST_COPY_THREADS", default=min(4, os.cpu_count() or 1), least=1),
     )
 
 
@@ -80,12 +85,12 @@ def _choice(name: str, choices: tuple[str, ...]) -> str:
     return value
 
 
-def _index(name: str) -> int:
+def _index(name: str, default: int = 0, least: int = 0) -> int:
     value = os.environ.get(name, "").strip()
     if not value:
-        return 0
-    if not value.isdigit():
-        raise ValueError(f"{name}={value!r}: expected a whole number >= 0")
+        return default
+    if not value.isdigit() or int(value) < least:
+        raise ValueError(f"{name}={value!r}: expected a whole number >= {least}")
     return int(value)
 
 

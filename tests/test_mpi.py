@@ -61,11 +61,12 @@ def test_a_killed_rank_ends_the_job(tmp_path):
     assert not list(tmp_path.glob("w.rank*.npz"))
 
 
-def test_a_hung_rank_is_a_clear_error_within_the_timeout(tmp_path):
-    done = _mpiexec(2, tmp_path, "--hang-at", "2", "--timeout", "5", timeout=120)
+@pytest.mark.parametrize("world, collective", [(2, "allreduce"), (3, "reduce-scatter")])
+def test_a_hung_rank_is_a_clear_error_within_the_timeout(tmp_path, world, collective):
+    done = _mpiexec(world, tmp_path, "--hang-at", "2", "--timeout", "5", timeout=120)
     assert done.returncode != 0
-    assert ("error: rank 0: MPI gradient sync: the gradient exchange (reduce-scatter) at optimizer step 2 did not complete within 5s"
-            in done.stderr), done.stderr[-2000:]
+    assert (f"error: rank 0: MPI gradient sync: the gradient exchange ({collective}) at optimizer step 2 did not complete "
+            "within 5s" in done.stderr), done.stderr[-2000:]
     assert not list(tmp_path.glob("w.rank*.npz"))
 
 

@@ -1,7 +1,7 @@
 """StagedReadback and StagedWrite (lfm2jit/runtime/staging.py): groups of f32 tensors read back
 through persistent staging buffers equal the tensors' contents exactly, and groups written through
 them hold exactly the values given, in order with recorded work, across calls that grow and shrink
-the groups and reuse slots; bad input is refused before any GPU work."""
+the groups and reuse slots (large groups copied out by threads); bad input is refused before any GPU work."""
 from __future__ import annotations
 
 import numpy as np
@@ -32,6 +32,18 @@ def test_random_groups_read_back_exactly_and_in_order_with_recorded_work(engine)
         for i, w in enumerate(want):
             out = staged.read(i, np.empty(w.size, np.float64 if trial % 2 else np.float32))
             np.testing.assert_array_equal(out, w.astype(out.dtype), err_msg=f"trial {trial} group {i}")
+    staged.release()
+
+
+def test_a_large_group_is_copied_out_by_threads_exactly(engine, monkeypatch):
+    """Groups above a few MiB are copied out of the mapped memory in ranges by several threads."""
+    monkeypatch.setenv("LFM2JIT_HOST_COPY_THREADS", "3")
+    rng = np.random.default_rng(11)
+    arrays = [rng.standard_normal(n).astype(np.float32) for n in (3 << 20, 5, (1 << 20) + 3)]
+    staged = StagedReadback(engine)
+    (n,) = staged.submit([[engine.tensor(a) for a in arrays]])
+    out = staged.read(0, np.full(n, np.nan, np.float64))
+    np.testing.assert_array_equal(out, np.concatenate(arrays).astype(np.float64))
     staged.release()
 
 

@@ -7,14 +7,17 @@ The same contract as the file sync (trainer/sync.py), through an MPI communicato
   are gathered on every rank, so each one reaches the same verdict; a mismatch is a TrainError
   on every rank before the first step.
 * ``average``: each rank reads its gradients back in bucket order (each bucket packed by buffer
-  copies into a persistent mappable staging buffer, lfm2jit/runtime/staging.py), and each bucket is
-  averaged by MPI's float32 reduce-scatter (rank r gets the sum of every rank's r-th chunk) and an
-  allgather of the means, started while the next bucket is read back; once every bucket's means have
-  arrived they go back into the .grad buffers through two staging buffers taken in turn (one is
-  filled while the GPU unpacks the other). MPI sums each chunk once, in an order fixed by the world
-  size, and the allgather hands every rank those bits, so all ranks step alike. With two ranks a
-  chunk's sum is one correctly rounded float32 addition; the file sync (float64 sums in rank order)
-  and one process agree with it within float32 rounding.
+  copies into a persistent mappable staging buffer, lfm2jit/runtime/staging.py, and copied out of
+  the mapped memory by a few threads, lfm2jit/runtime/host_threads.py, while the GPU still copies
+  the next buckets), and averages each bucket in pieces of EXCHANGE_BYTES, one MPI collective at a
+  time (several in flight were 1.7x slower, benches/mpi_exchange.py). Two ranks: an in-place
+  allreduce (any algorithm gives both ranks a + b = b + a, the same bits); more: a reduce-scatter
+  (rank r sums the r-th chunk of every rank's piece, once, in an order fixed by the world size) and
+  an allgather of those sums, so every rank holds the same bits whatever MPI's allreduce would do.
+  The sums are divided by the world size on the host, and once every bucket has been exchanged they
+  go back into the .grad buffers through two staging buffers taken in turn (one is filled while the
+  GPU unpacks the other). The file sync (float64 sums in rank order) and one process agree with it
+  within float32 rounding.
 * Faults: a collective that does not complete within ``timeout_s`` (a rank died or hangs) is a
   TrainError naming the step and the ranks' state; nothing is applied. A dead rank normally makes
   mpiexec end the job; the timeout covers the rest.
@@ -27,12 +30,14 @@ import time
 
 import numpy as np
 
+from lfm2jit.runtime.host_threads import in_ranges
 from lfm2jit.runtime.staging import StagedReadback, StagedWrite
 
 from .errors import TrainError
 from .sync import sum_in_rank_order
 
-BUCKET_BYTES = 32 << 20        # float32 gradient bytes per exchange
+BUCKET_BYTES = 32 << 20        # float32 gradient bytes per readback slot
+EXCHANGE_BYTES = 8 << 20       # ... per MPI collective (H200 host, 2 ranks: 1.7x faster than 32 MiB)
 POLL_S = 0.001                 # between tests of a request after SPIN_S seconds of testing back to back
 SPIN_S = 1.0
 UPLOAD_SLOTS = 2               # staging buffers the means are written back through, in turn
@@ -141,18 +146,13 @@ class MpiGradSync:
         self._staging = self._upload = self._host = None
 
     def average(self, engine, names: list[str], params: list, step: int) -> None:
-        """Replace each parameter's .grad by the mean over the ranks of this window's gradients.
-
-        Per bucket, MPI's reduce-scatter (the sum of the r-th chunk of every rank's bucket lands on
-        rank r, which divides it by the world size) then an allgather of the means, both in
-        float32: each chunk is summed once, so all ranks hold the same bits. With 2 ranks on one H200
-        the exchange took 2.1x less time than the alltoall it replaces, after which each rank summed
-        its chunks itself (benches/README.md, "MPI: reduce-scatter instead of alltoall")."""
+        """Replace each parameter's .grad by the mean over the ranks of this window's gradients
+        (the exchange is described in the module's docstring)."""
         if self.world_size == 1:
             return
         if not self.ready:
             self.handshake(names, params)
-        MPI, clock, world = self.MPI, time.perf_counter, self.world_size
+        clock = time.perf_counter
         buckets = _buckets(params)
         if self._staging is None:
             self._staging, self._upload = StagedReadback(engine), StagedWrite(engine)
@@ -162,48 +162,63 @@ class MpiGradSync:
         self.seconds["backward_wait"] += t1 - t0
         sizes = self._staging.submit([[p.grad for p in bucket] for bucket in buckets])
         if self._host is None or self._host.sizes != sizes:
-            self._host = _HostArrays(sizes, world)
-        sends, sums, means = self._host.sends, self._host.sums, self._host.means
-        requests = []
-        for i, (send, n) in enumerate(zip(sends, sizes)):   # bucket i converts while the GPU copies i + 1 ...
+            self._host = _HostArrays(sizes, self.world_size, self.rank)
+        for i, values in enumerate(self._host.values):  # bucket i is copied out while the GPU copies i + 1, ...
             t0 = clock()
-            self._staging.read(i, send[:n])
+            self._staging.read(i, values)
             t1 = clock()
-            requests.append(self.comm.Ireduce_scatter_block(send, sums[i], MPI.SUM))
-            MPI.Request.Testall(requests)              # ... and the exchanges progress (MPI moves data in MPI calls)
+            for piece in self._host.pieces[i]:
+                self._exchange(piece, step)
             self.seconds["readback"] += t1 - t0
             self.seconds["exchange_wait"] += clock() - t1
-            self.bytes += 4 * n
-        t0 = clock()
-        gathers = []
-        for i, request in enumerate(requests):         # the sum of my chunk of each bucket, as its mean
-            self._wait(request, f"the gradient exchange (reduce-scatter) at optimizer step {step}")
-            sums[i] /= np.float32(world)
-            gathers.append(self.comm.Iallgather(sums[i], means[i]))
-            MPI.Request.Testall(gathers)
-        for request in gathers:                         # every mean arrives before any .grad changes
-            self._wait(request, f"the gradient exchange (allgather) at optimizer step {step}")
-        t1 = clock()
+            self.bytes += values.nbytes
+        t1 = clock()                                    # every mean has arrived before any .grad changes
         for i, bucket in enumerate(buckets):
-            self._upload.write(i % UPLOAD_SLOTS, [p.grad for p in bucket], means[i][:sizes[i]])
-        self.seconds["exchange_wait"] += t1 - t0
+            self._upload.write(i % UPLOAD_SLOTS, [p.grad for p in bucket], self._host.values[i])
         self.seconds["write"] += clock() - t1
         self.rounds += 1
+
+    def _exchange(self, piece: "_Piece", step: int) -> None:
+        """Replace ``piece.values`` by their mean over the ranks, the same bits on every rank."""
+        MPI, world = self.MPI, self.world_size
+        if world == 2:
+            self._wait(self.comm.Iallreduce(MPI.IN_PLACE, piece.values, MPI.SUM),
+                       f"the gradient exchange (allreduce) at optimizer step {step}")
+            _divide(piece.values, world)
+            return
+        self._wait(self.comm.Ireduce_scatter(piece.values, piece.mine, piece.counts, MPI.SUM),
+                   f"the gradient exchange (reduce-scatter) at optimizer step {step}")
+        _divide(piece.mine, world)
+        self._wait(self.comm.Iallgatherv(piece.mine, [piece.values, piece.counts]),
+                   f"the gradient exchange (allgather) at optimizer step {step}")
+
+
+def _divide(values: np.ndarray, world: int) -> None:
+    in_ranges(lambda a, b: np.divide(values[a:b], np.float32(world), out=values[a:b]), values.size, values.nbytes)
+
+
+class _Piece:
+    """One MPI collective's share of a bucket: a view of its values, the element count of each
+    rank's chunk of it and this rank's chunk of the sums (reduce-scatter, more than two ranks)."""
+
+    def __init__(self, values: np.ndarray, world: int, rank: int):
+        self.values = values
+        chunk = -(-values.size // world)
+        self.counts = [max(0, min(chunk, values.size - r * chunk)) for r in range(world)]
+        self.mine = np.zeros(self.counts[rank], np.float32)
 
 
 class _HostArrays:
     """The host arrays of one bucket layout, kept from step to step: a fresh array's pages are
-    mapped in when first written (H200 host, benches/readback.py: 3.4 GB/s into fresh arrays, 5.8
-    into kept ones; the 2-rank full step went 2256 -> 1647 ms).
-    Per bucket: what is sent (padded with zeros to world x chunk), this rank's chunk of the sums,
-    and the gathered means."""
+    mapped in when first written (H200 host, benches/readback.py: 3.1 GB/s into fresh arrays, 6.5
+    into kept ones from one thread). Per bucket: its values (read back, then averaged in place) and
+    their pieces of EXCHANGE_BYTES."""
 
-    def __init__(self, sizes: list[int], world: int):
+    def __init__(self, sizes: list[int], world: int, rank: int):
         self.sizes = list(sizes)
-        chunks = [-(-n // world) for n in sizes]
-        self.sends = [np.zeros(world * c, np.float32) for c in chunks]   # the padding stays zero
-        self.sums = [np.zeros(c, np.float32) for c in chunks]
-        self.means = [np.zeros(world * c, np.float32) for c in chunks]
+        self.values = [np.zeros(n, np.float32) for n in sizes]
+        per = EXCHANGE_BYTES // 4
+        self.pieces = [[_Piece(v[at:at + per], world, rank) for at in range(0, v.size, per)] for v in self.values]
 
 
 def _buckets(params: list) -> list[list]:

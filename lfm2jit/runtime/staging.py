@@ -9,7 +9,8 @@ or unpacked from it by recorded buffer copies (the transfer itself: on a discret
 buffer lives in host memory), one submit per slot:
 
 * ``StagedReadback``: slot i is mapped and converted while the GPU still copies slot i + 1, and
-  the mapped bytes go straight into the caller's array in one pass (float64 for an exact sum, say);
+  the mapped bytes go straight into the caller's array in one pass (float64 for an exact sum, say),
+  cut into ranges that several threads copy (lfm2jit/runtime/host_threads.py);
 * ``StagedWrite``: a slot's values go into its mapped buffer in one copy, and its unpacking copies
   are recorded in order with the recorded work, so nothing is flushed per tensor.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 import wgpu
 
+from .host_threads import copy_out
 from .tensor import Tensor
 
 READ_USAGE = wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST
@@ -101,7 +103,7 @@ class StagedReadback:
 
     def read(self, slot: int, out: np.ndarray) -> np.ndarray:
         """Wait for slot ``slot``'s copies, then convert its elements into ``out`` (1-D, as many
-        elements as the group has, any float dtype) in one pass."""
+        elements as the group has, any float dtype) in one pass (``copy_out``'s threads)."""
         n = self._sizes[slot]
         if out.shape != (n,):
             raise ValueError(f"StagedReadback.read: slot {slot} holds {n} elements; out has shape {out.shape}")
@@ -110,7 +112,7 @@ class StagedReadback:
         buf = self._slots[slot]
         buf.map_sync(wgpu.MapMode.READ, 0, 4 * n)
         try:
-            np.copyto(out, np.frombuffer(buf.read_mapped(0, 4 * n, copy=False), dtype=np.float32, count=n))
+            copy_out(out, np.frombuffer(buf.read_mapped(0, 4 * n, copy=False), dtype=np.float32, count=n))
         finally:
             buf.unmap()
         return out
