@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from functools import partial
 
 import numpy as np
@@ -71,7 +72,8 @@ TRAINER_CASES = [
 
 @pytest.mark.parametrize("attr,builder,value",
                          [(a, b, v) for a, b, vs in TRAINER_CASES for v in vs],
-                         ids=[f"{a}={v!r}"[:40] for a, _, vs in TRAINER_CASES for v in vs])
+                         ids=[f"{a}={re.sub(' at 0x[0-9a-f]+', '', repr(v))}"[:40]   # no addresses: the
+                              for a, _, vs in TRAINER_CASES for v in vs])                 # same ids in every process
 def test_trainer_attribute_and_builder_refuse_bad_values_and_keep_the_old_one(tr, attr, builder, value):
     before = snapshot(tr)
     with pytest.raises((TypeError, ValueError)) as err:
