@@ -108,10 +108,10 @@ mpi)
     python3 benches/readback.py --threads 1 4 --json "$OUT/h200_readback.json" 2>&1 | tail -16
     {
         echo "ptrace_scope: $(cat /proc/sys/kernel/yama/ptrace_scope 2>/dev/null || echo absent); CPUs: $(nproc)"
-        for setting in default MPIR_CVAR_CH4_NETMOD=ucx MPIR_CVAR_CH4_NETMOD=ofi \
+        for setting in "" MPIR_CVAR_CH4_NETMOD=ucx MPIR_CVAR_CH4_NETMOD=ofi \
                 MPIR_CVAR_CH4_IPC_CMA_P2P_THRESHOLD=2147483647 MPIR_CVAR_ASYNC_PROGRESS=1; do
-            env ${setting/default/EXCHANGE=default} timeout 120 "$MPIEXEC" -n 2 python3 benches/mpi_exchange.py \
-                --bucket-mib 8 32 --label "$setting" 2>&1 | tail -n +2
+            env $setting timeout 120 "$MPIEXEC" -n 2 python3 benches/mpi_exchange.py \
+                --bucket-mib 8 32 --label "${setting:-default}" 2>&1 | tail -n +2
         done
         timeout 120 "$MPIEXEC" -n 4 python3 benches/mpi_exchange.py --bucket-mib 8 32 --label "4 ranks" 2>&1
     } | tee "$OUT/h200_mpi_exchange.log"

@@ -1,19 +1,21 @@
 """How fast MPI alone averages float32 gradients between ranks, host arrays only (no GPU):
 
-    mpiexec -n 2 python benches/mpi_exchange.py [--mib 1352] [--bucket-mib 8 32 128] [--json PATH]
+    mpiexec -n 2 python benches/mpi_exchange.py [--mib 1352] [--bucket-mib 8 32 128] [--label TEXT] [--json PATH]
 
 The exchange of trainer/mpi_sync.py without its readback: ``--mib`` of float32 values per rank
-(LFM2-350M's gradients by default) cut into buckets, averaged three ways, each timed (best of 3,
+(LFM2-350M's gradients by default) cut into buckets, averaged five ways, each timed (best of 3,
 rank 0's clock between barriers):
 
-* ``pipelined``: what MpiGradSync does: a non-blocking reduce-scatter per bucket, all started
-  before the first wait, then an allgather of each chunk's mean;
+* ``pipelined``: what MpiGradSync did until 2026-12-03: a non-blocking reduce-scatter per bucket,
+  all started before the first wait, then an allgather of each chunk's mean;
 * ``stepwise``: the same non-blocking collectives one at a time: a bucket's reduce-scatter, its
   wait, its allgather and that wait before the next bucket's (waits test back to back, as
   MpiGradSync's do, so that a dead peer can still be timed out);
 * ``blocking``: a blocking reduce-scatter then allgather per bucket;
 * ``iallreduce`` / ``allreduce``: MPI's own in-place allreduce per bucket, non-blocking one at a
-  time / blocking (MPI picks the algorithm; MPI does not promise every rank the same bits).
+  time / blocking (MPI picks the algorithm; MPI does not promise every rank the same bits, which
+  two ranks get anyway: a + b = b + a). MpiGradSync now runs the one-at-a-time allreduce at two
+  ranks and the stepwise reduce-scatter + allgather at more.
 
 A host-to-host copy of one bucket is the reference (the CPU's copy speed). Run it under MPICH's
 CVARs (MPIR_CVAR_CH4_NETMOD, MPIR_CVAR_CH4_SHM_POSIX_IQUEUE_CELL_SIZE, ...) to compare transports:
@@ -23,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 
 import numpy as np
@@ -52,8 +53,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--mib", type=int, default=1352, help="float32 MiB averaged per rank")
     ap.add_argument("--bucket-mib", type=int, nargs="+", default=[8, 32, 128])
-    ap.add_argument("--label", default=os.environ.get("EXCHANGE_LABEL", "default"),
-                    help="what this run's MPI settings are, for the table")
+    ap.add_argument("--label", default="default", help="what this run's MPI settings are, for the table")
     ap.add_argument("--json", metavar="PATH")
     a = ap.parse_args(argv)
     if a.mib < 1 or min(a.bucket_mib) < 1:

@@ -5,7 +5,7 @@
 ``--mib`` of float32 gradients (LFM2-350M's 1352 MiB by default) in tensors of 4 MiB are read back
 through ``StagedReadback`` (lfm2jit/runtime/staging.py) in buckets of each ``--bucket-mib``, and
 into host arrays made afresh or kept from the last round, by each of ``--threads`` copy threads; each bucket's read is split into the wait for the GPU's copies (``map_sync``) and the conversion
-out of the mapped memory (``np.copyto``); a second conversion of the same mapped bytes tells
+out of the mapped memory (``copy_out``, lfm2jit/runtime/host_threads.py); a second conversion of the same mapped bytes tells
 whether reading that memory is slow in itself (uncached) or the first touch is. References from
 the same run: a host-to-host ``np.copyto`` of one bucket (the CPU's copy speed) and, where torch
 has CUDA, device-to-host copies into pinned and into pageable host memory (the link's speed).

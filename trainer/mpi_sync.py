@@ -163,7 +163,7 @@ class MpiGradSync:
         sizes = self._staging.submit([[p.grad for p in bucket] for bucket in buckets])
         if self._host is None or self._host.sizes != sizes:
             self._host = _HostArrays(sizes, self.world_size, self.rank)
-        for i, values in enumerate(self._host.values):  # bucket i is copied out while the GPU copies i + 1, ...
+        for i, values in enumerate(self._host.values):  # bucket i is copied out while the GPU copies i + 1
             t0 = clock()
             self._staging.read(i, values)
             t1 = clock()
@@ -181,7 +181,7 @@ class MpiGradSync:
     def _exchange(self, piece: "_Piece", step: int) -> None:
         """Replace ``piece.values`` by their mean over the ranks, the same bits on every rank."""
         MPI, world = self.MPI, self.world_size
-        if world == 2:
+        if piece.mine is None:
             self._wait(self.comm.Iallreduce(MPI.IN_PLACE, piece.values, MPI.SUM),
                        f"the gradient exchange (allreduce) at optimizer step {step}")
             _divide(piece.values, world)
@@ -198,14 +198,15 @@ def _divide(values: np.ndarray, world: int) -> None:
 
 
 class _Piece:
-    """One MPI collective's share of a bucket: a view of its values, the element count of each
-    rank's chunk of it and this rank's chunk of the sums (reduce-scatter, more than two ranks)."""
+    """One MPI collective's share of a bucket: a view of its values and, with more than two ranks
+    (reduce-scatter + allgather; two ranks allreduce in place), the element count of each rank's
+    chunk of it and this rank's chunk of the sums (``mine``, None with two ranks)."""
 
     def __init__(self, values: np.ndarray, world: int, rank: int):
         self.values = values
         chunk = -(-values.size // world)
         self.counts = [max(0, min(chunk, values.size - r * chunk)) for r in range(world)]
-        self.mine = np.zeros(self.counts[rank], np.float32)
+        self.mine = np.zeros(self.counts[rank], np.float32) if world > 2 else None
 
 
 class _HostArrays:
