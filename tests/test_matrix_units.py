@@ -89,9 +89,9 @@ def test_every_matrix_candidate_renders(tiles):
 @pytest.mark.parametrize("sizes,want", [
     # T = 2048 LFM2-350M shapes: y = x W^T reads both operands along K, dX one, dW neither
     ({"T": 2048, "K": 1024, "N": 4608}, {"y": (128, 128, 2, 2, False), "d_x": (128, 128, 2, 4, True),
-                                         "d_w": (128, 256, 2, 4, False)}),
+                                         "d_w": (128, 128, 2, 2, False)}),
     ({"T": 4096, "K": 4096, "N": 4096}, {"y": (128, 128, 2, 2, False), "d_x": (128, 128, 2, 2, False),
-                                         "d_w": (128, 256, 2, 4, False)}),
+                                         "d_w": (128, 128, 2, 2, False)}),
     ({"T": 512, "K": 1024, "N": 1024}, {"y": (64, 64, 2, 2, True), "d_x": (64, 64, 2, 2, True),
                                         "d_w": (64, 64, 2, 2, True)}),
     # T = 512: dW sums too few tokens for 128x256 tiles; y is just over a wave of 128x128 tiles
@@ -124,12 +124,12 @@ def test_short_sequences_take_tiles_that_fill_the_gpu(sizes, want):
 
 
 def test_tiles_picked_for_the_h200_fall_back_where_they_do_not_fit():
-    """dW at T = 2048 takes 128x256 tiles (34 KB of workgroup memory) on the H200's 48 KiB; a device
-    with 32 KiB (lavapipe) gets the small tiles instead of an error."""
-    sizes = {"T": 2048, "K": 1024, "N": 4608}
-    assert PRODUCTS["d_w"].specialize(sizes, 64, target=MATRIX_UNITS).params.tiles.wn == 256
+    """y at T = 512's 512x4608x1024 takes 256x128 tiles (38 KB of workgroup memory) on the H200's
+    48 KiB; a device with 32 KiB (lavapipe) gets the small tiles instead of an error."""
+    sizes = {"T": 512, "K": 1024, "N": 4608}
+    assert PRODUCTS["y"].specialize(sizes, 64, target=MATRIX_UNITS).params.tiles.wm == 256
     small = replace(MATRIX_UNITS, workgroup_bytes=32768)
-    assert PRODUCTS["d_w"].specialize(sizes, 64, target=small).params.tiles == MatrixTiles(64, 64, 2, 2, 32)
+    assert PRODUCTS["y"].specialize(sizes, 64, target=small).params.tiles == MatrixTiles(64, 64, 2, 2, 32)
 
 
 @pytest.mark.parametrize("K,split", [(8192, 8), (2048, 8), (1024, 4), (300, 1), (64, 1)])

@@ -298,10 +298,11 @@ def choose_matrix_tiles(m: int, n: int, k: int, k_contiguous: int) -> MatrixTile
       without prefetch, one wave (T = 512's 512x4608x1024: 1.6x y, 1.2x dX); 128x128 tiles of 2x4
       subgroups below 256 tiles, of 2x2 subgroups without prefetch from 256 (1.1-1.25x the
       prefetching 2x2 at 4096^3 and the T = 4096 shapes: its registers are short);
-    * dW = dY^T X (no operand read along K), summed over LONG_K tokens or more: 128x256 tiles of
-      2x4 subgroups without prefetch (1.2-1.35x 128x128 at 4096^3 and T = 4096; within 10% of the
-      best at T = 2048); over fewer (T = 512, where those tiles made dW 1.27x slower in the train
-      step) 64x64 tiles, or 128x128 ones like the other products from 1024 tiles.
+    * dW = dY^T X (no operand read along K), summed over LONG_K tokens or more: 128x128 tiles of
+      2x2 subgroups without prefetch (since the k-steps inside both operands are fetched unmasked:
+      1.2x 128x256 at 4096^3, 1.2-1.55x at T = 2048, 0.9x the best, 64x64, at 2048x4608x1024); over
+      fewer (T = 512, where 128x256 tiles made dW 1.27x slower in the train step) 64x64 tiles, or
+      128x128 ones like the other products from 1024 tiles.
 
     Outputs at most NARROW thin (LoRA's x A^T, dY B and its rank-r weight gradients) take tiles one
     fragment thin (square tiles would compute mostly padding), K split until BUSY_GROUPS
@@ -319,7 +320,7 @@ def choose_matrix_tiles(m: int, n: int, k: int, k_contiguous: int) -> MatrixTile
     if k_contiguous and BUSY_GROUPS < grid < 2 * BUSY_GROUPS and ONE_STEP_K < k < LONG_K:
         return JUST_OVER_A_WAVE_TILES
     if k_contiguous == 0 and k >= LONG_K:
-        return MatrixTiles(128, 256, 2, 4, 32, prefetch=False)
+        return MatrixTiles(128, 128, 2, 2, 32, prefetch=False)
     if k_contiguous == 0 and grid < HUGE_MATRIX_GRID:
         return SMALL_MATRIX_TILES
     if grid < LARGE_MATRIX_GRID and k > ONE_STEP_K:
