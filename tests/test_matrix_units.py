@@ -110,7 +110,7 @@ def test_k_steps_inside_both_operands_are_fetched_without_masks(tiles):
 
 @pytest.mark.parametrize("sizes,want", [
     # T = 2048 LFM2-350M shapes: y = x W^T reads both operands along K, dX one, dW neither
-    ({"T": 2048, "K": 1024, "N": 4608}, {"y": (128, 128, 2, 2, False), "d_x": (128, 128, 2, 4, True),
+    ({"T": 2048, "K": 1024, "N": 4608}, {"y": (128, 128, 2, 2, False), "d_x": (128, 128, 2, 2, False),
                                          "d_w": (128, 128, 2, 2, False)}),
     ({"T": 4096, "K": 4096, "N": 4096}, {"y": (128, 128, 2, 2, False), "d_x": (128, 128, 2, 2, False),
                                          "d_w": (128, 128, 2, 2, False)}),
@@ -138,6 +138,11 @@ def test_matrix_tiles_follow_operand_layout_and_grid(sizes, want):
                                         "d_x": MatrixTiles(64, 64, 2, 2, 32, split=2)}),
     # exactly a wave (128 tiles) keeps 128x128 tiles; so does a one-k-step contraction (LoRA's up-projection)
     ({"T": 2048, "K": 1024, "N": 1024}, {"y": MatrixTiles(128, 128, 2, 4, 32), "d_x": MatrixTiles(128, 128, 2, 4, 32)}),
+    # ... and splits K over 2 where it sums 4096 or more (T = 2048's w2 y and w1/w3 dX), not at 3072
+    ({"T": 2048, "K": 4608, "N": 1024}, {"y": MatrixTiles(128, 128, 2, 2, 32, split=2, prefetch=False),
+                                         "d_x": MatrixTiles(128, 128, 2, 2, 32, prefetch=False)}),
+    ({"T": 2048, "K": 1024, "N": 4608}, {"d_x": MatrixTiles(128, 128, 2, 2, 32, split=2, prefetch=False)}),
+    ({"T": 2048, "K": 1024, "N": 3072}, {"d_x": MatrixTiles(128, 128, 2, 4, 32)}),
     ({"T": 512, "K": 16, "N": 4608}, {"y": MatrixTiles(128, 128, 2, 2, 32, prefetch=False)}),
 ])
 def test_short_sequences_take_tiles_that_fill_the_gpu(sizes, want):
@@ -235,10 +240,12 @@ def _fits(e, tiles) -> bool:
                                    MatrixTiles(64, 128, 2, 2, 32, group=3), narrow_matrix_tiles("n", 4),
                                    narrow_matrix_tiles("m", 8), MatrixTiles(128, 64, 2, 4, 32, prefetch=False),
                                    MatrixTiles(64, 64, 2, 2, 32, split=2, prefetch=False),
-                                   MatrixTiles(256, 128, 4, 2, 32, prefetch=False)])
+                                   MatrixTiles(256, 128, 4, 2, 32, prefetch=False),
+                                   MatrixTiles(128, 128, 2, 2, 32, split=2, prefetch=False)])
 def test_matrix_products_match_float64(units, rng, T, K, N, tiles):
     """f16 activations (x, dY), f32 weights converted as they are staged; against float64 on the same
-    f16-rounded values, for all three products: ragged edges, interior tiles stored whole, split-K,
+    f16-rounded values, for all three products: ragged edges, interior tiles stored whole (f32) or
+    without masks (f16), split-K,
     one and two staging buffers, bands of tile rows that do not divide the grid, and k-steps
     fetched while the last is multiplied or at the top of their own step (no prefetch)."""
     e = units
@@ -275,10 +282,11 @@ def test_the_epilogue_takes_as_many_fragments_a_round_as_workgroup_memory_holds(
     assert frags_at("d_w", MATRIX_UNITS) == 1
 
 
-@pytest.mark.parametrize("T,K,N", [(70, 36, 44), (300, 96, 8)])
+@pytest.mark.parametrize("T,K,N", [(70, 36, 44), (300, 96, 8), (150, 136, 140)])
 def test_matrix_f16_results_accumulate(units, rng, T, K, N):
     """dX += dY W and y += x W^T in f16 (LoRA adds its up-projection so): C's old values are all read
-    before the epilogue stores any; ragged edges, several fragments a round, and split-K's reduce."""
+    before the epilogue stores any; ragged edges, interior tiles (unmasked), several fragments a
+    round, and split-K's reduce."""
     e = units
     x, dy = _f16(rng, (T, K)), _f16(rng, (T, N))
     w = rng.standard_normal((N, K)).astype(np.float32)

@@ -279,6 +279,8 @@ HUGE_MATRIX_GRID = 1024   # dW shorter than LONG_K takes 128x128 tiles from this
 SMALL_MATRIX_TILES = MatrixTiles(64, 64, 2, 2, 32)
 SMALL_MATRIX_SPLIT_TILES = MatrixTiles(64, 64, 2, 2, 32, split=2)
 JUST_OVER_A_WAVE_TILES = MatrixTiles(256, 128, 4, 2, 32, prefetch=False)
+SPLIT_WAVE_K = 4096       # a wave of 128x128 tiles summing this much or more splits K over 2
+WAVE_SPLIT_TILES = MatrixTiles(128, 128, 2, 2, 32, split=2, prefetch=False)
 
 
 def narrow_matrix_tiles(thin: str, split: int = 1) -> MatrixTiles:
@@ -293,7 +295,9 @@ def choose_matrix_tiles(m: int, n: int, k: int, k_contiguous: int) -> MatrixTile
 
     * fewer than 128: 64x64 tiles (bigger ones leave SMs idle), K split over 2 for y and dX from
       LONG_K (T = 512's 512x1024x4608: 1.05x y, 1.3x dX; the LM head's dh 1.2x);
-    * y = x W^T and dX = dY W (an operand read along K): over a wave of 128x128 tiles but under two
+    * y = x W^T and dX = dY W (an operand read along K): at most a wave of 128x128 tiles summing
+      SPLIT_WAVE_K or more, those tiles with K split over 2, without prefetch (T = 2048's
+      2048x1024x4608: 1.25x y, 1.3x dX; at K = 3072 no gain); over a wave but under two
       (BUSY_GROUPS to 2 x BUSY_GROUPS) with K short of LONG_K (and longer than one k-step), 256x128 tiles of 4x2 subgroups
       without prefetch, one wave (T = 512's 512x4608x1024: 1.6x y, 1.2x dX); 128x128 tiles of 2x4
       subgroups below 256 tiles, of 2x2 subgroups without prefetch from 256 (1.1-1.25x the
@@ -317,6 +321,8 @@ def choose_matrix_tiles(m: int, n: int, k: int, k_contiguous: int) -> MatrixTile
     grid = -(-m // 128) * -(-n // 128)
     if grid < SMALL_MATRIX_GRID:
         return SMALL_MATRIX_SPLIT_TILES if k_contiguous and k >= LONG_K else SMALL_MATRIX_TILES
+    if k_contiguous and grid <= BUSY_GROUPS and k >= SPLIT_WAVE_K:
+        return WAVE_SPLIT_TILES
     if k_contiguous and BUSY_GROUPS < grid < 2 * BUSY_GROUPS and ONE_STEP_K < k < LONG_K:
         return JUST_OVER_A_WAVE_TILES
     if k_contiguous == 0 and k >= LONG_K:

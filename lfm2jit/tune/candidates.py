@@ -48,7 +48,8 @@ MATRIX = (MatrixTiles(128, 128, 2, 2, 32), MatrixTiles(128, 128, 2, 2, 32, stage
           *(replace(t, prefetch=False) for t in (
               MatrixTiles(128, 128, 2, 2, 32), MatrixTiles(128, 128, 2, 4, 32), MatrixTiles(64, 64, 2, 2, 32),
               MatrixTiles(128, 64, 2, 2, 32), MatrixTiles(256, 128, 4, 2, 32), MatrixTiles(128, 256, 2, 4, 32),
-              MatrixTiles(128, 128, 2, 2, 64), MatrixTiles(64, 64, 2, 2, 32, split=2))),
+              MatrixTiles(128, 128, 2, 2, 64), MatrixTiles(64, 64, 2, 2, 32, split=2),
+              MatrixTiles(128, 128, 2, 2, 32, split=2))),
           # more workgroups for short-T products (T = 512: 4 to 36 tiles of 128x128)
           MatrixTiles(64, 64, 2, 2, 32, split=8), MatrixTiles(128, 64, 2, 2, 32, split=2),
           MatrixTiles(64, 128, 2, 2, 32, split=2), MatrixTiles(32, 64, 1, 2, 32))
