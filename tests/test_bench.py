@@ -48,7 +48,7 @@ def test_matrix_tiles_lines_only_for_the_candidates_asked_for(tmp_path, monkeypa
                        "64x64/sg2x2/bk32/split2", "--json", str(out)]) == 0
     lines = json.loads(out.read_text())["lines"]
     assert sorted(line["name"] for line in lines) == sorted(
-        f"{p}[64x64/sg2x2/bk32/split2/s1/g8{t}]" for p in ("fwd", "fwd_w16", "dx", "dw") for t in ("", "/noprefetch"))
+        f"{p}[64x64/sg2x2/bk32/split2/s1/g8{t}]" for p in ("fwd", "fwd_w16", "fwd_y32", "dx", "dw") for t in ("", "/noprefetch"))
     assert all(line["error"] is None and line["seconds"] > 0 for line in lines)
 
 
