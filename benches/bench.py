@@ -16,7 +16,8 @@ Groups (``--only`` takes group names):
   tiles        the matmul template at other TileConfigs (4096^3 and the MLP shapes): what the
                template reaches when the schedule picks bigger tiles
   mtiles       the matrix-unit template at each of its candidate tiles, for fwd, fwd with an f16
-               weight, fwd with an f32 result, dX and dW (4096^3 and the T = 2048 MLP/QKV shapes; best of 3 timings)
+               weight, fwd with an f32 result, dX and dW (4096^3 and the T = 2048 MLP/QKV
+               shapes; best of 3 timings)
   attention    causal GQA flash attention forward and backward, T = 512/2048, H=16, G=8, E=64
   atiles       the three f16 attention kernels (fwd, dq, dkdv) at the SIMT template's tiles and at each
                matrix-unit candidate, T = 512/2048 (best of 3 timings)
@@ -311,14 +312,15 @@ class Bench:
         """The matrix-unit template at each autotuner candidate for its shape, for the three products
         of a linear layer in --f16 mode, the forward with the weight stored as f16 too (no
         conversion while staging), and the forward with an f32 result (its fragments stored
-        straight to memory, no f16 epilogue through workgroup memory): 4096^3 and the LFM2-350M shapes at T = 2048 (or --tile-shapes;
-        a shape with N = 8 gives LoRA's rank-8 products)."""
+        straight to memory, no f16 epilogue through workgroup memory): 4096^3 and the LFM2-350M
+        shapes at T = 2048 (or --tile-shapes; a shape with N = 8 gives LoRA's rank-8 products)."""
         if not self.engine.target.matrix_configs:
             self.add(Line("mtiles", "matrix_tiles", "-", error="the device has no f16 subgroup matrices"))
             return
         shapes = self.tile_shapes or MTILE_SHAPES
         lin = library.get("linear")
-        products = {"fwd": lin.variant("f16", {"w"}), "fwd_w16": lin.variant("f16"), "fwd_y32": lin.variant("f16", {"w", "y"}),
+        products = {"fwd": lin.variant("f16", {"w"}), "fwd_w16": lin.variant("f16"),
+                    "fwd_y32": lin.variant("f16", {"w", "y"}),
                     "dx": grad(lin, ["x"]).variant("f16", {"w"}).kernels[0],
                     "dw": grad(lin, ["w"]).variant("f16", {"d_w"}).kernels[0]}
         for m, n, k in shapes:
