@@ -52,6 +52,35 @@ def test_answer_cases_equal_the_rendered_prompt_and_last_answer(tmp_path):
     assert answer_cases(items, False) == []
 
 
+def test_held_out_loss_equals_each_records_cross_entropy(ctx):
+    """Records run packed (padded to a common length, pads unscored): the loss per supervised token,
+    and per answer token where a record has an answer mask, equals float64 cross-entropy of each
+    record's own logits taken alone, for records of mixed lengths (packs and single passes)."""
+    rng = np.random.default_rng(5)
+    cfg = Lfm2Config(**{**PRESETS["tiny"], "vocab_size": 96})
+    engine = ComputeEngine(ctx)
+    model = Lfm2Model(cfg, ctx, engine, seed=2)
+    items = []
+    for n in [7, 9, 12, 8, 70, 11, 10, 3, 30, 33]:
+        ids = rng.integers(0, 96, n).astype(np.int32)
+        targets = rng.integers(0, 96, n).astype(np.int32)
+        answer = (np.arange(n) >= n // 2).astype(np.float32) if n % 3 else None
+        items.append((ids, targets, np.ones(n, np.float32), answer))
+    sums, counts = np.zeros(2), np.zeros(2)
+    E = model.lm_head.numpy().astype(np.float64)
+    for ids, targets, mask, answer in items:
+        logits = model.forward(ids, 16).hn.numpy().astype(np.float64) @ E.T
+        top = logits.max(axis=1)
+        ce = top + np.log(np.exp(logits - top[:, None]).sum(axis=1)) - logits[np.arange(len(ids)), targets]
+        for j, m in enumerate((mask, answer)):
+            if m is not None:
+                sums[j] += (m * ce).sum()
+                counts[j] += m.sum()
+    loss, answer_loss = held_out_loss(model, engine, items, 16)
+    assert loss == pytest.approx(sums[0] / counts[0], rel=1e-5)
+    assert answer_loss == pytest.approx(sums[1] / counts[1], rel=1e-5)
+
+
 def test_greedy_answers_are_the_models_decoded_text(ctx):
     """Each answer is the model's own greedy continuation (to an end id, at most ANSWER_SLACK tokens
     past the expected length) as text; right exactly when it equals the expected text."""

@@ -11,22 +11,42 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from math import lcm
 
 import numpy as np
 
+from .packing import packable, padded_length, stack
+
 ANSWER_SLACK = 8          # tokens a wrong answer may run past the expected one's length
 GENERATE_BATCH = 16       # prompts decoded together
+EVAL_PACK_ROWS = 4096     # rows of one packed evaluation pass (its activations grow with them)
 
 
 def held_out_loss(model, engine, items, bucket: int) -> tuple[float, float]:
     """Mean cross-entropy per supervised token over ``items`` (forward only: no weight or gradient
     of the model is touched), and the same over the answer tokens of items that carry an answer
-    mask (NaN when none does)."""
+    mask (NaN when none does). Consecutive items run packed, as training packs them (up to
+    EVAL_PACK_ROWS rows a pass, see packing.py): one pass for many short records instead of one
+    each."""
     from lfm2jit.ops.lmhead import lm_head_cross_entropy
+    unit = lcm(model.pack_multiple(), bucket)
+    pad = model.cfg.pad_token_id if model.cfg.pad_token_id is not None else 0
     sums, counts = [0.0, 0.0], [0, 0]
-    for ids, targets, mask, answer in items:
+    at = 0
+    while at < len(items):
+        group = items[at:at + packable([len(it[0]) for it in items[at:]], unit, EVAL_PACK_ROWS)]
+        at += len(group)
+        if len(group) == 1:
+            ids, targets, mask, answer = group[0]
+            masks = (mask, answer)
+        else:
+            length = padded_length([len(it[0]) for it in group], unit)
+            ids = stack([it[0] for it in group], length, pad, np.int32)
+            targets = stack([it[1] for it in group], length, 0, np.int32).reshape(-1)
+            masks = tuple(stack([it[j] if it[j] is not None else () for it in group], length, 0, np.float32).reshape(-1)
+                          for j in (2, 3))
         trace = model.forward(ids, bucket)
-        for j, m in enumerate((mask, answer)):
+        for j, m in enumerate(masks):
             if m is None or not m.any():
                 continue
             res = lm_head_cross_entropy(engine, trace.hn, model.lm_head, targets, m, normalizer=1.0, bucket=bucket,

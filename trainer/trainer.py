@@ -35,6 +35,7 @@ from lfm2jit.ops.optim import F32_MAX, grad_sumsq, norm_of, step_gate, step_gate
 from . import checks
 from .errors import TrainError
 from .optim import Optimizer, recordable
+from .packing import packable, padded_length, stack
 from .recorded import RecordedSteps
 from .scaler import GradScaler
 from .schedules import LRScheduler
@@ -54,7 +55,6 @@ class StepStats:
 
 DEFAULT_PACK_TOKENS = 4096      # rows of one packed pass: activations grow with it
 DEFAULT_REPLAY_PASSES = 2       # recorded forward/backward passes kept (each holds its activations)
-PACK_WASTE = 1.25               # packed rows per row of the sequences' own (bucketed) lengths, at most
 
 
 def _where(*tensor_lists) -> tuple:
@@ -306,18 +306,9 @@ class Trainer:
         return self.train_sequences(batch.sequences(), params)
 
     def _packable(self, group) -> int:
-        """How many of the leading sequences of ``group`` to pack into one pass: as many as fit
-        pack_tokens rows while padding to the longest adds at most PACK_WASTE of their own rows.
-        Packing pays for many similar lengths, not for a short sequence beside a long one."""
-        unit = self._pack_unit()
-        longest = own = n = 0
-        for ids, *_ in group:
-            rows = -(-len(ids) // unit) * unit
-            longest, own = max(longest, rows), own + rows
-            if n and ((n + 1) * longest > self.pack_tokens or (n + 1) * longest > PACK_WASTE * own):
-                break
-            n += 1
-        return max(n, 1)
+        """How many of the leading sequences of ``group`` to pack into one pass, up to pack_tokens
+        rows (see packing.packable)."""
+        return packable([len(ids) for ids, *_ in group], self._pack_unit(), self.pack_tokens)
 
     def _pack_unit(self) -> int:
         """Packed sequences are padded to a multiple of this: the model's binding multiple and the
@@ -336,15 +327,12 @@ class Trainer:
             ids, targets, mask, _ = group[0]
             normalizer = float(tokens[0])
         else:                    # packed: per-position weights mask / tokens keep each sequence's mean
-            unit = self._pack_unit()
-            length = -(-max(len(g[0]) for g in group) // unit) * unit
+            length = padded_length([len(g[0]) for g in group], self._pack_unit())
             pad = model.cfg.pad_token_id if model.cfg.pad_token_id is not None else 0
-            ids = np.full((len(group), length), pad, np.int32)
-            targets = np.zeros((len(group), length), np.int32)
-            mask = np.zeros((len(group), length), np.float32)
-            for row, ((i, t, m, _), n) in enumerate(zip(group, tokens)):
-                ids[row, :len(i)], targets[row, :len(t)], mask[row, :len(m)] = i, t, m / n
-            targets, mask, normalizer = targets.reshape(-1), mask.reshape(-1), 1.0
+            ids = stack([g[0] for g in group], length, pad, np.int32)
+            targets = stack([g[1] for g in group], length, 0, np.int32).reshape(-1)
+            mask = stack([g[2] / n for g, n in zip(group, tokens)], length, 0, np.float32).reshape(-1)
+            normalizer = 1.0
         head = model.lm_head
         head_trained = any(p is head for p in params)
         bucket, loss_scale = self.length_bucket, self.loss_scale / self.grad_accum_steps
