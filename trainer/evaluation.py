@@ -15,7 +15,7 @@ from math import lcm
 
 import numpy as np
 
-from .packing import packable, padded_length, stack
+from .packing import pack, packable, pad_token
 
 ANSWER_SLACK = 8          # tokens a wrong answer may run past the expected one's length
 GENERATE_BATCH = 16       # prompts decoded together
@@ -30,21 +30,19 @@ def held_out_loss(model, engine, items, bucket: int) -> tuple[float, float]:
     each."""
     from lfm2jit.ops.lmhead import lm_head_cross_entropy
     unit = lcm(model.pack_multiple(), bucket)
-    pad = model.cfg.pad_token_id if model.cfg.pad_token_id is not None else 0
+    lengths = [len(it[0]) for it in items]
     sums, counts = [0.0, 0.0], [0, 0]
     at = 0
     while at < len(items):
-        group = items[at:at + packable([len(it[0]) for it in items[at:]], unit, EVAL_PACK_ROWS)]
+        group = items[at:at + packable(lengths[at:], unit, EVAL_PACK_ROWS)]
         at += len(group)
         if len(group) == 1:
             ids, targets, mask, answer = group[0]
             masks = (mask, answer)
         else:
-            length = padded_length([len(it[0]) for it in group], unit)
-            ids = stack([it[0] for it in group], length, pad, np.int32)
-            targets = stack([it[1] for it in group], length, 0, np.int32).reshape(-1)
-            masks = tuple(stack([it[j] if it[j] is not None else () for it in group], length, 0, np.float32).reshape(-1)
-                          for j in (2, 3))
+            ids, targets, masks = pack([it[0] for it in group], [it[1] for it in group],
+                                       [[it[j] if it[j] is not None else () for it in group] for j in (2, 3)],
+                                       unit, pad_token(model.cfg))
         trace = model.forward(ids, bucket)
         for j, m in enumerate(masks):
             if m is None or not m.any():

@@ -24,12 +24,21 @@ def packable(lengths, unit: int, max_rows: int) -> int:
     return max(n, 1)
 
 
-def padded_length(lengths, unit: int) -> int:
-    """The packed length of sequences of these lengths: the longest, rounded up to ``unit``."""
-    return -(-max(lengths) // unit) * unit
+def pad_token(cfg) -> int:
+    """The id padded positions take: the model's pad token, else 0 (unscored either way)."""
+    return cfg.pad_token_id if cfg.pad_token_id is not None else 0
 
 
-def stack(rows, length: int, fill, dtype) -> np.ndarray:
+def pack(ids, targets, masks, unit: int, pad: int):
+    """Sequences stacked into one packed pass: ids [B, L] (L the longest rounded up to ``unit``,
+    pads ``pad``), targets and each list of per-sequence masks in ``masks`` flattened to [B * L]
+    (pads 0: unscored)."""
+    length = -(-max(len(row) for row in ids) // unit) * unit
+    return (_stack(ids, length, pad, np.int32), _stack(targets, length, 0, np.int32).reshape(-1),
+            tuple(_stack(rows, length, 0, np.float32).reshape(-1) for rows in masks))
+
+
+def _stack(rows, length: int, fill, dtype) -> np.ndarray:
     """[len(rows), length] of ``fill``, each row's values at its start."""
     out = np.full((len(rows), length), fill, dtype)
     for i, row in enumerate(rows):

@@ -35,7 +35,7 @@ from lfm2jit.ops.optim import F32_MAX, grad_sumsq, norm_of, step_gate, step_gate
 from . import checks
 from .errors import TrainError
 from .optim import Optimizer, recordable
-from .packing import packable, padded_length, stack
+from .packing import pack, packable, pad_token
 from .recorded import RecordedSteps
 from .scaler import GradScaler
 from .schedules import LRScheduler
@@ -327,11 +327,9 @@ class Trainer:
             ids, targets, mask, _ = group[0]
             normalizer = float(tokens[0])
         else:                    # packed: per-position weights mask / tokens keep each sequence's mean
-            length = padded_length([len(g[0]) for g in group], self._pack_unit())
-            pad = model.cfg.pad_token_id if model.cfg.pad_token_id is not None else 0
-            ids = stack([g[0] for g in group], length, pad, np.int32)
-            targets = stack([g[1] for g in group], length, 0, np.int32).reshape(-1)
-            mask = stack([g[2] / n for g, n in zip(group, tokens)], length, 0, np.float32).reshape(-1)
+            ids, targets, (mask,) = pack([g[0] for g in group], [g[1] for g in group],
+                                         [[g[2] / n for g, n in zip(group, tokens)]], self._pack_unit(),
+                                         pad_token(model.cfg))
             normalizer = 1.0
         head = model.lm_head
         head_trained = any(p is head for p in params)
