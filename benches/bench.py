@@ -110,6 +110,7 @@ MTILE_SHAPES = [(4096, 4096, 4096), (2048, 4608, 1024), (2048, 1024, 4608), (204
 # each tile is timed this many times and the fastest kept: a shared GPU's other work slows some
 # timings several-fold (the same kernel measured 1.2 and 3.6 ms in one run), never speeds one up
 MTILE_ROUNDS = 3
+MTILE_PRODUCTS = ("fwd", "fwd_w16", "fwd_y32", "dx", "dw")
 
 
 def _median_split(timings: list[tuple[str, float]], reps: int) -> tuple[float, dict[str, float]]:
@@ -148,10 +149,11 @@ def _rand(rng, shape, scale=1.0):
 # ---------------------------------------------------------------- kernel benchmarks
 
 class Bench:
-    def __init__(self, ctx, quick: bool, reps: int, log=print, tile_shapes=None, tiles_matching=None):
+    def __init__(self, ctx, quick: bool, reps: int, log=print, tile_shapes=None, tiles_matching=None, products=None):
         self.ctx = ctx
         self.tile_shapes = tile_shapes
         self.tiles_matching = tiles_matching
+        self.products = products
         self.quick = quick
         self.reps = reps
         self.log = log
@@ -332,6 +334,8 @@ class Bench:
                 args = {"x": e.tensor(xa, "f16"), "w": e.tensor(wa), "d_y": e.tensor(dya, "f16")}
                 w16 = e.tensor(wa, "f16")
                 for name, kern in products.items():
+                    if self.products and name not in self.products:
+                        continue
                     spec = kern.kernels[0].specialize({"T": m, "K": k, "N": n}, 1, target=e.target)
                     given = {t.name: (w16 if name == "fwd_w16" and t.name == "w" else args[t.name])
                              for t in kern.ir.inputs}
@@ -824,6 +828,7 @@ def main(argv=None) -> int:
                     "(default 4096x4096x4096 2048x4608x1024 2048x1024x4608)")
     ap.add_argument("--tiles-matching", nargs="+", metavar="TEXT", help="mtiles: only the candidates whose label "
                     "contains one of these (e.g. noprefetch 128x128/sg2x2)")
+    ap.add_argument("--products", nargs="+", choices=MTILE_PRODUCTS, help="mtiles: only these products")
     args = ap.parse_args(argv)
     reps = args.reps or (3 if args.quick else 10)
     ctx = WgpuContext.create()
@@ -837,7 +842,7 @@ def main(argv=None) -> int:
 
     tile_shapes = [tuple(int(v) for v in t.lower().split("x")) for t in args.tile_shapes] if args.tile_shapes else None
     bench = Bench(ctx, args.quick, reps, log=lambda s: print(s, flush=True), tile_shapes=tile_shapes,
-                  tiles_matching=args.tiles_matching)
+                  tiles_matching=args.tiles_matching, products=args.products)
     t_start = time.perf_counter()
     state = {"lines": [], "meta": {}}
 

@@ -21,7 +21,7 @@ from lfm2jit.cli import MATRIX_UNITS
 from lfm2jit.codegen.render import render
 from lfm2jit.engine import target_of
 from lfm2jit.schedule import EMULATED_MATRIX_CONFIGS, EMULATED_SUBGROUP, Target
-from lfm2jit.schedule.matmul import MatrixTiles, narrow_matrix_tiles
+from lfm2jit.schedule.matmul import H200_WAVE, MatrixTiles, narrow_matrix_tiles, tail_columns
 from lfm2jit.tune.candidates import MATRIX, matrix as matrix_candidates
 
 LINEAR = library.get("linear")
@@ -144,6 +144,12 @@ def test_matrix_tiles_follow_operand_layout_and_grid(sizes, want):
     ({"T": 2048, "K": 1024, "N": 4608}, {"d_x": MatrixTiles(128, 128, 2, 2, 32, split=2, prefetch=False)}),
     ({"T": 2048, "K": 1024, "N": 3072}, {"d_x": MatrixTiles(128, 128, 2, 4, 32)}),
     ({"T": 512, "K": 16, "N": 4608}, {"y": MatrixTiles(128, 128, 2, 2, 32, prefetch=False)}),
+    # dW at T = 2048: 288 tiles, a last wave of 24 of the H200's 264: K split over 8 in the columns
+    # holding those 24; 4096^3's last wave is 88% full, and the GPU busy, unsplit
+    ({"T": 2048, "K": 1024, "N": 4608}, {"d_w": MatrixTiles(128, 128, 2, 2, 32, split=8, tail=1, prefetch=False)}),
+    ({"T": 2048, "K": 4608, "N": 1024}, {"d_w": MatrixTiles(128, 128, 2, 2, 32, split=8, tail=3, prefetch=False)}),
+    ({"T": 4096, "K": 4096, "N": 4096}, {"d_w": MatrixTiles(128, 128, 2, 2, 32, prefetch=False)}),
+    ({"T": 2048, "K": 1024, "N": 3072}, {"d_w": MatrixTiles(128, 128, 2, 2, 32, prefetch=False)}),   # 192: one wave
 ])
 def test_short_sequences_take_tiles_that_fill_the_gpu(sizes, want):
     for out, tiles in want.items():
@@ -185,6 +191,45 @@ def test_matrix_tiles_that_do_not_fit_are_refused():
         MatrixTiles(stages=2, prefetch=False)
     with pytest.raises(ValueError, match="need a device with f16 subgroup matrices"):
         PRODUCTS["y"].specialize({"T": 8, "K": 16, "N": 16}, 1, frozenset(), MatrixTiles())
+
+
+def test_a_split_tail_must_be_fewer_columns_than_the_grid():
+    """tail counts the last tile columns whose K is split: refused without a split, and refused by
+    name (before any GPU work) where the output has no more tile columns than that."""
+    with pytest.raises(ValueError, match="tail .* must be 0, or positive with split > 1"):
+        MatrixTiles(tail=1)
+    with pytest.raises(ValueError, match="tail 3 must be fewer than the 3 tile columns of N = 300"):
+        PRODUCTS["y"].specialize({"T": 256, "K": 64, "N": 300}, 64, frozenset(), MatrixTiles(split=2, tail=3),
+                                 MATRIX_UNITS)
+    assert MatrixTiles(split=4, tail=2, prefetch=False).label == "128x128/sg2x2/bk32/split4/tail2/s1/g8/noprefetch"
+    with pytest.raises(ValueError, match="need 69120 workgroups in a row, WebGPU allows 65535"):
+        PRODUCTS["y"].specialize({"T": 65536, "K": 64, "N": 16384}, 64, frozenset(),
+                                 MatrixTiles(128, 128, 2, 2, 32, split=8, tail=1), MATRIX_UNITS)
+
+
+def test_tail_columns_hold_the_last_partial_wave(rng):
+    """The fewest last tile columns whose tiles include every tile past the grid's full waves; none
+    for a grid under one wave, one ending in a full wave, or one whose excess needs every column."""
+    for _ in range(300):
+        m, n = (int(v) for v in rng.integers(1, 12000, 2))
+        cols, rows = -(-n // 128), -(-m // 128)
+        tail, tiles = tail_columns(m, n), cols * rows
+        if tail == 0:
+            assert tiles < H200_WAVE or tiles % H200_WAVE == 0 or -(-(tiles % H200_WAVE) // rows) >= cols, (m, n)
+            continue
+        full = tiles // H200_WAVE * H200_WAVE
+        assert 0 < tail < cols and (cols - tail) * rows <= full < (cols - tail + 1) * rows, (m, n, tail)
+    assert tail_columns(2048, 4608) == 3 and tail_columns(4608, 1024) == 1      # T = 2048: 576 and 288 tiles
+
+
+def test_split_tail_candidates_are_tried_where_the_grid_ends_in_a_partial_wave():
+    """The autotuner tries 128x128 tiles with K split in the partial wave's columns (and one more);
+    not where the grid fills its waves."""
+    tails = {(t.tail, t.split) for t in matrix_candidates(
+        PRODUCTS["y"].specialize({"T": 2048, "K": 1024, "N": 4608}, 64, target=MATRIX_UNITS).params) if t.tail}
+    assert tails == {(3, 2), (3, 4), (3, 8), (4, 2), (4, 4), (4, 8)}
+    assert not any(t.tail for t in matrix_candidates(
+        PRODUCTS["y"].specialize({"T": 2048, "K": 1024, "N": 1024}, 64, target=MATRIX_UNITS).params))
 
 
 def test_emulated_matrix_templates_need_no_subgroup_matrix_feature():
@@ -263,6 +308,40 @@ def test_matrix_products_match_float64(units, rng, T, K, N, tiles):
         assert k.specialize({"T": T, "K": K, "N": N}, 16, frozenset(), tiles, e.target).template == "matmul_matrix"
         got = e.run(k, bucket=16, tiles=tiles, **{n: args[n] for n in k.inputs})[out].numpy()
         assert rel_err(got, want[out]) < (2e-3 if out != "d_w" else 1e-5), (out, T, K, N, tiles)
+
+
+def _tail_case(rng):
+    """A random shape and tiles with K split in a random tail of at least one product's tile columns."""
+    wm, wn, sg_m, sg_n = [(64, 64, 2, 2), (32, 64, 1, 2), (64, 32, 2, 1), (128, 64, 2, 2)][rng.integers(4)]
+    T, K, N = int(rng.integers(2, 300)), int(rng.integers(wn + 1, 4 * wn)), int(rng.integers(wn + 1, 4 * wn))
+    tail = int(rng.integers(1, -(-min(K, N) // wn)))        # fewer than the tile columns of y [T, N] and dX [T, K]
+    return (T, K, N), MatrixTiles(wm, wn, sg_m, sg_n, 32, split=int(rng.choice([2, 4, 8])), tail=tail,
+                                  group=int(rng.integers(1, 4)), prefetch=bool(rng.integers(2)))
+
+
+@pytest.mark.parametrize("case", range(6))
+def test_split_tails_match_float64(units, rng, case):
+    """K split only in the last tile columns (the tiles of a last, partial wave): the three products
+    and their accumulating forms against float64, on random shapes, tiles, splits and tails; the
+    whole-K tiles go straight to C, the tail's slices through the workspace and the reduce."""
+    e = units
+    (T, K, N), tiles = _tail_case(np.random.default_rng([7, case]))
+    x, dy = _f16(rng, (T, K)), _f16(rng, (T, N))
+    w = rng.standard_normal((N, K)).astype(np.float32)
+    w16 = w.astype(np.float16).astype(np.float64)
+    product = {"y": x.astype(np.float64) @ w16.T, "d_x": dy.astype(np.float64) @ w16,
+               "d_w": dy.T.astype(np.float64) @ x.astype(np.float64)}
+    old = {"y": _f16(rng, (T, N)), "d_x": _f16(rng, (T, K)), "d_w": rng.standard_normal((N, K)).astype(np.float32)}
+    args = {"x": e.tensor(x), "w": e.tensor(w), "d_y": e.tensor(dy)}
+    for out, k in PRODUCTS.items():
+        spec = k.specialize({"T": T, "K": K, "N": N}, 16, frozenset(), tiles, e.target)
+        assert spec.params.split_n0 > 0 and [p.name for p in spec.entry_points] == ["main", "reduce"], (out, tiles)
+        tol = 2e-3 if out != "d_w" else 1e-5
+        got = e.run(k, bucket=16, tiles=tiles, **{n: args[n] for n in k.inputs})[out].numpy()
+        assert rel_err(got, product[out]) < tol, (out, T, K, N, tiles)
+        c = e.tensor(old[out])
+        e.run(k, bucket=16, tiles=tiles, out={out: c}, accumulate={out}, **{n: args[n] for n in k.inputs})
+        assert rel_err(c.numpy(), old[out].astype(np.float64) + product[out]) < tol, (out, "accumulate", tiles)
 
 
 @pytest.mark.parametrize("tiles,frags,on_32k", [

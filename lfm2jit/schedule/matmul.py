@@ -11,6 +11,8 @@ strides). Two templates, one planner:
 
 Both mask the edges, run an axis that is T only to the real length (padded rows never enter a
 sum), and share the epilogue: accumulate, f16 or f32 output, split-K with a deterministic reduce.
+The matrix template can also split K in the last tile columns only (``MatrixTiles.tail``), so the
+tiles that would run in a last, mostly idle wave of workgroups are spread over more of them.
 """
 from __future__ import annotations
 
@@ -58,6 +60,7 @@ class TileConfig:
 
 
 REDUCE_THREADS = 256
+MAX_WORKGROUPS = 65535    # WebGPU's maxComputeWorkgroupsPerDimension (its default limit)
 DEFAULT_TILES = TileConfig()
 LARGE_TILES = TileConfig(bm=128, bn=128, bk=8, tm=8, tn=8)
 LONG_K = 2048        # contractions at least this long split K over 2 (with SMALL_OUTPUT tiles or more)
@@ -137,6 +140,10 @@ class GemmParams:
     batches: int
     reduce_threads: int
 
+    @property
+    def split_n0(self) -> int:      # split-K's workspace holds every column (see MatrixParams)
+        return 0
+
 
 @dataclass(frozen=True)
 class MatmulParams(GemmParams):
@@ -154,9 +161,11 @@ class MatrixTiles:
     workgroup memory BK at a time (as f16) in ``stages`` buffers (2: the next k-step is stored
     while this one is multiplied, one barrier per step), workgroups walking the output in bands of
     ``group`` tile rows (so neighbours share operand tiles in L2), and split-K as the SIMT tiles
-    have it. ``prefetch``: with one stage, the next k-step is fetched into registers while this one
-    is multiplied; without, at the top of each step, which holds fewer registers (and on the H200
-    ran 128x128 tiles 1.1-1.25x faster: the accumulators leave little room)."""
+    have it, in every tile or (``tail`` > 0) only in the last ``tail`` tile columns: the tiles that
+    would otherwise run in a last, mostly idle wave of workgroups. ``prefetch``: with one stage,
+    the next k-step is fetched into registers while this one is multiplied; without, at the top of
+    each step, which holds fewer registers (and on the H200 ran 128x128 tiles 1.1-1.25x faster:
+    the accumulators leave little room)."""
     wm: int = 128
     wn: int = 128
     sg_m: int = 2
@@ -166,10 +175,13 @@ class MatrixTiles:
     stages: int = 1
     group: int = 8
     prefetch: bool = True
+    tail: int = 0
 
     def __post_init__(self):
         if min(self.wm, self.wn, self.sg_m, self.sg_n, self.bk, self.group) < 1 or self.split not in (1, 2, 4, 8):
             raise ValueError(f"{self}: sizes must be positive and split 1, 2, 4 or 8")
+        if self.tail < 0 or (self.tail and self.split == 1):
+            raise ValueError(f"{self}: tail (the tile columns whose K is split) must be 0, or positive with split > 1")
         if self.stages not in (1, 2):
             raise ValueError(f"{self}: stages must be 1 or 2")
         if self.stages == 2 and not self.prefetch:
@@ -178,11 +190,14 @@ class MatrixTiles:
     @property
     def label(self) -> str:
         return (f"{self.wm}x{self.wn}/sg{self.sg_m}x{self.sg_n}/bk{self.bk}" + (f"/split{self.split}" if self.split > 1 else "")
-                + f"/s{self.stages}" + (f"/g{self.group}" if self.group > 1 else "")
+                + (f"/tail{self.tail}" if self.tail else "") + f"/s{self.stages}" + (f"/g{self.group}" if self.group > 1 else "")
                 + ("" if self.prefetch else "/noprefetch"))
 
-    def problem(self, frag: MatrixConfig, subgroup: int, workgroup_bytes: int) -> str | None:
-        """The first rule these tiles break for fragments ``frag`` and this subgroup size, or None."""
+    def problem(self, frag: MatrixConfig, subgroup: int, workgroup_bytes: int, n: int | None = None) -> str | None:
+        """The first rule these tiles break for fragments ``frag``, this subgroup size and (given)
+        an output N wide, or None."""
+        if n is not None and self.tail >= -(-n // self.wn):
+            return f"tail {self.tail} must be fewer than the {-(-n // self.wn)} tile columns of N = {n}"
         if self.wm % (self.sg_m * frag.m) or self.wn % (self.sg_n * frag.n):
             return f"WM / SG_M and WN / SG_N must be multiples of the {frag.m}x{frag.n} fragment"
         if self.bk % frag.k or self.bk % 4:
@@ -238,17 +253,45 @@ class MatrixParams(GemmParams):
         return not self.b.k_fast
 
     @property
+    def tiles_x(self) -> int:       # tile columns (along N) ...
+        return -(-self.n_size // self.tiles.wn)
+
+    @property
+    def tiles_y(self) -> int:       # ... and tile rows (along M)
+        return -(-self.m_pad // self.tiles.wm)
+
+    @property
+    def split_n0(self) -> int:
+        """The first output column whose K is split: 0 when every tile splits, the start of the
+        tail's tile columns otherwise (split-K's workspace holds the columns from it on)."""
+        if self.tiles.split == 1:
+            return self.n_size
+        return (self.tiles_x - self.tiles.tail) * self.tiles.wn if self.tiles.tail else 0
+
+    @property
+    def destinations(self) -> tuple[str, ...]:
+        """Where the workgroups' sums go: C ("c"), split-K's workspace ("ws"), or (a split tail)
+        C from the tiles that sum all of K and the workspace from the tail's."""
+        if self.tiles.split == 1:
+            return ("c",)
+        return ("c", "ws") if self.tiles.tail else ("ws",)
+
+    @property
     def direct_store(self) -> bool:
-        """Whether interior tiles store whole accumulator fragments straight to memory (row-major)
+        """Whether interior tiles store whole accumulator fragments straight to C (row-major)
         instead of element by element through workgroup memory: f32 outputs with contiguous rows at
-        least a fragment wide, or split-K's f32 workspace. Dawn wants every buffer a fragment is
-        stored into to hold one fragment at least, so outputs sized by the sequence length (which
-        may be shorter than a fragment) keep the element-wise path. Edges go element by element."""
+        least a fragment wide. Dawn wants every buffer a fragment is stored into to hold one
+        fragment at least, so outputs sized by the sequence length (which may be shorter than a
+        fragment) keep the element-wise path. Edges go element by element."""
         fragment = self.frag.m * self.frag.n
-        if self.tiles.split > 1:
-            return self.n_size >= self.frag.n and self.tiles.split * self.batches * self.m_pad * self.n_size >= fragment
         return (not self.c.convert and self.c.sn == 1 and self.c.sm >= self.frag.n and SEQ_AXIS not in self.axes[:2]
                 and self.axes[3] != SEQ_AXIS and self.batches * self.m_pad * self.n_size >= fragment)
+
+    @property
+    def direct_store_ws(self) -> bool:
+        """The same for split-K's f32 workspace [batch, split, M, N - split_n0]."""
+        cols = self.n_size - self.split_n0
+        return cols >= self.frag.n and self.tiles.split * self.batches * self.m_pad * cols >= self.frag.m * self.frag.n
 
 
 MANY_ACCUMULATORS = 8  # a subgroup holding more fragments than this puts them out one a round
@@ -262,7 +305,8 @@ def epilogue_frags(p: MatrixParams, workgroup_bytes: int) -> int:
     round ran subgroups of 16 (128x128 tiles of 2x2) 1.4-1.8x slower, so those keep one
     (benches/README.md, "The matrix GEMM's epilogue"). Outputs stored straight from the fragments
     use the scratch at edge tiles only, and keep one too."""
-    if p.direct_store or p.fm * p.fn > MANY_ACCUMULATORS:
+    direct = {"c": p.direct_store, "ws": p.direct_store_ws}
+    if all(direct[d] for d in p.destinations) or p.fm * p.fn > MANY_ACCUMULATORS:
         return 1
     per_frag = 4 * p.tiles.sg_m * p.tiles.sg_n * p.frag.m * p.frag.n
     room = workgroup_bytes - p.tiles.workgroup_bytes(p.frag)
@@ -281,6 +325,20 @@ SMALL_MATRIX_SPLIT_TILES = MatrixTiles(64, 64, 2, 2, 32, split=2)
 JUST_OVER_A_WAVE_TILES = MatrixTiles(256, 128, 4, 2, 32, prefetch=False)
 SPLIT_WAVE_K = 4096       # a wave of 128x128 tiles summing this much or more splits K over 2
 WAVE_SPLIT_TILES = MatrixTiles(128, 128, 2, 2, 32, split=2, prefetch=False)
+
+
+DW_TAIL_SPLIT = 8         # dW's split tail: each tail tile's K in 8 slices
+H200_WAVE = 2 * 132       # 128x128 workgroups of 2x2 subgroups an H200 runs at once (132 SMs, 2 each by registers)
+TAIL_BASE_TILES = MatrixTiles(128, 128, 2, 2, 32, prefetch=False)
+
+
+def tail_columns(m: int, n: int, tiles: MatrixTiles = TAIL_BASE_TILES, wave: int = H200_WAVE) -> int:
+    """How many of the last tile columns hold the tiles of a grid's last, partial wave (0: the grid
+    is under one wave or ends in a full one; then a split tail has nothing to fill)."""
+    cols, rows = -(-n // tiles.wn), -(-m // tiles.wm)
+    waves, over = divmod(cols * rows, wave)
+    tail = -(-over // rows)
+    return tail if waves and over and tail < cols else 0
 
 
 def narrow_matrix_tiles(thin: str, split: int = 1) -> MatrixTiles:
@@ -304,7 +362,10 @@ def choose_matrix_tiles(m: int, n: int, k: int, k_contiguous: int) -> MatrixTile
       prefetching 2x2 at 4096^3 and the T = 4096 shapes: its registers are short);
     * dW = dY^T X (no operand read along K), summed over LONG_K tokens or more: 128x128 tiles of
       2x2 subgroups without prefetch (since the k-steps inside both operands are fetched unmasked:
-      1.2x 128x256 at 4096^3, 1.2-1.55x at T = 2048, 0.9x the best, 64x64, at 2048x4608x1024); over
+      1.2x 128x256 at 4096^3, 1.2-1.55x at T = 2048, 0.9x the best, 64x64, at 2048x4608x1024),
+      where the grid ends in a wave at most a quarter full with K split over DW_TAIL_SPLIT in the
+      tile columns that hold that wave's tiles (T = 2048's 288 tiles of 4608x1024 and 1024x4608:
+      1.25x and 1.27x; a split tail made 4096^3's forward 7% slower, with a last wave 88% full); over
       fewer (T = 512, where 128x256 tiles made dW 1.27x slower in the train step) 64x64 tiles, or
       128x128 ones like the other products from 1024 tiles.
 
@@ -326,7 +387,10 @@ def choose_matrix_tiles(m: int, n: int, k: int, k_contiguous: int) -> MatrixTile
     if k_contiguous and BUSY_GROUPS < grid < 2 * BUSY_GROUPS and ONE_STEP_K < k < LONG_K:
         return JUST_OVER_A_WAVE_TILES
     if k_contiguous == 0 and k >= LONG_K:
-        return MatrixTiles(128, 128, 2, 2, 32, prefetch=False)
+        tail = tail_columns(m, n)
+        if tail and tail * -(-m // 128) <= H200_WAVE // 4:      # a last wave at most a quarter full
+            return replace(TAIL_BASE_TILES, split=DW_TAIL_SPLIT, tail=tail)
+        return TAIL_BASE_TILES
     if k_contiguous == 0 and grid < HUGE_MATRIX_GRID:
         return SMALL_MATRIX_TILES
     if grid < LARGE_MATRIX_GRID and k > ONE_STEP_K:
@@ -380,10 +444,10 @@ def plan(ir: KernelIR, sizes: dict[str, int], accumulate: frozenset[str], tiles=
     if matrix:
         k_contiguous = sum(strides(x.shape, sizes)[k] == 1 for x in (a, b))
         given, tiles = tiles, tiles or choose_matrix_tiles(sizes[m_axis], sizes[n_axis], sizes[k], k_contiguous)
-        problem = tiles.problem(frag, target.subgroup_size, target.workgroup_bytes)
+        problem = tiles.problem(frag, target.subgroup_size, target.workgroup_bytes, sizes[n_axis])
         if problem and given is None:        # the H200's pick does not fit this device: the smallest tiles
             tiles = SMALL_MATRIX_TILES
-            problem = tiles.problem(frag, target.subgroup_size, target.workgroup_bytes)
+            problem = tiles.problem(frag, target.subgroup_size, target.workgroup_bytes, sizes[n_axis])
         if problem:
             raise ValueError(f"{ir.name}: tiles {tiles} do not fit the matrix template: {problem}")
     else:
@@ -417,11 +481,18 @@ def plan(ir: KernelIR, sizes: dict[str, int], accumulate: frozenset[str], tiles=
         template, params = "matmul", MatmulParams(tiles=tiles, **common)
         tile_m, tile_n = tiles.bm, tiles.bn
     vectors = tuple((op.tensor, 4) for op in dict.fromkeys(ops) if op.vec)
-    grid = (-(-sizes[n_axis] // tile_n), -(-sizes[m_axis] // tile_m), batches * tiles.split)
+    if matrix and tiles.tail:      # one row of workgroups: the whole-K tiles, then the tail's slices
+        head = params.tiles_y * (params.tiles_x - tiles.tail)
+        grid = (head + tiles.split * tiles.tail * params.tiles_y, 1, batches)
+        if grid[0] > MAX_WORKGROUPS:
+            raise ValueError(f"{ir.name}: tiles {tiles} need {grid[0]} workgroups in a row, WebGPU allows "
+                             f"{MAX_WORKGROUPS}: take a shorter tail or a smaller split")
+    else:
+        grid = (-(-sizes[n_axis] // tile_n), -(-sizes[m_axis] // tile_m), batches * tiles.split)
     if tiles.split == 1:
         return Plan(template, params, (EntryPoint("main", grid),), vectors=vectors)
-    # pass 1 writes each K slice's partial tile to a workspace [batch, split, M, N]; pass 2
-    # ("reduce", one invocation per output element) sums the slices into the output
-    elements = batches * sizes[m_axis] * sizes[n_axis]
+    # pass 1 writes each K slice's partial tile to a workspace [batch, split, M, N - split_n0]; pass 2
+    # ("reduce", one invocation per workspace column of each row) sums the slices into the output
+    elements = batches * sizes[m_axis] * (sizes[n_axis] - params.split_n0)
     return Plan(template, params, (EntryPoint("main", grid), EntryPoint("reduce", -(-elements // REDUCE_THREADS))),
                 (Scratch("ws", "f32", tiles.split * elements),), vectors)

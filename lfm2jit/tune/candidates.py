@@ -7,7 +7,7 @@ from dataclasses import replace
 
 from ..schedule.attention import (MATRIX_CANDIDATES, MATRIX_TEMPLATES, TARGET_THREADS, AttentionTiles, choose_tiles,
                                   tiles_problem)
-from ..schedule.matmul import NARROW, MatrixTiles, TileConfig, narrow_matrix_tiles
+from ..schedule.matmul import NARROW, TAIL_BASE_TILES, MatrixTiles, TileConfig, narrow_matrix_tiles, tail_columns
 from ..schedule.reduce import COLUMN_SPLITS, ColumnTiles
 
 MIN_THREADS = 64             # fewest invocations per workgroup an attention candidate has
@@ -56,9 +56,14 @@ MATRIX = (MatrixTiles(128, 128, 2, 2, 32), MatrixTiles(128, 128, 2, 2, 32, stage
 
 
 def matrix(params) -> tuple[MatrixTiles, ...]:
-    """MATRIX, or for an output at most NARROW thin, tiles one fragment thin at every split."""
+    """MATRIX and, where the grid of 128x128 tiles ends in a partial wave, those tiles with K split
+    in the tail's columns (or one more) over 2, 4 or 8; for an output at most NARROW thin, tiles one
+    fragment thin at every split."""
     if min(params.m_pad, params.n_size) > NARROW:
-        return MATRIX
+        tail = tail_columns(params.m_pad, params.n_size)
+        cols = -(-params.n_size // TAIL_BASE_TILES.wn)
+        return MATRIX + tuple(replace(TAIL_BASE_TILES, split=s, tail=t) for t in (tail, tail + 1) if tail and t < cols
+                              for s in (2, 4, 8))
     thin = "m" if params.m_pad <= params.n_size else "n"
     return tuple(narrow_matrix_tiles(thin, s) for s in (1, 2, 4, 8)) + (MatrixTiles(64, 64, 2, 2, 32),)
 
