@@ -149,15 +149,35 @@ def test_autotuned_matrix_attention_is_correct_and_cached(ctx, matrix_engine, tm
 
 
 def test_picks_follow_the_h200_and_dkdv_takes_d_from_its_own_pass(fwd16):
-    """On a device with 48 KiB of workgroup memory the forward takes 32x32 tiles, dq and dk/dv 16x16;
-    dk/dv runs a first pass ("prep") that writes each query's D = dO . O into a scratch buffer once."""
+    """On a device with 48 KiB of workgroup memory the forward takes 64x32 tiles, dq 16x16 and dk/dv
+    32x32; dk/dv runs a first pass ("prep") that writes each query's D = dO . O into a scratch buffer once."""
     from lfm2jit.cli import MATRIX_UNITS
     dims = {"T": 2048, "H": H, "G": 2, "E": 64}
-    assert fwd16.specialize(dims, 64, target=MATRIX_UNITS).params.tiles == MatrixAttentionTiles(32, 32)
+    assert fwd16.specialize(dims, 64, target=MATRIX_UNITS).params.tiles == MatrixAttentionTiles(64, 32)
     dq, dkdv = grad(fwd16, cotangents=["o"]).kernels
     assert dq.specialize(dims, 64, target=MATRIX_UNITS).params.tiles == MatrixAttentionTiles(16, 16)
     spec = dkdv.specialize(dims, 64, target=MATRIX_UNITS)
-    assert spec.params.tiles == MatrixAttentionTiles(16, 16)
+    assert spec.params.tiles == MatrixAttentionTiles(32, 32)
     assert [e.name for e in spec.entry_points][:2] == ["prep", "main"]
     assert "dsum" in {s.tensor for s in spec.scratch}
     assert "fn prep(" in render(spec) and "tile_dpart" not in render(spec)
+
+
+def test_tiles_are_padded_against_bank_conflicts_and_read_as_vectors(fwd16):
+    """Every candidate's workgroup rows are padded so a fragment's rows fall in different banks: f16
+    rows an odd number of 16-byte units apart (a fragment load reads 8 such rows at once), f32 columns
+    4 words past a multiple of 16 (a fragment store's lanes, two columns apart, 8 banks apart); q, k, v
+    (and the backward's dO and o) are bound as vec4s, the outputs as scalars."""
+    from lfm2jit.cli import MATRIX_UNITS
+    kernels = dict(zip(("fwd", "dq", "dkdv"), [fwd16, *grad(fwd16, cotangents=["o"]).kernels]))
+    for mode, kernel in kernels.items():
+        for tiles in MATRIX_CANDIDATES:
+            for E in (16, 64, 128):
+                spec = kernel.specialize({"T": 256, "H": H, "G": 2, "E": E}, 64, frozenset(), tiles,
+                                         MATRIX_UNITS.__class__(MATRIX_UNITS.matrix_configs, 32, 1 << 20))
+                p = spec.params
+                assert (2 * p.row_stride // 16) % 2 == 1 and 2 * p.row_stride % 16 == 0, (mode, tiles, E)
+                assert (2 * p.col_stride // 16) % 2 == 1 and 2 * p.col_stride % 16 == 0, (mode, tiles, E)
+                assert p.acc_stride % 16 == 4, (mode, tiles, E)
+                vec = {b.tensor for b in spec.bindings if b.vector == 4}
+                assert vec == ({"q", "k", "v"} if mode == "fwd" else {"q", "k", "v", "d_o", "o"}), (mode, vec)

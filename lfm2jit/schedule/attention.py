@@ -34,7 +34,9 @@ attention_dkdv_matrix; MatrixAttentionTiles): a subgroup per 16 owned rows multi
 v^T, dS k, P^T dO and dS^T q as fragments from f16 tiles in workgroup memory; softmax statistics,
 D and o stay f32 (o rescaled, then P v added, per key tile), P and dS are rounded to f16 for
 their products, dq, dk and dv accumulate in f32 fragments across the tiles, and the grouped heads'
-partial dk, dv meet in the same workspace and fixed-order second pass. The matrix dk/dv kernel
+partial dk, dv meet in the same workspace and fixed-order second pass. Their workgroup tiles have
+padded rows (``matrix_strides``: a fragment's rows in different banks) and they read q, k, v, dO
+and o as vec4s. The matrix dk/dv kernel
 takes D from a first pass ("prep", one invocation per query and head) instead of summing it again
 in every key block that streams the query.
 
@@ -154,6 +156,7 @@ class AttnTensor:
     dtype: str
     strides: Strides
     accumulate: bool = False
+    vec: bool = False             # the matrix templates read it as vec4s (see _vector_reads)
 
     @property
     def convert(self) -> bool:
@@ -254,25 +257,41 @@ MATRIX_CANDIDATES = (MatrixAttentionTiles(64, 64), MatrixAttentionTiles(64, 32),
                      MatrixAttentionTiles(32, 32), MatrixAttentionTiles(16, 32), MatrixAttentionTiles(16, 16))
 # Each kernel takes the first of its preferences that fits the device's workgroup memory, then of the
 # rest in MATRIX_CANDIDATES' order. The H200 at T = 512 and 2048 (H = 16, G = 8, E = 64; benches/README.md,
-# "Attention's D pass"): the forward ran fastest at 32x32, dq and dk/dv (with D from its own pass) at 16x16.
-MATRIX_PREFERRED = {"fwd": (MatrixAttentionTiles(32, 32),), "dq": (MatrixAttentionTiles(16, 16),),
-                    "dkdv": (MatrixAttentionTiles(16, 16),)}
+# "Padded attention tiles"): the forward ran fastest at 64x32, dq at 16x16, dk/dv at 32x32.
+MATRIX_PREFERRED = {"fwd": (MatrixAttentionTiles(64, 32),), "dq": (MatrixAttentionTiles(16, 16),),
+                    "dkdv": (MatrixAttentionTiles(32, 32),)}
 
 
 MATRIX_TEMPLATES = {"fwd": "attention_fwd_matrix", "dq": "attention_dq_matrix", "dkdv": "attention_dkdv_matrix"}
+
+
+# Padding of the matrix templates' workgroup tiles, so that a fragment's rows (or columns) fall in
+# different banks: f16 rows 16 bytes longer (row starts an odd number of 16-byte units apart, what a
+# fragment load reading 8 rows of 16 bytes at once needs), f32 columns 4 words longer (a fragment
+# store's lanes, two columns apart, land 8 banks apart).
+F16_PAD = 8
+F32_PAD = 4
+
+
+def matrix_strides(t: MatrixAttentionTiles, e: int) -> tuple[int, int, int]:
+    """Row strides of the matrix templates' workgroup tiles: f16 head-dim rows (q, k, v, dO),
+    f16 columns of an owned block ([tile][rows]: P, dS), f32 columns of one ([.][rows]: S, dP, P v, dq,
+    dk, dv)."""
+    return e + F16_PAD, t.rows + F16_PAD, t.rows + F32_PAD
 
 
 def matrix_workgroup_bytes(mode: str, t: MatrixAttentionTiles, e: int, threads: int) -> int:
     """fwd: q, k, v and P tiles as f16, one f32 buffer for the scores, then P v, and a word per
     invocation (its share of a row's maximum); dq: q, dO, k, v and dS tiles as f16, the scores (at
     the end dq) and dO v^T as f32; dkdv: k, v, q, dO, P^T and dS^T as f16, S^T (at the end dk, dv)
-    and dP^T as f32, and the query tile's lse and D."""
+    and dP^T as f32, and the query tile's lse and D. Rows padded as matrix_strides says."""
+    rs, cs, acc = matrix_strides(t, e)
+    wide = max(t.tile, e) * acc         # the f32 buffer that holds scores, then a head-dim result
     if mode == "fwd":
-        return 2 * (t.rows * e + 2 * t.tile * e + t.rows * t.tile) + 4 * (t.rows * max(t.tile, e) + threads)
+        return 2 * ((t.rows + 2 * t.tile) * rs + t.tile * cs) + 4 * (wide + threads)
     if mode == "dq":
-        return 2 * (2 * t.rows * e + 2 * t.tile * e + t.rows * t.tile) + 4 * t.rows * (max(t.tile, e) + t.tile)
-    return (2 * (2 * t.rows * e + 2 * t.tile * e + 2 * t.rows * t.tile)
-            + 4 * (t.rows * (max(t.tile, e) + t.tile) + 2 * t.tile))
+        return 2 * (2 * (t.rows + t.tile) * rs + t.tile * cs) + 4 * (wide + t.tile * acc)
+    return 2 * (2 * (t.rows + t.tile) * rs + 2 * t.tile * cs) + 4 * (wide + t.tile * acc + 2 * t.tile)
 
 
 def matrix_tiles_problem(mode: str, t: MatrixAttentionTiles, e: int, frag, subgroup: int,
@@ -282,9 +301,9 @@ def matrix_tiles_problem(mode: str, t: MatrixAttentionTiles, e: int, frag, subgr
         return "rows and tile must be positive integers"
     if t.rows % frag.m or subgroup % frag.m:
         return f"rows ({t.rows}) and the subgroup size ({subgroup}) must be multiples of the fragment height {frag.m}"
-    if t.tile % frag.n or t.tile % frag.k or e % frag.n or e % frag.k:
+    if t.tile % frag.n or t.tile % frag.k or e % frag.n or e % frag.k or e % 4:
         return (f"the key tile ({t.tile}) and the head dim ({e}) must be multiples of the fragment's "
-                f"n = {frag.n} and k = {frag.k}")
+                f"n = {frag.n} and k = {frag.k} (and the head dim of 4: its rows are read as vec4s)")
     threads = t.rows // frag.m * subgroup
     if threads > MAX_THREADS:
         return f"{t.rows // frag.m} subgroups of {subgroup} invocations, expected at most {MAX_THREADS}"
@@ -314,6 +333,18 @@ class MatrixAttentionParams(AttentionParams):
     @property
     def smem_bytes(self) -> int:
         return matrix_workgroup_bytes(self.mode, self.tiles, self.head_dim, self.threads)
+
+    @property
+    def row_stride(self) -> int:    # f16 head-dim rows in workgroup memory
+        return matrix_strides(self.tiles, self.head_dim)[0]
+
+    @property
+    def col_stride(self) -> int:    # f16 columns of the owned block
+        return matrix_strides(self.tiles, self.head_dim)[1]
+
+    @property
+    def acc_stride(self) -> int:    # f32 columns of the owned block
+        return matrix_strides(self.tiles, self.head_dim)[2]
 
 
 def _matrix_params(call: IntrinsicCall, target, mode: str, params: tuple[str, ...],
@@ -345,8 +376,26 @@ def _matrix_params(call: IntrinsicCall, target, mode: str, params: tuple[str, ..
             return None
     simt = _params(replace(call, tiles=None), mode, params, outputs)
     fields = {f: getattr(simt, f) for f in AttentionParams.__dataclass_fields__}
-    return MatrixAttentionParams(**{**fields, "tiles": tiles}, frag=frag, subgroup_size=target.subgroup_size,
-                                 emulated=target.emulated)
+    return MatrixAttentionParams(**{**fields, "tiles": tiles, **_vector_reads(simt)}, frag=frag,
+                                 subgroup_size=target.subgroup_size, emulated=target.emulated)
+
+
+def _read(p: AttentionParams) -> tuple[str, ...]:
+    """The tensors the matrix templates fetch tiles of (and, backward, o for D = dO . O)."""
+    return ("q", "k", "v") if p.mode == "fwd" else ("q", "k", "v", "do", "o")
+
+
+def _vector_reads(p: AttentionParams) -> dict[str, AttnTensor]:
+    """The read tensors marked ``vec``: the matrix templates read them as vec4s of 4 consecutive head-dim
+    columns, a quarter of the loads. Always possible there: the roles fix each tensor's layout to
+    [..., T, heads, E], and E is a multiple of 4 (matrix_tiles_problem)."""
+    return {n: replace(getattr(p, n), vec=True) for n in _read(p) if getattr(p, n) is not None}
+
+
+def _vectors(p: AttentionParams) -> tuple[tuple[str, int], ...]:
+    """The bindings a plan reads as vec4s."""
+    return tuple(dict.fromkeys((getattr(p, n).tensor, 4) for n in _read(p)
+                               if getattr(p, n) is not None and getattr(p, n).vec))
 
 
 def _choose(call: IntrinsicCall, target, mode: str, params: tuple[str, ...], outputs: tuple[str, ...],
@@ -364,7 +413,7 @@ def _plan_rows(call: IntrinsicCall, target, mode: str, params: tuple[str, ...], 
     """A kernel with a workgroup per block of query rows and head."""
     template, p = _choose(call, target, mode, params, outputs, simt_template)
     blocks = -(-call.sizes[call.operands[0].shape[-3]] // p.tiles.rows)
-    return Plan(template, p, (EntryPoint("main", (blocks, p.heads, p.batch)),))
+    return Plan(template, p, (EntryPoint("main", (blocks, p.heads, p.batch)),), vectors=_vectors(p))
 
 
 def plan_forward(call: IntrinsicCall, target=None) -> Plan:
@@ -390,9 +439,9 @@ def plan_dkdv(call: IntrinsicCall, target=None) -> Plan:
         rows = p.batch * t_pad * p.heads
         passes, scratch = (EntryPoint("prep", -(-rows // REDUCE_THREADS)), main), (Scratch("dsum", "f32", rows),)
     if split == 1:
-        return Plan(template, p, passes, scratch)
+        return Plan(template, p, passes, scratch, vectors=_vectors(p))
     elements = p.batch * t_pad * p.kv_heads * p.head_dim
     p = replace(p, split=split, workspace=2 * split * elements)
     return Plan(template, p, (*passes, EntryPoint("reduce", -(-elements // REDUCE_THREADS))),
-                (*scratch, Scratch("ws", "f32", 2 * split * elements)))
+                (*scratch, Scratch("ws", "f32", 2 * split * elements)), vectors=_vectors(p))
 
