@@ -254,12 +254,14 @@ class MatrixAttentionTiles:
 
 
 MATRIX_CANDIDATES = (MatrixAttentionTiles(64, 64), MatrixAttentionTiles(64, 32), MatrixAttentionTiles(32, 64),
-                     MatrixAttentionTiles(32, 32), MatrixAttentionTiles(16, 32), MatrixAttentionTiles(16, 16))
+                     MatrixAttentionTiles(32, 32), MatrixAttentionTiles(16, 32), MatrixAttentionTiles(64, 16),
+                     MatrixAttentionTiles(32, 16), MatrixAttentionTiles(16, 16))
 # Each kernel takes the first of its preferences that fits the device's workgroup memory, then of the
-# rest in MATRIX_CANDIDATES' order. The H200 at T = 512 and 2048 (H = 16, G = 8, E = 64; benches/README.md,
-# "Padded attention tiles"): the forward ran fastest at 64x32, dq at 16x16, dk/dv at 32x32.
-MATRIX_PREFERRED = {"fwd": (MatrixAttentionTiles(64, 32),), "dq": (MatrixAttentionTiles(16, 16),),
-                    "dkdv": (MatrixAttentionTiles(32, 32),)}
+# rest in MATRIX_CANDIDATES' order. The H200 at T = 2048 (H = 16, G = 8, E = 64; benches/README.md,
+# "Backward results spilled a tile's width at a time"): the forward ran fastest at 64x32, dq and dk/dv
+# at 32x16 (at T = 512 with one sequence dk/dv's 64x16 led, a grid of 64 workgroups).
+MATRIX_PREFERRED = {"fwd": (MatrixAttentionTiles(64, 32),), "dq": (MatrixAttentionTiles(32, 16),),
+                    "dkdv": (MatrixAttentionTiles(32, 16),)}
 
 
 MATRIX_TEMPLATES = {"fwd": "attention_fwd_matrix", "dq": "attention_dq_matrix", "dkdv": "attention_dkdv_matrix"}
@@ -284,14 +286,15 @@ def matrix_workgroup_bytes(mode: str, t: MatrixAttentionTiles, e: int, threads: 
     """fwd: q, k, v and P tiles as f16, one f32 buffer for the scores, then P v, and a word per
     invocation (its share of a row's maximum); dq: q, dO, k, v and dS tiles as f16, the scores (at
     the end dq) and dO v^T as f32; dkdv: k, v, q, dO, P^T and dS^T as f16, S^T (at the end dk, dv)
-    and dP^T as f32, and the query tile's lse and D. Rows padded as matrix_strides says."""
+    and dP^T as f32, and the query tile's lse and D. Rows padded as matrix_strides says. The
+    backward's results leave through the scores' buffer a tile's width of columns at a time, so its
+    f32 buffers are as wide as the streamed tile, whatever the head dim."""
     rs, cs, acc = matrix_strides(t, e)
-    wide = max(t.tile, e) * acc         # the f32 buffer that holds scores, then a head-dim result
-    if mode == "fwd":
-        return 2 * ((t.rows + 2 * t.tile) * rs + t.tile * cs) + 4 * (wide + threads)
+    if mode == "fwd":                   # the f32 buffer holds scores, then P v (head-dim wide) every step
+        return 2 * ((t.rows + 2 * t.tile) * rs + t.tile * cs) + 4 * (max(t.tile, e) * acc + threads)
     if mode == "dq":
-        return 2 * (2 * (t.rows + t.tile) * rs + t.tile * cs) + 4 * (wide + t.tile * acc)
-    return 2 * (2 * (t.rows + t.tile) * rs + 2 * t.tile * cs) + 4 * (wide + t.tile * acc + 2 * t.tile)
+        return 2 * (2 * (t.rows + t.tile) * rs + t.tile * cs) + 4 * 2 * t.tile * acc
+    return 2 * (2 * (t.rows + t.tile) * rs + 2 * t.tile * cs) + 4 * (2 * t.tile * acc + 2 * t.tile)
 
 
 def matrix_tiles_problem(mode: str, t: MatrixAttentionTiles, e: int, frag, subgroup: int,
@@ -307,9 +310,9 @@ def matrix_tiles_problem(mode: str, t: MatrixAttentionTiles, e: int, frag, subgr
     threads = t.rows // frag.m * subgroup
     if threads > MAX_THREADS:
         return f"{t.rows // frag.m} subgroups of {subgroup} invocations, expected at most {MAX_THREADS}"
-    if mode == "fwd" and t.tile % (subgroup // frag.m):
-        return (f"the key tile ({t.tile}) must be a multiple of the {subgroup // frag.m} invocations "
-                "serving each row (each takes an equal share of the scores)")
+    if t.tile % (subgroup // frag.m):
+        return (f"the streamed tile ({t.tile}) must be a multiple of the {subgroup // frag.m} invocations "
+                "serving each row (each takes an equal share of the scores and of the spilled results)")
     need = matrix_workgroup_bytes(mode, t, e, threads)
     if need > workgroup_bytes:
         return f"{need} bytes of workgroup memory, the device allows {workgroup_bytes}"
