@@ -611,7 +611,8 @@ def _kernel_class(name: str) -> str:
 def train_bench(ctx, cfg, shapes, steps: int = 3, warmup: int = 1, seed: int = 0, log=print,
                 profile: bool = True, clip: float | None = 1.0, probe=None,
                 activation_dtype: str = "f32", replay: int | None = None,
-                recompute_mlp: bool = False, lora=None, lora_f16_base: bool = False) -> tuple[list[Line], dict]:
+                recompute_mlp: bool = False, lora=None, lora_f16_base: bool = False,
+                lm_head_keep_bytes: int | None = None) -> tuple[list[Line], dict]:
     """Trainer.train_sequences on a fresh random-init model, for each (batch, T) in ``shapes``, in order.
 
     batch > 1 means that many sequences of T with grad_accum_steps = batch: one optimizer step per
@@ -624,6 +625,7 @@ def train_bench(ctx, cfg, shapes, steps: int = 3, warmup: int = 1, seed: int = 0
     a shape's steps replay their recorded programs. ``recompute_mlp`` builds the model with it.
     ``lora`` (a LoraConfig) trains adapters alone, on a frozen base kept as f16 with ``lora_f16_base``;
     FLOPs then count the forward and the input gradients only (4 per parameter and token).
+    ``lm_head_keep_bytes`` sets Trainer.lm_head_keep_bytes (None: the trainer's default).
     """
     from trainer import AdamW, GradScaler, Trainer
 
@@ -644,7 +646,8 @@ def train_bench(ctx, cfg, shapes, steps: int = 3, warmup: int = 1, seed: int = 0
     meta = {"adapter": ctx.name, "webgpu": ctx.implementation, "n_params": n_params, "param_bytes": param_bytes, "model_init_s": init_s,
             "config": cfg.to_dict(), "clip_grad_norm": clip, "activation_dtype": activation_dtype, "replay": replay,
             "recompute_mlp": recompute_mlp, "trained_params": sum(p.size for p in params),
-            "lora": asdict(lora) if lora is not None else None, "lora_f16_base": lora_f16_base}
+            "lora": asdict(lora) if lora is not None else None, "lora_f16_base": lora_f16_base,
+            "lm_head_keep_bytes": lm_head_keep_bytes}
     log(f"# model: {n_params / 1e6:.1f}M parameters, host init + upload {init_s:.1f}s")
 
     for batch, t in shapes:
@@ -654,6 +657,8 @@ def train_bench(ctx, cfg, shapes, steps: int = 3, warmup: int = 1, seed: int = 0
         tr.with_clip_grad_norm(clip)
         if replay is not None:
             tr.with_replay(replay)
+        if lm_head_keep_bytes is not None:
+            tr.lm_head_keep_bytes = lm_head_keep_bytes
         if activation_dtype == "f16":
             tr.with_grad_scaler(GradScaler())
         losses: list[float] = []

@@ -168,6 +168,9 @@ def main(argv=None) -> int:
                     help="lfm2jit: Trainer.with_replay(N); 0 runs every step's Python (default: the trainer's)")
     ap.add_argument("--recompute-mlp", action="store_true",
                     help="lfm2jit: backward recomputes the MLP's up-projections (less memory, more matmuls)")
+    ap.add_argument("--lm-head-keep-mib", type=int, metavar="MIB", default=None,
+                    help="lfm2jit: Trainer.lm_head_keep_bytes in MiB (LM-head logits kept from the loss pass for "
+                         "the gradient pass; default: the trainer's)")
     args = ap.parse_args(argv)
     torch_sides = list(dict.fromkeys(args.torch + (["bf16-compile"] if args.torch_compile else [])))
 
@@ -198,6 +201,8 @@ def main(argv=None) -> int:
             lines, meta = train_bench(ctx, cfg, shapes, steps=args.steps, warmup=args.warmup,
                                       log=lambda s, side=side: print(f"lfm2jit {side}: {s}", flush=True),
                                       probe=probe, replay=args.replay, recompute_mlp=args.recompute_mlp,
+                                      lm_head_keep_bytes=None if args.lm_head_keep_mib is None
+                                      else args.lm_head_keep_mib << 20,
                                       activation_dtype="f16" if side == "f16" else "f32")
             doc["lfm2jit"][side] = {"meta": meta, "lines": [asdict(l) for l in lines]}
             ours[side] = {l.shape: l for l in lines}

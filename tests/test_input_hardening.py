@@ -52,7 +52,7 @@ def tr(model, ctx, engine):
 def snapshot(t: Trainer) -> dict:
     return {k: getattr(t, k) for k in ("optimizer", "clip_grad_norm", "grad_accum_steps", "step_in_accum", "scaler",
                                        "distributed_grad_sync", "lr_scheduler", "length_bucket", "lm_head_chunk",
-                                       "pack_tokens")}
+                                       "lm_head_keep_bytes", "pack_tokens")}
 
 
 # (attribute, builder or None, bad values)
@@ -61,6 +61,7 @@ TRAINER_CASES = [
     ("length_bucket", "with_length_bucket", NOT_COUNTS),
     ("clip_grad_norm", "with_clip_grad_norm", NOT_POSITIVE_REALS),
     ("lm_head_chunk", None, [True, 0, -64, 63, 65, 100, 64.0, NAN, INF, "64", None]),
+    ("lm_head_keep_bytes", None, [True, -1, 1.5, NAN, INF, "1024", None]),
     ("pack_tokens", "with_packing", [True, -1, 1.5, NAN, INF, "8", [8]]),
     ("step_in_accum", None, [True, -1, 2, 3, 0.5, NAN, "0", None]),      # the window has 2 sequences
     ("scaler", "with_grad_scaler", ["on", 1, True, GradScaler, {"init_scale": 8.0}, NAN]),

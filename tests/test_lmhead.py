@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from lfm2jit import ComputeEngine, Tensor
-from lfm2jit.ops.lmhead import lm_head_cross_entropy
+from lfm2jit.ops.lmhead import kept_chunks, lm_head_cross_entropy
 from lfm2jit.schedule.spec import bucketed
 from conftest import rel_err
 
@@ -264,6 +264,9 @@ BAD = {
     "dh_aliases_h": (lambda e, a: dict(dh=a["h"]), ValueError, "dh shares a buffer with h"),
     "dE_aliases_E": (lambda e, a: dict(dE=a["E"]), ValueError, "dE shares a buffer with E"),
     "bucket_zero": (lambda e, a: dict(bucket=0), ValueError, "bucket must be a positive integer"),
+    "keep_logits_negative": (lambda e, a: dict(keep_logits=-1), ValueError, "keep_logits must be a whole number"),
+    "keep_logits_fraction": (lambda e, a: dict(keep_logits=1.5), ValueError, "got 1.5"),
+    "keep_logits_bool": (lambda e, a: dict(keep_logits=True), ValueError, "got True"),
 }
 
 
@@ -328,3 +331,48 @@ def test_frozen_head_skips_its_gradient(ctx, rng):
         lm_head_cross_entropy(frozen, frozen.tensor(h), frozen.tensor(E), targets, None, grad_E=False,
                               dE=frozen.empty((V, D)))
     assert frozen.dispatches == before
+
+
+@pytest.mark.parametrize("f16", [False, True])
+def test_kept_logits_change_nothing_but_the_dispatches_and_memory(ctx, rng, f16):
+    """Pass 1 keeping chunks' logits for pass 2: loss, dh and dE bit for bit those of the one-buffer
+    walk, one logits dispatch fewer per kept chunk, one [bucketed T, chunk] buffer more each, and the
+    kept count bounded by the budget and by the chunks before the last (random sizes and budgets)."""
+    for _ in range(4):
+        T, D, chunk = int(rng.integers(1, 80)), int(rng.choice([16, 32])), 64 * int(rng.integers(1, 3))
+        V = int(rng.integers(chunk + 1, 6 * chunk))          # two to six chunks, the last one often partial
+        bucket = int(rng.choice([1, 16]))
+        h, E, targets, mask = problem(rng, T, V, D)
+        h = h.astype(np.float16) if f16 else h
+        chunks, per = -(-V // chunk), bucketed(T, bucket) * chunk * 4
+        budget = int(rng.integers(0, chunks + 1)) * per + int(rng.integers(0, per))
+        want_kept = min(chunks - 1, budget // per)
+        assert kept_chunks(V, T, chunk=chunk, bucket=bucket, keep_logits=budget) == want_kept
+        runs = []
+        for keep in (0, budget):
+            eng = ComputeEngine(ctx)
+            ht, Et = eng.tensor(h, "f16" if f16 else "f32"), eng.tensor(E)
+            eng.synchronize()
+            before = eng.pool.in_use_bytes
+            res = lm_head_cross_entropy(eng, ht, Et, targets, mask, normalizer=3.0, chunk=chunk, bucket=bucket,
+                                        keep_logits=keep)
+            runs.append((res.loss.numpy(), res.dh.numpy(), res.dE.numpy(), eng.dispatches,
+                         eng.pool.peak_bytes - before))
+        (l0, dh0, dE0, n0, peak0), (l1, dh1, dE1, n1, peak1) = runs
+        np.testing.assert_array_equal(l1, l0)
+        np.testing.assert_array_equal(dh1, dh0)
+        np.testing.assert_array_equal(dE1, dE0)
+        assert n0 - n1 == want_kept, (T, V, chunk, budget)
+        assert peak1 - peak0 >= want_kept * per
+        assert peak1 - peak0 <= want_kept * per * 1.3 + 4096
+
+
+def test_kept_logits_are_not_made_for_the_loss_alone(ctx, rng):
+    h, E, targets, mask = problem(rng, 20, 300, 16)
+    eng = ComputeEngine(ctx)
+    ht, Et = eng.tensor(h), eng.tensor(E)
+    eng.synchronize()
+    before = eng.pool.in_use_bytes
+    res = lm_head_cross_entropy(eng, ht, Et, targets, mask, chunk=64, grads=False, keep_logits=1 << 30)
+    res.loss_value()
+    assert eng.pool.peak_bytes - before <= 20 * 64 * 4 + 16 * 1024

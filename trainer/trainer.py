@@ -55,6 +55,7 @@ class StepStats:
 
 DEFAULT_PACK_TOKENS = 4096      # rows of one packed pass: activations grow with it
 DEFAULT_REPLAY_PASSES = 2       # recorded forward/backward passes kept (each holds its activations)
+DEFAULT_LM_HEAD_KEEP = 256 << 20  # bytes of LM-head logits kept from the loss pass for the gradient pass
 
 
 def _where(*tensor_lists) -> tuple:
@@ -65,8 +66,8 @@ def _where(*tensor_lists) -> tuple:
 class Trainer:
     """Public attributes (``clip_grad_norm``, ``grad_accum_steps``, ``step_in_accum``, ``scaler``,
     ``distributed_grad_sync``, ``lr_scheduler``, ``length_bucket``, ``optimizer``, ``lm_head_chunk``,
-    ``pack_tokens``) are checked whenever they are set, by a builder or directly: a bad value is a
-    TypeError or ValueError naming the attribute, the value and what was expected, and leaves the
+    ``lm_head_keep_bytes``, ``pack_tokens``) are checked whenever they are set, by a builder or directly:
+    a bad value is a TypeError or ValueError naming the attribute, the value and what was expected, and leaves the
     attribute as it was (see trainer/checks.py)."""
 
     def __init__(self, model, optimizer: Optimizer, ctx, engine):
@@ -86,6 +87,7 @@ class Trainer:
         self.lr_scheduler = None
         self.length_bucket = 64
         self.lm_head_chunk = 4096
+        self.lm_head_keep_bytes = DEFAULT_LM_HEAD_KEEP
         self.pack_tokens = DEFAULT_PACK_TOKENS
         self._steps = 0
         self._window: list[object] | None = None     # the params of the open accumulation window
@@ -177,6 +179,9 @@ class Trainer:
                              f"{ROW_MULTIPLE}, got {chunk}")
         self._lm_head_chunk = chunk
 
+    # Logits chunks the LM head keeps from its loss pass so its gradient pass need not compute them
+    # again (ops/lmhead.py keep_logits): speed for memory, up to one [T, chunk] f32 buffer per chunk.
+    lm_head_keep_bytes = checks.Checked(checks.integer, minimum=0, extra="(bytes; 0: compute every chunk twice)")
     pack_tokens = checks.Checked(checks.integer, minimum=0, extra="(0: no packing)")
 
     def _refuse_mid_window(self, what: str, changes: bool) -> None:
@@ -356,11 +361,12 @@ class Trainer:
                 engine, trace.hn, head, tgt, msk, normalizer=normalizer, loss_scale=loss_scale,
                 chunk=self.lm_head_chunk, bucket=bucket, dE=head.grad if head_trained else None,
                 accumulate_dE=head_trained, grad_E=head_trained, segments=len(group),
-                check_targets=False)   # checked in _check
+                keep_logits=self.lm_head_keep_bytes, check_targets=False)   # checked in _check
             model.backward(trace, result.dh, params)
             return result.loss
 
-        key = ("pass", np.shape(ids), bucket, self.lm_head_chunk, head_trained, _where(params, [p.grad for p in params]))
+        key = ("pass", np.shape(ids), bucket, self.lm_head_chunk, self.lm_head_keep_bytes, head_trained,
+               _where(params, [p.grad for p in params]))
         loss = self.recorded.run(key, record, scalars=xent_scalars(normalizer, loss_scale), upload=upload,
                                  refill=refill, activations=True)
         # A pass that ends the window records the gradient-norm passes (and, where the GPU decides,

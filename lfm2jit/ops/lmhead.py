@@ -15,6 +15,10 @@ together with its gradients for ``h`` and ``E`` (times ``loss_scale``), without 
   place into dlogits_c = scale * mask * (softmax - onehot(target)); dh (+)= dlogits_c @ E_c and
   dE[c0:c1] (+)= dlogits_c^T @ h.
 
+Where memory allows (``keep_logits`` bytes), pass 1 writes the chunks before the last into buffers
+of their own, kept for pass 2, which then computes only the other chunks' logits again: the same
+kernels on the same inputs, so the results are bitwise those of the one-buffer walk.
+
 The kernels are in ``kernels/xent.lk``; every dispatch binds at most one chunk of E (real LFM2's
 65536 x 2048 f32 embedding is larger than many adapters' storage binding limit). Work is recorded,
 not run: the returned tensors are read (``.numpy()``) when wanted. Positions with mask 0 and padded
@@ -61,7 +65,7 @@ def lm_head_cross_entropy(engine, h: Tensor, E: Tensor, targets, mask=None, *, n
                           dh: Tensor | None = None, dE: Tensor | None = None,
                           accumulate_dh: bool = False, accumulate_dE: bool = False,
                           check_targets: bool = True, grads: bool = True, grad_E: bool = True,
-                          segments: int = 1) -> LMHeadResult:
+                          segments: int = 1, keep_logits: int = 0) -> LMHeadResult:
     """Masked cross-entropy of ``h @ E^T`` against ``targets``, with gradients for h and E, in one call.
 
     Arguments:
@@ -89,6 +93,9 @@ def lm_head_cross_entropy(engine, h: Tensor, E: Tensor, targets, mask=None, *, n
                   nor allocated, and is None.
       segments    the loss per segment: T splits into this many equal runs of positions (packed
                   sequences), and ``loss`` holds one sum per run.
+      keep_logits bytes of extra [T, chunk] f32 buffers pass 1 may fill for pass 2 (0: the one
+                  reused buffer): each keeps one more chunk's logits, so pass 2 skips computing
+                  them again. ``kept_chunks`` says how many a budget keeps.
       check_targets
                   validate target ids and mask values; when either is a Tensor this reads it back
                   (a flush). Host arrays are always checked. With False, an out-of-range target
@@ -113,6 +120,8 @@ def lm_head_cross_entropy(engine, h: Tensor, E: Tensor, targets, mask=None, *, n
         raise ValueError(f"bucket must be a positive integer, got {bucket!r}")
     if not isinstance(segments, int) or isinstance(segments, bool) or segments < 1 or T % segments:
         raise ValueError(f"segments must be a positive integer dividing T={T}, got {segments!r}")
+    if not isinstance(keep_logits, numbers.Integral) or isinstance(keep_logits, bool) or keep_logits < 0:
+        raise ValueError(f"keep_logits must be a whole number of bytes >= 0, got {keep_logits!r}")
     if V >= MAX_EXACT_VOCAB:
         raise ValueError(f"vocabulary size {V} is too large: chunk offsets are passed as exact f32 "
                          f"integers, so V must be below {MAX_EXACT_VOCAB}")
@@ -129,9 +138,13 @@ def lm_head_cross_entropy(engine, h: Tensor, E: Tensor, targets, mask=None, *, n
     width = chunks[0][1] - chunks[0][0]          # the widest chunk (the first one)
     tp = bucketed(T, bucket)
     logits_store = engine.empty((tp * width,), "f32")
+    kept = kept_chunks(V, T, chunk=chunk, bucket=bucket, keep_logits=keep_logits) if grads else 0
+    # the chunks just before the last, which pass 2 reaches right after it, keep their logits
+    stores = {i: engine.empty((tp * width,), "f32") for i in range(len(chunks) - 1 - kept, len(chunks) - 1)}
 
-    def logits_buffer(cols: int) -> Tensor:   # [T, cols] over the one reusable buffer
-        return logits_store.rows(0, T * cols).view(T, cols)
+    def logits_buffer(i: int) -> Tensor:      # chunk i's [T, cols] logits: its own buffer or the reused one
+        cols = chunks[i][1] - chunks[i][0]
+        return stores.get(i, logits_store).rows(0, T * cols).view(T, cols)
 
     if grads:
         dh = dh if dh is not None else engine.empty((T, D), h.dtype, capacity=tp * D)
@@ -144,7 +157,7 @@ def lm_head_cross_entropy(engine, h: Tensor, E: Tensor, targets, mask=None, *, n
 
     # pass 1: running log-sum-exp and target logit over the chunks
     for i, (c0, c1) in enumerate(chunks):
-        x = logits_buffer(c1 - c0)
+        x = logits_buffer(i)
         E_c = E.rows(c0, c1)
         run("xent_logits", bucket=bucket, out={"x": x}, h=h, E=E_c)
         new, old = state[i % 2], state[(i + 1) % 2]
@@ -166,11 +179,13 @@ def lm_head_cross_entropy(engine, h: Tensor, E: Tensor, targets, mask=None, *, n
     if not grads:
         return LMHeadResult(loss, None, None)
     # pass 2: dlogits per chunk, then dh and the chunk's rows of dE. It walks the chunks backwards,
-    # so the first one it needs (the last of pass 1) still has its logits in the buffer.
+    # so the first one it needs (the last of pass 1) still has its logits in the buffer, and the
+    # kept ones follow.
     for i, (c0, c1) in enumerate(reversed(chunks)):
-        x = logits_buffer(c1 - c0)
+        index = len(chunks) - 1 - i
+        x = logits_buffer(index)
         E_c = E.rows(c0, c1)
-        if i:
+        if i and index not in stores:
             run("xent_logits", bucket=bucket, out={"x": x}, h=h, E=E_c)
         run("xent_dlogits", bucket=bucket, x=x, lse=lse, tgt=targets, mask=mask, c0=float(c0), scale=scalars["scale"])
         run("xent_dh", bucket=bucket, out={"dh": dh}, accumulate=("dh",) if (i or accumulate_dh) else (),
@@ -179,6 +194,13 @@ def lm_head_cross_entropy(engine, h: Tensor, E: Tensor, targets, mask=None, *, n
             run("xent_dE", bucket=bucket, out={"dE": dE.rows(c0, c1)}, accumulate=("dE",) if accumulate_dE else (),
                 g=x, h=h)
     return LMHeadResult(loss, dh, dE)
+
+
+def kept_chunks(V: int, T: int, *, chunk: int = DEFAULT_CHUNK, bucket: int = 1, keep_logits: int = 0) -> int:
+    """How many chunks' logits a ``keep_logits`` budget keeps from pass 1 for pass 2 (each costs one
+    [bucketed T, chunk] f32 buffer; the last chunk's logits are kept anyway, in the reused buffer)."""
+    width = min(chunk, V)
+    return min(-(-V // chunk) - 1, keep_logits // (bucketed(T, bucket) * width * ITEMSIZE["f32"]))
 
 
 # ---- argument checks (all before any GPU work) ----
