@@ -29,6 +29,7 @@ COLUMN_SLICE = 4096    # the fewest iterations of the reduced loop a slice keeps
 COLUMN_SPLITS = (1, 2, 4, 8, 16, 32)
 REDUCE_THREADS = 256   # invocations per workgroup of the pass that combines the slices
 MAX_GROUPS_X = 65535   # a split reduction's output groups run along x alone (its slices along z)
+ROW_UNROLL = 4         # the most workgroup strides a row pass takes per trip
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,7 @@ class RowReduceParams:
     final_lets: tuple[Let, ...]          # element outputs, inside a last loop over the row
     elem_stores: tuple[Store, ...]
     row_stores: tuple[Store, ...]        # one value per row, stored by invocation 0
+    unroll: int = 1                      # strides per loop trip: loads in flight per invocation
 
 
 @dataclass(frozen=True)
@@ -155,8 +157,22 @@ def plan_rows(ir: KernelIR, sizes, accumulate: frozenset[str], tiles=None, targe
         pre, phases, final_lets,
         tuple(result_store(lower, ir, o, offset(o.shape, sizes, index_of), final_scope, accumulate)
               for o in elem_outputs),
-        tuple(result_store(lower, ir, o, offset(o.shape, sizes, row_index), bound, accumulate) for o in row_outputs))
+        tuple(result_store(lower, ir, o, offset(o.shape, sizes, row_index), bound, accumulate) for o in row_outputs),
+        strided_unroll(extent(col_axis, sizes), wg))
     return Plan("rowreduce", params, (EntryPoint("main", rows),))
+
+
+def strided_unroll(cols: Index, wg: int) -> int:
+    """Workgroup strides per trip of a row loop: the largest power of two up to ROW_UNROLL that the
+    row's whole strides divide, so the unrolled trip needs no bound check and its loads issue
+    together (one load in flight per invocation left a row pass at a fraction of the bandwidth).
+    A row whose length is only known at run time keeps one stride per trip."""
+    if not isinstance(cols, Const) or cols.value % wg:
+        return 1
+    u = ROW_UNROLL
+    while (cols.value // wg) % u:
+        u //= 2
+    return u
 
 
 def plan_columns(ir: KernelIR, sizes, accumulate: frozenset[str], tiles=None, target=None) -> Plan:
