@@ -350,7 +350,7 @@ def test_the_cli_finds_a_checkpoint_that_only_exists_moved_aside(run_dir, tmp_pa
 
 # ---- kill -9 during saves ----
 ZYGOTE = r"""
-import os, signal, sys
+import faulthandler, os, signal, sys
 from pathlib import Path
 from lfm2jit import ComputeEngine, WgpuContext
 from lfm2jit.model import Lfm2Model
@@ -358,15 +358,20 @@ from trainer import AdamW, Trainer
 from trainer.run_dir import copy_model_files, prune_checkpoints
 src, root, tok = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
 signal.signal(signal.SIGCHLD, signal.SIG_IGN)        # killed children are reaped at once
+# fork copies only the calling thread: a lock another thread held (OpenBLAS's pool, which the
+# environment below keeps from starting) would never be released in the child
+assert len(os.listdir("/proc/self/task")) == 1, "the zygote must be single-threaded to fork"
 for line in sys.stdin:                               # one line per round: the first save's number
     k = int(line)
     if os.fork():
         continue
+    faulthandler.dump_traceback_later(45, exit=True) # a child that hangs says where, before the test gives up
     ctx = WgpuContext.create()                       # the child alone touches the device
     engine = ComputeEngine(ctx)
     tr = Trainer(Lfm2Model.from_pretrained(src / "model", ctx, engine), AdamW(lr=3e-3), ctx, engine)
     tr.load_checkpoint(src)
     print(f"ready {os.getpid()}", flush=True)
+    faulthandler.cancel_dump_traceback_later()
     while True:                                      # each name saved twice: half the saves replace one
         tr.save_checkpoint(root / f"step-{k // 2:06d}", {"save": k},
                            fill=lambda d: copy_model_files(tok, d / "model"))
@@ -380,7 +385,8 @@ def test_saves_killed_at_random_points_leave_a_complete_newest_checkpoint(run_di
     src = run_dir / "checkpoints" / "step-000002"
     root = tmp_path / "kill" / "checkpoints"
     root.mkdir(parents=True)
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
     zygote = subprocess.Popen([sys.executable, "-c", ZYGOTE, str(src), str(root), str(src / "model" / "tokenizer.json")],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
     lines: list[str] = []
