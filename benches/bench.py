@@ -720,7 +720,7 @@ def train_bench(ctx, cfg, shapes, steps: int = 3, warmup: int = 1, seed: int = 0
                     by_class[c] = by_class.get(c, 0.0) + s
                 engine.timings.clear()
             peak_in_use = engine.pool.peak_bytes
-            top = sorted(by_kernel.items(), key=lambda kv: -kv[1][0])[:12]
+            top = sorted(by_kernel.items(), key=lambda kv: -kv[1][0])[:40]
             extra = {
                 "tokens": tokens, "tokens_per_s": tokens / wall, "window_wall_s": walls,
                 "first_window_s": first_s, "first_window_compiles": s1["misses"] - s0["misses"],

@@ -27,7 +27,7 @@ import numpy as np
 from .. import grad
 from ..ops import library, precision
 from ..ops.embedding import slots
-from ..runtime import Tensor
+from ..runtime import Tensor, arena
 from ..schedule.spec import bucketed
 from .adapters import LoraAdapters
 from .checkpoint import check_tensors, load_checkpoint, parameter_shapes, read_generation_eos, save_checkpoint
@@ -450,11 +450,16 @@ class Lfm2Model:
 
     # ---- backward ----
     def zero_grad(self, params: list[Tensor] | None = None) -> None:
-        """Give each parameter (default: all) a zeroed .grad."""
-        for t in params if params is not None else self.parameters():
-            if t.grad is None:
-                t.grad = self.engine.empty(t.shape, t.dtype)
-            self.engine.zero_(t.grad)
+        """Give each parameter (default: all) a zeroed .grad. Missing gradients are carved side by
+        side out of arenas (runtime/arena.py), in the order given, so passes over every gradient
+        (its zeroing here, the gradient norm) take a dispatch per arena run, not per tensor."""
+        params = list(params if params is not None else self.parameters())
+        for dtype in dict.fromkeys(t.dtype for t in params if t.grad is None):
+            missing = list({id(t): t for t in params if t.grad is None and t.dtype == dtype}.values())
+            for t, g in zip(missing, arena.carve(self.engine, [t.shape for t in missing], dtype)):
+                t.grad = g
+        for run in arena.runs([t.grad for t in params]):
+            self.engine.zero_(run.span)
 
     def _trained(self, name: str) -> bool:
         return self._is_trained(self._params[name])

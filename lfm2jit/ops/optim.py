@@ -15,10 +15,12 @@ never compiles anything (``adamw_scalars`` / ``sgd_scalars`` give them by name, 
 replays with new ones); pipelines are per tensor size (and per power of two of rows for the norm).
 
 Global norm, in three passes and one readback:
-  pass 1, one dispatch per tensor, the only pass over the gradients: the flat tensor is read as
+  pass 1, one dispatch per tensor, or per run of tensors carved side by side out of an arena
+          (runtime/arena.py: a model's gradients are, so ~150 tensors take a dispatch or two;
+          their padding is zero), the only pass over the gradients: the flat span is read as
           rows of ``chunk`` elements (its last row masked past the end), one workgroup per row,
           giving per-row sums of squares. They land side by side in one partials buffer, each
-          tensor's at an offset aligned for binding; the gaps (and the padding to whole rows of
+          span's at an offset aligned for binding; the gaps (and the padding to whole rows of
           pass 2) are cleared first, a recorded buffer clear of that small buffer.
   pass 2, one dispatch: rows of PASS2_CHUNK partials summed, and the non-finite partials counted
           (an inf or NaN element makes its row's sum inf or NaN).
@@ -30,6 +32,7 @@ import math
 import numbers
 from typing import Sequence
 
+from ..runtime import arena
 from ..runtime.tensor import ITEMSIZE, Tensor
 
 CHUNK = 4096              # elements per row of the norm's first pass (one workgroup each); rows 4x and 16x longer ran it 1.5x and 3.6x slower on the H200 (benches/results/h200_grad_norm_chunks.log)
@@ -138,24 +141,26 @@ def grad_sumsq(engine, grads, *, chunk: int = CHUNK) -> Tensor | None:
     if not isinstance(chunk, int) or isinstance(chunk, bool) or not 1 <= chunk <= MAX_ROWS:
         raise ValueError(f"chunk must be an integer in [1, {MAX_ROWS}], got {chunk!r}")
     align = max(1, engine.ctx.limits.get("min-storage-buffer-offset-alignment", 256) // ITEMSIZE["f32"])
+    position = {id(g): i for i, g in reversed(list(enumerate(grads)))}
     plan, total = [], 0
-    for i, g in enumerate(grads):
-        if g.size == 0:
-            continue
-        rows = -(-g.size // chunk)
+    for run in arena.runs(grads):                         # gradients side by side in an arena: one pass each run
+        x = run.span
+        rows = -(-x.size // chunk)
         if rows >= MAX_ROWS:
-            raise ValueError(f"grads[{i}] has {g.size} elements: more than {MAX_ROWS - 1} rows of {chunk}; "
+            where = f"grads[{position[id(run.tensors[0])]}]" + (
+                f" to grads[{position[id(run.tensors[-1])]}] (one arena run)" if len(run.tensors) > 1 else "")
+            raise ValueError(f"{where} hold {x.size} elements: more than {MAX_ROWS - 1} rows of {chunk}; "
                              f"use a larger chunk")
-        plan.append((g, rows, total))
+        plan.append((x, rows, total))
         total += -(-rows // align) * align
     if not plan:
         return None
     rows2 = -(-total // PASS2_CHUNK)
-    sq = engine.empty((rows2 * PASS2_CHUNK,))             # every tensor's row sums, side by side
+    sq = engine.empty((rows2 * PASS2_CHUNK,))             # every run's row sums, side by side
     engine.zero_(sq)                                      # zeros in the gaps and the padding
-    for g, rows, at in plan:
-        last, tail = rows - 1, g.size - (rows - 1) * chunk
-        engine.run("sumsq_rows", bucket=_pow2(rows), x=_row_view(_flat(g), chunk), last=float(last),
+    for x, rows, at in plan:
+        last, tail = rows - 1, x.size - (rows - 1) * chunk
+        engine.run("sumsq_rows", bucket=_pow2(rows), x=_row_view(x, chunk), last=float(last),
                    tail=float(tail), out={"sq": sq.rows(at, at + rows)})
     parts = engine.run("sum_rows", bucket=_pow2(rows2), x=sq.view((rows2, PASS2_CHUNK)))
     return engine.run("sum_partials", bucket=PARTIALS_BUCKET, **parts)["tot"]

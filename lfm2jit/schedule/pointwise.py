@@ -1,12 +1,21 @@
-"""Elementwise schedule: one invocation per element of the iteration space."""
+"""Elementwise schedule: each invocation computes ``per_invocation`` elements, a workgroup's width
+apart (so every load stays coalesced), and issues their loads together.
+
+An f16 kernel with one element per invocation keeps 2-4 bytes in flight per thread: on an H200 that
+held silu_mul and the residual adds near 1.4 TB/s of 4.8. Interior workgroups (all their elements
+inside the space and before the real sequence length, one workgroup-uniform test) run the
+unrolled elements without guards; the last workgroup walks them one by one, guarded."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from ..ir.nodes import SEQ_AXIS, KernelIR
-from .code import COMPUTE_TYPE, Compare, IndexLet, Let, SeqLen, Store, Var
+from .code import COMPUTE_TYPE, Bin, Compare, Const, IndexLet, Let, SeqLen, Store, Var
 from .lower import Lowerer
 from .spec import MAX_WORKGROUP, EntryPoint, Plan, index_vars, total, unravel
+
+PER_INVOCATION = 4            # elements an invocation computes in a large space
+UNROLL_MIN_ELEMENTS = 1 << 18  # spaces smaller than this keep one element an invocation (their workgroups are few)
 
 
 @dataclass(frozen=True)
@@ -17,6 +26,8 @@ class PointwiseParams:
     guard: Compare | None               # rows past the real length return early
     lets: tuple[Let, ...]
     stores: tuple[Store, ...]
+    per_invocation: int = 1             # elements an invocation computes, workgroup_size apart
+    interior: tuple[Compare, ...] = ()  # all a workgroup's elements (from "first") are in the space and the real length
 
 
 def plan(ir: KernelIR, sizes: dict[str, int], accumulate: frozenset[str], tiles=None, target=None) -> Plan:
@@ -27,10 +38,17 @@ def plan(ir: KernelIR, sizes: dict[str, int], accumulate: frozenset[str], tiles=
     lets = lower.emit(ir.results.values(), bound)
     n = total(space, sizes)
     stores = tuple(result_store(lower, ir, o, Var("gid"), bound, accumulate) for o in ir.outputs)
+    # a guard on T may stop an invocation's later elements only when T is the outermost axis
+    # (then a later element's row is never earlier)
+    per = PER_INVOCATION if n >= UNROLL_MIN_ELEMENTS and (SEQ_AXIS not in space or space[0] == SEQ_AXIS) else 1
+    span = MAX_WORKGROUP * per
+    last = Bin("+", Var("first"), Const(span - 1))
+    interior = (Compare("<", last, Const(n)),) + (
+        (Compare("<", Bin("/", last, Const(total(space[1:], sizes))), SeqLen()),) if SEQ_AXIS in space else ())
     params = PointwiseParams(MAX_WORKGROUP, n, unravel(space, sizes, Var("gid")),
                              Compare("<", index_of[SEQ_AXIS], SeqLen()) if SEQ_AXIS in space else None,
-                             tuple(lets), stores)
-    return Plan("pointwise", params, (EntryPoint("main", -(-n // MAX_WORKGROUP)),))
+                             tuple(lets), stores, per, interior if per > 1 else ())
+    return Plan("pointwise", params, (EntryPoint("main", -(-n // span)),))
 
 
 def result_store(lower: Lowerer, ir: KernelIR, out, at, bound: dict[int, str], accumulate) -> Store:
