@@ -141,12 +141,12 @@ def grad_sumsq(engine, grads, *, chunk: int = CHUNK) -> Tensor | None:
     if not isinstance(chunk, int) or isinstance(chunk, bool) or not 1 <= chunk <= MAX_ROWS:
         raise ValueError(f"chunk must be an integer in [1, {MAX_ROWS}], got {chunk!r}")
     align = max(1, engine.ctx.limits.get("min-storage-buffer-offset-alignment", 256) // ITEMSIZE["f32"])
-    position = {id(g): i for i, g in reversed(list(enumerate(grads)))}
     plan, total = [], 0
     for run in arena.runs(grads):                         # gradients side by side in an arena: one pass each run
         x = run.span
         rows = -(-x.size // chunk)
         if rows >= MAX_ROWS:
+            position = {id(g): i for i, g in reversed(list(enumerate(grads)))}
             where = f"grads[{position[id(run.tensors[0])]}]" + (
                 f" to grads[{position[id(run.tensors[-1])]}] (one arena run)" if len(run.tensors) > 1 else "")
             raise ValueError(f"{where} hold {x.size} elements: more than {MAX_ROWS - 1} rows of {chunk}; "

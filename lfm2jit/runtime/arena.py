@@ -91,18 +91,20 @@ def runs(tensors: Sequence[Tensor]) -> list[Run]:
     """The tensors (empty ones left out) grouped, in order, into maximal runs: each next tensor
     starts in the same arena where the previous one's slot ends. A tensor that is not a whole
     carved one is a run of its own."""
-    out: list[Run] = []
+    groups: list[list[Tensor]] = []
+    align = None
     for t in tensors:
         if t.size == 0:
             continue
-        if out:
-            last = out[-1].tensors[-1]
+        if groups:
+            last = groups[-1][-1]
+            align = align or _align(t.ctx)
             if (t._base is last._base and t.dtype == last.dtype and _carved(t) and _carved(last)
-                    and t.offset == last.offset + _up(last.nbytes, _align(t.ctx))):
-                out[-1] = Run(None, out[-1].tensors + (t,))
+                    and t.offset == last.offset + _up(last.nbytes, align)):
+                groups[-1].append(t)
                 continue
-        out.append(Run(None, (t,)))
-    return [Run(_span(r.tensors), r.tensors) for r in out]
+        groups.append([t])
+    return [Run(_span(tuple(g)), tuple(g)) for g in groups]
 
 
 def _span(tensors: tuple[Tensor, ...]) -> Tensor:
