@@ -639,7 +639,7 @@ def train_bench(ctx, cfg, shapes, steps: int = 3, warmup: int = 1, seed: int = 0
     init_s = time.perf_counter() - t0
     params = model.lora_parameters() if lora is not None else model.parameters()
     n_params = sum(p.size for p in model.parameters())
-    param_bytes = sum(p.buffer.size for p in model.parameters())
+    param_bytes = sum({id(p.buffer): p.buffer.size for p in model.parameters()}.values())   # arenas: buffers shared
     opt = AdamW(lr=1e-4, weight_decay=0.01)
     rng = np.random.default_rng(seed + 1)
     lines: list[Line] = []

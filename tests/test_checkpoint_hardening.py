@@ -361,6 +361,8 @@ signal.signal(signal.SIGCHLD, signal.SIG_IGN)        # killed children are reape
 # fork copies only the calling thread: a lock another thread held (OpenBLAS's pool, which the
 # environment below keeps from starting) would never be released in the child
 assert len(os.listdir("/proc/self/task")) == 1, "the zygote must be single-threaded to fork"
+def say(text):          # one write per line: print may write a line and its newline apart
+    os.write(1, (text + "\n").encode())            # (PYTHONUNBUFFERED), and a kill between tears it
 for line in sys.stdin:                               # one line per round: the first save's number
     k = int(line)
     if os.fork():
@@ -370,13 +372,13 @@ for line in sys.stdin:                               # one line per round: the f
     engine = ComputeEngine(ctx)
     tr = Trainer(Lfm2Model.from_pretrained(src / "model", ctx, engine), AdamW(lr=3e-3), ctx, engine)
     tr.load_checkpoint(src)
-    print(f"ready {os.getpid()}", flush=True)
+    say(f"ready {os.getpid()}")
     faulthandler.cancel_dump_traceback_later()
     while True:                                      # each name saved twice: half the saves replace one
         tr.save_checkpoint(root / f"step-{k // 2:06d}", {"save": k},
                            fill=lambda d: copy_model_files(tok, d / "model"))
         prune_checkpoints(root, 3)
-        print(f"saved {k}", flush=True)
+        say(f"saved {k}")
         k += 1
 """
 

@@ -34,6 +34,33 @@ def test_replay_reads_new_inputs_and_patched_scalars(engine, rng):
     program.close()
 
 
+def test_a_long_replay_is_submitted_in_growing_pieces_in_order(engine, rng, monkeypatch):
+    """300 dispatches, each reading the last one's output (ping-pong between two tensors, every
+    tenth doubling): the first submit is small so the GPU starts early, each next one twice the
+    last up to COMMANDS_PER_SUBMIT, and the result shows every command ran once, in order."""
+    from lfm2jit.runtime.program import COMMANDS_PER_SUBMIT, FIRST_SUBMIT
+    a = rng.standard_normal(64).astype(np.float32)
+    ping, pong = engine.tensor(a.reshape(2, 32)), engine.empty((2, 32))
+    with engine.capture() as program:
+        for i in range(300):
+            src, dst = (ping, pong) if i % 2 == 0 else (pong, ping)
+            engine.run("scale_add", x=src, z=src, alpha=1.0, beta=1.0 if i % 10 == 0 else 0.0, out={"y": dst})
+    np.testing.assert_array_equal(ping.numpy(), a.reshape(2, 32) * 2.0 ** 30)
+    sizes = []
+    submit = engine._submit
+    monkeypatch.setattr(engine, "_submit", lambda commands: (sizes.append(len(commands)), submit(commands))[1])
+    b = rng.standard_normal(64).astype(np.float32)
+    ping.write(b.reshape(2, 32))
+    program.replay()
+    np.testing.assert_array_equal(ping.numpy(), b.reshape(2, 32) * 2.0 ** 30)
+    want, size, left = [], FIRST_SUBMIT, 300
+    while left > 0:
+        want.append(min(size, left))
+        left, size = left - size, min(2 * size, COMMANDS_PER_SUBMIT)
+    assert sizes == want and sizes[0] < 300
+    program.close()
+
+
 def test_a_programs_buffers_are_not_handed_out_until_it_closes(engine, rng):
     x, z = (engine.tensor(v) for v in rng.standard_normal((2, 4, 64)).astype(np.float32))
     with engine.capture() as program:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from lfm2jit.ops import optim as optim_kernels
+from lfm2jit.runtime import arena
 
 from . import checks
 
@@ -104,12 +105,19 @@ class Optimizer:
             return None
         return tuple((id(st[n].buffer), st[n].offset) for st in states for n in self.state_names)
 
-    def _buffers(self, engine, p) -> dict:
-        st = self.state.get(id(p))
-        if st is None:
-            st = self.state[id(p)] = {"step": 0}
-            st.update({n: engine.zero_(engine.empty(p.shape, p.dtype)) for n in self.state_names})
-        return st
+    def _states(self, engine, group) -> list[dict]:
+        """The state of each parameter of ``group``, made (zeroed) for those without: each buffer
+        name's new tensors carved side by side in the group's order (runtime/arena.py), as the
+        parameters and gradients are, so a step covers a run of them in one dispatch."""
+        fresh = list({id(p): p for p in group if id(p) not in self.state}.values())
+        made = {id(p): {"step": 0} for p in fresh}
+        for n in self.state_names:
+            for dtype in dict.fromkeys(p.dtype for p in fresh):
+                same = [p for p in fresh if p.dtype == dtype]
+                for p, t in zip(same, arena.carve(engine, [p.shape for p in same], dtype)):
+                    made[id(p)][n] = t
+        self.state.update(made)                 # only once every buffer exists
+        return [self.state[id(p)] for p in group]
 
     def state_arrays(self, names: dict[int, str]) -> dict[str, np.ndarray]:
         """All state as "<param name>::step" -> int64 scalar and "<param name>::<buffer>" -> array
@@ -149,10 +157,14 @@ class Optimizer:
     def load_state_arrays(self, engine, params_by_name: dict, arrays: dict[str, np.ndarray]) -> None:
         """Replace all state by ``state_arrays``' output; every entry is checked before anything changes."""
         by_name = self.check_state_arrays(params_by_name, arrays)
+        names = [n for n in params_by_name if n in by_name]      # carved in the parameters' order
+        made = {n: {"step": int(by_name[n]["step"])} for n in names}
+        for b in self.state_names:
+            for n, t in zip(names, arena.carve(engine, [tuple(params_by_name[n].shape) for n in names])):
+                t.write(by_name[n][b].astype(np.float32))
+                made[n][b] = t
         self.state.clear()
-        for name, st in by_name.items():
-            self.state[id(params_by_name[name])] = {
-                "step": int(st["step"]), **{b: engine.tensor(st[b].astype(np.float32)) for b in self.state_names}}
+        self.state.update({id(params_by_name[n]): st for n, st in made.items()})
 
 
 class AdamW(Optimizer):
@@ -193,7 +205,7 @@ class AdamW(Optimizer):
 
     def group_step(self, engine, group, lr: float, gscale: float, gate=None) -> None:
         step = self.next_step(group[0])
-        states = [self._buffers(engine, p) for p in group]
+        states = self._states(engine, group)
         optim_kernels.adamw_step(engine, group, [p.grad for p in group], [s["m"] for s in states],
                                  [s["v"] for s in states], lr=lr, betas=self.betas, eps=self.eps,
                                  weight_decay=self.weight_decay, step=step, gscale=gscale, gate=gate)
@@ -272,7 +284,7 @@ class SGD(Optimizer):
 
     def group_step(self, engine, group, lr: float, gscale: float, gate=None) -> None:
         step = self.next_step(group[0])
-        bufs = [self._buffers(engine, p)["momentum"] for p in group] if self.momentum else None
+        bufs = [st["momentum"] for st in self._states(engine, group)] if self.momentum else None
         optim_kernels.sgd_step(engine, group, [p.grad for p in group], bufs, lr=lr, momentum=self.momentum,
                                dampening=self.dampening, weight_decay=self.weight_decay, nesterov=self.nesterov,
                                step=step, gscale=gscale, gate=gate)

@@ -100,7 +100,8 @@ class Lfm2Model:
         if tensors is None:
             tensors = self._init_tensors(seed)
         tensors = check_tensors(cfg, tensors)
-        self._params: dict[str, Tensor] = {n: Tensor.from_numpy(ctx, a.astype(np.float32)) for n, a in tensors.items()}
+        # carved side by side (runtime/arena.py): the optimizer steps a run of them in one dispatch
+        self._params: dict[str, Tensor] = dict(zip(tensors, arena.upload(ctx, [a.astype(np.float32) for a in tensors.values()])))
         self._rope: dict[int, tuple[Tensor, Tensor]] = {}
         self._train_ids: set[int] = set()
         self.lora: LoraAdapters | None = None
@@ -163,7 +164,7 @@ class Lfm2Model:
             raise ValueError(f"base_dtype must be 'f32' or 'f16', got {base_dtype!r}")
         if base_dtype == "f16" and not self.ctx.has_f16:
             raise ValueError(f"base_dtype='f16' needs the shader-f16 feature, which adapter {self.ctx.name!r} lacks")
-        self.lora = LoraAdapters(config, {n: Tensor.from_numpy(self.ctx, a) for n, a in weights.items()}, modules,
+        self.lora = LoraAdapters(config, dict(zip(weights, arena.upload(self.ctx, list(weights.values())))), modules,
                                  seed)
         if base_dtype == "f16":
             for name in self._base_linears():

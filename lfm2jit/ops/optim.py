@@ -13,6 +13,8 @@ flat views ``[n]``; arguments are checked before any GPU work, so a bad call cha
 Hyperparameters and the step count only reach kernels as runtime scalars, so a new lr or step
 never compiles anything (``adamw_scalars`` / ``sgd_scalars`` give them by name, so a recorded step
 replays with new ones); pipelines are per tensor size (and per power of two of rows for the norm).
+The in-place updates run one dispatch per arena run that all their lists share (runtime/arena.py:
+a model's parameters, gradients and optimizer state are carved in one order), else per tensor.
 
 Global norm, in three passes and one readback:
   pass 1, one dispatch per tensor, or per run of tensors carved side by side out of an arena
@@ -184,9 +186,8 @@ def scale_(engine, tensors, s: float) -> None:
     tensors = _tensor_list("tensors", tensors)
     s = _real("s", s)
     _distinct(tensors=tensors)
-    for x in tensors:
-        if x.size:
-            engine.run("scale_inplace", x=_flat(x), s=s)
+    for (x,) in _together(tensors):
+        engine.run("scale_inplace", x=x, s=s)
 
 
 def adamw_scalars(*, lr: float, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2, step: int,
@@ -246,9 +247,19 @@ def adamw_step(engine, params, grads, ms, vs, *, lr: float, betas=(0.9, 0.999), 
     _distinct(params=params, ms=ms, vs=vs)
     _read_apart(grads, params=params, ms=ms, vs=vs)
     scalars = adamw_scalars(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, step=step, gscale=gscale)
-    for p, g, m, v in zip(params, grads, ms, vs):
-        if p.size:
-            engine.run("adamw", p=_flat(p), g=_flat(g), m=_flat(m), v=_flat(v), **scalars, **gate)
+    # zeros stay zeros only with eps > 0 (0 / (0 + eps)); with eps = 0 the padding between arena
+    # slots would turn NaN, so each tensor is then its own dispatch
+    for p, g, m, v in _together(params, grads, ms, vs, spans=scalars["eps"] > 0):
+        engine.run("adamw", p=p, g=g, m=m, v=v, **scalars, **gate)
+
+
+def _together(*lists, spans: bool = True):
+    """Flat (p, g, state...) views to update: one per arena run shared by every list
+    (runtime/arena.py; a model's parameters, gradients and optimizer state are carved in one
+    order, so a step is a dispatch or two), else one per non-empty tensor."""
+    if spans:
+        return arena.runs_together(lists)
+    return [tuple(_flat(x) for x in xs) for xs in zip(*lists) if xs[0].size]
 
 
 def sgd_scalars(*, lr: float, momentum: float = 0.0, dampening: float = 0.0, weight_decay: float = 0.0,
@@ -288,9 +299,8 @@ def sgd_step(engine, params, grads, bufs=None, *, lr: float, momentum: float = 0
             _tensor_list("bufs", bufs, n)
         _distinct(params=params)
         _read_apart(grads, params=params)
-        for p, g in zip(params, grads):
-            if p.size:
-                engine.run("sgd", p=_flat(p), g=_flat(g), **scalars, **gate)
+        for p, g in _together(params, grads):
+            engine.run("sgd", p=p, g=g, **scalars, **gate)
         return
     if bufs is None:
         raise ValueError("SGD with momentum needs bufs, one momentum buffer per parameter")
@@ -298,6 +308,5 @@ def sgd_step(engine, params, grads, bufs=None, *, lr: float, momentum: float = 0
     _same_shapes(params, bufs=bufs)
     _distinct(params=params, bufs=bufs)
     _read_apart(grads, params=params, bufs=bufs)
-    for p, g, b in zip(params, grads, bufs):
-        if p.size:
-            engine.run("sgd_momentum", p=_flat(p), g=_flat(g), buf=_flat(b), **scalars, **gate)
+    for p, g, b in _together(params, grads, bufs):
+        engine.run("sgd_momentum", p=p, g=g, buf=b, **scalars, **gate)

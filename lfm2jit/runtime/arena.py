@@ -1,23 +1,29 @@
 """Arenas: many tensors carved side by side out of a few buffers, so a pass over all of them is
 a few dispatches instead of one per tensor.
 
-A model's gradients are ~150 tensors; the gradient norm's first pass and the window's zeroing
-walk every one each step, and on a fast GPU most of those dispatches are too small to cover
-their own launch. Carved into an arena, tensors that follow each other form ``runs``: one span of
-one buffer, which a single dispatch (or clear) covers.
+A model has ~150 parameters, and as many gradients and moments; the gradient norm's first pass,
+the window's zeroing and the optimizer walk every one each step, and on a fast GPU most of those
+dispatches are too small to cover their own launch. Carved into an arena, tensors that follow each
+other form ``runs``: one span of one buffer, which a single dispatch (or clear) covers; lists that
+go together element by element (parameters, gradients, moments, carved in one order) are walked
+by ``runs_together``.
 
 Layout: each tensor starts at a multiple of the adapter's storage binding alignment, right after
 the previous one's slot; the bytes between a tensor's end and the next slot (its padding) are
-bound by no tensor (a view's capacity is exactly its size), so no kernel can write them. They are
-zero from the moment the arena is made (``carve`` records the clear), so a sum over a run equals
-the sum over its tensors. An arena buffer holds at most the adapter's storage binding size, so a
-run of several tensors can always be bound whole; tensors that do not fit start another buffer.
+bound by no tensor (a view's capacity is exactly its size). They are zero from the moment the
+arena is made (``carve`` records the clear; ``upload``'s buffers are new), so a sum over a run
+equals the sum over its tensors; a pass that writes a span must leave zeros zero there (an
+optimizer step does, for a parameter, gradient and moments all zero). An arena buffer holds at
+most the adapter's storage binding size, so a run of several tensors can always be bound whole;
+tensors that do not fit start another buffer.
 """
 from __future__ import annotations
 
 import math
 import weakref
 from typing import NamedTuple, Sequence
+
+import numpy as np
 
 from .tensor import ITEMSIZE, Tensor
 
@@ -49,35 +55,66 @@ def buffer_limit(ctx) -> int:
     return int(min(limits.get("max-storage-buffer-binding-size", 1 << 27), limits.get("max-buffer-size", 1 << 28)))
 
 
-def carve(recorder, shapes: Sequence[tuple[int, ...]], dtype: str = "f32") -> list[Tensor]:
-    """Zeroed tensors of these shapes, laid out in order over as few pooled buffers as the binding
-    limit allows. Each view keeps its buffer alive; the buffer returns to the pool when the last
-    view is gone."""
-    align, limit, item = _align(recorder.ctx), buffer_limit(recorder.ctx), ITEMSIZE[dtype]
-    slots = [_up(math.prod(s) * item, align) for s in shapes]      # an empty tensor takes no room
+def _layout(ctx, shapes: Sequence[tuple[int, ...]], item: int) -> list[tuple[int, list[tuple[int, int]]]]:
+    """Arena buffers for these shapes, in order: (bytes, [(index, byte offset)]) each. A slot is
+    the tensor's bytes rounded up to the binding alignment (an empty tensor takes none); a buffer
+    holds at most ``buffer_limit`` bytes, except one tensor larger than that, alone in its own."""
+    align, limit = _align(ctx), buffer_limit(ctx)
+    slots = [_up(math.prod(s) * item, align) for s in shapes]
     groups: list[list[int]] = [[]]
     used = 0
     for i, slot in enumerate(slots):
-        if used + slot > limit and groups[-1]:       # one larger than a binding gets a buffer of its own
+        if used + slot > limit and groups[-1]:
             groups.append([])
             used = 0
         groups[-1].append(i)
         used += slot
-    out: list[Tensor | None] = [None] * len(shapes)
-    for group in groups:
-        if not group:
-            continue
-        nbytes = max(sum(slots[i] for i in group), align)
-        arena = recorder.empty((nbytes // item,), dtype)
-        recorder.zero_(arena)
-        at, carved = 0, {}
+    out = []
+    for group in filter(None, groups):
+        at, placed = 0, []
         for i in group:
-            n = math.prod(shapes[i])
-            out[i] = Tensor(recorder.ctx, arena.buffer, shapes[i], dtype, capacity=n, offset=at, base=arena)
-            if n:
-                carved[at] = n * item
+            placed.append((i, at))
             at += slots[i]
-        _SLOTS[arena] = carved
+        out.append((max(at, align), placed))
+    return out
+
+
+def _views(arena: Tensor, placed, shapes, dtype: str, out: list) -> None:
+    """The tensors of one arena buffer, at their slots; their slots are recorded for ``runs``."""
+    carved = {}
+    for i, at in placed:
+        n = math.prod(shapes[i])
+        out[i] = Tensor(arena.ctx, arena.buffer, shapes[i], dtype, capacity=n, offset=at, base=arena)
+        if n:
+            carved[at] = n * ITEMSIZE[dtype]
+    _SLOTS[arena] = carved
+
+
+def carve(recorder, shapes: Sequence[tuple[int, ...]], dtype: str = "f32") -> list[Tensor]:
+    """Zeroed tensors of these shapes, laid out in order over as few pooled buffers as the binding
+    limit allows. Each view keeps its buffer alive; the buffer returns to the pool when the last
+    view is gone."""
+    item = ITEMSIZE[dtype]
+    out: list[Tensor | None] = [None] * len(shapes)
+    for nbytes, placed in _layout(recorder.ctx, shapes, item):
+        arena = recorder.empty((nbytes // item,), dtype, exact=True)
+        recorder.zero_(arena)
+        _views(arena, placed, shapes, dtype, out)
+    return out
+
+
+def upload(ctx, arrays: Sequence[np.ndarray], dtype: str = "f32") -> list[Tensor]:
+    """Long-lived tensors holding these arrays (a model's parameters), carved as ``carve`` does
+    but out of buffers of their own, outside the pool (whose peak counts what a step uses). A
+    new WebGPU buffer is zeros, so the padding is too."""
+    shapes = [tuple(np.shape(a)) for a in arrays]
+    item = ITEMSIZE[dtype]
+    out: list[Tensor | None] = [None] * len(shapes)
+    for nbytes, placed in _layout(ctx, shapes, item):
+        _views(Tensor.empty(ctx, (nbytes // item,), dtype), placed, shapes, dtype, out)
+    for t, a in zip(out, arrays):
+        if t.size:
+            t.write(a)
     return out
 
 
@@ -87,24 +124,52 @@ def _carved(t: Tensor) -> bool:
     return slots is not None and slots.get(t.offset) == t.nbytes
 
 
-def runs(tensors: Sequence[Tensor]) -> list[Run]:
-    """The tensors (empty ones left out) grouped, in order, into maximal runs: each next tensor
-    starts in the same arena where the previous one's slot ends. A tensor that is not a whole
-    carved one is a run of its own."""
-    groups: list[list[Tensor]] = []
+def _groups(tensors: Sequence[Tensor]) -> list[list[int]]:
+    """Indices of the non-empty tensors, grouped in order into maximal runs: each next tensor
+    starts in the same arena where the previous one's slot ends."""
+    groups: list[list[int]] = []
     align = None
-    for t in tensors:
+    for i, t in enumerate(tensors):
         if t.size == 0:
             continue
         if groups:
-            last = groups[-1][-1]
+            last = tensors[groups[-1][-1]]
             align = align or _align(t.ctx)
             if (t._base is last._base and t.dtype == last.dtype and _carved(t) and _carved(last)
                     and t.offset == last.offset + _up(last.nbytes, align)):
-                groups[-1].append(t)
+                groups[-1].append(i)
                 continue
-        groups.append([t])
-    return [Run(_span(tuple(g)), tuple(g)) for g in groups]
+        groups.append([i])
+    return groups
+
+
+def runs(tensors: Sequence[Tensor]) -> list[Run]:
+    """The tensors (empty ones left out) grouped, in order, into maximal runs. A tensor that is
+    not a whole carved one is a run of its own."""
+    return [Run(_span(tuple(tensors[i] for i in g)), tuple(tensors[i] for i in g)) for g in _groups(tensors)]
+
+
+def runs_together(lists: Sequence[Sequence[Tensor]]) -> list[tuple[Tensor, ...]]:
+    """For lists of tensors that go together element by element (a parameter, its gradient, its
+    moments: the same shapes and dtype at each index), one span per list over each maximal range
+    of indices that is a run in every list. Carved in the same order, the lists' slots line up,
+    so element e of one span belongs with element e of the others."""
+    n = len(lists[0])
+    for xs in lists:
+        if len(xs) != n:
+            raise ValueError(f"runs_together takes lists of one length, got {[len(xs) for xs in lists]}")
+        for a, b in zip(lists[0], xs):
+            if a.shape != b.shape or a.dtype != b.dtype:
+                raise ValueError(f"runs_together: {a!r} goes with {b!r}; the shapes and dtypes must match")
+    starts = {g[0] for xs in lists for g in _groups(xs)}
+    joint: list[list[int]] = []
+    for i in range(n):
+        if lists[0][i].size == 0:
+            continue
+        if i in starts or not joint:
+            joint.append([])
+        joint[-1].append(i)
+    return [tuple(_span(tuple(xs[i] for i in g)) for xs in lists) for g in joint]
 
 
 def _span(tensors: tuple[Tensor, ...]) -> Tensor:

@@ -140,10 +140,11 @@ class Recorder:
         return compiled
 
     # ---- tensors ----
-    def empty(self, shape, dtype: str = "f32", capacity: int | None = None) -> Tensor:
-        """A pooled tensor (contents undefined); ``capacity`` elements reserved, at least its size."""
+    def empty(self, shape, dtype: str = "f32", capacity: int | None = None, exact: bool = False) -> Tensor:
+        """A pooled tensor (contents undefined); ``capacity`` elements reserved, at least its size;
+        ``exact``: a buffer of just that size, not its pool size class (see BufferPool.acquire)."""
         n = max(math.prod(shape), capacity or 0)
-        buf = self.pool.acquire(buffer_bytes(n, dtype))
+        buf = self.pool.acquire(buffer_bytes(n, dtype), exact)
         return Tensor(self.ctx, buf, shape, dtype, capacity=buf.size // ITEMSIZE[dtype], on_free=self.pool.release)
 
     def tensor(self, array, dtype: str | None = None) -> Tensor:
