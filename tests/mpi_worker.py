@@ -54,6 +54,7 @@ def main(argv=None) -> int:
         print(f"error: rank {rank}: {e}", file=sys.stderr, flush=True)
         time.sleep(1.0)                       # let mpiexec forward the line before the job is torn down
         comm.Abort(3)
+        return 3          # should Abort return (a rank saved its weights after it once, under load), save nothing
     import numpy as np
     np.savez(f"{a.out}.rank{rank}.npz", **model.state_dict(), optimizer_steps=tr.optimizer_steps())
     return 0

@@ -206,6 +206,10 @@ def test_f16_base_halves_the_linear_weights_and_stays_frozen(mg, ctx, engine_kin
     linears = [n for n in ours.named_parameters() if ".layers." in n and n.endswith(("proj.weight", "w1.weight",
                                                                                         "w2.weight", "w3.weight"))]
     assert linears and all(ours.p(n).dtype == "f16" for n in linears)
+    held = sum({id(t.buffer): t.buffer.size for t in ours.named_parameters().values()}.values())
+    align = ctx.limits.get("min-storage-buffer-offset-alignment", 256)
+    slots = sum(-(-t.nbytes // align) * align for t in ours.named_parameters().values())
+    assert held <= slots + 3 * align       # the f32 copies of the linears are freed with their arena
     with torch.no_grad():                  # the reference: PEFT on the f16-rounded base
         for n, p in theirs.named_parameters():
             if n.replace("base_model.model.", "").replace(".base_layer", "") in linears:

@@ -167,9 +167,17 @@ class Lfm2Model:
         self.lora = LoraAdapters(config, dict(zip(weights, arena.upload(self.ctx, list(weights.values())))), modules,
                                  seed)
         if base_dtype == "f16":
-            for name in self._base_linears():
-                # a parameter, not a pooled temporary (the pool's peak counts activations)
-                self._params[name] = Tensor.from_numpy(self.ctx, self._params[name].numpy(), "f16")
+            self._reupload(set(self._base_linears()))
+
+    def _reupload(self, to_f16: set[str]) -> None:
+        """The parameters named in ``to_f16`` as f16 in an arena of their own, the others
+        re-uploaded as f32 into a fresh one (new tensors, same values, the model's order), so the
+        old arena, and with it the f32 copies, is freed: an arena lives while any view of it does."""
+        arrays = {n: t.numpy() for n, t in self._params.items()}
+        new: dict[str, Tensor] = {}
+        for dtype, names in (("f32", [n for n in arrays if n not in to_f16]), ("f16", [n for n in arrays if n in to_f16])):
+            new.update(zip(names, arena.upload(self.ctx, [arrays[n] for n in names], dtype)))
+        self._params = {n: new[n] for n in arrays}
 
     def _base_linears(self) -> list[str]:
         return [n for n, shape in parameter_shapes(self.cfg).items()
