@@ -112,10 +112,8 @@ class Optimizer:
         fresh = list({id(p): p for p in group if id(p) not in self.state}.values())
         made = {id(p): {"step": 0} for p in fresh}
         for n in self.state_names:
-            for dtype in dict.fromkeys(p.dtype for p in fresh):
-                same = [p for p in fresh if p.dtype == dtype]
-                for p, t in zip(same, arena.carve(engine, [p.shape for p in same], dtype)):
-                    made[id(p)][n] = t
+            for p, t in zip(fresh, arena.carve_like(engine, fresh)):
+                made[id(p)][n] = t
         self.state.update(made)                 # only once every buffer exists
         return [self.state[id(p)] for p in group]
 

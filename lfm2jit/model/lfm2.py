@@ -463,10 +463,9 @@ class Lfm2Model:
         side out of arenas (runtime/arena.py), in the order given, so passes over every gradient
         (its zeroing here, the gradient norm) take a dispatch per arena run, not per tensor."""
         params = list(params if params is not None else self.parameters())
-        for dtype in dict.fromkeys(t.dtype for t in params if t.grad is None):
-            missing = list({id(t): t for t in params if t.grad is None and t.dtype == dtype}.values())
-            for t, g in zip(missing, arena.carve(self.engine, [t.shape for t in missing], dtype)):
-                t.grad = g
+        missing = list({id(t): t for t in params if t.grad is None}.values())
+        for t, g in zip(missing, arena.carve_like(self.engine, missing)):
+            t.grad = g
         for run in arena.runs([t.grad for t in params]):
             self.engine.zero_(run.span)
 

@@ -103,6 +103,17 @@ def carve(recorder, shapes: Sequence[tuple[int, ...]], dtype: str = "f32") -> li
     return out
 
 
+def carve_like(recorder, tensors: Sequence[Tensor]) -> list[Tensor]:
+    """Zeroed tensors shaped and typed like ``tensors`` (a gradient or a moment per parameter),
+    carved in their order, one arena set per dtype."""
+    out: list[Tensor | None] = [None] * len(tensors)
+    for dtype in dict.fromkeys(t.dtype for t in tensors):
+        where = [i for i, t in enumerate(tensors) if t.dtype == dtype]
+        for i, t in zip(where, carve(recorder, [tensors[i].shape for i in where], dtype)):
+            out[i] = t
+    return out
+
+
 def upload(ctx, arrays: Sequence[np.ndarray], dtype: str = "f32") -> list[Tensor]:
     """Long-lived tensors holding these arrays (a model's parameters), carved as ``carve`` does
     but out of buffers of their own, outside the pool (whose peak counts what a step uses). A
