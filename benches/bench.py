@@ -26,6 +26,11 @@ Groups (``--only`` takes group names):
   pointwise    y = x + z (a pure bandwidth probe for generated elementwise kernels)
   xent         the LM head fused with masked cross-entropy (vocab 65536, D = 1024), loss + dh + dE
   adamw        AdamW over every parameter tensor of LFM2-350M (354M elements); global grad norm
+  lora         a frozen f16 linear layer with a rank-8 LoRA adapter, forward and backward (the
+               adapter's gradients and the input gradient) at each LFM2-1.2B linear shape,
+               T = 2048, f16 activations, beside the layer's own forward and dX without the
+               adapter (both dX added into an existing gradient): what the adapters add to a
+               LoRA step, dispatch by dispatch (best of 3)
   train        Trainer.train_step on an LFM2-350M-shaped model: 1x512, 1x2048, 8x512 (grad accum 8)
 
 Ceilings: the datasheet H200 numbers (67 TFLOP/s fp32 without tensor cores, 4.8 TB/s HBM)
@@ -59,7 +64,8 @@ from lfm2jit.tune.timing import warm_up
 
 # Datasheet ceilings per adapter-name substring: (fp32 FLOP/s without tensor cores, bytes/s)
 CEILINGS = {"H200": (67e12, 4.8e12), "H100": (67e12, 3.35e12)}
-GROUPS = ("ref", "matmul", "matrix", "tiles", "mtiles", "attention", "atiles", "conv", "rmsnorm", "pointwise", "xent", "adamw", "train")
+GROUPS = ("ref", "matmul", "matrix", "tiles", "mtiles", "attention", "atiles", "conv", "rmsnorm", "pointwise", "xent", "adamw",
+          "lora", "train")
 QUICK_GROUPS = ("matmul", "attention", "conv", "rmsnorm", "pointwise", "xent", "adamw", "train")
 GiB = float(1 << 30)
 
@@ -140,6 +146,23 @@ def time_engine(engine, record, reps: int) -> tuple[float, str, float, dict[str,
         return gpu, "gpu", wall, by
     engine.timings.clear()
     return wall, "wall", wall, {}
+
+
+def time_dispatches(engine, record, reps: int, warm: bool = True) -> list[tuple[str, float]]:
+    """(kernel, GPU seconds) of each dispatch ``record()`` makes, in order, the fastest of ``reps``
+    calls each (empty without timestamps): which of a call's dispatches holds its time. ``warm``:
+    keep the GPU busy with it first (without, the caller has)."""
+    if warm:
+        warm_up(engine, record)
+    engine.timings.clear()
+    for _ in range(reps):
+        record()
+    engine.synchronize()
+    timings, engine.timings[:] = list(engine.timings), []
+    if not engine.timing or not timings or len(timings) % reps:
+        return []
+    n = len(timings) // reps
+    return [(timings[i][0], min(timings[r * n + i][1] for r in range(reps))) for i in range(n)]
 
 
 def _rand(rng, shape, scale=1.0):
@@ -549,6 +572,62 @@ class Bench:
         self.guarded("adamw", "adamw_step", shape, one)
 
 
+    # ---- LoRA adapters at LFM2-1.2B's linear shapes ----
+    def lora(self):
+        from collections import Counter
+
+        from lfm2jit.model.adapters import LoraAdapters
+        from lfm2jit.model.config import Lfm2Config
+        from lfm2jit.model.lfm2 import _grad as backward_of
+        from lfm2jit.model.lora import LoraConfig, init_weights
+        from lfm2jit.ops import precision
+        cfg = Lfm2Config.preset("tiny" if self.quick else "1.2B")
+        config = LoraConfig(r=8, alpha=16.0)
+        modules = config.modules(cfg)
+        t = 64 if self.quick else 2048
+        counts = Counter(modules.values())              # (out, in) -> how many modules of the model have it
+        lin = library.get("linear")
+        dx_k = grad(lin, ["x"])
+        for (n_out, n_in), count in counts.items():
+            shape = f"T{t} in{n_in} out{n_out} r{config.r} (x{count})"
+
+            def one(n_out=n_out, n_in=n_in, count=count, shape=shape):
+                e = self.engine
+
+                def run(kernel, **args):
+                    return precision.run(e, kernel, "f16", **args)
+                name = next(m for m, s in modules.items() if s == (n_out, n_in))
+                weights = {k: e.tensor(v + 0.01) for k, v in init_weights(config, {name: (n_out, n_in)}, 0).items()}
+                ad = LoraAdapters(config, weights, [name])
+                trained = {id(w) for w in weights.values()}
+                for w in weights.values():
+                    w.grad = e.zero_(e.empty(w.shape))
+                x, dy = e.tensor(_rand(self.rng, (t, n_in)), "f16"), e.tensor(_rand(self.rng, (t, n_out)), "f16")
+                y, dx = e.empty((t, n_out), "f16"), e.empty((t, n_in), "f16")
+                w16 = e.tensor(_rand(self.rng, (n_out, n_in), 0.02), "f16")
+                u = ad.forward(run, x, name, w16, t)[1]
+                for label, record, flops, nbytes in (
+                        ("base_fwd", lambda: run(lin, bucket=t, x=x, w=w16, out={"y": y}),
+                         2.0 * t * n_in * n_out, 2.0 * (t * n_in + n_in * n_out + t * n_out)),
+                        ("base_dx", lambda: run(dx_k, bucket=t, x=x, w=w16, d_y=dy, out={"d_x": dx}, accumulate={"d_x"}),
+                         2.0 * t * n_in * n_out, 2.0 * (t * n_out + n_in * n_out + t * n_in)),
+                        ("lora_fwd", lambda: ad.forward(run, x, name, w16, t),
+                         2.0 * t * n_in * n_out + 2.0 * t * config.r * (n_in + n_out),
+                         2.0 * (t * n_in + n_in * n_out + t * n_out)),
+                        ("lora_bwd", lambda: ad.backward(run, backward_of, lambda w: id(w) in trained, x, name, w16, dy,
+                                                         t, u, dx=dx),
+                         2.0 * t * n_in * n_out + 6.0 * t * config.r * (n_in + n_out),
+                         2.0 * (2 * t * n_out + 2 * t * n_in + n_in * n_out))):
+                    s, timer, wall, by = min((time_engine(e, record, self.reps) for _ in range(MTILE_ROUNDS)),
+                                             key=lambda r: r[0])
+                    order = time_dispatches(e, record, self.reps)
+                    self.add(Line("lora", label, shape, s, timer, flops, nbytes, wall_seconds=wall,
+                                  extra={"modules": count, "per_kernel_s": by, "dispatches_s": order}))
+                    if order:
+                        self.log("    dispatches: " + ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in order))
+            self.guarded("lora", "lora", shape, one)
+
+
 # ---------------------------------------------------------------- whole train steps
 
 class _QueueProxy:
@@ -597,7 +676,7 @@ def _kernel_class(name: str) -> str:
     name = name.split("_f16")[0]
     if "attention" in name:
         return "attention"
-    if name.startswith("linear"):
+    if name.startswith(("linear", "lora_")):
         return "linear (matmul)"
     if name in ("xent_logits", "xent_dh", "xent_dE"):
         return "lm head (matmul)"

@@ -454,6 +454,8 @@ class Generator:
         choices = ["unary"] * 6 + ["binary"] * 9 + ["neg"] + ["where"] * 2 + ["cast"] * 2 + ["shift"] * 2
         if free_sym:
             choices += ["reduce"] * 5 + ["contract"] * 2
+        if free_sym and len(S) == 2 and not any(is_fixed(a) for a in S):
+            choices += ["gemm"] * 2
         if free:
             choices += ["take"] * 2
         if any(is_fixed(a) and 2 <= int(a) <= 4 for a in S):
@@ -539,6 +541,13 @@ class Generator:
             a = self.gen(self.order(sa + (K,)), dt, max(d - 1, 0), (K,))
             b = self.gen(self.order(sb + (K,)), dt, max(d - 1, 0), (K,))
             return Red("sum", Bin("*", a, b), K)
+        if kind == "gemm":          # a product the GEMM template runs, of tensors, maybe plus a second one
+            terms = []
+            for K in self.rng.permutation(free_sym)[:1 + int(self.p(0.3) and len(free_sym) > 1)]:
+                a = self.tensor_leaf(self.order((S[0], K)), dt, exact=True)
+                b = self.tensor_leaf(self.order((S[1], K)), dt, exact=True)
+                terms.append(Red("sum", Bin("*", a, b), str(K)))
+            return terms[0] if len(terms) == 1 else Bin("+", *terms)
         if kind == "take":
             fixed = [a for a in free if is_fixed(a)]
             A = self.pick(fixed) if fixed and self.p(0.8) else self.pick(free)
@@ -787,7 +796,8 @@ class Generator:
                     poison=self.poison and SEQ in axes)
 
 
-FEATURES = ("window", "flip", "default", "left out", "optional", "dropped", "packed", "poison")
+FEATURES = ("window", "flip", "default", "left out", "optional", "dropped", "packed", "poison", "gemm epilogue",
+            "sum of gemms")
 
 
 def features(case: Case) -> set[str]:
@@ -811,7 +821,7 @@ def features(case: Case) -> set[str]:
         out.add("packed")
     if case.poison:
         out.add("poison")
-    return out
+    return out | case.meta.get("gemms", set())       # what the compiled kernel fused (fuzz/run.py)
 
 
 def generate(seed: int, has_f16: bool = True) -> Case:

@@ -110,6 +110,25 @@ class Result:
         return self.forward.failing or self.backward.failing
 
 
+def fused_gemms(kernel) -> set[str]:
+    """The GEMM fusions a compiled kernel's parts use (the features table counts the cases): an
+    epilogue computed from the sum, or several contractions summed in one K loop."""
+    from ..ir.ops import Op
+    from ..ir.partition import find_contraction
+    found = set()
+    for part in kernel.kernels:
+        ir = part.ir
+        if ir.structure.kind != "contraction":
+            continue
+        if len(ir.structure.reduced) > 1:
+            found.add("sum of gemms")
+        root = ir.results[ir.outputs[0].name]
+        acc = find_contraction(root, ir.outputs[0].shape).acc
+        if root is not acc and not (root.op == Op.CAST and root.srcs[0] is acc):
+            found.add("gemm epilogue")
+    return found
+
+
 def shader_error(detail: str) -> str:
     """The shader compiler's own complaint (and the WGSL line it points at) from a ShaderCompileError."""
     text = detail.split("--- WGSL ---")[0]
@@ -310,6 +329,7 @@ class Runner:
             kernel = compile_source(src, FILENAME)[case.kernel.name]
         except Exception as e:  # noqa: BLE001 - every exception is a verdict
             return Result(case, classify(e), Outcome("n/a", "the forward did not compile"))
+        case.meta["gemms"] = fused_gemms(kernel)
         fwd, got = self.forward(case, kernel, ref)
         if fwd.cls not in ("ok", "wrong", "skipped", "refused"):
             self._fresh_engine()

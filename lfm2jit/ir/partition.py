@@ -22,7 +22,7 @@ import itertools
 from dataclasses import dataclass, replace
 
 from .nodes import ABSTRACT, SEQ_AXIS, KernelIR, Node, Structure, TensorArg, substitute, toposort
-from .ops import MOVING, REDUCE, Op
+from .ops import BINARY, LEAF, MOVING, REDUCE, UNARY, Op
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,59 @@ def gemm_axes(n: Node, out_shape: tuple[str, ...]) -> dict | None:
         return None
     out_free = [x for x in out_shape if x not in batch]
     return {"m": out_free[0], "n": out_free[-1], "k": n.arg, "batch": batch[0] if batch else None}
+
+
+# What a GEMM's epilogue may compute from its sum: elementwise ops, and reads of other tensors at a
+# moved index (a fixed entry, a shift, a flip) where the sum is not beneath them.
+EPILOGUE_OPS = LEAF | UNARY | BINARY | {Op.WHERE, Op.BROADCAST}
+EPILOGUE_READS = frozenset({Op.TAKE, Op.SHIFT, Op.FLIP})
+
+
+@dataclass(frozen=True)
+class Contraction:
+    """A part's GEMM: the accumulator (one contraction, or a sum of contractions over the same
+    output, each a phase of one K loop) and the terms it adds up; the part's root is computed from
+    the accumulator at each output element (the epilogue; the root is the accumulator when there
+    is none)."""
+    acc: Node
+    terms: tuple[Node, ...]
+
+
+def _terms(n: Node, shape: tuple[str, ...]) -> list[Node] | None:
+    """The contractions ``n`` adds up (``n`` itself, or both sides of an ADD), or None."""
+    if gemm_axes(n, shape) is not None:
+        return [n]
+    if n.op == Op.ADD and n.shape == n.srcs[0].shape == n.srcs[1].shape:
+        a, b = _terms(n.srcs[0], shape), _terms(n.srcs[1], shape)
+        return a + b if a is not None and b is not None else None
+    return None
+
+
+def find_contraction(root: Node, shape: tuple[str, ...], cut=frozenset(), users=None) -> Contraction | None:
+    """The GEMM a root computes, if it is one: an accumulator (see Contraction) under an epilogue of
+    elementwise ops that read other tensors at the output element only (a scale, a residual add, a
+    cast). The accumulator's nodes must have no reader outside this root (``users``: the kernel's use
+    counts), so that fusing the epilogue never computes a GEMM twice; None otherwise."""
+    group = toposort([root], stop=cut)
+    for acc in reversed(group):                    # the accumulator nearest the root
+        terms = _terms(acc, shape)
+        if terms is None:
+            continue
+        inside = toposort([acc], stop=set(cut) | {id(t) for t in terms})
+        epilogue = toposort([root], stop=set(cut) | {id(acc)})
+        below = {id(n) for n in toposort([acc], stop=cut)}
+        for n in epilogue:
+            if n.op in EPILOGUE_READS:
+                if any(id(m) in below for m in toposort([n], stop=cut)):
+                    return None
+            elif n.op not in EPILOGUE_OPS:
+                return None
+        if users is not None and acc is not root:
+            here = use_counts([root])
+            if any(users.get(id(n), 0) != here.get(id(n), 0) for n in inside + terms):
+                return None
+        return Contraction(acc, tuple(terms))
+    return None
 
 
 INLINE_FIXED = 64     # reductions over a fixed axis at most this long run inside each invocation
@@ -118,12 +171,11 @@ class _Planner:
         stored = [n for n in group if n.op == Op.MATERIALIZE and n is not root]
         if stored:                                   # values every reader must see with the same bits
             return None, stored
-        top = root.srcs[0] if root.op == Op.CAST and root.srcs[0].op == Op.SUM else root
-        axes = gemm_axes(top, shape)
-        if axes is not None:
-            bad = [x for x in top.srcs[0].srcs if not _is_leaf(x, cut)]
-            return Structure("contraction", shape, (top.arg,)), bad
-        inner = [n for n in group if n.op == Op.SUM and n is not top and gemm_axes(n, n.shape) is not None]
+        gemm = find_contraction(root, shape, cut, self.users)
+        if gemm is not None:
+            bad = [x for t in gemm.terms for x in t.srcs[0].srcs if not _is_leaf(x, cut)]
+            return Structure("contraction", shape, tuple(t.arg for t in gemm.terms)), bad
+        inner = [n for n in group if n.op == Op.SUM and gemm_axes(n, n.shape) is not None]
         if inner:                                    # a GEMM inside an expression runs as a GEMM
             return None, inner
         return self.reduction_structure(root, shape, group, cut)

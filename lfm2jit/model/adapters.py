@@ -2,10 +2,13 @@
 forward and backward (lora.py holds the config and PEFT's files).
 
 Forward, for y = x W^T of a targeted layer (u = s * x' A^T is [T, r], small):
-    x' = dropout(x) (training with dropout > 0; else x' = x);  u = linear(x', A);  u = scale(u, s);
-    y += linear(u, B)
+    x' = dropout(x) (training with dropout > 0; else x' = x);  u = lora_down(x', A, s);
+    y = linear_lora(x, W, u, B) = x W^T + u B^T: the up-projection is a second phase of the
+    layer's own GEMM, so y is written once
 Backward, given dy and u (kept by the forward: [T, r] per layer, or recomputed when not):
-    du = dy B;  B.grad += dy^T u;  du = s * du;  A.grad += du^T x';  dx += dropout'(du A)
+    B.grad += dy^T u;  du = lora_down_grad(dy, B, s) = s * dy B;  A.grad += du^T x';
+    dx = linear_lora_dx(dy, W, du, A) = dy W + du A (one GEMM again); with dropout, dx = dy W
+    and then dx += dropout'(du A)
 Dropout is PEFT's (an element kept with probability 1 - p, times 1 / (1 - p)), its mask drawn on the
 GPU from a key per module (schedule/dropout.py); the backward redraws it from the same key, so
 nothing of it is kept. ``draw_dropout`` writes the keys of the next training pass.
@@ -53,11 +56,11 @@ class LoraAdapters:
             words = np.random.default_rng([self.seed, *counters, i]).integers(0, 2 ** 32, 2, dtype=np.uint64)
             ad.key.write(dropout_key(self.config.dropout, words))
 
-    def forward(self, run, x: Tensor, module: str, y: Tensor, bucket: int, dropout: bool = False) -> Tensor:
-        """y += s * (x' A^T) B^T; returns u = s * x' A^T."""
+    def forward(self, run, x: Tensor, module: str, w: Tensor, bucket: int, dropout: bool = False) -> tuple[Tensor, Tensor]:
+        """(y, u) of the targeted layer of weight ``w``: y = x W^T + u B^T, u = s * x' A^T."""
         u = self._down(run, self._dropped(run, x, module, bucket, dropout), module, bucket)
-        run("linear", bucket=bucket, x=u, w=self.by_module[module].b, out={"y": y}, accumulate={"y"})
-        return u
+        y = run("linear_lora", bucket=bucket, x=x, w=w, u=u, b=self.by_module[module].b)["y"]
+        return y, u
 
     def _dropped(self, run, x: Tensor, module: str, bucket: int, dropout: bool) -> Tensor:
         """x' = x with dropout applied when ``dropout`` (a training pass) and the config has it."""
@@ -66,33 +69,33 @@ class LoraAdapters:
         return run("dropout", bucket=bucket, x=x, key=self.by_module[module].key)["y"]
 
     def _down(self, run, x: Tensor, module: str, bucket: int) -> Tensor:
-        u = run("linear", bucket=bucket, x=x, w=self.by_module[module].a)["y"]                    # (T, r)
-        return run("scale", bucket=bucket, x=u, alpha=self.config.scaling)["y"]
+        return run("lora_down", bucket=bucket, x=x, a=self.by_module[module].a, s=self.config.scaling)["u"]   # (T, r)
 
-    def backward(self, run, grad, trained, x: Tensor, module: str, dy: Tensor, dx: Tensor | None, bucket: int,
-                 u: Tensor | None = None, dropout: bool = False) -> None:
-        """Add A's and B's gradients (those in ``trained``) and, into ``dx`` when given, the adapter's
-        part of the input gradient. ``dropout``: the forward was a training pass that applied it."""
+    def backward(self, run, grad, trained, x: Tensor, module: str, w: Tensor, dy: Tensor, bucket: int,
+                 u: Tensor | None = None, dropout: bool = False, dx: Tensor | None = None,
+                 need_dx: bool = True) -> Tensor | None:
+        """Add A's and B's gradients (those in ``trained``) and return the layer's input gradient
+        (dy W + the adapter's part; added into ``dx`` when given), or None without ``need_dx``.
+        ``dropout``: the forward was a training pass that applied it."""
         ad = self.by_module[module]
         train_a, train_b = trained(ad.a), trained(ad.b)
-        if dx is None and not (train_a or train_b):
-            return
         dropped = dropout and bool(self.config.dropout)
-        xd = self._dropped(run, x, module, bucket, dropped) if (u is None or train_a) else None
-        if u is None:
-            u = self._down(run, xd, module, bucket)
+        xd = self._dropped(run, x, module, bucket, dropped) if (train_a or (u is None and train_b)) else None
         if train_b:
+            if u is None:
+                u = self._down(run, xd, module, bucket)
             run(grad("linear", ("w",)), bucket=bucket, x=u, w=ad.b, d_y=dy, out={"d_w": ad.b.grad}, accumulate={"d_w"})
-        if dx is None and not train_a:
-            return
-        du = run(grad("linear", ("x",)), bucket=bucket, x=u, w=ad.b, d_y=dy)["d_x"]                # (T, r)
-        du = run("scale", bucket=bucket, x=du, alpha=self.config.scaling)["y"]
+        du = None
+        if train_a or need_dx:
+            du = run("lora_down_grad", bucket=bucket, d_y=dy, b=ad.b, s=self.config.scaling)["du"]          # (T, r)
         if train_a:
             run(grad("linear", ("w",)), bucket=bucket, x=xd, w=ad.a, d_y=du, out={"d_w": ad.a.grad}, accumulate={"d_w"})
-        if dx is None:
-            return
+        if not need_dx:
+            return None
+        out, acc = ({"d_x": dx}, {"d_x"}) if dx is not None else ({}, set())
         if not dropped:
-            run(grad("linear", ("x",)), bucket=bucket, x=x, w=ad.a, d_y=du, out={"d_x": dx}, accumulate={"d_x"})
-            return
+            return run("linear_lora_dx", bucket=bucket, d_y=dy, w=w, du=du, a=ad.a, out=out, accumulate=acc)["d_x"]
+        dx = run(grad("linear", ("x",)), bucket=bucket, x=x, w=w, d_y=dy, out=out, accumulate=acc)["d_x"]
         dxd = run(grad("linear", ("x",)), bucket=bucket, x=x, w=ad.a, d_y=du)["d_x"]              # (T, in)
         run("dropout", bucket=bucket, x=dxd, key=ad.key, out={"y": dx}, accumulate={"y"})   # dropout's gradient
+        return dx

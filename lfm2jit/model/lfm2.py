@@ -373,13 +373,15 @@ class Lfm2Model:
     def _linear(self, x: Tensor, name: str, bucket: int, saved: dict | None = None) -> Tensor:
         """y = x W^T (+ b): torch.nn.Linear with W stored [out, in]. A LoRA adapter's low-rank
         activation is kept in ``saved`` (the layer's trace) for the backward."""
-        y = self._run(_k("linear"), bucket=bucket, x=x, w=self.p(name + ".weight"))["y"]
-        if name + ".bias" in self._params:
-            self._run(_k("bias_add"), bucket=bucket, y=y, b=self.p(name + ".bias"))
+        w = self.p(name + ".weight")
         if self.lora and name in self.lora.by_module:
-            u = self.lora.forward(self._run, x, name, y, bucket, dropout=_training_pass(saved))
+            y, u = self.lora.forward(self._run, x, name, w, bucket, dropout=_training_pass(saved))
             if saved is not None:
                 saved["lora:" + name] = u
+        else:
+            y = self._run(_k("linear"), bucket=bucket, x=x, w=w)["y"]
+        if name + ".bias" in self._params:
+            self._run(_k("bias_add"), bucket=bucket, y=y, b=self.p(name + ".bias"))
         return y
 
     def _conv_forward(self, pre: str, s: dict, trace: Trace) -> Tensor:
@@ -564,7 +566,11 @@ class Lfm2Model:
         w = self._params[name + ".weight"]
         run = self._run
         dx = None
-        if need_dx:
+        if self.lora and name in self.lora.by_module:
+            u = saved.pop("lora:" + name, None) if saved is not None else None
+            dx = self.lora.backward(run, _grad, self._is_trained, x, name, w, dy, bucket, u,
+                                    dropout=_training_pass(saved), dx=into, need_dx=need_dx)
+        elif need_dx:
             out = {"d_x": into} if into is not None else {}
             dx = run(_grad("linear", ("x",)), bucket=bucket, x=x, w=w, d_y=dy, out=out,
                      accumulate={"d_x"} if into is not None else set())["d_x"]
@@ -573,9 +579,6 @@ class Lfm2Model:
         if name + ".bias" in self._params and self._trained(name + ".bias"):
             run(_k("bias_grad"), bucket=bucket, dy=dy, out={"db": self._params[name + ".bias"].grad},
                 accumulate={"db"})
-        if self.lora and name in self.lora.by_module:
-            u = saved.pop("lora:" + name, None) if saved is not None else None
-            self.lora.backward(run, _grad, self._is_trained, x, name, dy, dx, bucket, u, dropout=_training_pass(saved))
         return dx
 
     def _norm_backward(self, x: Tensor, inv: Tensor, name: str, dy: Tensor, bucket: int,

@@ -16,12 +16,13 @@ tiles that would run in a last, mostly idle wave of workgroups are spread over m
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from ..ir.nodes import SEQ_AXIS, KernelIR
 from ..ir.ops import Op
-from ..ir.partition import gemm_axes
-from .code import Index
+from ..ir.partition import find_contraction, gemm_axes
+from .code import COMPUTE_TYPE, Index, Let, Value, Var
+from .lower import Lowerer
 from .spec import EntryPoint, MatrixConfig, Plan, Scratch, extent, strides
 
 
@@ -126,8 +127,21 @@ class Output:
 
 
 @dataclass(frozen=True)
+class Term:
+    """One more contraction summed into the same output (y = x W^T + u B^T): a phase of the K
+    loop that runs after the first, over its own K with its own operands."""
+    a: Operand
+    b: Operand
+    k_ext: Index
+    k: str
+
+
+@dataclass(frozen=True)
 class GemmParams:
-    """What both GEMM templates are given besides their tiles: extents, operands, output, split-K layout."""
+    """What both GEMM templates are given besides their tiles: extents, operands, output, split-K
+    layout, the further terms of the sum, and the epilogue: ``lets`` computing the stored value
+    (``result``) from the sum (bound as ``dot``) and values at the output element (gm, gn, batch);
+    no lets and no result store the sum itself."""
     m_ext: Index
     n_ext: Index
     k_ext: Index
@@ -139,10 +153,18 @@ class GemmParams:
     n_size: int
     batches: int
     reduce_threads: int
+    more: tuple[Term, ...] = field(default=(), kw_only=True)
+    epilogue: tuple[Let, ...] = field(default=(), kw_only=True)
+    result: Value | None = field(default=None, kw_only=True)
 
     @property
     def split_n0(self) -> int:      # split-K's workspace holds every column (see MatrixParams)
         return 0
+
+    @property
+    def terms(self) -> tuple[Term, ...]:
+        """Every phase of the K loop, the first one's operands first."""
+        return (Term(self.a, self.b, self.k_ext, self.axes[2]),) + self.more
 
 
 @dataclass(frozen=True)
@@ -225,6 +247,18 @@ class MatrixTiles:
 
 
 @dataclass(frozen=True)
+class StageLayout:
+    """One phase's workgroup tiles: whether each is staged [k][rows], and its row stride and
+    f16 elements per stage."""
+    a_by_k: bool
+    b_by_k: bool
+    a_stride: int
+    a_tile: int
+    b_stride: int
+    b_tile: int
+
+
+@dataclass(frozen=True)
 class MatrixParams(GemmParams):
     tiles: MatrixTiles
     frag: MatrixConfig
@@ -247,6 +281,18 @@ class MatrixParams(GemmParams):
     @property
     def a_by_k(self) -> bool:       # A's tile is staged [k][m]: its rows are contiguous in memory
         return not self.a.k_fast
+
+    def layout(self, term: Term) -> "StageLayout":
+        """How one phase stages its operands (as they lie in memory, see MatrixTiles.staged)."""
+        a_stride, a_tile = self.tiles.staged(self.tiles.wm, not term.a.k_fast)
+        b_stride, b_tile = self.tiles.staged(self.tiles.wn, not term.b.k_fast)
+        return StageLayout(not term.a.k_fast, not term.b.k_fast, a_stride, a_tile, b_stride, b_tile)
+
+    @property
+    def stage_words(self) -> tuple[int, int]:
+        """f16 elements of one stage of As and Bs: room for every phase's layout."""
+        layouts = [self.layout(t) for t in self.terms]
+        return max(ly.a_tile for ly in layouts), max(ly.b_tile for ly in layouts)
 
     @property
     def b_by_k(self) -> bool:
@@ -284,7 +330,7 @@ class MatrixParams(GemmParams):
         fragment at least, so outputs sized by the sequence length (which may be shorter than a
         fragment) keep the element-wise path. Edges go element by element."""
         fragment = self.frag.m * self.frag.n
-        return (not self.c.convert and self.c.sn == 1 and self.c.sm >= self.frag.n and SEQ_AXIS not in self.axes[:2]
+        return (self.result is None and not self.c.convert and self.c.sn == 1 and self.c.sm >= self.frag.n and SEQ_AXIS not in self.axes[:2]
                 and self.axes[3] != SEQ_AXIS and self.batches * self.m_pad * self.n_size >= fragment)
 
     @property
@@ -423,19 +469,40 @@ def vector_reads(tiles: TileConfig, op: Operand, row_axis: str, k: str, sizes: d
     return None if mode == "k" and tiles.bk % 4 else mode
 
 
+def _epilogue(root, gemm, axes: dict, sizes: dict[str, int]) -> tuple[tuple[Let, ...], Value | None]:
+    """The lets that compute ``root`` from the sum (``dot``) at output element (gm, gn, batch),
+    and the value stored; none when the root is the sum (a cast to the output's type is the
+    store's own)."""
+    if root.op == Op.CAST and root.srcs[0] is gemm.acc:
+        root = gemm.acc
+    if root is gemm.acc:
+        return (), None
+    index_of = {axes["m"]: Var("gm"), axes["n"]: Var("gn")} | ({axes["batch"]: Var("batch")} if axes["batch"] else {})
+    lower = Lowerer(sizes, index_of, prefix="ep")
+    bound: dict[int, str] = {}
+    lower.bind(bound, gemm.acc, "dot")
+    lets = tuple(lower.emit([root], bound))
+    return lets, lower.ref(root, COMPUTE_TYPE[root.dtype], bound)
+
+
+def _operands(term, m_axis: str, n_axis: str):
+    """(A, B) of a contraction: A is the operand that carries M."""
+    a, b = term.srcs[0].srcs
+    return (b, a) if n_axis in a.shape else (a, b)
+
+
 def plan(ir: KernelIR, sizes: dict[str, int], accumulate: frozenset[str], tiles=None, target=None) -> Plan:
     """SIMT tiles, or the matrix units where the target has f16 subgroup matrices and an operand or
     the result is stored as f16 (f32 operands are converted to f16 as they are staged: a result
-    stored as f16 keeps no more precision than that; f32 contractions keep f32)."""
+    stored as f16 keeps no more precision than that; f32 contractions keep f32). A sum of
+    contractions runs its terms as phases of one K loop, the longest first (it picks the tiles)."""
     out = ir.outputs[0]
-    node = ir.results[out.name]
-    if node.op == Op.CAST:                 # a contraction stored in another dtype
-        node = node.srcs[0]
-    axes = gemm_axes(node, out.shape)
+    root = ir.results[out.name]
+    gemm = find_contraction(root, out.shape)
+    terms = sorted(gemm.terms, key=lambda t: -sizes[t.arg])
+    axes = gemm_axes(terms[0], out.shape)
     m_axis, n_axis, k, bt = axes["m"], axes["n"], axes["k"], axes["batch"]
-    a, b = node.srcs[0].srcs
-    if n_axis in a.shape:                      # A is the operand that carries M
-        a, b = b, a
+    a, b = _operands(terms[0], m_axis, n_axis)
     frag = target.matrix("f16", "f32") if target is not None and target.subgroup_size else None
     matrix = isinstance(tiles, MatrixTiles) or (tiles is None and frag is not None
                                                  and "f16" in (a.dtype, b.dtype, out.dtype))
@@ -454,24 +521,34 @@ def plan(ir: KernelIR, sizes: dict[str, int], accumulate: frozenset[str], tiles=
         tiles = tiles or choose_tiles(sizes[m_axis], sizes[n_axis], sizes[k])
     sc = strides(out.shape, sizes)
 
-    def operand(x, row_axis: str, rows: int, vectors: bool = True) -> Operand:
+    def operand(x, row_axis: str, rows: int, kk: str) -> Operand:
         st = strides(x.shape, sizes)
-        op = Operand(x.arg, x.dtype, st[row_axis], st[k], st[bt] if bt else 0)
+        op = Operand(x.arg, x.dtype, st[row_axis], st[kk], st[bt] if bt else 0)
         if matrix:
-            return replace(op, vec=contiguity(op, row_axis, k, sizes) if vectors else None)
-        vec = vector_reads(tiles, op, row_axis, k, sizes, rows) if vectors else None
+            return replace(op, vec=contiguity(op, row_axis, kk, sizes))
+        vec = vector_reads(tiles, op, row_axis, kk, sizes, rows)
         return replace(op, vec=vec, loads=rows * tiles.bk // (4 if vec else 1) // tiles.threads)
 
     rows = (tiles.wm, tiles.wn) if matrix else (tiles.bm, tiles.bn)
-    ops = operand(a, m_axis, rows[0]), operand(b, n_axis, rows[1])
-    if a.arg == b.arg and ops[0].vec != ops[1].vec:     # one binding has one element type
-        ops = operand(a, m_axis, rows[0], False), operand(b, n_axis, rows[1], False)
+    pairs = [_operands(t, m_axis, n_axis) for t in terms]
+    reads = [(operand(x, m_axis, rows[0], t.arg), operand(y, n_axis, rows[1], t.arg)) for t, (x, y) in zip(terms, pairs)]
+    modes: dict[str, set] = {}
+    for pair in reads:
+        for op in pair:
+            modes.setdefault(op.tensor, set()).add(op.vec)
+    mixed = {name for name, seen in modes.items() if len(seen) > 1}     # one binding has one element type
+    reads = [tuple(replace(op, vec=None, loads=op.loads * (4 if op.vec and not matrix else 1))
+                   if op.tensor in mixed and op.vec else op for op in pair) for pair in reads]
+    ops = reads[0]
     batches = sizes[bt] if bt else 1
+    lets, result = _epilogue(root, gemm, axes, sizes)
     common = dict(m_ext=extent(m_axis, sizes), n_ext=extent(n_axis, sizes), k_ext=extent(k, sizes), a=ops[0],
                   b=ops[1], c=Output(out.name, out.dtype, sc[m_axis], sc[n_axis], sc[bt] if bt else 0,
                                      out.name in accumulate),
                   axes=(m_axis, n_axis, k, bt), m_pad=sizes[m_axis], n_size=sizes[n_axis], batches=batches,
-                  reduce_threads=REDUCE_THREADS)
+                  reduce_threads=REDUCE_THREADS,
+                  more=tuple(Term(x, y, extent(t.arg, sizes), t.arg) for t, (x, y) in zip(terms[1:], reads[1:])),
+                  epilogue=lets, result=result)
     if matrix:
         params = MatrixParams(tiles=tiles, frag=frag, subgroup_size=target.subgroup_size, emulated=target.emulated,
                               **common)
@@ -480,7 +557,7 @@ def plan(ir: KernelIR, sizes: dict[str, int], accumulate: frozenset[str], tiles=
     else:
         template, params = "matmul", MatmulParams(tiles=tiles, **common)
         tile_m, tile_n = tiles.bm, tiles.bn
-    vectors = tuple((op.tensor, 4) for op in dict.fromkeys(ops) if op.vec)
+    vectors = tuple(dict.fromkeys((op.tensor, 4) for pair in reads for op in pair if op.vec))
     if matrix and tiles.tail:      # one row of workgroups: the whole-K tiles, then the tail's slices
         head = params.tiles_y * (params.tiles_x - tiles.tail)
         grid = (head + tiles.split * tiles.tail * params.tiles_y, 1, batches)

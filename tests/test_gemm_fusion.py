@@ -1,0 +1,162 @@
+"""GEMMs that carry more than one product: epilogues and sums of contractions.
+
+The partitioner runs an elementwise expression of a contraction (``s * sum(x * w, K) + c``) as
+one GEMM whose epilogue computes it at each output element, and a sum of contractions over the
+same output (``sum(x * w, K) + sum(u * b, R)``: a layer with its LoRA up-projection) as one GEMM
+whose K loop runs over each term in turn. What stays cut: a contraction another output also
+reads, and expressions that read elsewhere than the output element. Results are checked against
+float64 on many generated kernels, on the SIMT template and on the matrix template (the device's
+subgroup matrices, or emulated where it has none)."""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+from conftest import rel_err
+from lfm2jit import compile_source
+from lfm2jit.ir.partition import partition
+from lfm2jit.schedule.matmul import MatrixTiles, TileConfig, narrow_matrix_tiles
+
+
+def _parts(src: str, name: str):
+    return partition(compile_source(src)[name].ir).parts
+
+
+def test_an_elementwise_expression_of_a_contraction_is_its_epilogue():
+    parts = _parts("kernel k(x: f32[T, K], w: f32[N, K], c: f32[N], s: f32) -> (y: f32[T, N]) {\n"
+                   "    y = tanh(s * sum(x * w, K) + c)\n}", "k")
+    assert [(p.structure.kind, p.structure.reduced) for p in parts] == [("contraction", ("K",))]
+
+
+def test_a_sum_of_contractions_over_one_output_is_one_gemm():
+    parts = _parts("kernel k(x: f32[T, K], w: f32[N, K], u: f32[T, R], b: f32[N, R]) -> (y: f32[T, N]) {\n"
+                   "    y = sum(x * w, K) + sum(u * b, R)\n}", "k")
+    assert [(p.structure.kind, p.structure.reduced) for p in parts] == [("contraction", ("K", "R"))]
+
+
+def test_the_epilogue_reads_other_tensors_at_moved_positions_but_not_the_sum():
+    """c one row earlier is a read the epilogue makes; the sum one row earlier is not."""
+    parts = _parts("kernel k(x: f32[T, K], w: f32[N, K], c: f32[T, N]) -> (y: f32[T, N]) {\n"
+                   "    y = sum(x * w, K) + c[T - 1, :]\n}", "k")
+    assert [p.structure.kind for p in parts] == ["contraction"]
+    parts = _parts("kernel k(x: f32[T, K], w: f32[N, K]) -> (y: f32[T, N]) {\n"
+                   "    g = sum(x * w, K)\n    y = g[T - 1, :]\n}", "k")
+    assert sorted(p.structure.kind for p in parts) == ["contraction", "pointwise"]
+
+
+def test_a_product_of_contractions_runs_each_as_its_own_gemm():
+    parts = _parts("kernel k(x: f32[T, K], w: f32[N, K], v: f32[N, K]) -> (y: f32[T, N]) {\n"
+                   "    y = sum(x * w, K) * sum(x * v, K)\n}", "k")
+    assert sorted(p.structure.kind for p in parts) == ["contraction", "contraction", "pointwise"]
+
+
+def test_a_reduction_in_the_expression_keeps_the_contraction_apart():
+    parts = _parts("kernel k(x: f32[T, K], w: f32[N, K], z: f32[T, N, M]) -> (y: f32[T, N]) {\n"
+                   "    y = sum(x * w, K) + sum(z, M)\n}", "k")
+    assert sorted(p.structure.kind for p in parts) == ["contraction", "rowreduce"]   # the sum over M reads it
+
+
+def test_a_contraction_two_outputs_read_is_computed_once():
+    """y = s * g and z = g + 1 of one g: one GEMM into a temporary, not one per output."""
+    src = ("kernel k(x: f32[T, K], w: f32[N, K], s: f32) -> (y: f32[T, N], z: f32[T, N]) {\n"
+           "    g = sum(x * w, K)\n    y = s * g\n    z = g + 1.0\n}")
+    parts = _parts(src, "k")
+    assert sorted(p.structure.kind for p in parts) == ["contraction", "pointwise"]
+
+
+# ---- generated kernels against float64 ----
+
+EPILOGUES = {   # the expression stored, of the sum `acc` (a DSL expression) and tensors at the output element
+    "none": "{acc}",
+    "scale": "s * {acc}",
+    "residual": "c + {acc}",
+    "bias_row": "{acc} + bn",
+    "gate": "{acc} * sigmoid(c) - 0.5 * bn",
+    "where": "where({acc} > 0.0, {acc}, 0.1 * {acc}) + s",
+    "shifted": "{acc} - c[{t} - 2, :]",
+}
+
+
+def _kernel(c: dict):
+    """The kernel of case ``c`` (only the tensors its expression reads are parameters), as the
+    variant of its dtypes. Batched cases run over rows M (a GEMM's batch axis is never the sequence)."""
+    b, t = ("B, ", "M") if c["batch"] else ("", "T")
+    body = EPILOGUES[c["epilogue"]].format(acc="acc", t=t)
+    params = {"x": f"f32[{b}{t}, K]", "w": f"f32[{b}N, K]", "u": f"f32[{b}{t}, R]",
+              "v": f"f32[{b}N, R]", "c": f"f32[{b}{t}, N]", "bn": "f32[N]"}
+    used = ["x", "w"] + (["u", "v"] if c["terms"] > 1 else []) + [n for n in ("c", "bn") if re.search(rf"\b{n}\b", body)]
+    sig = ", ".join([f"{n}: {params[n]}" for n in used] + (["s: f32"] if re.search(r"\bs\b", body) else []))
+    acc = " + ".join(["sum(x * w, K)", "sum(u * v, R)"][:c["terms"]])
+    kern = compile_source(f"kernel k({sig}) -> (y: f32[{b}{t}, N]) {{\n    acc = {acc}\n    y = {body}\n}}")["k"]
+    halves = {"x", "u"} & set(used) if c["in_dtype"] == "f16" else set()
+    if c["out_dtype"] == "f16":
+        halves.add("y")
+    return kern.variant("f16", kern.tensor_names - halves) if halves else kern
+
+
+def _reference(epilogue: str, terms: int, a: dict, s: float) -> np.ndarray:
+    f = {k: v.astype(np.float64) for k, v in a.items()}
+    acc = f["x"] @ np.swapaxes(f["w"], -1, -2)
+    if terms > 1:
+        acc = acc + f["u"] @ np.swapaxes(f["v"], -1, -2)
+    return {"none": lambda: acc, "scale": lambda: s * acc, "residual": lambda: f["c"] + acc,
+            "bias_row": lambda: acc + f["bn"],
+            "gate": lambda: acc / (1 + np.exp(-f["c"])) - 0.5 * f["bn"],
+            "where": lambda: np.where(acc > 0, acc, 0.1 * acc) + s,
+            "shifted": lambda: acc - np.concatenate([np.zeros_like(f["c"][..., :2, :]), f["c"][..., :-2, :]], -2)
+            }[epilogue]()
+
+
+def _case(seed: int, matrix: bool):
+    rng = np.random.default_rng(seed)
+    case = dict(epilogue=str(rng.choice(list(EPILOGUES))), terms=int(rng.integers(1, 3)),
+                batch=bool(rng.random() < 0.25), accumulate=bool(rng.random() < 0.3),
+                T=int(rng.choice([1, 7, 33, 100, 130])), K=int(rng.choice([8, 24, 64, 200])),
+                N=int(rng.choice([8, 12, 48, 136])), R=int(rng.choice([4, 8, 16])), Bn=int(rng.integers(1, 4)),
+                bucket=int(rng.choice([1, 16, 64])))
+    if matrix:      # an f16 operand or result sends the product to the matrix template
+        case.update(in_dtype="f16", out_dtype=str(rng.choice(["f16", "f32"])),
+                    tiles=[None, MatrixTiles(64, 64, 2, 2, 32, split=2), narrow_matrix_tiles("n", 2),
+                           MatrixTiles(64, 64, 2, 2, 32, stages=2), MatrixTiles(128, 64, 2, 2, 32, prefetch=False)]
+                    [int(rng.integers(5))])
+    else:
+        case.update(in_dtype="f32", out_dtype="f32",
+                    tiles=[None, TileConfig(32, 32, 8, 4, 4), TileConfig(64, 64, 16, 4, 4, split=2),
+                           TileConfig(64, 64, 8, 4, 4, double=True)][int(rng.integers(4))])
+    return case
+
+
+@pytest.mark.parametrize("seed", range(16))
+@pytest.mark.parametrize("template", ["simt", "matrix"])
+def test_generated_epilogues_and_sums_match_float64(engine, matrix_engine, seed, template):
+    """Random epilogues, one or two terms, a batch axis, ragged T in a length bucket, accumulation
+    and the tiles' variants (split-K, two stages, no prefetch, thin tiles)."""
+    matrix = template == "matrix"
+    e = matrix_engine if matrix else engine
+    c = _case(seed, matrix)
+    kern = _kernel(c)
+    assert [p.ir.structure.kind for p in kern.kernels] == ["contraction"]     # one GEMM, nothing beside it
+    rng = np.random.default_rng(seed + 1000)
+    lead = (c["Bn"],) if c["batch"] else ()
+    shapes = {"x": lead + (c["T"], c["K"]), "w": lead + (c["N"], c["K"]), "u": lead + (c["T"], c["R"]),
+              "v": lead + (c["N"], c["R"]), "c": lead + (c["T"], c["N"]), "bn": (c["N"],)}
+    host = {k: rng.standard_normal(shape).astype(np.float32) for k, shape in shapes.items()}
+    for k in ("x", "u"):        # f16 operands: the reference sees the same rounded values
+        host[k] = host[k].astype(c["in_dtype"].replace("f", "float")).astype(np.float32)
+    s = float(rng.uniform(-2, 2))
+    want = _reference(c["epilogue"], c["terms"], host, s)
+    names = {t.name for t in kern.ir.inputs}
+    args = {k: e.tensor(v, c["in_dtype"] if k in ("x", "u") else "f32") for k, v in host.items() if k in names}
+    if "s" in kern.ir.scalars:
+        args["s"] = s
+    out = {}
+    if c["accumulate"]:
+        old = rng.standard_normal(lead + (c["T"], c["N"])).astype(c["out_dtype"].replace("f", "float"))
+        out = {"y": e.tensor(old.astype(np.float32), c["out_dtype"])}
+        want = want + old.astype(np.float64)
+    got = e.run(kern, bucket=c["bucket"], dims={"R": c["R"], "M": c["T"]}, out=out, accumulate={"y"} if c["accumulate"] else (),
+                tiles=c["tiles"], **args)["y"].numpy()
+    tol = 3e-3 if "f16" in (c["out_dtype"], c["in_dtype"]) else 2e-5
+    assert rel_err(got, want) < tol, c
