@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from conftest import rel_err
-from lfm2jit import compile_source
+from lfm2jit import compile_source, grad
 from lfm2jit.ir.partition import partition
 from lfm2jit.schedule.matmul import MatrixTiles, TileConfig, narrow_matrix_tiles
 
@@ -64,6 +64,21 @@ def test_a_contraction_two_outputs_read_is_computed_once():
            "    g = sum(x * w, K)\n    y = s * g\n    z = g + 1.0\n}")
     parts = _parts(src, "k")
     assert sorted(p.structure.kind for p in parts) == ["contraction", "pointwise"]
+
+
+def test_contractions_another_part_computes_are_read_not_summed_again():
+    """Fuzz seed 211, case 600: the backward recomputes sum(x1 * x2, T) + sum(x3 * x4, D) where a
+    minimum's gradient compares with it, and the part that reads those sums (cut into
+    temporaries) was planned as a sum of contractions of them; its planner then failed."""
+    src = ("kernel k(x0: f32[K, N], x1: f32[T, K], x2: f32[T, N], x3: f32[D, K], x4: f32[D, N]) -> "
+           "(y0: f32[T, K, N], y1: f32[T, K, N]) {\n"
+           "    y0 = min(sin(x0), sum(x1 * x2, T) + sum(x3 * x4, D))[:, N + 1]\n"
+           "    y1 = abs(log(f32(index(K)) + 0.25))\n}")
+    back = grad(compile_source(src)["k"])
+    for part in back.kernels:
+        part.specialize({"T": 13, "D": 6, "K": 5, "N": 4}, 4)      # every part plans
+    reader = next(p for p in back.kernels if "d_x0" in {o.name for o in p.ir.outputs})
+    assert reader.ir.structure.kind == "pointwise"
 
 
 # ---- generated kernels against float64 ----

@@ -71,12 +71,15 @@ class Contraction:
     terms: tuple[Node, ...]
 
 
-def _terms(n: Node, shape: tuple[str, ...]) -> list[Node] | None:
-    """The contractions ``n`` adds up (``n`` itself, or both sides of an ADD), or None."""
+def _terms(n: Node, shape: tuple[str, ...], cut) -> list[Node] | None:
+    """The contractions ``n`` adds up (``n`` itself, or both sides of an ADD), or None; a cut node
+    is a tensor the part reads, not a contraction."""
+    if id(n) in cut:
+        return None
     if gemm_axes(n, shape) is not None:
         return [n]
     if n.op == Op.ADD and n.shape == n.srcs[0].shape == n.srcs[1].shape:
-        a, b = _terms(n.srcs[0], shape), _terms(n.srcs[1], shape)
+        a, b = _terms(n.srcs[0], shape, cut), _terms(n.srcs[1], shape, cut)
         return a + b if a is not None and b is not None else None
     return None
 
@@ -88,7 +91,7 @@ def find_contraction(root: Node, shape: tuple[str, ...], cut=frozenset(), users=
     counts), so that fusing the epilogue never computes a GEMM twice; None otherwise."""
     group = toposort([root], stop=cut)
     for acc in reversed(group):                    # the accumulator nearest the root
-        terms = _terms(acc, shape)
+        terms = _terms(acc, shape, cut)
         if terms is None:
             continue
         inside = toposort([acc], stop=set(cut) | {id(t) for t in terms})
