@@ -67,7 +67,7 @@ def test_a_contraction_two_outputs_read_is_computed_once():
 
 
 def test_contractions_another_part_computes_are_read_not_summed_again():
-    """Fuzz seed 211, case 600: the backward recomputes sum(x1 * x2, T) + sum(x3 * x4, D) where a
+    """Fuzz seed 223, case 600: the backward recomputes sum(x1 * x2, T) + sum(x3 * x4, D) where a
     minimum's gradient compares with it, and the part that reads those sums (cut into
     temporaries) was planned as a sum of contractions of them; its planner then failed."""
     src = ("kernel k(x0: f32[K, N], x1: f32[T, K], x2: f32[T, N], x3: f32[D, K], x4: f32[D, N]) -> "
