@@ -455,7 +455,7 @@ class Generator:
         if free_sym:
             choices += ["reduce"] * 5 + ["contract"] * 2
         if free_sym and len(S) == 2 and not any(is_fixed(a) for a in S):
-            choices += ["gemm"] * 2
+            choices += ["gemm"] * 5
         if free:
             choices += ["take"] * 2
         if any(is_fixed(a) and 2 <= int(a) <= 4 for a in S):
