@@ -54,6 +54,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..ir.partition import find_contraction
 from .expr import (FLOATS, INTS, SEQ, Checker, Evaluator, ModelError, Noise, Red, check, kernel_text,
                    left_out_axes, passed_shape, returned_shape, walk)
 from .generate import INPUT_RANGE, SCALAR_RANGE, Case
@@ -113,8 +114,6 @@ class Result:
 def fused_gemms(kernel) -> set[str]:
     """The GEMM fusions a compiled kernel's parts use (the features table counts the cases): an
     epilogue computed from the sum, or several contractions summed in one K loop."""
-    from ..ir.ops import Op
-    from ..ir.partition import find_contraction
     found = set()
     for part in kernel.kernels:
         ir = part.ir
@@ -123,8 +122,7 @@ def fused_gemms(kernel) -> set[str]:
         if len(ir.structure.reduced) > 1:
             found.add("sum of gemms")
         root = ir.results[ir.outputs[0].name]
-        acc = find_contraction(root, ir.outputs[0].shape).acc
-        if root is not acc and not (root.op == Op.CAST and root.srcs[0] is acc):
+        if find_contraction(root, ir.outputs[0].shape).epilogue_of(root) is not None:
             found.add("gemm epilogue")
     return found
 

@@ -70,6 +70,13 @@ class Contraction:
     acc: Node
     terms: tuple[Node, ...]
 
+    def epilogue_of(self, root: Node) -> Node | None:
+        """What ``root`` computes from the sum, or None when it stores the sum itself (a cast to the
+        output's type included: the store converts)."""
+        if root is self.acc or (root.op == Op.CAST and root.srcs[0] is self.acc):
+            return None
+        return root
+
 
 def _terms(n: Node, shape: tuple[str, ...], cut) -> list[Node] | None:
     """The contractions ``n`` adds up (``n`` itself, or both sides of an ADD), or None; a cut node
@@ -86,8 +93,8 @@ def _terms(n: Node, shape: tuple[str, ...], cut) -> list[Node] | None:
 
 def find_contraction(root: Node, shape: tuple[str, ...], cut=frozenset(), users=None) -> Contraction | None:
     """The GEMM a root computes, if it is one: an accumulator (see Contraction) under an epilogue of
-    elementwise ops that read other tensors at the output element only (a scale, a residual add, a
-    cast). The accumulator's nodes must have no reader outside this root (``users``: the kernel's use
+    elementwise ops (a scale, a residual add, a cast) that may read other tensors at a moved index,
+    never the sum itself. The accumulator's nodes must have no reader outside this root (``users``: the kernel's use
     counts), so that fusing the epilogue never computes a GEMM twice; None otherwise."""
     group = toposort([root], stop=cut)
     for acc in reversed(group):                    # the accumulator nearest the root

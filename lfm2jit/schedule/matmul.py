@@ -278,12 +278,9 @@ class MatrixParams(GemmParams):
     def fn(self) -> int:            # ... and along N
         return self.tiles.wn // self.tiles.sg_n // self.frag.n
 
-    @property
-    def a_by_k(self) -> bool:       # A's tile is staged [k][m]: its rows are contiguous in memory
-        return not self.a.k_fast
-
     def layout(self, term: Term) -> "StageLayout":
-        """How one phase stages its operands (as they lie in memory, see MatrixTiles.staged)."""
+        """How one phase stages its operands: a tile [k][rows] where the operand's rows are
+        contiguous in memory, [rows][k] where K is (see MatrixTiles.staged)."""
         a_stride, a_tile = self.tiles.staged(self.tiles.wm, not term.a.k_fast)
         b_stride, b_tile = self.tiles.staged(self.tiles.wn, not term.b.k_fast)
         return StageLayout(not term.a.k_fast, not term.b.k_fast, a_stride, a_tile, b_stride, b_tile)
@@ -293,10 +290,6 @@ class MatrixParams(GemmParams):
         """f16 elements of one stage of As and Bs: room for every phase's layout."""
         layouts = [self.layout(t) for t in self.terms]
         return max(ly.a_tile for ly in layouts), max(ly.b_tile for ly in layouts)
-
-    @property
-    def b_by_k(self) -> bool:
-        return not self.b.k_fast
 
     @property
     def tiles_x(self) -> int:       # tile columns (along N) ...
@@ -330,8 +323,8 @@ class MatrixParams(GemmParams):
         fragment at least, so outputs sized by the sequence length (which may be shorter than a
         fragment) keep the element-wise path. Edges go element by element."""
         fragment = self.frag.m * self.frag.n
-        return (self.result is None and not self.c.convert and self.c.sn == 1 and self.c.sm >= self.frag.n and SEQ_AXIS not in self.axes[:2]
-                and self.axes[3] != SEQ_AXIS and self.batches * self.m_pad * self.n_size >= fragment)
+        return (self.result is None and not self.c.convert and self.c.sn == 1 and self.c.sm >= self.frag.n
+                and SEQ_AXIS not in self.axes[:2] and self.axes[3] != SEQ_AXIS and self.batches * self.m_pad * self.n_size >= fragment)
 
     @property
     def direct_store_ws(self) -> bool:
@@ -473,9 +466,8 @@ def _epilogue(root, gemm, axes: dict, sizes: dict[str, int]) -> tuple[tuple[Let,
     """The lets that compute ``root`` from the sum (``dot``) at output element (gm, gn, batch),
     and the value stored; none when the root is the sum (a cast to the output's type is the
     store's own)."""
-    if root.op == Op.CAST and root.srcs[0] is gemm.acc:
-        root = gemm.acc
-    if root is gemm.acc:
+    root = gemm.epilogue_of(root)
+    if root is None:
         return (), None
     index_of = {axes["m"]: Var("gm"), axes["n"]: Var("gn")} | ({axes["batch"]: Var("batch")} if axes["batch"] else {})
     lower = Lowerer(sizes, index_of, prefix="ep")
@@ -521,24 +513,26 @@ def plan(ir: KernelIR, sizes: dict[str, int], accumulate: frozenset[str], tiles=
         tiles = tiles or choose_tiles(sizes[m_axis], sizes[n_axis], sizes[k])
     sc = strides(out.shape, sizes)
 
-    def operand(x, row_axis: str, rows: int, kk: str) -> Operand:
+    def operand(x, row_axis: str, rows: int, kk: str, vectors: bool = True) -> Operand:
         st = strides(x.shape, sizes)
         op = Operand(x.arg, x.dtype, st[row_axis], st[kk], st[bt] if bt else 0)
         if matrix:
-            return replace(op, vec=contiguity(op, row_axis, kk, sizes))
-        vec = vector_reads(tiles, op, row_axis, kk, sizes, rows)
+            return replace(op, vec=contiguity(op, row_axis, kk, sizes) if vectors else None)
+        vec = vector_reads(tiles, op, row_axis, kk, sizes, rows) if vectors else None
         return replace(op, vec=vec, loads=rows * tiles.bk // (4 if vec else 1) // tiles.threads)
 
     rows = (tiles.wm, tiles.wn) if matrix else (tiles.bm, tiles.bn)
     pairs = [_operands(t, m_axis, n_axis) for t in terms]
-    reads = [(operand(x, m_axis, rows[0], t.arg), operand(y, n_axis, rows[1], t.arg)) for t, (x, y) in zip(terms, pairs)]
+
+    def term_reads(scalar: frozenset = frozenset()):
+        """Each term's operands; those named in ``scalar`` read element by element."""
+        return [(operand(x, m_axis, rows[0], t.arg, x.arg not in scalar),
+                 operand(y, n_axis, rows[1], t.arg, y.arg not in scalar)) for t, (x, y) in zip(terms, pairs)]
     modes: dict[str, set] = {}
-    for pair in reads:
+    for pair in term_reads():
         for op in pair:
             modes.setdefault(op.tensor, set()).add(op.vec)
-    mixed = {name for name, seen in modes.items() if len(seen) > 1}     # one binding has one element type
-    reads = [tuple(replace(op, vec=None, loads=op.loads * (4 if op.vec and not matrix else 1))
-                   if op.tensor in mixed and op.vec else op for op in pair) for pair in reads]
+    reads = term_reads(frozenset(n for n, seen in modes.items() if len(seen) > 1))   # one binding has one element type
     ops = reads[0]
     batches = sizes[bt] if bt else 1
     lets, result = _epilogue(root, gemm, axes, sizes)
