@@ -268,7 +268,7 @@ class Bench:
         self._linear_products("matrix", "f16")
 
     def _linear_products(self, group: str, act: str):
-        lin = library.get("linear")
+        lin = library.get("linear").without({"r"})
         dx_k, dw_k = grad(lin, ["x"]), grad(lin, ["w"])
         if act == "f16":
             lin, dx_k, dw_k = lin.variant("f16", {"w"}), dx_k.variant("f16", {"w"}), dw_k.variant("f16", {"d_w"})
@@ -306,7 +306,7 @@ class Bench:
         else:
             shapes = self.tile_shapes or [(4096, 4096, 4096), (2048, 4608, 1024), (2048, 1024, 4608)]
             configs = list(CANDIDATES)          # what the autotuner chooses from
-        lin = library.get("linear")
+        lin = library.get("linear").without({"r"})
         for m, n, k in shapes:
             for cfg in configs:
                 shape = f"{m}x{n}x{k}"
@@ -343,7 +343,7 @@ class Bench:
             self.add(Line("mtiles", "matrix_tiles", "-", error="the device has no f16 subgroup matrices"))
             return
         shapes = self.tile_shapes or MTILE_SHAPES
-        lin = library.get("linear")
+        lin = library.get("linear").without({"r"})
         products = {"fwd": lin.variant("f16", {"w"}), "fwd_w16": lin.variant("f16"),
                     "fwd_y32": lin.variant("f16", {"w", "y"}),
                     "dx": grad(lin, ["x"]).variant("f16", {"w"}).kernels[0],
@@ -586,7 +586,7 @@ class Bench:
         modules = config.modules(cfg)
         t = 64 if self.quick else 2048
         counts = Counter(modules.values())              # (out, in) -> how many modules of the model have it
-        lin = library.get("linear")
+        lin = library.get("linear").without({"r"})
         dx_k = grad(lin, ["x"])
         for (n_out, n_in), count in counts.items():
             shape = f"T{t} in{n_in} out{n_out} r{config.r} (x{count})"

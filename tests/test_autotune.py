@@ -64,7 +64,7 @@ def test_a_failing_candidate_scores_infinity(ctx, tmp_path, monkeypatch):
     monkeypatch.setitem(SCHEDULES, "contraction", replace(real, plan=plan))
     monkeypatch.setattr("lfm2jit.tune.candidates.MATMUL", CANDIDATES[1:] + (bad,))
     eng = ComputeEngine(ctx)
-    tiles = eng.tuner.tiles(library.get("linear"), {"T": 8, "K": 8, "N": 8}, 1, frozenset())
+    tiles = eng.tuner.tiles(library.get("linear").without({"r"}), {"T": 8, "K": 8, "N": 8}, 1, frozenset())
     assert tiles != bad
     (entry,) = eng.tuner.best.values()
     assert math.isinf(entry["seconds"][str(bad.__dict__)])
@@ -80,7 +80,7 @@ def test_every_candidate_computes_the_same_product(engine, rng):
     three products of a linear layer (x W^T, dY W, dY^T X), with scalar and vec4 device reads
     (vec4 needs the contiguous axis a multiple of 4: K = 36 and 8 have it, 33 and 7 do not), with
     and without split-K, overwriting and accumulating."""
-    lin = library.get("linear")
+    lin = library.get("linear").without({"r"})
     dx_k, dw_k = grad(lin, ["x"]).kernels[0], grad(lin, ["w"]).kernels[0]
     modes = set()
     for T, K, N in [(70, 33, 90), (129, 7, 130), (70, 36, 92), (129, 8, 132)]:
@@ -110,7 +110,7 @@ def test_f16_operands_read_as_vectors(ctx, engine, rng):
     f32, so only the f16 output's rounding (2**-11 relative) separates it from float64."""
     if not ctx.has_f16:
         pytest.skip("adapter has no shader-f16")
-    lin = library.get("linear").variant("f16")
+    lin = library.get("linear").without({"r"}).variant("f16")
     VEC_TILES = TileConfig(64, 128, 16, 8, 8, vec=True)
     T, K, N = 70, 36, 92
     x = rng.standard_normal((T, K)).astype(np.float16)
@@ -220,7 +220,7 @@ def test_backward_refuses_tiles_it_could_not_apply(engine):
 
 def test_matmul_refuses_attention_tiles(engine):
     with pytest.raises(ValueError, match=r"linear: tiles=AttentionTiles.* contraction kernel; expected TileConfig"):
-        library.get("linear").specialize({"T": 8, "K": 8, "N": 8}, 1, frozenset(), AttentionTiles(16, 16, 1))
+        library.get("linear").without({"r"}).specialize({"T": 8, "K": 8, "N": 8}, 1, frozenset(), AttentionTiles(16, 16, 1))
 
 
 def test_attention_candidates_are_few_valid_and_include_the_default():
@@ -258,7 +258,7 @@ def test_default_tiles_split_long_contractions_correctly(ctx, engine, rng, dtype
     rounding, 2**-11 relative, bounds the f16 error)."""
     if dtype == "f16" and not ctx.has_f16:
         pytest.skip("adapter has no shader-f16")
-    kernel = library.get("linear") if dtype == "f32" else library.get("linear").variant("f16", keep={"w"})
+    kernel = library.get("linear").without({"r"}) if dtype == "f32" else library.get("linear").without({"r"}).variant("f16", keep={"w"})
     T, K, N = 130, LONG_K, 72
     x = rng.standard_normal((T, K)).astype(np.float16 if dtype == "f16" else np.float32)
     w = rng.standard_normal((N, K)).astype(np.float32)

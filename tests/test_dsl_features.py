@@ -9,6 +9,7 @@ import pytest
 from conftest import rel_err
 from dsl_errors import assert_dsl_error
 from lfm2jit import compile_source, grad, library
+from lfm2jit.ir.nodes import format_ir
 
 TOL = 2e-5
 
@@ -109,3 +110,42 @@ def test_in_place_updates_read_the_old_values(engine, rng, body, ref):
     out = engine.run(k, bucket=4, p=p)["p"]
     assert out is p and rel_err(p.numpy(), ref(p0.astype(np.float64))) < TOL
     assert (len(k.kernels) == 1) == (body == "p = p * 2.0 + 1.0")
+
+
+# operator -> (the default that leaves the other operand, whether it does so on the left too, numpy's op)
+IDENTITY_CASES = {"+": (0.0, True, np.add), "-": (0.0, False, np.subtract), "*": (1.0, True, np.multiply),
+                  "/": (1.0, False, np.divide)}
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_a_default_that_is_an_identity_folds_away(engine, rng, seed):
+    """x + 0, 0 + x, x - 0, x * 1, 1 * x and x / 1 from a left-out input leave no arithmetic on
+    the default behind (no literal in the IR), while 0 - x and 1 / x stay; either way the kernel
+    computes the expression (float64 reference). Drawn chains of ops, the defaults on either side,
+    over inputs of fewer axes than the output (a folded node must then repeat its operand)."""
+    draw = np.random.default_rng(seed)
+    ins, body, kept = [], "x", False
+    x = rng.uniform(0.5, 2.0, (6, 5)).astype(np.float32)
+    want = x.astype(np.float64)
+    for i in range(int(draw.integers(1, 5))):
+        op = list(IDENTITY_CASES)[int(draw.integers(len(IDENTITY_CASES)))]
+        neutral, either_side, np_op = IDENTITY_CASES[op]
+        shape = ["f32[D]", "f32[T, D]", "f32"][int(draw.integers(3))]
+        ins.append(f"b{i}: {shape} = {neutral:g}")
+        if draw.random() < 0.5:
+            body, want, kept = f"(b{i} {op} {body})", np_op(neutral, want), kept or not either_side
+        else:
+            body, want = f"({body} {op} b{i})", np_op(want, neutral)
+    src = f"kernel k(x: f32[T, D], {', '.join(ins)}) -> (y: f32[T, D]) {{ y = tanh({body}) }}"
+    k = one(src)
+    bare = k.without({f"b{i}" for i in range(len(ins))})
+    assert ("const" in format_ir(bare.ir)) == kept, src
+    y = engine.run(k, bucket=4, x=engine.tensor(x))["y"].numpy()
+    assert rel_err(y, np.tanh(want)) < TOL, src
+
+
+def test_an_identity_on_a_lower_rank_operand_repeats_it():
+    """y[T, D] = x[T] + b with b left out is x repeated over D, not x with the wrong shape."""
+    k = one("kernel k(x: f32[T], b: f32[T, D] = 0) -> (y: f32[T, D]) { y = x + b }")
+    (y,) = k.without({"b"}).ir.results.values()
+    assert y.op.name == "BROADCAST" and y.shape == ("T", "D") and y.srcs[0].op.name == "INPUT"

@@ -175,3 +175,34 @@ def test_generated_epilogues_and_sums_match_float64(engine, matrix_engine, seed,
                 tiles=c["tiles"], **args)["y"].numpy()
     tol = 3e-3 if "f16" in (c["out_dtype"], c["in_dtype"]) else 2e-5
     assert rel_err(got, want) < tol, c
+
+
+# ---- the shipped kernels' residual ----
+
+@pytest.mark.parametrize("name", ["linear", "linear_lora"])
+@pytest.mark.parametrize("dtype", ["f32", "f16"])
+@pytest.mark.parametrize("template", ["simt", "matrix"])
+def test_the_decoder_residual_is_added_in_the_layers_gemm(engine, matrix_engine, name, dtype, template):
+    """y = x W^T (+ u B^T) + r as a decoder layer's out_proj and w2 run it (r the residual stream,
+    f16 with f16 activations, the weights f32), one GEMM, against float64, on the SIMT template (a
+    GPU without subgroup matrices) and the matrix one; left out, r leaves the plain GEMM."""
+    from lfm2jit import library
+    from lfm2jit.ops import precision
+    kernel = library.get(name)
+    assert [p.ir.structure.kind for p in kernel.kernels] == ["contraction"]
+    assert kernel.without({"r"}).ir.results["y"].op.name in ("SUM", "ADD")
+    assert "r" not in {t.name for t in kernel.without({"r"}).ir.inputs}
+    e = matrix_engine if template == "matrix" else engine
+    rng = np.random.default_rng(len(name) + (dtype == "f16"))
+    T, K, N, R = 45, 72, 40, 8
+    act = np.float16 if dtype == "f16" else np.float32
+    host = {"x": rng.standard_normal((T, K)).astype(act), "w": rng.standard_normal((N, K)).astype(np.float32),
+            "u": rng.standard_normal((T, R)).astype(act), "b": rng.standard_normal((N, R)).astype(np.float32),
+            "r": rng.standard_normal((T, N)).astype(act)}
+    used = {t.name for t in kernel.ir.inputs}
+    args = {k: e.tensor(v.astype(np.float32), dtype if v.dtype == np.float16 else "f32") for k, v in host.items() if k in used}
+    got = precision.run(e, kernel, dtype, bucket=16, **args)["y"]
+    f = {k: v.astype(np.float64) for k, v in host.items()}
+    want = f["x"] @ f["w"].T + f["r"] + (f["u"] @ f["b"].T if "u" in used else 0)
+    assert got.dtype == dtype
+    assert rel_err(got.numpy(), want) < (3e-3 if dtype == "f16" else 2e-5)

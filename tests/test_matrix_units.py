@@ -24,7 +24,7 @@ from lfm2jit.schedule import EMULATED_MATRIX_CONFIGS, EMULATED_SUBGROUP, Target
 from lfm2jit.schedule.matmul import H200_WAVE, MatrixTiles, narrow_matrix_tiles, tail_columns
 from lfm2jit.tune.candidates import MATRIX, matrix as matrix_candidates
 
-LINEAR = library.get("linear")
+LINEAR = library.get("linear").without({"r"})
 PRODUCTS = {   # the three products of a linear layer in --f16 mode: activations f16, weights and their grads f32
     "y": LINEAR.variant("f16", {"w"}),
     "d_x": grad(LINEAR, ["x"]).variant("f16", {"w"}).kernels[0],

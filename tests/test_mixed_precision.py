@@ -135,9 +135,10 @@ def test_variants_keep_named_tensors_f32_and_reject_unknown_names():
     from lfm2jit import library
     lin = library.get("linear")
     mixed = lin.variant("f16", keep={"w"})
-    assert {t.name: t.dtype for t in mixed.ir.inputs + mixed.ir.outputs} == {"x": "f16", "w": "f32", "y": "f16"}
+    assert {t.name: t.dtype for t in mixed.ir.inputs + mixed.ir.outputs} == {"x": "f16", "w": "f32", "r": "f16",
+                                                                            "y": "f16"}
     assert mixed is lin.variant("f16", keep=frozenset({"w"}))             # memoised
-    assert lin.variant("f16", keep={"x", "w", "y"}) is lin                 # nothing left to retype
+    assert lin.variant("f16", keep={"x", "w", "r", "y"}) is lin            # nothing left to retype
     with pytest.raises(ValueError, match=r"cannot keep \['nope'\] in f32: the kernel has no such tensors"):
         lin.variant("f16", keep={"nope"})
     with pytest.raises(ValueError, match="storage precision must be f32 or f16, got 'bf16'"):

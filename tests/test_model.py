@@ -604,3 +604,17 @@ def test_bad_input_ids_raise_before_gpu_work(ctx, engine, ids, match):
         with pytest.raises(ValueError, match=match):
             call()
     assert engine.dispatches == before
+
+
+def test_residual_adds_run_inside_out_proj_and_w2(ctx):
+    """A decoder layer's two residual adds are the epilogues of out_proj's and w2's GEMMs: a forward
+    records one kernel per projection and no separate add (the logits tests check the values)."""
+    from lfm2jit import ComputeEngine
+    cfg = Lfm2Config.preset("tiny")
+    engine = ComputeEngine(ctx)
+    model = Lfm2Model(cfg, ctx, engine, seed=0)
+    labels, dispatch = [], engine.dispatch
+    engine.dispatch = lambda compiled, *a, **k: (labels.append(compiled.shader.label), dispatch(compiled, *a, **k))
+    model.forward(np.arange(1, 20) % cfg.vocab_size, bucket=16)
+    projections = sum(5 if kind == "conv" else 7 for kind in cfg.layer_types)
+    assert labels.count("linear") == projections and not [n for n in labels if "add" in n], labels

@@ -3,8 +3,8 @@ forward and backward (lora.py holds the config and PEFT's files).
 
 Forward, for y = x W^T of a targeted layer (u = s * x' A^T is [T, r], small):
     x' = dropout(x) (training with dropout > 0; else x' = x);  u = lora_down(x', A, s);
-    y = linear_lora(x, W, u, B) = x W^T + u B^T: the up-projection is a second phase of the
-    layer's own GEMM, so y is written once
+    y = linear_lora(x, W, u, B) = x W^T + u B^T (+ the residual, for out_proj and w2): the
+    up-projection is a second phase of the layer's own GEMM, so y is written once
 Backward, given dy and u (kept by the forward: [T, r] per layer, or recomputed when not):
     B.grad += dy^T u;  du = lora_down_grad(dy, B, s) = s * dy B;  A.grad += du^T x';
     dx = linear_lora_dx(dy, W, du, A) = dy W + du A (one GEMM again); with dropout, dx = dy W
@@ -56,10 +56,12 @@ class LoraAdapters:
             words = np.random.default_rng([self.seed, *counters, i]).integers(0, 2 ** 32, 2, dtype=np.uint64)
             ad.key.write(dropout_key(self.config.dropout, words))
 
-    def forward(self, run, x: Tensor, module: str, w: Tensor, bucket: int, dropout: bool = False) -> tuple[Tensor, Tensor]:
-        """(y, u) of the targeted layer of weight ``w``: y = x W^T + u B^T, u = s * x' A^T."""
+    def forward(self, run, x: Tensor, module: str, w: Tensor, bucket: int, dropout: bool = False,
+                **residual: Tensor) -> tuple[Tensor, Tensor]:
+        """(y, u) of the targeted layer of weight ``w``: y = x W^T + u B^T (+ r, the residual when
+        given), u = s * x' A^T."""
         u = self._down(run, self._dropped(run, x, module, bucket, dropout), module, bucket)
-        y = run("linear_lora", bucket=bucket, x=x, w=w, u=u, b=self.by_module[module].b)["y"]
+        y = run("linear_lora", bucket=bucket, x=x, w=w, u=u, b=self.by_module[module].b, **residual)["y"]
         return y, u
 
     def _dropped(self, run, x: Tensor, module: str, bucket: int, dropout: bool) -> Tensor:

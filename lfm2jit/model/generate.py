@@ -177,7 +177,7 @@ class InferenceState:
         c = e.empty((batch, d), model.activation_dtype)
         for b in range(batch):
             e.copy_rows(y, c, 1, b * taps + taps - 1, b)
-        return model._linear(c, pre + "conv.out_proj", 1)                                          # (B, D)
+        return c                                                                                   # (B, D) out_proj's input
 
     def _attention_step(self, i: int, s: dict) -> Tensor:
         model, cfg, e = self.model, self.model.cfg, self.model.engine
@@ -198,7 +198,7 @@ class InferenceState:
         cache = (batch, self.capacity, g, dim)
         o = run(_k("attention_decode"), bucket=self.grow, q=qr.view(batch, g, h // g, dim), k=kc.view(*cache),
                 v=vc.view(*cache), n=self._seen, scale=1.0 / math.sqrt(dim))["o"]                  # (B, G, H/G, E)
-        return model._linear(o.view(batch, h * dim), a + "out_proj", 1)                            # (B, D)
+        return o.view(batch, h * dim)                                                              # (B, H * E) out_proj's input
 
 
 def generate(model, prompts, max_new_tokens: int, sampling: Sampling, eos_ids: frozenset[int], seed: int,

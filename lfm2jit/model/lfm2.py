@@ -36,6 +36,10 @@ from .generate import Sampling, generate
 from .lora import AdapterError, LoraConfig, check_weights, init_weights, read_adapter, write_adapter
 
 
+# The projection after each mixer: block() runs it, adding the residual in its epilogue.
+OUT_PROJ = {"conv": "conv.out_proj", "full_attention": "self_attn.out_proj"}
+
+
 def _k(name: str):
     return library.get(name)
 
@@ -336,21 +340,21 @@ class Lfm2Model:
 
     def block(self, h: Tensor, s: dict, bucket: int, mix) -> Tensor:
         """One decoder layer (its name prefix in s["pre"]) from its input h: the operator norm,
-        ``mix(s)`` (the conv or attention over the normed s["xn"]: the forward's, or a decode
-        step's against an inference cache), the residual, the SwiGLU MLP and its residual. What
-        backward reads is left in ``s``."""
+        ``mix(s)`` (the conv or attention over the normed s["xn"] up to its out_proj's input: the
+        forward's, or a decode step's against an inference cache), out_proj with the residual added
+        in its GEMM's epilogue, then the SwiGLU MLP, whose w2 adds the second residual the same way.
+        What backward reads is left in ``s``."""
         run, pre = self._run, s["pre"]
         s["h"] = h                                                                                  # (T, D) layer input
         s["xn"], s["inv_op"] = self._norm(h, pre + "operator_norm.weight", bucket)                  # (T, D), (T,)
-        op = mix(s)                                                                                 # (T, D)
-        h1 = run(_k("add"), bucket=bucket, x=h, z=op)["y"]                                          # (T, D) residual
+        mixed = mix(s)                                                             # (T, D) conv, (T, H * E) attention
+        h1 = self._linear(mixed, pre + OUT_PROJ[s["kind"]], bucket, saved=s, residual=h)           # (T, D) h + op
         s["h1"] = h1
         xf, s["inv_ffn"] = self._norm(h1, pre + "ffn_norm.weight", bucket)                          # (T, D), (T,)
         s["a"] = self._linear(xf, pre + "feed_forward.w1", bucket, saved=s)                         # (T, F)
         s["b"] = self._linear(xf, pre + "feed_forward.w3", bucket, saved=s)                         # (T, F)
         g = run(_k("silu_mul"), bucket=bucket, a=s["a"], b=s["b"])["y"]                             # (T, F) silu(a) * b
-        f = self._linear(g, pre + "feed_forward.w2", bucket, saved=s)                               # (T, D)
-        return run(_k("add"), bucket=bucket, x=h1, z=f)["y"]                                        # (T, D) layer output
+        return self._linear(g, pre + "feed_forward.w2", bucket, saved=s, residual=h1)               # (T, D) h1 + w2(g)
 
     def _norm(self, x: Tensor, name: str, bucket: int) -> tuple[Tensor, Tensor]:
         """rmsnorm(x) * w and the rows' 1/rms."""
@@ -370,16 +374,19 @@ class Lfm2Model:
             s["b"] = self._linear(s["xf"], pre + "feed_forward.w3", bucket, saved=s)                # (T, F)
         s["g"] = self._run(_k("silu_mul"), bucket=bucket, a=s["a"], b=s["b"])["y"]                  # (T, F)
 
-    def _linear(self, x: Tensor, name: str, bucket: int, saved: dict | None = None) -> Tensor:
-        """y = x W^T (+ b): torch.nn.Linear with W stored [out, in]. A LoRA adapter's low-rank
-        activation is kept in ``saved`` (the layer's trace) for the backward."""
+    def _linear(self, x: Tensor, name: str, bucket: int, saved: dict | None = None,
+                residual: Tensor | None = None) -> Tensor:
+        """y = x W^T (+ residual) (+ b): torch.nn.Linear with W stored [out, in]; the residual is
+        added in the GEMM's epilogue. A LoRA adapter's low-rank activation is kept in ``saved``
+        (the layer's trace) for the backward."""
         w = self.p(name + ".weight")
+        r = {"r": residual} if residual is not None else {}
         if self.lora and name in self.lora.by_module:
-            y, u = self.lora.forward(self._run, x, name, w, bucket, dropout=_training_pass(saved))
+            y, u = self.lora.forward(self._run, x, name, w, bucket, dropout=_training_pass(saved), **r)
             if saved is not None:
                 saved["lora:" + name] = u
         else:
-            y = self._run(_k("linear"), bucket=bucket, x=x, w=w)["y"]
+            y = self._run(_k("linear"), bucket=bucket, x=x, w=w, **r)["y"]
         if name + ".bias" in self._params:
             self._run(_k("bias_add"), bucket=bucket, y=y, b=self.p(name + ".bias"))
         return y
@@ -392,7 +399,7 @@ class Lfm2Model:
         if self.cfg.conv_bias:
             args["b"] = self.p(pre + "conv.conv.bias")
         s["c"] = self._run(_k("short_conv"), bucket=trace.seq_bucket, **args)["y"].view(t, d)      # (T, D) C * conv(B x)
-        return self._linear(s["c"], pre + "conv.out_proj", trace.bucket, saved=s)                   # (T, D)
+        return s["c"]                                                                               # out_proj's input
 
     def _attention_forward(self, pre: str, s: dict, trace: Trace) -> Tensor:
         cfg, run, bucket = self.cfg, self._run, trace.bucket
@@ -412,7 +419,7 @@ class Lfm2Model:
         by_seq = trace.by_sequence
         att = run(_k("attention"), bucket=trace.seq_bucket, q=by_seq(s["qr"]), k=by_seq(s["kr"]), v=by_seq(s["v"]))
         s["o"], s["lse"] = att["o"].view(t, h, e), att["lse"].view(t, h)                           # (T, H, E), (T, H)
-        return self._linear(s["o"].view(t, h * e), a + "out_proj", bucket, saved=s)                 # (T, D)
+        return s["o"].view(t, h * e)                                                                # out_proj's input
 
     def logits(self, input_ids, bucket: int = 1) -> np.ndarray:
         """float32 [T, vocab] logits of a sequence (materialised: for checks, not for training)."""
