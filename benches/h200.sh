@@ -24,7 +24,8 @@
 #                                         -> $OUT/h200_attention_tests_dawn.log, $OUT/h200_attention.json
 #   bash benches/h200.sh gradsync         on Dawn, two ranks under mpiexec (mpi4py + mpich wheels from .gpu-kit/mpi) on the
 #                                         one GPU: benches/grad_sync.py at LFM2-350M, 1x512 per rank, LoRA r = 8 (3 timed
-#                                         steps) and full fine-tuning (2) -> $OUT/h200_grad_sync_lora.json, h200_grad_sync_full.json
+#                                         steps) and full fine-tuning (2), each with the gradients staged in the backward and
+#                                         after the pass -> $OUT/h200_grad_sync_lora.json, h200_grad_sync_full.json
 #   bash benches/h200.sh mpi              the host side of the gradient exchange: benches/readback.py (1 and 4 copy threads),
 #                                         then benches/mpi_exchange.py (no GPU) with 2 ranks under MPICH's transports and
 #                                         settings, and with 4 -> $OUT/h200_readback.json, $OUT/h200_mpi_exchange.log
@@ -98,8 +99,8 @@ gradsync)
     for run in "lora --lora 8 --steps 3" "full --steps 2"; do
         set -- $run
         name=$1; shift
-        timeout 200 "$MPIEXEC" -n 2 python3 benches/grad_sync.py --preset 350M --shape 1x512 "$@" \
-            --json "$OUT/h200_grad_sync_${name}.json" 2>&1 | tail -2
+        timeout 300 "$MPIEXEC" -n 2 python3 benches/grad_sync.py --preset 350M --shape 1x512 "$@" \
+            --json "$OUT/h200_grad_sync_${name}.json" 2>&1 | tail -4
     done
     ;;
 mpi)

@@ -1,12 +1,14 @@
 """One rank of an MPI data-parallel run (used by tests/test_mpi.py), launched by mpiexec:
 
     mpiexec -n N python tests/mpi_worker.py --windows W --accum A --out PREFIX
-        [--timeout S] [--hang-at K] [--die-at K] [--run-id-of-rank1 ID]
+        [--timeout S] [--hang-at K] [--die-at K] [--run-id-of-rank1 ID] [--stage-after]
 
 Rank r (from MPI) trains the micro model of tests/sync_worker.py on its share of each window with
 ``Trainer.with_mpi_grad_sync`` and saves its final weights to PREFIX.rank<r>.npz. A TrainError is
 printed as one ``error:`` line and ends the whole job (exit status 3 on that rank). ``--hang-at K``
 makes rank 1 stop responding before window K's sync, ``--die-at K`` makes it kill itself there.
+``--stage-after``: gradients are read back after each window's whole pass, not bucket by bucket
+as its backward finishes them.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ def main(argv=None) -> int:
     ap.add_argument("--hang-at", type=int)
     ap.add_argument("--die-at", type=int)
     ap.add_argument("--run-id-of-rank1", default="run")
+    ap.add_argument("--stage-after", action="store_true")
     a = ap.parse_args(argv)
 
     from mpi4py import MPI
@@ -40,7 +43,8 @@ def main(argv=None) -> int:
     ctx = WgpuContext.create()
     engine = ComputeEngine(ctx)
     model, tr = make_trainer(ctx, engine, a.accum)
-    tr.with_mpi_grad_sync(timeout_s=a.timeout, run_id=a.run_id_of_rank1 if rank == 1 else "run")
+    tr.with_mpi_grad_sync(timeout_s=a.timeout, run_id=a.run_id_of_rank1 if rank == 1 else "run",
+                          stage_in_backward=not a.stage_after)
     try:
         for j, (i, t, m) in enumerate(rank_sequences(rank, world, a.windows, a.accum)):
             window = j // a.accum + 1

@@ -618,3 +618,48 @@ def test_residual_adds_run_inside_out_proj_and_w2(ctx):
     model.forward(np.arange(1, 20) % cfg.vocab_size, bucket=16)
     projections = sum(5 if kind == "conv" else 7 for kind in cfg.layer_types)
     assert labels.count("linear") == projections and not [n for n in labels if "add" in n], labels
+
+
+@pytest.mark.parametrize("subset", ["all", "upper_layers", "lora"])
+def test_backward_reports_gradients_as_soon_as_they_are_final(ctx, subset):
+    """on_ready(params) comes right after the recorded work has finished those gradients, in
+    gradient_order (the final norm, then each layer from the last down): each reported gradient,
+    read back at the moment it is reported, is already what the whole backward leaves. Every
+    parameter is reported at most once, and those never reported (the embedding) come last."""
+    from lfm2jit import ComputeEngine
+    from lfm2jit.model import LoraConfig
+    cfg = Lfm2Config.preset("tiny")
+    engine = ComputeEngine(ctx)
+    model = Lfm2Model(cfg, ctx, engine, seed=2)
+    named = model.named_parameters()
+    if subset == "lora":
+        params = model.add_lora(LoraConfig(r=4, alpha=8))
+        named = model.named_parameters()
+    elif subset == "upper_layers":
+        params = [t for n, t in named.items() if "layers.2." in n or "layers.3." in n]
+    else:
+        params = list(named.values())
+    order = model.gradient_order(params)
+    assert sorted(map(id, order)) == sorted(map(id, params))
+    model.zero_grad(params)
+    ids = np.arange(3, 40) % cfg.vocab_size
+    trace = model.forward(ids, BUCKET, keep_from=model.backward_start(params))
+    head = model.lm_head
+    trained_head = any(p is head for p in params)
+    res = lm_head_cross_entropy(engine, trace.hn, head, np.roll(ids, -1), np.ones(len(ids), np.float32),
+                                normalizer=float(len(ids)), bucket=BUCKET, dE=head.grad if trained_head else None,
+                                accumulate_dE=trained_head, grad_E=trained_head)
+    reported: list = []
+    seen: dict[int, np.ndarray] = {}
+
+    def on_ready(tensors):
+        for t in tensors:
+            assert id(t) not in seen, "reported twice"
+            seen[id(t)] = t.grad.numpy()           # waits for the work recorded so far, and no more
+        reported.extend(tensors)
+
+    model.backward(trace, res.dh, params, on_ready=on_ready)
+    assert reported and [id(t) for t in reported] == [id(t) for t in order[:len(reported)]]
+    assert not [t for t in order[len(reported):] if "layers." in next(n for n, v in named.items() if v is t)]
+    for t in reported:
+        np.testing.assert_array_equal(seen[id(t)], t.grad.numpy())

@@ -34,9 +34,11 @@ def _mpiexec(n: int, tmp_path: Path, *extra: str, timeout: float = 240):
                           capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_ranks_equal_one_process_with_the_same_batch(ctx, tmp_path, world):
-    done = _mpiexec(world, tmp_path)
+@pytest.mark.parametrize("world,staging", [(2, "backward"), (2, "after"), (4, "backward")])
+def test_ranks_equal_one_process_with_the_same_batch(ctx, tmp_path, world, staging):
+    """Gradients read back bucket by bucket as the backward finishes them (the default), or after
+    the whole pass: the same steps either way."""
+    done = _mpiexec(world, tmp_path, *(["--stage-after"] if staging == "after" else []))
     assert done.returncode == 0, done.stderr[-2000:]
     ranks = [np.load(tmp_path / f"w.rank{r}.npz") for r in range(world)]
     from lfm2jit import ComputeEngine

@@ -64,6 +64,37 @@ def test_bad_input_is_refused(engine):
             engine.copy_into_buffer(t, staged._slots[0], 0)
 
 
+def test_copies_recorded_in_a_capture_read_back_after_every_replay(engine):
+    """A recorded program that computes tensors and copies them into reserved slots (as a train
+    step stages its gradients while its backward runs): each replay, after new inputs are written,
+    leaves exactly the new values in the slots, the copy ordered after the work that computes them."""
+    rng = np.random.default_rng(5)
+    xs = [engine.tensor(rng.standard_normal((1, n)).astype(np.float32)) for n in (7, 33, 5)]
+    staged = StagedReadback(engine)
+    assert staged.reserve([7 + 33, 5]) == [40, 5]
+    with engine.capture() as program:
+        ys = [engine.run("scale", x=x, alpha=3.0)["y"] for x in xs]    # recorded work the copies follow
+        staged.record(0, ys[:2], replayed=True)
+        staged.record(1, ys[2:], replayed=True)
+    for trial in range(3):
+        new = [rng.standard_normal(x.shape).astype(np.float32) for x in xs]
+        for x, a in zip(xs, new):
+            x.write(a)
+        program.replay()
+        got = [staged.read(0, np.empty(40, np.float64)), staged.read(1, np.empty(5, np.float32))]
+        np.testing.assert_array_equal(got[0], np.concatenate([3 * new[0][0], 3 * new[1][0]]).astype(np.float64))
+        np.testing.assert_array_equal(got[1], 3 * new[2][0])
+    with pytest.raises(ValueError, match="slot 1 is reserved for 5 elements; the group has 7"):
+        staged.record(1, xs[:1])
+    with pytest.raises(ValueError, match="slot 2 is reserved for no elements"):
+        staged.record(2, xs[:1])
+    with engine.capture():
+        with pytest.raises(RuntimeError, match="copy_into_buffer inside engine.capture"):
+            staged.record(0, xs[:2])                      # not marked as replayed: refused
+    program.close()
+    staged.release()
+
+
 def _random_group(engine, rng):
     """Tensors of random shapes (one a rows view: a gradient that is a slice of a larger buffer)
     with their contents, and the view's whole buffer."""

@@ -9,8 +9,11 @@ The same contract as the file sync (trainer/sync.py), through an MPI communicato
 * ``average``: each rank reads its gradients back in bucket order (each bucket packed by buffer
   copies into a persistent mappable staging buffer, lfm2jit/runtime/staging.py, and copied out of
   the mapped memory by a few threads, lfm2jit/runtime/host_threads.py, while the GPU still copies
-  the next buckets), and averages each bucket in pieces of EXCHANGE_BYTES, one MPI collective at a
-  time (several in flight were 1.7x slower, benches/mpi_exchange.py). Two ranks: an in-place
+  the next buckets; with ``staged_in_backward``, the default, the window's last pass makes the
+  copies itself as its backward finishes each bucket, last layer first, so on Dawn the first
+  buckets are read and exchanged while the GPU still runs the backward of earlier layers), and
+  averages each bucket in pieces of EXCHANGE_BYTES, one MPI collective at a time (several in
+  flight were 1.7x slower, benches/mpi_exchange.py). Two ranks: an in-place
   allreduce (any algorithm gives both ranks a + b = b + a, the same bits); more: a reduce-scatter
   (rank r sums the r-th chunk of every rank's piece, once, in an order fixed by the world size) and
   an allgather of those sums, so every rank holds the same bits whatever MPI's allreduce would do.
@@ -61,14 +64,17 @@ def local_rank() -> int:
 class MpiGradSync:
     """A ``Trainer.distributed_grad_sync`` over an MPI communicator (default: COMM_WORLD)."""
 
-    def __init__(self, comm=None, timeout_s: float = 600.0, run_id: str = "run"):
+    def __init__(self, comm=None, timeout_s: float = 600.0, run_id: str = "run", stage_in_backward: bool = True):
         MPI = load_mpi()
         self.MPI = MPI
         self.comm = comm if comm is not None else MPI.COMM_WORLD
         self.rank, self.world_size = self.comm.Get_rank(), self.comm.Get_size()
         if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
             raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+        if not isinstance(stage_in_backward, bool):
+            raise TypeError(f"stage_in_backward must be True or False, got {stage_in_backward!r}")
         self.timeout_s, self.run_id = float(timeout_s), run_id
+        self.stage_in_backward = stage_in_backward      # read in staged_in_backward(): may change between windows
         self.ready = False
         self.rounds = 0
         # summed over rounds, for benches: waiting for the step's GPU work, reading the gradients back,
@@ -76,6 +82,7 @@ class MpiGradSync:
         self.seconds = {"backward_wait": 0.0, "readback": 0.0, "exchange_wait": 0.0, "write": 0.0}
         self._staging = None                            # StagedReadback and StagedWrite, made on the first average()
         self._upload = None
+        self._in_backward: dict = {}                    # gradient layout -> BackwardStaging
         self._host = None                               # _HostArrays of the last average()
         self.bytes = 0                                  # float32 gradient bytes read back, summed
 
@@ -137,35 +144,60 @@ class MpiGradSync:
 
     def finish(self) -> None:
         """The end of a run that went well: every rank waits for every other (nothing on disk to clean),
-        and the mapped staging buffers (as large as every trained gradient) are released."""
+        and the mapped staging buffers (as large as every trained gradient) are released (passes
+        recorded to copy into them must not replay afterwards)."""
         if self.world_size > 1 and self.ready:
             self.gather([0.0], "the end of the run")
-        for staging in (self._staging, self._upload):
+        for staging in (self._staging, self._upload, *(b.staging for b in self._in_backward.values())):
             if staging is not None:
                 staging.release()
         self._staging = self._upload = self._host = None
+        self._in_backward = {}
 
-    def average(self, engine, names: list[str], params: list, step: int) -> None:
+    def staged_in_backward(self, engine, params: list) -> "BackwardStaging | None":
+        """The staging of a window's last pass that copies each bucket of ``params`` (in the order
+        the backward finishes them: Lfm2Model.gradient_order) as soon as the backward has finished
+        it, for ``average(..., staged=...)`` to read while the rest of the backward runs; the same
+        object (and staging buffers) for the same gradients, so a recorded pass that copies into
+        them replays. None with one rank (nothing is exchanged) or without ``stage_in_backward``."""
+        if self.world_size == 1 or not self.stage_in_backward:
+            return None
+        key = tuple((id(p.grad.buffer), p.grad.offset, p.grad.size) for p in params)
+        staged = self._in_backward.get(key)
+        if staged is None:
+            staged = self._in_backward[key] = BackwardStaging(engine, params)
+        return staged
+
+    def average(self, engine, names: list[str], params: list, step: int,
+                staged: "BackwardStaging | None" = None) -> None:
         """Replace each parameter's .grad by the mean over the ranks of this window's gradients
-        (the exchange is described in the module's docstring)."""
+        (the exchange is described in the module's docstring). ``staged``: the window's last pass
+        already recorded the copies into it (``staged_in_backward``), so each bucket is read as
+        soon as the GPU has copied it, while it still runs the backward of earlier layers."""
         if self.world_size == 1:
             return
         if not self.ready:
             self.handshake(names, params)
         clock = time.perf_counter
-        buckets = _buckets(params)
-        if self._staging is None:
-            self._staging, self._upload = StagedReadback(engine), StagedWrite(engine)
+        if self._upload is None:
+            self._upload = StagedWrite(engine)
         t0 = clock()
-        engine.synchronize()                          # the step's own work ends first: timed apart
+        if staged is None:
+            buckets = _buckets(params)
+            if self._staging is None:
+                self._staging = StagedReadback(engine)
+            engine.synchronize()                      # the step's own work ends first: timed apart
+            staging, sizes = self._staging, self._staging.submit([[p.grad for p in bucket] for bucket in buckets])
+        else:
+            staged.start_reading()
+            buckets, staging, sizes = staged.buckets, staged.staging, staged.sizes
         t1 = clock()
         self.seconds["backward_wait"] += t1 - t0
-        sizes = self._staging.submit([[p.grad for p in bucket] for bucket in buckets])
         if self._host is None or self._host.sizes != sizes:
             self._host = _HostArrays(sizes, self.world_size, self.rank)
         for i, values in enumerate(self._host.values):  # bucket i is copied out while the GPU copies i + 1
             t0 = clock()
-            self._staging.read(i, values)
+            staging.read(i, values)
             t1 = clock()
             for piece in self._host.pieces[i]:
                 self._exchange(piece, step)
@@ -195,6 +227,53 @@ class MpiGradSync:
 
 def _divide(values: np.ndarray, world: int) -> None:
     in_ranges(lambda a, b: np.divide(values[a:b], np.float32(world), out=values[a:b]), values.size, values.nbytes)
+
+
+class BackwardStaging:
+    """A window's gradients, in buckets of the order the backward finishes them, each copied into
+    its own staging buffer by the recorded pass as soon as its last gradient is final: the pass
+    calls ``start()``, ``ready(params)`` as the backward finishes parameters (Lfm2Model.backward's
+    on_ready) and ``finish()`` at its end, which copies whatever is left. A bucket therefore never
+    waits for more than its own parameters, and one whose parameters are never reported is copied
+    after the whole backward: late, never wrong."""
+
+    def __init__(self, engine, params: list):
+        self.engine = engine
+        self.buckets = _buckets(params)
+        self.staging = StagedReadback(engine)
+        self.sizes = self.staging.reserve([sum(p.grad.size for p in b) for b in self.buckets])
+        self._bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b}
+        self._waiting: list[int] = []                   # bucket -> parameters not finished yet (-1: copied)
+
+    def start(self) -> None:
+        self._waiting = [len(b) for b in self.buckets]
+
+    def ready(self, params) -> None:
+        for p in params:
+            i = self._bucket_of.get(id(p))
+            if i is not None and self._waiting[i] > 0:
+                self._waiting[i] -= 1
+                if self._waiting[i] == 0:
+                    self._copy(i)
+
+    def finish(self) -> None:
+        for i, left in enumerate(self._waiting):
+            if left >= 0:
+                self._copy(i)
+
+    def start_reading(self) -> None:
+        """Submit the recorded pass with its copies. Where mapping a buffer waits only for the
+        submissions that used it (Dawn), each bucket is then read as soon as its copy has run;
+        elsewhere (wgpu-native) this waits for the whole pass first, or a read could see the
+        last window's values."""
+        if self.engine.ctx.maps_after_last_use:
+            self.engine.flush()
+        else:
+            self.engine.synchronize()
+
+    def _copy(self, i: int) -> None:
+        self.staging.record(i, [p.grad for p in self.buckets[i]], replayed=True)
+        self._waiting[i] = -1
 
 
 class _Piece:

@@ -231,11 +231,14 @@ class Trainer:
         self.distributed_grad_sync = FileGradSync(config) if config is not None else None
         return self
 
-    def with_mpi_grad_sync(self, comm=None, timeout_s: float = 600.0, run_id: str = "run") -> "Trainer":
+    def with_mpi_grad_sync(self, comm=None, timeout_s: float = 600.0, run_id: str = "run",
+                           stage_in_backward: bool = True) -> "Trainer":
         """Average gradients over MPI ranks (mpi4py; ``comm`` defaults to COMM_WORLD): see
-        trainer/mpi_sync.py. Each rank trains its own share of a window, as with the file sync."""
+        trainer/mpi_sync.py. Each rank trains its own share of a window, as with the file sync;
+        ``stage_in_backward``: each bucket is read back and exchanged as soon as the backward has
+        finished it (False: after the whole pass)."""
         from .mpi_sync import MpiGradSync
-        self.distributed_grad_sync = MpiGradSync(comm, timeout_s, run_id)
+        self.distributed_grad_sync = MpiGradSync(comm, timeout_s, run_id, stage_in_backward)
         return self
 
     def sync_handshake(self, params) -> None:
@@ -342,6 +345,12 @@ class Trainer:
 
         if model.lora is not None:   # this pass's LoRA dropout keys: from where the pass is in training
             model.lora.draw_dropout(self._steps, self._micro_index())
+        # The window's last pass of a sync that can stage gradients in the backward copies each
+        # bucket as soon as the backward has finished it, so it is averaged while the GPU runs on.
+        ends_window = self.step_in_accum + len(group) == self.grad_accum_steps
+        sync = self.distributed_grad_sync
+        staging = getattr(sync, "staged_in_backward", None) if ends_window else None
+        staged = staging(engine, model.gradient_order(params)) if staging is not None else None
 
         def upload():
             return model.upload_ids(ids), engine.tensor(targets, "i32"), engine.tensor(mask, "f32")
@@ -362,18 +371,23 @@ class Trainer:
                 chunk=self.lm_head_chunk, bucket=bucket, dE=head.grad if head_trained else None,
                 accumulate_dE=head_trained, grad_E=head_trained, segments=len(group),
                 keep_logits=self.lm_head_keep_bytes, check_targets=False)   # checked in _check
-            model.backward(trace, result.dh, params)
+            if staged is not None:
+                staged.start()
+            model.backward(trace, result.dh, params, on_ready=staged.ready if staged is not None else None)
+            if staged is not None:
+                staged.finish()
             return result.loss
 
         key = ("pass", np.shape(ids), bucket, self.lm_head_chunk, self.lm_head_keep_bytes, head_trained,
-               _where(params, [p.grad for p in params]))
+               _where(params, [p.grad for p in params]), id(staged) if staged is not None else None)
         loss = self.recorded.run(key, record, scalars=xent_scalars(normalizer, loss_scale), upload=upload,
                                  refill=refill, activations=True)
+        if staged is not None:
+            sync.average(engine, self._names(params), params, self._steps + 1, staged=staged)
         # A pass that ends the window records the gradient-norm passes (and, where the GPU decides,
         # the step gate and the optimizer update) before the loss is read, so the GPU runs them all
         # behind one wait (with a distributed sync, the norm follows the averaging on the host).
-        ends_window = self.step_in_accum + len(group) == self.grad_accum_steps
-        tot = self._record_norm(params) if ends_window and self.distributed_grad_sync is None else None
+        tot = self._record_norm(params) if ends_window and sync is None else None
         gate = self._record_gated_step(params, tot, loss) if tot is not None else None
         losses = loss.numpy().astype(np.float64)   # one small read-back; also runs the recorded work
         if not np.isfinite(losses).all() and self.scaler is None:
@@ -386,7 +400,7 @@ class Trainer:
             stats.append(StepStats(loss=float(loss), tokens=n, stepped=False, skipped=False, grad_norm=None,
                                    lr=self.lr_at(self._steps + 1), loss_scale=self.loss_scale))
         if self.step_in_accum == self.grad_accum_steps:
-            self._finish_window(params, stats[-1], tot, gate)
+            self._finish_window(params, stats[-1], tot, gate, averaged=staged is not None)
         return stats
 
     def _micro_index(self) -> int:
@@ -432,10 +446,11 @@ class Trainer:
         self._optimizer_step(params, self.lr_at(self._steps + 1), 1.0, gate)
         return gate
 
-    def _finish_window(self, params, stats: StepStats, tot=None, gate=None) -> None:
+    def _finish_window(self, params, stats: StepStats, tot=None, gate=None, averaged: bool = False) -> None:
         """Clip and step (or skip, or raise) from the window's gradient norm; ``tot`` is its
         recorded sum of squares when the caller already recorded it; with ``gate`` the GPU has
-        already stepped or skipped, and the host counts what it did."""
+        already stepped or skipped, and the host counts what it did; ``averaged``: the distributed
+        sync has already averaged the gradients (staged in the backward)."""
         engine = self.engine
         self.step_in_accum = 0
         if gate is not None:
@@ -448,7 +463,7 @@ class Trainer:
             self._count_step(params, stats, grad_norm, advance=True)
             return
         if tot is None:
-            if self.distributed_grad_sync is not None:
+            if self.distributed_grad_sync is not None and not averaged:
                 self.distributed_grad_sync.average(engine, self._names(params), params, self._steps + 1)
             tot = self._record_norm(params)
         norm, finite = norm_of(tot.numpy() if tot is not None else None)

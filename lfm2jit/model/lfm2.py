@@ -19,6 +19,7 @@ bucket there). RoPE reads position tables repeated per sequence.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -512,10 +513,37 @@ class Lfm2Model:
             return min(layers)
         return len(self.cfg.layer_types) if trained(self.p("model.embedding_norm.weight")) else None
 
-    def backward(self, trace: Trace, d_hn: Tensor, params: list[Tensor]) -> None:
+    def gradient_order(self, params) -> list[Tensor]:
+        """``params`` in the order backward finishes their gradients: the final norm's, then each
+        layer's from the last down, then the rest (the embedding, an untied LM head). A
+        data-parallel sync stages them in this order while the backward still runs."""
+        return [p for stage in self._gradient_stages(params) for p in stage]
+
+    def _gradient_stages(self, params) -> list[list[Tensor]]:
+        """``params`` by when backward finishes their gradients (see gradient_order)."""
+        layers = len(self.cfg.layer_types)
+        stage_of = {}
+        for name, t in self.named_parameters().items():
+            at = re.search(r"\blayers\.(\d+)\.", name)
+            stage_of[id(t)] = (0 if name == "model.embedding_norm.weight"
+                               else layers - int(at.group(1)) if at else layers + 1)
+        stages: list[list[Tensor]] = [[] for _ in range(layers + 2)]
+        for p in params:
+            stages[stage_of.get(id(p), layers + 1)].append(p)
+        return stages
+
+    def backward(self, trace: Trace, d_hn: Tensor, params: list[Tensor], on_ready=None) -> None:
         """Add the gradients of every parameter in ``params`` (which must have .grad) given the
         gradient of the final normed hidden state d_hn (T, D). The reverse of ``forward``, pruned
-        to what the trained parameters need: nothing below the lowest layer that holds one."""
+        to what the trained parameters need: nothing below the lowest layer that holds one.
+        ``on_ready(tensors)``, when given, is called as soon as the recorded work has finished the
+        gradients of these parameters (the final norm's, then each layer's; not the rest, which
+        are finished when backward returns), so their readback can be recorded right behind it."""
+        stages = self._gradient_stages(params) if on_ready is not None else None
+
+        def ready(stage: int) -> None:
+            if stages is not None and stages[stage]:
+                on_ready(stages[stage])
         self.check_trainable(params)
         ids = {id(t) for t in params}
         missing = [n for n, t in self.named_parameters().items() if id(t) in ids and t.grad is None]
@@ -533,6 +561,7 @@ class Lfm2Model:
         bucket = trace.bucket
         # hn = rmsnorm(h_out)
         dh = self._norm_backward(trace.h_out, trace.inv, "model.embedding_norm.weight", d_hn, bucket)   # (T, D)
+        ready(0)
         for i in reversed(range(lowest, len(trace.layers))):
             s = trace.layers[i]
             pre = s["pre"]
@@ -559,6 +588,7 @@ class Lfm2Model:
             del s["xn"]
             # xn = rmsnorm(h): dh becomes d(h)
             self._norm_backward(s["h"], s["inv_op"], pre + "operator_norm.weight", dxn, bucket, into=dh)
+            ready(len(trace.layers) - i)
         # h_in = embed(ids)
         emb = "model.embed_tokens.weight"
         if self._trained(emb):

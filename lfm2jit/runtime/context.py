@@ -133,6 +133,7 @@ class WgpuContext:
         self.limits = dict(device.limits)
         self.info = dict(adapter.info)
         self.implementation = implementation
+        self.maps_after_last_use = IMPLEMENTATIONS[implementation].maps_after_last_use
         self.subgroup_matrix_configs = subgroup_matrix_configs
         self._engines: weakref.WeakSet = weakref.WeakSet()
 

@@ -15,6 +15,11 @@ SUBGROUP_MATRIX = "chromium-experimental-subgroup-matrix"
 
 class WgpuNative:
     name = "wgpu-native"
+    # Whether mapping a buffer waits only for the submissions that used it, so one staged buffer
+    # is read while later submissions still run. wgpu-native 0.32 mapped a staging buffer before
+    # the copy into it that a long submission ended with had run (tests/test_sync.py read the last
+    # window's gradients); its reads wait for the whole queue first.
+    maps_after_last_use = False
 
     @functools.cached_property
     def module(self):
@@ -33,6 +38,7 @@ class WgpuNative:
 
 class Dawn:
     name = "dawn"
+    maps_after_last_use = True     # Dawn's MapAsync waits for the buffer's last usage serial
 
     @functools.cached_property
     def module(self):

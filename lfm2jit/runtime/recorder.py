@@ -260,11 +260,13 @@ class Recorder:
         self._keepalive.extend((src.buffer, dst.buffer))
         return dst
 
-    def copy_into_buffer(self, src: Tensor, buffer, offset: int) -> None:
+    def copy_into_buffer(self, src: Tensor, buffer, offset: int, replayed: bool = False) -> None:
         """Record copying all of ``src``'s elements into a raw wgpu buffer at byte ``offset`` (a
-        host-mappable staging buffer, see staging.py), in order with the recorded dispatches. Not
-        inside capture(): what is copied there is read on the host, which a replay cannot repeat."""
-        self._host_buffer_copy(src, buffer, offset, into_buffer=True)
+        host-mappable staging buffer, see staging.py), in order with the recorded dispatches. Inside
+        capture() only when ``replayed``: the caller reads the buffer on the host after every replay
+        of the program itself (a train step's gradients staged for data parallelism) and keeps the
+        buffer alive while the program lives."""
+        self._host_buffer_copy(src, buffer, offset, into_buffer=True, replayed=replayed)
 
     def copy_from_buffer(self, buffer, offset: int, dst: Tensor) -> None:
         """Record copying ``dst``'s size in bytes from byte ``offset`` of a raw wgpu buffer (a
@@ -272,11 +274,11 @@ class Recorder:
         dispatches. Not inside capture(): a replay would copy whatever the host left there."""
         self._host_buffer_copy(dst, buffer, offset, into_buffer=False)
 
-    def _host_buffer_copy(self, tensor: Tensor, buffer, offset: int, into_buffer: bool) -> None:
+    def _host_buffer_copy(self, tensor: Tensor, buffer, offset: int, into_buffer: bool, replayed: bool = False) -> None:
         """Record a copy of all of ``tensor`` into (or from) a staging buffer at byte ``offset``:
-        refused inside capture() and unless it moves whole words within the buffer."""
+        refused inside capture() unless ``replayed``, and unless it moves whole words within the buffer."""
         name, side = ("copy_into_buffer", "read") if into_buffer else ("copy_from_buffer", "written")
-        if self.capturing is not None:
+        if self.capturing is not None and not replayed:
             raise RuntimeError(f"{name} inside engine.capture(): its buffer is {side} on the host, which a "
                                "replayed program cannot repeat")
         nbytes = tensor.size * ITEMSIZE[tensor.dtype]
@@ -285,7 +287,10 @@ class Recorder:
                      else f"{nbytes} bytes from byte {offset} of a {buffer.size}-byte buffer into {tensor!r}")
             raise ValueError(f"{name}: {where}; WebGPU copies whole 4-byte words within the buffer")
         ends = (tensor.buffer, tensor.offset, buffer, offset) if into_buffer else (buffer, offset, tensor.buffer, tensor.offset)
-        self._commands.append(("copy", *ends, nbytes))
+        command = ("copy", *ends, nbytes)
+        self._commands.append(command)
+        if self.capturing is not None:
+            self.capturing.add_transfer(command)
         self._keepalive.extend((tensor.buffer, buffer))
 
     @contextlib.contextmanager

@@ -8,9 +8,11 @@ mappable staging buffer, made once and reused while large enough, and the tensor
 or unpacked from it by recorded buffer copies (the transfer itself: on a discrete GPU a mappable
 buffer lives in host memory), one submit per slot:
 
-* ``StagedReadback``: slot i is mapped and converted while the GPU still copies slot i + 1, and
-  the mapped bytes go straight into the caller's array in one pass (float64 for an exact sum, say),
-  cut into ranges that several threads copy (lfm2jit/runtime/host_threads.py);
+* ``StagedReadback``: slot i is mapped and converted while the GPU still copies slot i + 1 (or,
+  when a recorded backward makes the copies as it finishes each group's gradients, while it still
+  computes the next group), and the mapped bytes go straight into the caller's array in one pass
+  (float64 for an exact sum, say), cut into ranges that several threads copy
+  (lfm2jit/runtime/host_threads.py);
 * ``StagedWrite``: a slot's values go into its mapped buffer in one copy, and its unpacking copies
   are recorded in order with the recorded work, so nothing is flushed per tensor.
 """
@@ -78,12 +80,14 @@ class _Slots:
 
 class StagedReadback:
     """Reusable staging for reading groups of f32 tensors: ``submit(groups)``, then ``read(i, out)``
-    for each group in order."""
+    for each group in order. Or, for copies that a recorded program makes itself (a train step
+    staging its gradients as the backward finishes them, then replayed): ``reserve(sizes)`` once,
+    ``record(slot, group, replayed=True)`` inside the capture, and ``read`` after each replay."""
 
     def __init__(self, engine):
         self.engine = engine
         self._slots = _Slots(engine, READ_USAGE)
-        self._sizes: list[int] = []        # slot -> elements submitted by the last submit()
+        self._sizes: list[int] = []        # slot -> elements its last copies hold
 
     def submit(self, groups: list[list[Tensor]]) -> list[int]:
         """Record the copies of each group's tensors, packed in order, into the group's staging
@@ -92,14 +96,32 @@ class StagedReadback:
         _check_f32("StagedReadback", (t for group in groups for t in group))
         _outside_capture(self.engine, "StagedReadback.submit", "its copies are read on the host")
         self.engine.flush()                      # the work that computes the tensors goes first
-        sizes = [sum(t.size for t in group) for group in groups]
-        for slot, (group, n) in enumerate(zip(groups, sizes)):
-            buf = self._slots.get(slot, max(4, 4 * n))
-            for t, at in _packed(group):
-                self.engine.copy_into_buffer(t, buf, at)
+        sizes = self.reserve([sum(t.size for t in group) for group in groups])
+        for slot, group in enumerate(groups):
+            self.record(slot, group)
             self.engine.flush()
-        self._sizes = sizes
+        return sizes
+
+    def reserve(self, sizes: list[int]) -> list[int]:
+        """Make (or keep) a staging buffer per slot for ``sizes[slot]`` elements; a buffer that a
+        recorded program copies into stays the same as long as no slot needs to grow."""
+        for slot, n in enumerate(sizes):
+            self._slots.get(slot, max(4, 4 * n))
+        self._sizes = list(sizes)
         return list(sizes)
+
+    def record(self, slot: int, group: list[Tensor], replayed: bool = False) -> None:
+        """Record the copies of ``group``'s tensors, packed in order, into slot ``slot`` (reserved
+        for exactly their elements), after everything recorded so far. ``replayed``: inside a
+        capture, whose replays repeat the copies (the caller reads the slot after each)."""
+        _check_f32("StagedReadback", group)
+        n = sum(t.size for t in group)
+        if slot >= len(self._sizes) or self._sizes[slot] != n:
+            raise ValueError(f"StagedReadback.record: slot {slot} is reserved for "
+                             f"{self._sizes[slot] if slot < len(self._sizes) else 'no'} elements; the group has {n}")
+        buf = self._slots[slot]
+        for t, at in _packed(group):
+            self.engine.copy_into_buffer(t, buf, at, replayed=replayed)
 
     def read(self, slot: int, out: np.ndarray) -> np.ndarray:
         """Wait for slot ``slot``'s copies, then convert its elements into ``out`` (1-D, as many
