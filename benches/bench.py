@@ -676,7 +676,7 @@ def _kernel_class(name: str) -> str:
     name = name.split("_f16")[0]
     if "attention" in name:
         return "attention"
-    if name.startswith(("linear", "lora_")):
+    if name.startswith(("linear", "lora_", "swiglu_down")):
         return "linear (matmul)"
     if name in ("xent_logits", "xent_dh", "xent_dE"):
         return "lm head (matmul)"

@@ -797,7 +797,7 @@ class Generator:
 
 
 FEATURES = ("window", "flip", "default", "left out", "optional", "dropped", "packed", "poison", "gemm epilogue",
-            "sum of gemms")
+            "sum of gemms", "shared gemm")
 
 
 def features(case: Case) -> set[str]:

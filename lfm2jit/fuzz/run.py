@@ -113,7 +113,8 @@ class Result:
 
 def fused_gemms(kernel) -> set[str]:
     """The GEMM fusions a compiled kernel's parts use (the features table counts the cases): an
-    epilogue computed from the sum, or several contractions summed in one K loop."""
+    epilogue computed from the sum, several contractions summed in one K loop, several outputs
+    stored from one sum."""
     found = set()
     for part in kernel.kernels:
         ir = part.ir
@@ -121,6 +122,8 @@ def fused_gemms(kernel) -> set[str]:
             continue
         if len(ir.structure.reduced) > 1:
             found.add("sum of gemms")
+        if len(ir.outputs) > 1:
+            found.add("shared gemm")
         root = ir.results[ir.outputs[0].name]
         if find_contraction(root, ir.outputs[0].shape).epilogue_of(root) is not None:
             found.add("gemm epilogue")

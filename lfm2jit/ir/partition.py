@@ -11,7 +11,9 @@ any element of y. Forward and backward kernels go through the same pass:
    position, the operand of a GEMM that is not a tensor, an intrinsic's result used in an
    expression) is cut: it becomes a temporary tensor, planned the same way as an output.
 2. Outputs and temporaries of the same structure that do not depend on each other share a part;
-   parts are ordered so that every temporary is written before it is read.
+   parts are ordered so that every temporary is written before it is read. Outputs that are each
+   an epilogue of the same contraction share its GEMM (``d_a`` and ``d_b`` of SwiGLU's gradient
+   from ``dy W2``); a contraction that roots of other parts read is cut, so it is computed once.
 
 Every part is a KernelIR of its own (temporaries appear as its inputs or outputs) carrying its
 Structure, so the scheduler only maps a structure to a template.
@@ -91,31 +93,46 @@ def _terms(n: Node, shape: tuple[str, ...], cut) -> list[Node] | None:
     return None
 
 
-def find_contraction(root: Node, shape: tuple[str, ...], cut=frozenset(), users=None) -> Contraction | None:
+def find_contraction(root: Node, shape: tuple[str, ...], cut=frozenset(), users=None, siblings=()) -> Contraction | None:
     """The GEMM a root computes, if it is one: an accumulator (see Contraction) under an epilogue of
     elementwise ops (a scale, a residual add, a cast) that may read other tensors at a moved index,
-    never the sum itself. The accumulator's nodes must have no reader outside this root (``users``: the kernel's use
-    counts), so that fusing the epilogue never computes a GEMM twice; None otherwise."""
+    never the sum itself. The accumulator's nodes must have no reader outside this root and those of
+    ``siblings`` (other outputs of the same shape) that are epilogues of the same sum (``users``:
+    the kernel's use counts; those siblings then store their values from the same GEMM), so that
+    fusing never computes a GEMM twice; None otherwise."""
     group = toposort([root], stop=cut)
     for acc in reversed(group):                    # the accumulator nearest the root
         terms = _terms(acc, shape, cut)
         if terms is None:
             continue
         inside = toposort([acc], stop=set(cut) | {id(t) for t in terms})
-        epilogue = toposort([root], stop=set(cut) | {id(acc)})
-        below = {id(n) for n in toposort([acc], stop=cut)}
-        for n in epilogue:
-            if n.op in EPILOGUE_READS:
-                if any(id(m) in below for m in toposort([n], stop=cut)):
-                    return None
-            elif n.op not in EPILOGUE_OPS:
-                return None
+        if not _is_epilogue(root, acc, cut):
+            return None
         if users is not None and acc is not root:
-            here = use_counts([root])
+            sharing = [r for r in siblings if r is not root and _reads(r, acc, cut) and _is_epilogue(r, acc, cut)]
+            here = use_counts([root, *sharing])
             if any(users.get(id(n), 0) != here.get(id(n), 0) for n in inside + terms):
                 return None
         return Contraction(acc, tuple(terms))
     return None
+
+
+def _is_epilogue(root: Node, acc: Node, cut) -> bool:
+    """Whether ``root`` is computed from ``acc`` by elementwise ops and reads of other tensors at a
+    moved index (where ``acc`` is not beneath them)."""
+    below = {id(n) for n in toposort([acc], stop=cut)}
+    for n in toposort([root], stop=set(cut) | {id(acc)}):
+        if n.op in EPILOGUE_READS:
+            if any(id(m) in below for m in toposort([n], stop=cut)):
+                return False
+        elif n.op not in EPILOGUE_OPS:
+            return False
+    return True
+
+
+def _reads(root: Node, n: Node, cut) -> bool:
+    """Whether ``root``'s own part computes from ``n`` (or is it): ``n`` reached without passing a cut node."""
+    return any(m is n for m in toposort([root], stop=cut))
 
 
 INLINE_FIXED = 64     # reductions over a fixed axis at most this long run inside each invocation
@@ -161,6 +178,7 @@ class _Planner:
     def __init__(self, ir: KernelIR):
         self.ir = ir
         self.users = use_counts(ir.results.values())
+        self.accumulators: dict[int, Node] = {}       # root id -> the sum its contraction part stores from
 
     def plan(self, root: Node, shape: tuple[str, ...], seed=()) -> tuple[Structure, dict[int, Node]]:
         """The root's structure and the nodes cut from its graph (by id), starting from ``seed``."""
@@ -181,8 +199,10 @@ class _Planner:
         stored = [n for n in group if n.op == Op.MATERIALIZE and n is not root]
         if stored:                                   # values every reader must see with the same bits
             return None, stored
-        gemm = find_contraction(root, shape, cut, self.users)
+        siblings = [r for name, r in self.ir.results.items() if r.shape == root.shape]
+        gemm = find_contraction(root, shape, cut, self.users, siblings)
         if gemm is not None:
+            self.accumulators[id(root)] = gemm.acc
             bad = [x for t in gemm.terms for x in t.srcs[0].srcs if not _is_leaf(x, cut)]
             return Structure("contraction", shape, tuple(t.arg for t in gemm.terms)), bad
         inner = [n for n in group if n.op == Op.SUM and gemm_axes(n, n.shape) is not None]
@@ -271,12 +291,14 @@ class _Root:
     level: int = 0
 
 
-def _merge_key(r: _Root):
+def _merge_key(r: _Root, accumulators: dict[int, Node]):
+    """Roots of one key and level share a part: an intrinsic call's results, the outputs stored
+    from one GEMM's sum, or roots of the same loop structure."""
     s = r.structure
     if s.kind == "intrinsic":
         return ("intrinsic", id(r.node.srcs[0]))
     if s.kind == "contraction":
-        return ("contraction", r.name)
+        return ("contraction", id(accumulators[id(r.node)]))
     return (s.kind, s.space, s.reduced)
 
 
@@ -332,14 +354,22 @@ def _partition(ir: KernelIR, protected=()) -> Partition:
             if id(n) not in temp_names:
                 temp_names[id(n)] = next(fresh)
                 todo.append((temp_names[id(n)], n, n.shape, _temp_dtype(n)))
-    if len(roots) == len(ir.outputs) and not temp_names and len({_merge_key(r) for r in roots}) == 1:
+    keys = {r.name: _merge_key(r, planner.accumulators) for r in roots}
+    if len(roots) == len(ir.outputs) and not temp_names and len(set(keys.values())) == 1:
         return Partition((replace(ir, structure=roots[0].structure),), ())
     by_name = {r.name: r for r in roots}
     writer = {i: by_name[name] for i, name in temp_names.items()}
     _levels(roots, writer)
     groups: dict[tuple, list[_Root]] = {}
     for r in roots:
-        groups.setdefault((r.level, _merge_key(r)), []).append(r)
+        groups.setdefault((r.level, keys[r.name]), []).append(r)
+    # a sum that roots of other parts compute too (not through a temporary): it goes first, once, into one
+    done = {id(n) for n in protected}
+    split = {id(a): a for a in (planner.accumulators[id(r.node)] for r in roots if r.structure.kind == "contraction")
+             if id(a) not in done and len({(q.level, keys[q.name]) for q in roots
+                                           if id(a) not in q.cut and _reads(q.node, a, q.cut)}) > 1}
+    if split:
+        return _partition(ir, tuple(protected) + tuple(split.values()))
     position = {r.name: i for i, r in enumerate(roots)}      # outputs first, in declared order
     ordered = sorted(groups.items(), key=lambda kv: (kv[0][0], min(position[m.name] for m in kv[1])))
     parts = [_part(ir, members, writer) for _, members in ordered]

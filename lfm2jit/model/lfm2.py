@@ -362,18 +362,20 @@ class Lfm2Model:
         out = self._run(_k("rmsnorm"), bucket=bucket, x=x, w=self.p(name), eps=self.cfg.norm_eps)
         return out["y"], out["inv"]
 
-    def _recompute(self, s: dict, bucket: int) -> None:
-        """Put back what forward did not keep: the normed inputs xn and xf and the SwiGLU output g
-        (one [T, F] and two [T, D] per layer, the largest activations after a and b), and with
-        recompute_mlp a and b as well (two more [T, F]: the largest, for two matmuls per layer).
-        The same kernels on the same inputs give bit-identical values, so gradients are unchanged."""
+    def _recompute(self, s: dict, bucket: int, gate: bool = True) -> None:
+        """Put back what forward did not keep: the normed inputs xn and xf and (``gate``: w2's
+        backward reads it) the SwiGLU output g (one [T, F] and two [T, D] per layer, the largest
+        activations after a and b), and with recompute_mlp a and b as well (two more [T, F]: the
+        largest, for two matmuls per layer). The same kernels on the same inputs give bit-identical
+        values, so gradients are unchanged."""
         pre = s["pre"]
         s["xn"] = self._norm(s["h"], pre + "operator_norm.weight", bucket)[0]                       # (T, D)
         s["xf"] = self._norm(s["h1"], pre + "ffn_norm.weight", bucket)[0]                           # (T, D)
         if "a" not in s:
             s["a"] = self._linear(s["xf"], pre + "feed_forward.w1", bucket, saved=s)                # (T, F)
             s["b"] = self._linear(s["xf"], pre + "feed_forward.w3", bucket, saved=s)                # (T, F)
-        s["g"] = self._run(_k("silu_mul"), bucket=bucket, a=s["a"], b=s["b"])["y"]                  # (T, F)
+        if gate:
+            s["g"] = self._run(_k("silu_mul"), bucket=bucket, a=s["a"], b=s["b"])["y"]              # (T, F)
 
     def _linear(self, x: Tensor, name: str, bucket: int, saved: dict | None = None,
                 residual: Tensor | None = None) -> Tensor:
@@ -565,14 +567,23 @@ class Lfm2Model:
         for i in reversed(range(lowest, len(trace.layers))):
             s = trace.layers[i]
             pre = s["pre"]
-            self._recompute(s, bucket)
+            w2 = pre + "feed_forward.w2"
+            fused = not (self.lora and w2 in self.lora.by_module)
+            bias = w2 + ".bias"
+            self._recompute(s, bucket, gate=not fused or self._trained(w2 + ".weight")
+                            or (bias in self._params and self._trained(bias)))
             # Each [T, F] tensor is dropped (back to the pool) right after its last use, so the peak
             # holds as few of them as possible; a second backward over this trace recomputes them.
-            # h = h1 + f;  f = w2(g)
-            dg = self._linear_backward(s.pop("g"), pre + "feed_forward.w2", dh, bucket, saved=s)    # (T, F)
-            # g = silu(a) * b
-            gab = self._run(_grad("silu_mul"), bucket=bucket, a=s.pop("a"), b=s.pop("b"), d_y=dg)
-            del dg
+            # h = h1 + f;  f = w2(g);  g = silu(a) * b
+            if fused:        # W2.grad from g; d_a and d_b from one GEMM (dh W2) whose epilogue is the gate's derivative
+                if "g" in s:
+                    self._linear_backward(s.pop("g"), w2, dh, bucket, need_dx=False, saved=s)
+                gab = self._run(_grad("swiglu_down", ("a", "b")), bucket=bucket, a=s.pop("a"), b=s.pop("b"),
+                                w=self._params[w2 + ".weight"], d_y=dh)
+            else:            # an adapter's gradient joins dg before the gate's derivative
+                dg = self._linear_backward(s.pop("g"), w2, dh, bucket, saved=s)                     # (T, F)
+                gab = self._run(_grad("silu_mul"), bucket=bucket, a=s.pop("a"), b=s.pop("b"), d_y=dg)
+                del dg
             # a = w1(xf); b = w3(xf)
             xf = s.pop("xf")
             dxf = self._linear_backward(xf, pre + "feed_forward.w1", gab.pop("d_a"), bucket, saved=s)  # (T, D)

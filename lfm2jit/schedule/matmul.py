@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from ..ir.nodes import SEQ_AXIS, KernelIR
+from ..ir.nodes import SEQ_AXIS, KernelIR, toposort
 from ..ir.ops import Op
 from ..ir.partition import find_contraction, gemm_axes
 from .code import COMPUTE_TYPE, Index, Let, Value, Var
@@ -141,7 +141,8 @@ class GemmParams:
     """What both GEMM templates are given besides their tiles: extents, operands, output, split-K
     layout, the further terms of the sum, and the epilogue: ``lets`` computing the stored value
     (``result``) from the sum (bound as ``dot``) and values at the output element (gm, gn, batch);
-    no lets and no result store the sum itself."""
+    no lets and no result store the sum itself. ``also``: further outputs of the same shape stored
+    from the same sum, each with its value (None: the sum itself), computed by the same lets."""
     m_ext: Index
     n_ext: Index
     k_ext: Index
@@ -156,6 +157,7 @@ class GemmParams:
     more: tuple[Term, ...] = field(default=(), kw_only=True)
     epilogue: tuple[Let, ...] = field(default=(), kw_only=True)
     result: Value | None = field(default=None, kw_only=True)
+    also: tuple[tuple[Output, Value | None], ...] = field(default=(), kw_only=True)
 
     @property
     def split_n0(self) -> int:      # split-K's workspace holds every column (see MatrixParams)
@@ -323,7 +325,7 @@ class MatrixParams(GemmParams):
         fragment at least, so outputs sized by the sequence length (which may be shorter than a
         fragment) keep the element-wise path. Edges go element by element."""
         fragment = self.frag.m * self.frag.n
-        return (self.result is None and not self.c.convert and self.c.sn == 1 and self.c.sm >= self.frag.n
+        return (self.result is None and not self.also and not self.c.convert and self.c.sn == 1 and self.c.sm >= self.frag.n
                 and SEQ_AXIS not in self.axes[:2] and self.axes[3] != SEQ_AXIS and self.batches * self.m_pad * self.n_size >= fragment)
 
     @property
@@ -462,19 +464,19 @@ def vector_reads(tiles: TileConfig, op: Operand, row_axis: str, k: str, sizes: d
     return None if mode == "k" and tiles.bk % 4 else mode
 
 
-def _epilogue(root, gemm, axes: dict, sizes: dict[str, int]) -> tuple[tuple[Let, ...], Value | None]:
-    """The lets that compute ``root`` from the sum (``dot``) at output element (gm, gn, batch),
-    and the value stored; none when the root is the sum (a cast to the output's type is the
-    store's own)."""
-    root = gemm.epilogue_of(root)
-    if root is None:
-        return (), None
+def _epilogue(roots, gemm, axes: dict, sizes: dict[str, int]) -> tuple[tuple[Let, ...], list[Value | None]]:
+    """The lets that compute each of ``roots`` from the sum (``dot``) at output element (gm, gn,
+    batch), sharing what they have in common, and each root's stored value: None where a root is
+    the sum itself (a cast to the output's type is the store's own)."""
+    exprs = [gemm.epilogue_of(r) for r in roots]
+    if all(e is None for e in exprs):
+        return (), [None] * len(roots)
     index_of = {axes["m"]: Var("gm"), axes["n"]: Var("gn")} | ({axes["batch"]: Var("batch")} if axes["batch"] else {})
     lower = Lowerer(sizes, index_of, prefix="ep")
     bound: dict[int, str] = {}
     lower.bind(bound, gemm.acc, "dot")
-    lets = tuple(lower.emit([root], bound))
-    return lets, lower.ref(root, COMPUTE_TYPE[root.dtype], bound)
+    lets = tuple(lower.emit([e for e in exprs if e is not None], bound))
+    return lets, [None if e is None else lower.ref(e, COMPUTE_TYPE[e.dtype], bound) for e in exprs]
 
 
 def _operands(term, m_axis: str, n_axis: str):
@@ -490,7 +492,7 @@ def plan(ir: KernelIR, sizes: dict[str, int], accumulate: frozenset[str], tiles=
     contractions runs its terms as phases of one K loop, the longest first (it picks the tiles)."""
     out = ir.outputs[0]
     root = ir.results[out.name]
-    gemm = find_contraction(root, out.shape)
+    gemm = find_contraction(root, out.shape)      # every output is stored from this sum (partition.py)
     terms = sorted(gemm.terms, key=lambda t: -sizes[t.arg])
     axes = gemm_axes(terms[0], out.shape)
     m_axis, n_axis, k, bt = axes["m"], axes["n"], axes["k"], axes["batch"]
@@ -511,7 +513,6 @@ def plan(ir: KernelIR, sizes: dict[str, int], accumulate: frozenset[str], tiles=
             raise ValueError(f"{ir.name}: tiles {tiles} do not fit the matrix template: {problem}")
     else:
         tiles = tiles or choose_tiles(sizes[m_axis], sizes[n_axis], sizes[k])
-    sc = strides(out.shape, sizes)
 
     def operand(x, row_axis: str, rows: int, kk: str, vectors: bool = True) -> Operand:
         st = strides(x.shape, sizes)
@@ -532,17 +533,25 @@ def plan(ir: KernelIR, sizes: dict[str, int], accumulate: frozenset[str], tiles=
     for pair in term_reads():
         for op in pair:
             modes.setdefault(op.tensor, set()).add(op.vec)
-    reads = term_reads(frozenset(n for n, seen in modes.items() if len(seen) > 1))   # one binding has one element type
+    # one binding has one element type: a tensor read two ways, or also read by the epilogue (element
+    # by element), is read element by element everywhere
+    stored = [gemm.epilogue_of(ir.results[o.name]) for o in ir.outputs]
+    by_epilogue = {n.arg for n in toposort([e for e in stored if e is not None], stop={id(gemm.acc)}) if n.op == Op.INPUT}
+    reads = term_reads(frozenset(n for n, seen in modes.items() if len(seen) > 1) | by_epilogue)
     ops = reads[0]
     batches = sizes[bt] if bt else 1
-    lets, result = _epilogue(root, gemm, axes, sizes)
+    lets, results = _epilogue([ir.results[o.name] for o in ir.outputs], gemm, axes, sizes)
+
+    def output(o) -> Output:
+        st = strides(o.shape, sizes)
+        return Output(o.name, o.dtype, st[m_axis], st[n_axis], st[bt] if bt else 0, o.name in accumulate)
     common = dict(m_ext=extent(m_axis, sizes), n_ext=extent(n_axis, sizes), k_ext=extent(k, sizes), a=ops[0],
-                  b=ops[1], c=Output(out.name, out.dtype, sc[m_axis], sc[n_axis], sc[bt] if bt else 0,
-                                     out.name in accumulate),
+                  b=ops[1], c=output(out),
                   axes=(m_axis, n_axis, k, bt), m_pad=sizes[m_axis], n_size=sizes[n_axis], batches=batches,
                   reduce_threads=REDUCE_THREADS,
                   more=tuple(Term(x, y, extent(t.arg, sizes), t.arg) for t, (x, y) in zip(terms[1:], reads[1:])),
-                  epilogue=lets, result=result)
+                  epilogue=lets, result=results[0],
+                  also=tuple((output(o), r) for o, r in zip(ir.outputs[1:], results[1:])))
     if matrix:
         params = MatrixParams(tiles=tiles, frag=frag, subgroup_size=target.subgroup_size, emulated=target.emulated,
                               **common)
