@@ -251,27 +251,35 @@ def test_the_decoder_residual_is_added_in_the_layers_gemm(engine, matrix_engine,
     assert rel_err(got.numpy(), want) < (3e-3 if dtype == "f16" else 2e-5)
 
 
+@pytest.mark.parametrize("adapter", [False, True], ids=["plain", "lora"])
 @pytest.mark.parametrize("dtype", ["f32", "f16"])
 @pytest.mark.parametrize("template", ["simt", "matrix"])
-def test_swiglu_downs_gradient_is_one_gemm_storing_both_gates(engine, matrix_engine, dtype, template):
+def test_swiglu_downs_gradient_is_one_gemm_storing_both_gates(engine, matrix_engine, dtype, template, adapter):
     """The gradient of y = (silu(a) * b) W2^T in a and b, as the decoder's backward runs it (with f16
-    activations: a, b, dy and the results f16, W2 f32): dg = dy W2 is one GEMM whose epilogue
-    stores d_a = dg * b * silu'(a) and d_b = dg * silu(a), against float64."""
+    activations: a, b, dy and the results f16, W2 f32): dg = dy W2 (+ du A with a LoRA adapter on
+    w2: swiglu_down_lora, z = g A^T, dz = du) is one GEMM whose epilogue stores
+    d_a = dg * b * silu'(a) and d_b = dg * silu(a), against float64."""
     from lfm2jit import library
     from lfm2jit.ops import precision
-    back = grad(library.get("swiglu_down"), ["a", "b"])
+    back = (grad(library.get("swiglu_down_lora"), ["a", "b"], ["y", "z"]) if adapter
+            else grad(library.get("swiglu_down"), ["a", "b"]))
     assert [(p.ir.structure.kind, [o.name for o in p.ir.outputs]) for p in back.kernels] == [("contraction", ["d_a", "d_b"])]
     e = matrix_engine if template == "matrix" else engine
-    rng = np.random.default_rng(3 + (dtype == "f16"))
-    T, F, D = 37, 72, 40
+    rng = np.random.default_rng(3 + (dtype == "f16") + 2 * adapter)
+    T, F, D, R = 37, 72, 40, 8
     act = np.float16 if dtype == "f16" else np.float32
-    a, b, dy = (rng.standard_normal(shape).astype(act) for shape in ((T, F), (T, F), (T, D)))
+    a, b, dy, du = (rng.standard_normal(shape).astype(act) for shape in ((T, F), (T, F), (T, D), (T, R)))
     w = rng.standard_normal((D, F)).astype(np.float32) * 0.3
+    al = rng.standard_normal((R, F)).astype(np.float32) * 0.3
+    lora = {"al": e.tensor(al), "d_z": e.tensor(du.astype(np.float32), dtype)} if adapter else {}
     got = precision.run(e, back, dtype, bucket=16, a=e.tensor(a.astype(np.float32), dtype),
-                        b=e.tensor(b.astype(np.float32), dtype), w=e.tensor(w), d_y=e.tensor(dy.astype(np.float32), dtype))
+                        b=e.tensor(b.astype(np.float32), dtype), w=e.tensor(w), d_y=e.tensor(dy.astype(np.float32), dtype),
+                        **lora)
     a64, b64 = a.astype(np.float64), b.astype(np.float64)
     sig = 1 / (1 + np.exp(-a64))
     dg = dy.astype(np.float64) @ w.astype(np.float64)
+    if adapter:
+        dg = dg + du.astype(np.float64) @ al.astype(np.float64)
     tol = 3e-3 if dtype == "f16" else 2e-5
     assert got["d_a"].dtype == got["d_b"].dtype == dtype
     assert rel_err(got["d_a"].numpy(), dg * b64 * sig * (1 + a64 * (1 - sig))) < tol

@@ -8,7 +8,8 @@ Forward, for y = x W^T of a targeted layer (u = s * x' A^T is [T, r], small):
 Backward, given dy and u (kept by the forward: [T, r] per layer, or recomputed when not):
     B.grad += dy^T u;  du = lora_down_grad(dy, B, s) = s * dy B;  A.grad += du^T x';
     dx = linear_lora_dx(dy, W, du, A) = dy W + du A (one GEMM again); with dropout, dx = dy W
-    and then dx += dropout'(du A)
+    and then dx += dropout'(du A). For w2, whose input is SwiGLU's silu(a) * b, the same GEMM
+    stores the gradients in a and b from its epilogue (swiglu_down_lora's backward)
 Dropout is PEFT's (an element kept with probability 1 - p, times 1 / (1 - p)), its mask drawn on the
 GPU from a key per module (schedule/dropout.py); the backward redraws it from the same key, so
 nothing of it is kept. ``draw_dropout`` writes the keys of the next training pass.
@@ -75,10 +76,13 @@ class LoraAdapters:
 
     def backward(self, run, grad, trained, x: Tensor, module: str, w: Tensor, dy: Tensor, bucket: int,
                  u: Tensor | None = None, dropout: bool = False, dx: Tensor | None = None,
-                 need_dx: bool = True) -> Tensor | None:
+                 need_dx: bool = True, gate: tuple[Tensor, Tensor] | None = None):
         """Add A's and B's gradients (those in ``trained``) and return the layer's input gradient
         (dy W + the adapter's part; added into ``dx`` when given), or None without ``need_dx``.
-        ``dropout``: the forward was a training pass that applied it."""
+        ``dropout``: the forward was a training pass that applied it. ``gate`` = (a, b): the input
+        is SwiGLU's silu(a) * b (w2), and its gradients in a and b are returned ({"d_a", "d_b"}):
+        one GEMM with the gate's derivative as its epilogue (after dropout, the input gradient
+        through silu_mul's backward)."""
         ad = self.by_module[module]
         train_a, train_b = trained(ad.a), trained(ad.b)
         dropped = dropout and bool(self.config.dropout)
@@ -94,10 +98,15 @@ class LoraAdapters:
             run(grad("linear", ("w",)), bucket=bucket, x=xd, w=ad.a, d_y=du, out={"d_w": ad.a.grad}, accumulate={"d_w"})
         if not need_dx:
             return None
+        if gate is not None and not dropped:
+            return run(grad("swiglu_down_lora", ("a", "b"), ("y", "z")), bucket=bucket, a=gate[0], b=gate[1], w=w,
+                       al=ad.a, d_y=dy, d_z=du)
         out, acc = ({"d_x": dx}, {"d_x"}) if dx is not None else ({}, set())
         if not dropped:
             return run("linear_lora_dx", bucket=bucket, d_y=dy, w=w, du=du, a=ad.a, out=out, accumulate=acc)["d_x"]
         dx = run(grad("linear", ("x",)), bucket=bucket, x=x, w=w, d_y=dy, out=out, accumulate=acc)["d_x"]
         dxd = run(grad("linear", ("x",)), bucket=bucket, x=x, w=ad.a, d_y=du)["d_x"]              # (T, in)
         run("dropout", bucket=bucket, x=dxd, key=ad.key, out={"y": dx}, accumulate={"y"})   # dropout's gradient
+        if gate is not None:
+            return run(grad("silu_mul"), bucket=bucket, a=gate[0], b=gate[1], d_y=dx)
         return dx

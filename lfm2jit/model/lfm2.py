@@ -567,23 +567,13 @@ class Lfm2Model:
         for i in reversed(range(lowest, len(trace.layers))):
             s = trace.layers[i]
             pre = s["pre"]
-            w2 = pre + "feed_forward.w2"
-            fused = not (self.lora and w2 in self.lora.by_module)
-            bias = w2 + ".bias"
-            self._recompute(s, bucket, gate=not fused or self._trained(w2 + ".weight")
-                            or (bias in self._params and self._trained(bias)))
+            w2, bias = pre + "feed_forward.w2", pre + "feed_forward.w2.bias"
+            self._recompute(s, bucket, gate=bool(self.lora and w2 in self.lora.by_module)
+                            or self._trained(w2 + ".weight") or (bias in self._params and self._trained(bias)))
             # Each [T, F] tensor is dropped (back to the pool) right after its last use, so the peak
             # holds as few of them as possible; a second backward over this trace recomputes them.
-            # h = h1 + f;  f = w2(g);  g = silu(a) * b
-            if fused:        # W2.grad from g; d_a and d_b from one GEMM (dh W2) whose epilogue is the gate's derivative
-                if "g" in s:
-                    self._linear_backward(s.pop("g"), w2, dh, bucket, need_dx=False, saved=s)
-                gab = self._run(_grad("swiglu_down", ("a", "b")), bucket=bucket, a=s.pop("a"), b=s.pop("b"),
-                                w=self._params[w2 + ".weight"], d_y=dh)
-            else:            # an adapter's gradient joins dg before the gate's derivative
-                dg = self._linear_backward(s.pop("g"), w2, dh, bucket, saved=s)                     # (T, F)
-                gab = self._run(_grad("silu_mul"), bucket=bucket, a=s.pop("a"), b=s.pop("b"), d_y=dg)
-                del dg
+            # h = h1 + f;  f = w2(g);  g = silu(a) * b: d_a and d_b from w2's input-gradient GEMM
+            gab = self._linear_backward(s.pop("g", None), w2, dh, bucket, saved=s, gate=(s.pop("a"), s.pop("b")))
             # a = w1(xf); b = w3(xf)
             xf = s.pop("xf")
             dxf = self._linear_backward(xf, pre + "feed_forward.w1", gab.pop("d_a"), bucket, saved=s)  # (T, D)
@@ -608,16 +598,21 @@ class Lfm2Model:
                       order=ids.order, bounds=ids.bounds, rows=ids.rows,
                       out={"d_table": self._params[emb].grad}, accumulate={"d_table"})
 
-    def _linear_backward(self, x: Tensor, name: str, dy: Tensor, bucket: int, into: Tensor | None = None,
-                         need_dx: bool = True, saved: dict | None = None) -> Tensor | None:
-        """y = x W^T (+ b): dx = dy W (new, or added into ``into``), W.grad += dy^T x, b.grad += sum dy."""
+    def _linear_backward(self, x: Tensor | None, name: str, dy: Tensor, bucket: int, into: Tensor | None = None,
+                         need_dx: bool = True, saved: dict | None = None, gate: tuple[Tensor, Tensor] | None = None):
+        """y = x W^T (+ b): dx = dy W (new, or added into ``into``), W.grad += dy^T x, b.grad += sum dy.
+        ``gate`` = (a, b): x is SwiGLU's silu(a) * b, and the gradients in a and b are returned
+        instead ({"d_a", "d_b"}), stored by dx's GEMM from its epilogue; x may then be None when
+        nothing else reads it (W and b frozen, no adapter)."""
         w = self._params[name + ".weight"]
         run = self._run
         dx = None
         if self.lora and name in self.lora.by_module:
             u = saved.pop("lora:" + name, None) if saved is not None else None
             dx = self.lora.backward(run, _grad, self._is_trained, x, name, w, dy, bucket, u,
-                                    dropout=_training_pass(saved), dx=into, need_dx=need_dx)
+                                    dropout=_training_pass(saved), dx=into, need_dx=need_dx, gate=gate)
+        elif gate is not None:
+            dx = run(_grad("swiglu_down", ("a", "b")), bucket=bucket, a=gate[0], b=gate[1], w=w, d_y=dy)
         elif need_dx:
             out = {"d_x": into} if into is not None else {}
             dx = run(_grad("linear", ("x",)), bucket=bucket, x=x, w=w, d_y=dy, out=out,
