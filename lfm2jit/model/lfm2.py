@@ -509,8 +509,7 @@ class Lfm2Model:
         if trained(self.p("model.embed_tokens.weight")):
             return 0
         named = self.named_parameters()
-        layers = [int(n.split(".")[n.split(".").index("layers") + 1]) for n, t in named.items()
-                  if ".layers." in n and trained(t)]
+        layers = [_layer_of(n) for n, t in named.items() if _layer_of(n) is not None and trained(t)]
         if layers:
             return min(layers)
         return len(self.cfg.layer_types) if trained(self.p("model.embedding_norm.weight")) else None
@@ -522,17 +521,22 @@ class Lfm2Model:
         return [p for stage in self._gradient_stages(params) for p in stage]
 
     def _gradient_stages(self, params) -> list[list[Tensor]]:
-        """``params`` by when backward finishes their gradients (see gradient_order)."""
-        layers = len(self.cfg.layer_types)
+        """``params`` by when backward finishes their gradients (see gradient_order): stage 0 the
+        final norm, stage ``_layer_stage(i)`` layer i, the last stage the rest."""
+        last = len(self.cfg.layer_types) + 1
         stage_of = {}
         for name, t in self.named_parameters().items():
-            at = re.search(r"\blayers\.(\d+)\.", name)
+            layer = _layer_of(name)
             stage_of[id(t)] = (0 if name == "model.embedding_norm.weight"
-                               else layers - int(at.group(1)) if at else layers + 1)
-        stages: list[list[Tensor]] = [[] for _ in range(layers + 2)]
+                               else self._layer_stage(layer) if layer is not None else last)
+        stages: list[list[Tensor]] = [[] for _ in range(last + 1)]
         for p in params:
-            stages[stage_of.get(id(p), layers + 1)].append(p)
+            stages[stage_of.get(id(p), last)].append(p)
         return stages
+
+    def _layer_stage(self, layer: int) -> int:
+        """The stage of layer ``layer``'s gradients: backward finishes the last layer first."""
+        return len(self.cfg.layer_types) - layer
 
     def backward(self, trace: Trace, d_hn: Tensor, params: list[Tensor], on_ready=None) -> None:
         """Add the gradients of every parameter in ``params`` (which must have .grad) given the
@@ -589,7 +593,7 @@ class Lfm2Model:
             del s["xn"]
             # xn = rmsnorm(h): dh becomes d(h)
             self._norm_backward(s["h"], s["inv_op"], pre + "operator_norm.weight", dxn, bucket, into=dh)
-            ready(len(trace.layers) - i)
+            ready(self._layer_stage(i))
         # h_in = embed(ids)
         emb = "model.embed_tokens.weight"
         if self._trained(emb):
@@ -691,6 +695,13 @@ class Lfm2Model:
 
 _NUMPY = {"f32": np.float32, "f16": np.float16}
 _BACKWARDS: dict[tuple, object] = {}
+
+
+def _layer_of(name: str) -> int | None:
+    """The decoder layer a parameter belongs to, from its name (the model's "model.layers.3.…" or
+    PEFT's "base_model.model.model.layers.3.…"), or None."""
+    at = re.search(r"\blayers\.(\d+)\.", name)
+    return int(at.group(1)) if at else None
 
 
 def _training_pass(saved: dict | None) -> bool:

@@ -464,13 +464,12 @@ def vector_reads(tiles: TileConfig, op: Operand, row_axis: str, k: str, sizes: d
     return None if mode == "k" and tiles.bk % 4 else mode
 
 
-def _epilogue(roots, gemm, axes: dict, sizes: dict[str, int]) -> tuple[tuple[Let, ...], list[Value | None]]:
-    """The lets that compute each of ``roots`` from the sum (``dot``) at output element (gm, gn,
-    batch), sharing what they have in common, and each root's stored value: None where a root is
-    the sum itself (a cast to the output's type is the store's own)."""
-    exprs = [gemm.epilogue_of(r) for r in roots]
+def _epilogue(exprs, gemm, axes: dict, sizes: dict[str, int]) -> tuple[tuple[Let, ...], list[Value | None]]:
+    """The lets that compute each output's epilogue expression (``gemm.epilogue_of`` its root; None
+    where it stores the sum itself) from the sum (``dot``) at output element (gm, gn, batch),
+    sharing what they have in common, and each output's stored value (None: the sum)."""
     if all(e is None for e in exprs):
-        return (), [None] * len(roots)
+        return (), [None] * len(exprs)
     index_of = {axes["m"]: Var("gm"), axes["n"]: Var("gn")} | ({axes["batch"]: Var("batch")} if axes["batch"] else {})
     lower = Lowerer(sizes, index_of, prefix="ep")
     bound: dict[int, str] = {}
@@ -535,12 +534,12 @@ def plan(ir: KernelIR, sizes: dict[str, int], accumulate: frozenset[str], tiles=
             modes.setdefault(op.tensor, set()).add(op.vec)
     # one binding has one element type: a tensor read two ways, or also read by the epilogue (element
     # by element), is read element by element everywhere
-    stored = [gemm.epilogue_of(ir.results[o.name]) for o in ir.outputs]
+    stored = [gemm.epilogue_of(ir.results[o.name]) for o in ir.outputs]      # None: the output is the sum
     by_epilogue = {n.arg for n in toposort([e for e in stored if e is not None], stop={id(gemm.acc)}) if n.op == Op.INPUT}
     reads = term_reads(frozenset(n for n, seen in modes.items() if len(seen) > 1) | by_epilogue)
     ops = reads[0]
     batches = sizes[bt] if bt else 1
-    lets, results = _epilogue([ir.results[o.name] for o in ir.outputs], gemm, axes, sizes)
+    lets, results = _epilogue(stored, gemm, axes, sizes)
 
     def output(o) -> Output:
         st = strides(o.shape, sizes)
