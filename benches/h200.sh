@@ -31,13 +31,14 @@
 #                                         settings, and with 4 -> $OUT/h200_readback.json, $OUT/h200_mpi_exchange.log
 set -uo pipefail
 source .gpu-kit/env.sh
-export LFM2JIT_ADAPTER=H200 PYTHONUNBUFFERED=1
+export LFM2JIT_ADAPTER=${LFM2JIT_ADAPTER:-NVIDIA} PYTHONUNBUFFERED=1   # the lent H200 or H100
 python3 -c 'import wgpu; print([a.summary for a in wgpu.gpu.enumerate_adapters_sync()])'
 start=$(date +%s)
 install_mpi() {   # mpi4py + the mpich wheel from the kit; MPIEXEC: the mpiexec beside this python
     python3 -m pip install -q --no-deps --no-index .gpu-kit/mpi/*.whl 2>&1 | tail -2
     MPIEXEC="$(python3 -c 'import sys, os; print(os.path.join(os.path.dirname(sys.executable), "mpiexec"))')"
     [ -x "$MPIEXEC" ] || MPIEXEC="$(command -v mpiexec || echo "$HOME/.local/bin/mpiexec")"
+    export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1   # the device's own Open MPI runs as root
 }
 case "${1:-}" in
 tests)
