@@ -54,7 +54,7 @@ matrix)
     export LFM2JIT_WEBGPU=dawn
     python3 -m lfm2jit info 2>&1
     python3 -c 'from lfm2jit import WgpuContext; c = WgpuContext.create(); print(c.info); print(c.subgroup_matrix_configs)'
-    python3 -m pytest -q -p no:cacheprovider -rs tests/test_matrix_units.py tests/test_attention_matrix.py tests/test_webgpu.py -x 2>&1 \
+    python3 -m pytest -q -p no:cacheprovider -rs tests/compiler/test_matrix_units.py tests/compiler/test_attention_matrix.py tests/runtime/test_webgpu.py -x 2>&1 \
         | tee "$OUT/h200_matrix.log" | tail -8
     python3 benches/bench.py --only ${BENCH_GROUPS:-ref matrix mtiles} --json "$OUT/h200_matrix.json" 2>&1 | grep -v "^mtiles" | tail -50
     # the same products at their default tiles on a device without Dawn's bounds clamping (opt-in)
@@ -71,7 +71,7 @@ speed)
     ;;
 lora)
     export LFM2JIT_WEBGPU=dawn
-    python3 -m pytest -q -p no:cacheprovider -rs tests/test_matrix_units.py tests/test_attention_matrix.py 2>&1 | tee "$OUT/h200_matrix_tests_dawn.log" | tail -3
+    python3 -m pytest -q -p no:cacheprovider -rs tests/compiler/test_matrix_units.py tests/compiler/test_attention_matrix.py 2>&1 | tee "$OUT/h200_matrix_tests_dawn.log" | tail -3
     # T x r x in (x A^T as fwd, dA = dU^T X as dw) and T x out x r (U B^T as fwd, dU = dY B as dx) at 1.2B's widths
     python3 benches/bench.py --only mtiles --tile-shapes 2048x8x2048 2048x8x8192 2048x2048x8 2048x8192x8 \
         --json "$OUT/h200_lora_mtiles.json" 2>&1 | grep -v "^#" | awk '{printf "%-34s %-14s %10s %s\n", $2, $3, $4, $5}' | tail -70
@@ -84,13 +84,13 @@ lora)
     ;;
 attention)
     export LFM2JIT_WEBGPU=dawn
-    python3 -m pytest -q -p no:cacheprovider -rs tests/test_attention.py tests/test_attention_matrix.py 2>&1 \
+    python3 -m pytest -q -p no:cacheprovider -rs tests/compiler/test_attention.py tests/compiler/test_attention_matrix.py 2>&1 \
         | tee "$OUT/h200_attention_tests_dawn.log" | tail -3
     python3 benches/bench.py --only attention atiles --json "$OUT/h200_attention.json" 2>&1 | grep -v "^#" | tail -60
     ;;
 decode)
     export LFM2JIT_WEBGPU=dawn
-    python3 -m pytest -q -p no:cacheprovider -rs tests/test_generate.py tests/test_evaluation.py tests/test_cli_generate.py \
+    python3 -m pytest -q -p no:cacheprovider -rs tests/model/test_generate.py tests/trainer/test_evaluation.py tests/cli/test_cli_generate.py \
         2>&1 | tee "$OUT/h200_generate_tests_dawn.log" | tail -3
     timeout 400 python3 benches/decode.py --json "$OUT/h200_decode.json" 2>&1 | grep -v "^  \|Loading\|causal_conv" | tail -14
     ;;

@@ -14,8 +14,6 @@ from pathlib import Path
 from .driver import STAGES, Kernel, grad, stages
 from .safefiles import write_atomic
 from .dsl.errors import DslError
-from .fuzz.cli import add_arguments as add_fuzz_arguments
-from .fuzz.cli import fuzz_main
 from .ir.nodes import SEQ_AXIS
 from .ops import library
 from .schedule import PORTABLE, MatrixConfig, Target
@@ -133,12 +131,6 @@ def cmd_dump(args) -> None:
             print("".join(f"// {line}\n" for line in text[stage].splitlines()))
 
 
-def cmd_fuzz(args) -> None:
-    status = fuzz_main(args)
-    if status:
-        raise SystemExit(status)
-
-
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m lfm2jit",
                                 description="List lfm2jit's shipped kernels and dump what they compile to.")
@@ -170,13 +162,6 @@ def parser() -> argparse.ArgumentParser:
                       help="dump the backward kernels autodiff derives: gradients of every float input "
                            "given a cotangent for the first output")
     dump.set_defaults(run=cmd_dump)
-    fuzz = sub.add_parser("fuzz", help="differential fuzzing: random kernels checked against a float64 reference",
-                          description="Generate N random kernels, run each (and its backward) on the engine, compare "
-                                      "with the fuzzer's own float64 meaning, count the outcome classes and write "
-                                      "every failing case (wrong/invalid_wgsl/unlocated/foreign) as a .lk file. "
-                                      "Exit status 1 if any case fails.")
-    add_fuzz_arguments(fuzz)
-    fuzz.set_defaults(run=cmd_fuzz)
     return p
 
 

@@ -1,4 +1,4 @@
-"""One rank of an MPI data-parallel run (used by tests/test_mpi.py), launched by mpiexec:
+"""One rank of an MPI data-parallel run (used by tests/trainer/test_mpi.py), launched by mpiexec:
 
     mpiexec -n N python tests/mpi_worker.py --windows W --accum A --out PREFIX
         [--timeout S] [--hang-at K] [--die-at K] [--run-id-of-rank1 ID] [--stage-after]

@@ -1,4 +1,4 @@
-"""One rank of a file-gradient-sync run, as its own process (used by tests/test_sync.py).
+"""One rank of a file-gradient-sync run, as its own process (used by tests/trainer/test_sync.py).
 
     python tests/sync_worker.py DIR RANK WORLD --windows W --accum A --out weights.npz
         [--run-id ID] [--timeout S] [--skip-window K] [--hang-after K]

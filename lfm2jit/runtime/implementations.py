@@ -17,7 +17,7 @@ class WgpuNative:
     name = "wgpu-native"
     # Whether mapping a buffer waits only for the submissions that used it, so one staged buffer
     # is read while later submissions still run. wgpu-native 0.32 mapped a staging buffer before
-    # the copy into it that a long submission ended with had run (tests/test_sync.py read the last
+    # the copy into it that a long submission ended with had run (tests/trainer/test_sync.py read the last
     # window's gradients); its reads wait for the whole queue first.
     maps_after_last_use = False
 

@@ -14,7 +14,7 @@ from lfm2jit.model import Lfm2Config, Lfm2Model, LoraConfig
 from trainer.cli import main
 from trainer.data import encode_chat, encode_text, load_tokenizer
 
-ASSETS = Path(__file__).resolve().parents[1] / "trainer" / "assets"
+ASSETS = Path(__file__).resolve().parents[2] / "trainer" / "assets"
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from lfm2jit.model.config import PRESETS
 from trainer.cli import METRICS_KEYS, build_parser
 from trainer.data import default_dataset, default_text_dataset, default_tokenizer
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 VOCAB = 102           # the shipped tokenizer's size
 # a short run: the tiny preset, one sequence per step, a schedule that changes the rate every step
 # but does not depend on the total (so a 3-step run resumed to 6 equals a 6-step run)
@@ -180,7 +180,7 @@ def test_text_jsonl_with_sgd_and_loss_scaling(tmp_path, ctx, engine):
 
 def test_f16_run_tracks_the_f32_run_and_resumes_in_f16(short_run, tmp_path, ctx):
     """--f16 turns on loss scaling and f16 activations; losses follow the f32 run's (within 1e-3,
-    see tests/test_mixed_precision.py), and a resumed run stays f16."""
+    see tests/ops/test_mixed_precision.py), and a resumed run stays f16."""
     if not ctx.has_f16:
         pytest.skip("adapter has no shader-f16")
     out32, r32 = short_run

@@ -20,7 +20,7 @@ except ImportError:          # the golden-free parts run without the references
     HAS_TORCH = False
 
 needs_torch = pytest.mark.skipif(not HAS_TORCH, reason="torch and transformers are not installed")
-GOLDEN = Path(__file__).resolve().parent / "golden"
+GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 GOLDEN_CONFIGS = json.loads((GOLDEN / "index.json").read_text())
 
 

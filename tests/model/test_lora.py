@@ -27,7 +27,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-GOLDEN = Path(__file__).resolve().parent / "golden"
+GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 BUCKET = 16
 CONFIGS = ("tied_g1_attn_mid", "untied_bias_g2_attn_first", "tied_bias_g4_attn_last")
 

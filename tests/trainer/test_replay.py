@@ -12,7 +12,7 @@ import pytest
 from lfm2jit.model import Lfm2Model
 from trainer import AdamW, CosineWithWarmup, GradScaler, SGD, Trainer
 from trainer.recorded import RecordedSteps
-from test_trainer_semantics import make_data, micro, snap
+from micro_model import make_data, micro, snap
 
 BUCKET = 16
 

@@ -12,33 +12,9 @@ import trainer.trainer as trainer_module
 from conftest import rel_err
 from sync_worker import overflow_at_window
 from lfm2jit.model import Lfm2Config, Lfm2Model
+from micro_model import make_data, micro, snap
 from test_trainer import hf_model, torch_train, weights_of
 from trainer import SGD, AdamW, Batch, CosineWithWarmup, GradScaler, TrainError, Trainer
-
-# Two layers (one conv, one attention), hidden 32, vocab 64: every kernel of the model, compiled quickly.
-MICRO = dict(vocab_size=64, hidden_size=32, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2,
-             num_key_value_heads=1, layer_types=["conv", "full_attention"], block_multiple_of=16)
-
-
-def micro(**overrides) -> Lfm2Config:
-    return Lfm2Config(**{**MICRO, **overrides})
-
-
-def make_data(cfg: Lfm2Config, lengths, seed: int = 3, masked: bool = True):
-    """(input_ids, target_ids, loss_mask) triples; ids avoid the padding token 0."""
-    r = np.random.default_rng(seed)
-    out = []
-    for n in lengths:
-        ids = r.integers(1, cfg.vocab_size, n + 1)
-        mask = (r.random(n) > 0.3).astype(np.float32) if masked else np.ones(n, np.float32)
-        mask[0] = 1.0
-        out.append((ids[:-1], ids[1:], mask))
-    return out
-
-
-def snap(model) -> dict[str, np.ndarray]:
-    return {n: t.numpy().copy() for n, t in model.named_parameters().items()}
-
 
 def grads(model) -> dict[str, np.ndarray]:
     return {n: t.grad.numpy().copy() for n, t in model.named_parameters().items() if t.grad is not None}

@@ -18,8 +18,8 @@ import trainer.trainer as trainer_module
 from sync_worker import all_data, make_trainer, overflow_at_window, rank_sequences
 from trainer import FileGradSyncConfig, TrainError
 
-ROOT = Path(__file__).resolve().parent.parent
-WORKER = Path(__file__).resolve().parent / "sync_worker.py"
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).resolve().parents[1] / "sync_worker.py"
 
 
 def start_rank(tmp_path: Path, sync_dir: Path, rank: int, world: int, *args: str) -> tuple[subprocess.Popen, Path]:

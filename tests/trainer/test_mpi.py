@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]   # tests/, where mpi_worker.py lives
 sys.path.insert(0, str(HERE))
 from conftest import rel_err  # noqa: E402
 from sync_worker import make_trainer, rank_sequences  # noqa: E402

@@ -54,7 +54,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..ir.partition import find_contraction
+from lfm2jit.ir.partition import find_contraction
 from .expr import (FLOATS, INTS, SEQ, Checker, Evaluator, ModelError, Noise, Red, check, kernel_text,
                    left_out_axes, passed_shape, returned_shape, walk)
 from .generate import INPUT_RANGE, SCALAR_RANGE, Case
@@ -158,7 +158,7 @@ def normalise(detail: str) -> str:
 
 
 def classify(exc: BaseException) -> Outcome:
-    from .. import DslError            # the public one; subclasses (a located AutodiffError, say) count too
+    from lfm2jit import DslError            # the public one; subclasses (a located AutodiffError, say) count too
     name = type(exc).__name__
     text = f"{name}: {exc}"
     if name == "ShaderCompileError":
@@ -172,7 +172,7 @@ def classify(exc: BaseException) -> Outcome:
 def _where(exc: BaseException) -> str:
     """The innermost compiler frames an exception came through (not the fuzzer's own)."""
     frames = [f for f in traceback.extract_tb(exc.__traceback__)
-              if "lfm2jit" in f.filename.replace("\\", "/") and "lfm2jit/fuzz/" not in f.filename.replace("\\", "/")]
+              if "lfm2jit/" in f.filename.replace("\\", "/") and "tests/fuzz/" not in f.filename.replace("\\", "/")]
     if not frames:
         return ""
     def short(f):
@@ -287,7 +287,7 @@ class Runner:
     """Runs cases on one wgpu device; a fresh engine after any failure, so no state leaks."""
 
     def __init__(self, ctx=None, backward: bool = True):
-        from .. import WgpuContext
+        from lfm2jit import WgpuContext
         self.ctx = ctx if ctx is not None else WgpuContext.create()
         self.backward = backward
         self.engine = None
@@ -298,7 +298,7 @@ class Runner:
         return bool(self.ctx.has_f16)
 
     def _fresh_engine(self):
-        from .. import ComputeEngine
+        from lfm2jit import ComputeEngine
         self.engine = None
         gc.collect()
         self.engine = ComputeEngine(self.ctx)
@@ -312,7 +312,7 @@ class Runner:
             t = arr.shape[at]
             tb = bucketed(t, case.bucket)
             if tb > t and all(n == 1 for n in arr.shape[:at]):
-                from .. import Tensor
+                from lfm2jit import Tensor
                 pad = list(arr.shape)
                 pad[at] = tb
                 full = np.full(pad, POISON[dtype], dtype=arr.dtype)
@@ -325,7 +325,7 @@ class Runner:
         checker = check(case.kernel)            # the case must be well-typed by the fuzzer's model
         ref = reference(case, checker)
         src = kernel_text(case.kernel)
-        from .. import compile_source
+        from lfm2jit import compile_source
         try:
             kernel = compile_source(src, FILENAME)[case.kernel.name]
         except Exception as e:  # noqa: BLE001 - every exception is a verdict
@@ -370,7 +370,7 @@ class Runner:
         cots = [o.name for o in k.outputs if o.dtype in FLOATS]
         if not wrt or not cots:
             return Outcome("n/a", "no float input or no float output")
-        from .. import grad
+        from lfm2jit import grad
         rng = np.random.default_rng(case.data_seed + 1)
         cot = {}
         gone = left_out_axes(k, case.dropped, {p.name for p in k.inputs if p.name not in case.left_out})

@@ -7,7 +7,7 @@ meaning, run through the public API (compile_source, grad, ComputeEngine) and cl
                  unlocated / foreign, and skipped / n/a), with the precision model
     shrink.py    greedy delta debugging of a failing case
     corpus.py    case files (.lk with a header) and the regression corpus in cases/
-    cli.py       ``python -m lfm2jit fuzz N``
+    cli.py       ``python -m tests.fuzz N``
 
 Nothing here imports the compiler's IR; only the public API is used.
 """

@@ -15,7 +15,7 @@ from lfm2jit.ops.lmhead import lm_head_cross_entropy
 from lfm2jit.model import Lfm2Model
 from trainer import SGD, Trainer
 from conftest import rel_err
-from test_trainer_semantics import make_data, micro, snap
+from micro_model import make_data, micro, snap
 
 BUCKET = 16
 

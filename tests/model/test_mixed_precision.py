@@ -20,7 +20,7 @@ from lfm2jit.ops.precision import check_activation_dtype
 from trainer import SGD, AdamW, GradScaler, Trainer
 from conftest import rel_err
 from test_model import BUCKET, GOLDEN, GOLDEN_CONFIGS, run_loss_and_grads, worst
-from test_trainer_semantics import make_data, micro, snap
+from micro_model import make_data, micro, snap
 
 LOGITS_TOL, GRAD_TOL, LOSS_TOL = 1e-2, 2e-2, 1e-3
 

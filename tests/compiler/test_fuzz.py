@@ -1,10 +1,10 @@
-"""The differential fuzzer (lfm2jit/fuzz): its own reference, its regression corpus, a fixed-seed batch.
+"""The differential fuzzer (tests/fuzz): its own reference, its regression corpus, a fixed-seed batch.
 
-The corpus (lfm2jit/fuzz/cases) holds one shrunk case per cause of every failure the fuzzer found;
+The corpus (tests/fuzz/cases) holds one shrunk case per cause of every failure the fuzzer found;
 each must now pass, as must a fixed-seed batch of generated kernels. A long run is
-``python -m lfm2jit fuzz 5000 --seed S``.
+``python -m tests.fuzz 5000 --seed S``.
 
-Run: PYTHONPATH=. python -m pytest -q tests/test_fuzz.py   (about 30 s on lavapipe, 2 CPU cores, with a
+Run: PYTHONPATH=. python -m pytest -q tests/compiler/test_fuzz.py   (about 30 s on lavapipe, 2 CPU cores, with a
 cold WGSL cache; about 10 s warm)
 """
 from __future__ import annotations
@@ -15,12 +15,12 @@ import time
 import numpy as np
 import pytest
 
-from lfm2jit.fuzz import FAILING, Runner, case_from_text, corpus, generate
-from lfm2jit.fuzz.cli import case_seed, causes_table, counts_table, features_table
-from lfm2jit.fuzz.expr import (Checker, Evaluator, ModelError, check, kernel_text, left_out_axes, merge, parse,
+from tests.fuzz import FAILING, Runner, case_from_text, corpus, generate
+from tests.fuzz.cli import case_seed, causes_table, counts_table, features_table
+from tests.fuzz.expr import (Checker, Evaluator, ModelError, check, kernel_text, left_out_axes, merge, parse,
                                passed_shape, returned_shape)
-from lfm2jit.fuzz.generate import Case, features
-from lfm2jit.fuzz.shrink import failure_of, shrink
+from tests.fuzz.generate import Case, features
+from tests.fuzz.shrink import failure_of, shrink
 
 BATCH_SEED = 0
 BATCH_SIZE = 400
@@ -213,7 +213,7 @@ def test_generated_kernels_are_well_typed_and_print_parse_round_trip():
 
 
 def test_case_files_round_trip():
-    from lfm2jit.fuzz.corpus import case_text
+    from tests.fuzz.corpus import case_text
     cases = [generate(case_seed(5, i)) for i in range(200)]
     picked = [cases[0]] + [next(c for c in cases if c.left_out), next(c for c in cases if c.dropped),
                            next(c for c in cases if c.poison)]

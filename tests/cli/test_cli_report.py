@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.test_cli_trainer import SHORT, cli, metrics
+from test_cli_trainer import SHORT, cli, metrics
 from trainer.cli import METRICS_KEYS
 from trainer.report import numbers
 

@@ -23,7 +23,7 @@ from dsl_errors import assert_dsl_error
 
 KERNEL_DIR = Path(lfm2jit.__file__).parent / "ops" / "kernels"
 SHIPPED = sorted(KERNEL_DIR.glob("*.lk"))
-CORPUS = sorted((Path(__file__).parent / "dsl_corpus" / "valid").glob("*.lk"))
+CORPUS = sorted((Path(__file__).resolve().parents[1] / "dsl_corpus" / "valid").glob("*.lk"))
 NOLOC = ast.Loc(0, 0)
 
 

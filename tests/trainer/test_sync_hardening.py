@@ -22,8 +22,8 @@ from sync_worker import make_trainer, rank_sequences
 from trainer import FileGradSyncConfig, TrainError
 from trainer.sync import FileGradSync
 
-ROOT = Path(__file__).resolve().parent.parent
-WORKER = Path(__file__).resolve().parent / "sync_worker.py"
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).resolve().parents[1] / "sync_worker.py"
 PEER_NONCE = "0123456789abcdef"
 
 

@@ -19,7 +19,7 @@ from trainer.data import Batch, encode_chat, load_tokenizer
 from trainer.evaluation import (ANSWER_SLACK, AnswerCase, answer_cases, exact_match, greedy_answers, held_out_loss,
                                 last_user_turn)
 
-ASSETS = Path(__file__).resolve().parents[1] / "trainer" / "assets"
+ASSETS = Path(__file__).resolve().parents[2] / "trainer" / "assets"
 RECORDS = [json.loads(line) for line in (ASSETS / "chat.jsonl").read_text().splitlines()[:60]]
 
 

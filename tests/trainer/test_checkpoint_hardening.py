@@ -32,7 +32,7 @@ from trainer.checkpoint import clean_stale
 from trainer.cli_options import UsageError
 from trainer.run_dir import copy_model_files, find_checkpoint, read_checkpoint_meta
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ERRORS = (TrainError, CheckpointError, ConfigError)
 RUN = ["--preset", "tiny", "--grad-accum", "1", "--schedule", "warmup", "--warmup-steps", "4", "--lr", "3e-3",
        "--eval-max", "4", "--no-progress"]

@@ -47,7 +47,7 @@ def test_setup_insists_on_a_native_backend():
 def test_the_main_job_installs_the_runtime_and_the_tests_add_their_references():
     import subprocess
     from pathlib import Path
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
 
     def target(*args):
         return subprocess.run(["bash", "scripts/setup.sh", "--print-install", *args], cwd=root, capture_output=True,

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_cli_trainer import ROOT, cli, metrics
+from test_cli_trainer import ROOT, cli, metrics
 from trainer.cli import AUTO_CHECKPOINT_SECONDS, auto_checkpoint_every, build_parser
 
 

@@ -15,7 +15,7 @@ import transformers
 import trainer.checkpoint as ckpt_module
 from conftest import rel_err
 from lfm2jit.model import Lfm2Model
-from test_trainer_semantics import make_data, micro, snap
+from micro_model import make_data, micro, snap
 from trainer import SGD, AdamW, CosineWithWarmup, GradScaler, TrainError, Trainer
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from lfm2jit import grad, library
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:

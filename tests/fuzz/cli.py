@@ -1,4 +1,4 @@
-"""``python -m lfm2jit fuzz N``: generate N kernels, run them, count the classes, keep the failures."""
+"""``python -m tests.fuzz N``: generate N kernels, run them, count the classes, keep the failures."""
 from __future__ import annotations
 
 import argparse

@@ -36,7 +36,7 @@ except ImportError:  # pragma: no cover - exercised by test_module_imports_witho
 
 needs_torch = pytest.mark.skipif(not HAS_TORCH, reason="torch and transformers are not installed")
 
-GOLDEN = Path(__file__).resolve().parent / "golden"
+GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 GOLDEN_CONFIGS = json.loads((GOLDEN / "index.json").read_text())
 BUCKET = 16
 LOGITS_TOL, GRAD_TOL, LOSS_TOL = 1e-4, 1e-3, 1e-5
@@ -196,7 +196,7 @@ def test_golden_backward_subset_and_accumulation(golden):
 def test_module_imports_without_torch():
     """The golden tests must run where torch is missing: this module imports with torch blocked."""
     code = ("import sys; sys.modules['torch'] = None; sys.modules['transformers'] = None; "
-            f"sys.path[:0] = [{str(Path(__file__).parent)!r}]; import test_model as m; "
+            f"sys.path[:0] = [{str(Path(__file__).parent)!r}, {str(Path(__file__).parents[1])!r}]; import test_model as m; "
             "assert not m.HAS_TORCH and m.GOLDEN_CONFIGS")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr

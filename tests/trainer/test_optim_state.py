@@ -18,7 +18,7 @@ from safetensors.numpy import load_file, save_file
 
 from conftest import rel_err
 from lfm2jit.model import Lfm2Model
-from test_trainer_semantics import make_data, micro, snap
+from micro_model import make_data, micro, snap
 from trainer import SGD, AdamW, Batch, LinearWarmup, TrainError, Trainer
 
 HEAD = "model.embed_tokens.weight"        # the micro config ties the LM head to the embedding
