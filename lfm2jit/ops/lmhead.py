@@ -35,7 +35,7 @@ import numpy as np
 
 from . import precision
 from ..runtime.tensor import ITEMSIZE, Tensor
-from ..schedule.spec import bucketed
+from ..schedule.layout import bucketed
 
 ROW_MULTIPLE = 64          # chunk sizes are multiples of this, so chunk offsets meet any binding alignment
 MAX_EXACT_VOCAB = 1 << 24  # chunk offsets travel as f32 scalars: exact integers below 2^24

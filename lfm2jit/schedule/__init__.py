@@ -10,11 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from ..dsl.errors import DslError
 from ..ir.nodes import KernelIR, toposort
 from ..ir.ops import Op
 from . import intrinsic, matmul, pointwise, reduce
-from .spec import (EMULATED_MATRIX_CONFIGS, EMULATED_SUBGROUP, PORTABLE, Binding, KernelSpec, MatrixConfig, Plan, Target,
-                   bind_dims, bucketed, schedule_error)
+from .layout import bind_dims, bucketed
+from .spec import EMULATED_MATRIX_CONFIGS, EMULATED_SUBGROUP, PORTABLE, Binding, KernelSpec, MatrixConfig, Plan, Target
 
 __all__ = ["EMULATED_MATRIX_CONFIGS", "EMULATED_SUBGROUP", "PORTABLE", "KernelSpec", "MatrixConfig", "Target", "bind_dims", "bucketed", "specialize", "tiles_class"]
 
@@ -40,6 +41,11 @@ def tiles_class(ir: KernelIR) -> type | tuple[type, ...] | None:
     if ir.structure.kind == "intrinsic":
         return intrinsic.PLANNERS[intrinsic.call_of(ir).arg].tiles
     return SCHEDULES[ir.structure.kind].tiles
+
+
+def schedule_error(ir: KernelIR, message: str, expected: str) -> DslError:
+    return DslError(message, filename=ir.filename, line=ir.line, column=1 if ir.line else 0,
+                    source=ir.source or None, expected=expected)
 
 
 def specialize(ir: KernelIR, dims: dict[str, int], bucket: int = 1,

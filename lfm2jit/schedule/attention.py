@@ -52,7 +52,8 @@ from dataclasses import dataclass, replace
 from ..ir.intrinsics import ATTENTION_BWD_PARAMS, IntrinsicError
 from .code import Index
 from .matmul import REDUCE_THREADS
-from .spec import EntryPoint, IntrinsicCall, MatrixConfig, Plan, Scratch, extent, strides
+from .layout import extent, strides
+from .spec import EntryPoint, IntrinsicCall, MatrixConfig, Plan, Scratch
 
 WORKGROUP_BYTES = 16384      # portable maxComputeWorkgroupStorageSize
 MAX_THREADS = 256            # portable maxComputeInvocationsPerWorkgroup

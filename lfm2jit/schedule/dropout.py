@@ -14,7 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .code import Index
-from .spec import EntryPoint, IntrinsicCall, Plan, extent
+from .layout import extent
+from .spec import EntryPoint, IntrinsicCall, Plan
 
 WORKGROUP = 256
 

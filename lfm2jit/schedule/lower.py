@@ -10,7 +10,7 @@ from ..ir.nodes import SEQ_AXIS, Node, toposort
 from ..ir.ops import REDUCE, Op
 from .code import (COMPUTE_TYPE, Apply, Bin, Compare, Const, Fold, Guard, Index, IndexValue, Let, Lit, Load, Ref,
                    ScalarArg, SeqLen, Var, add)
-from .spec import extent, offset
+from .layout import extent, offset
 
 # Ops that change where their source is evaluated, lowered by ``indexing``.
 INDEXING = frozenset({Op.SHIFT, Op.TAKE, Op.EMBED, Op.GATHER, Op.INDEX, Op.WINDOW, Op.FLIP})

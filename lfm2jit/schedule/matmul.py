@@ -23,7 +23,8 @@ from ..ir.ops import Op
 from ..ir.partition import find_contraction, gemm_axes
 from .code import COMPUTE_TYPE, Index, Let, Value, Var
 from .lower import Lowerer
-from .spec import EntryPoint, MatrixConfig, Plan, Scratch, extent, strides
+from .layout import extent, strides
+from .spec import EntryPoint, MatrixConfig, Plan, Scratch
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,8 @@ from ..ir.partition import is_inline, reduction_chain, use_counts
 from .code import Bin, Compare, Const, Index, IndexLet, Let, SeqLen, Store, Var
 from .lower import Lowerer
 from .pointwise import result_store
-from .spec import MAX_WORKGROUP, EntryPoint, Plan, Scratch, extent, index_vars, offset, total, unravel
+from .layout import extent, index_vars, offset, total, unravel
+from .spec import MAX_WORKGROUP, EntryPoint, Plan, Scratch
 
 COLUMN_THREADS = 256
 COLUMN_BUSY = 256      # workgroups a split column reduction aims for (an H200 has 132 SMs)

@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .code import Index
-from .spec import EntryPoint, IntrinsicCall, Plan, extent, strides
+from .layout import extent, strides
+from .spec import EntryPoint, IntrinsicCall, Plan
 
 WORKGROUP = 64
 

@@ -1,4 +1,5 @@
-"""KernelSpec, the scheduler's output, and the helpers every planner shares.
+"""KernelSpec, the scheduler's output, and the types planners build it from (Plan, Target, ...).
+The sizes and index helpers every planner shares are in layout.py.
 
 Binding table (the same for every schedule; sizes derive from it):
 
@@ -6,23 +7,16 @@ Binding table (the same for every schedule; sizes derive from it):
     group 0, binding 1..n     the tensor inputs in signature order,  read-only storage
     group 0, binding n+1..    the outputs in signature order,        read-write storage
     group 0, then             scratch buffers (a split-K workspace), read-write storage
-
-Specialization: every axis gets a concrete size baked into the kernel as a constant; the sequence
-axis T is rounded up to a multiple of the length bucket, and the real length is ``info.t_valid``,
-so one pipeline serves every length in a bucket. No template reads or writes rows past t_valid.
 """
 from __future__ import annotations
 
 import functools
 import hashlib
-import math
 from dataclasses import dataclass
 
-from ..dsl.errors import DslError
-from ..ir.nodes import SEQ_AXIS, KernelIR, TensorArg
-from .code import Bin, Const, Index, IndexLet, SeqLen, Var, add, mul
+from ..ir.nodes import TensorArg
 
-MAX_WORKGROUP = 256
+MAX_WORKGROUP = 256      # WebGPU's default maxComputeInvocationsPerWorkgroup
 
 
 @dataclass(frozen=True)
@@ -131,79 +125,3 @@ class IntrinsicCall:
     sizes: dict[str, int]
     accumulate: frozenset[str] = frozenset()
     tiles: object = None                     # the caller's tiles override (of the planner's tiles class)
-
-
-def bucketed(t: int, bucket: int) -> int:
-    """Round a sequence length up to a multiple of the bucket."""
-    return max(bucket, -(-t // bucket) * bucket)
-
-
-def bind_dims(ir: KernelIR, dims: dict[str, int], bucket: int) -> dict[str, int]:
-    """Concrete sizes for every axis; T is bucketed. Raises ValueError naming a missing or bad size."""
-    if not isinstance(bucket, int) or bucket < 1:
-        raise ValueError(f"length bucket must be a positive integer, got {bucket!r}")
-    sizes = dict(ir.fixed_dims)
-    for name, value in dims.items():
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"size of axis {name} for kernel {ir.name!r} must be a positive integer, got {value!r}")
-        if name in ir.fixed_dims and ir.fixed_dims[name] != value:
-            raise ValueError(f"axis {name} of kernel {ir.name!r} is fixed to {ir.fixed_dims[name]}, got {value}")
-        sizes[name] = value
-    missing = [a for a in ir.axes if a not in sizes]
-    if missing:
-        raise ValueError(f"kernel {ir.name!r} needs sizes for axes {', '.join(missing)} "
-                         f"(e.g. --dim {missing[0]}=64)")
-    if SEQ_AXIS in sizes:
-        sizes[SEQ_AXIS] = bucketed(sizes[SEQ_AXIS], bucket)
-    return {a: sizes[a] for a in ir.axes}
-
-
-def schedule_error(ir: KernelIR, message: str, expected: str) -> DslError:
-    return DslError(message, filename=ir.filename, line=ir.line, column=1 if ir.line else 0,
-                    source=ir.source or None, expected=expected)
-
-
-def ident(axis: str) -> str:
-    """An identifier for an axis; integer axes ("3") become "AX3"."""
-    return axis if axis[0].isalpha() or axis[0] == "_" else f"AX{axis}"
-
-
-def index_vars(axes) -> dict[str, Index]:
-    """The index variable of each axis (i_T, i_D, ...)."""
-    return {a: Var(f"i_{ident(a)}") for a in axes}
-
-
-def extent(axis: str, sizes: dict[str, int]) -> Index:
-    """How far a loop over ``axis`` runs: the real length for T, the baked size otherwise."""
-    return SeqLen() if axis == SEQ_AXIS else Const(sizes[axis])
-
-
-def strides(shape: tuple[str, ...], sizes: dict[str, int]) -> dict[str, int]:
-    out, acc = {}, 1
-    for a in reversed(shape):
-        out[a] = acc
-        acc *= sizes[a]
-    return out
-
-
-def offset(shape: tuple[str, ...], sizes: dict[str, int], index_of: dict[str, Index]) -> Index:
-    """The element offset of (index_of[a] for a in shape) in a row-major tensor of ``shape``."""
-    st = strides(shape, sizes)
-    out: Index = Const(0)
-    for a in shape:
-        out = add(out, mul(index_of[a], st[a]))
-    return out
-
-
-def unravel(axes: tuple[str, ...], sizes: dict[str, int], flat: Index) -> tuple[IndexLet, ...]:
-    """Index variables for ``axes`` from a flat row-major index."""
-    st = strides(axes, sizes)
-    out = []
-    for i, a in enumerate(axes):
-        div = Bin("/", flat, Const(st[a])) if st[a] != 1 else flat
-        out.append(IndexLet(f"i_{ident(a)}", div if i == 0 else Bin("%", div, Const(sizes[a]))))
-    return tuple(out)
-
-
-def total(axes, sizes) -> int:
-    return math.prod(sizes[a] for a in axes)

@@ -12,7 +12,7 @@ import pytest
 
 from lfm2jit import ComputeEngine, Tensor, compile_source
 from lfm2jit.schedule.reduce import COLUMN_BUSY, COLUMN_SLICE, COLUMN_SPLITS, ColumnTiles, column_split
-from lfm2jit.schedule.spec import bucketed
+from lfm2jit.schedule.layout import bucketed
 from lfm2jit.tune.candidates import for_spec
 
 BUCKET = 16

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from lfm2jit import Tensor, compile_source, grad, library
-from lfm2jit.schedule.spec import bucketed
+from lfm2jit.schedule.layout import bucketed
 
 T, BUCKET = 11, 8
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from lfm2jit import ComputeEngine, Tensor
 from lfm2jit.ops.lmhead import kept_chunks, lm_head_cross_entropy
-from lfm2jit.schedule.spec import bucketed
+from lfm2jit.schedule.layout import bucketed
 from conftest import rel_err
 
 # f32 on the GPU; the logits are sums of D <= 48 products and dE sums over T <= 64 positions: the
