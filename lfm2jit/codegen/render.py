@@ -1,8 +1,9 @@
 """KernelSpec -> WGSL through the Jinja templates (StrictUndefined: a missing parameter is an error).
 
 A template sees the spec's common fields (kernel, template, dims, scalars, bindings) and its
-typed parameters' fields by name; typed values are spelled with the ``wgsl`` filter, tensor
-bindings named with ``buf``.
+typed parameters' fields by name; typed values (the spec's index expressions and values, and the
+offsets codegen/offsets.py builds) are spelled with the ``wgsl`` filter, tensor bindings named with
+``buf``.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pathlib import Path
 import jinja2
 
 from ..schedule.spec import KernelSpec
-from . import wgsl
+from . import offsets, wgsl
 
 
 def templates_dir() -> Path:
@@ -32,7 +33,9 @@ def environment() -> jinja2.Environment:
                              trim_blocks=False, lstrip_blocks=False, autoescape=False)
     env.filters.update(wgsl=wgsl.spell, buf=wgsl.buffer, element=wgsl.element, const=wgsl.const_name,
                        f32=lambda v: wgsl.literal(v, "f32"))
-    env.globals.update(reduce_init=wgsl.reduce_init, reduce_combine=wgsl.reduce_combine)
+    env.globals.update(reduce_init=wgsl.reduce_init, reduce_combine=wgsl.reduce_combine,
+                       tile_at=offsets.tile_at, operand_at=offsets.operand_at, fragment_at=offsets.fragment_at,
+                       ws_at=offsets.ws_at, c_at=offsets.c_at)
     return env
 
 

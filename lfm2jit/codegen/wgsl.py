@@ -1,4 +1,5 @@
-"""The WGSL backend table: how each IR op, index expression and value of schedule/code.py is spelled.
+"""The WGSL backend table: how each IR op, index expression and value of schedule/code.py is spelled,
+and the templates' offsets (codegen/offsets.py); an int is a u32 constant, a str a WGSL name.
 
 This module and the templates are the only places that know WGSL. Values are always named by a
 `let` or are literals, so operator precedence never arises between them; index expressions are
@@ -11,7 +12,9 @@ from functools import singledispatch
 from ..ir.ops import Op
 from ..schedule.code import (COMPUTE_TYPE, Apply, Bin, Compare, Const, Fold, Guard, IndexLet, IndexValue, Let, Lit,
                              Load, Ref, ScalarArg, SeqLen, Store, Var)
-from ..schedule.spec import Binding, ident
+from ..schedule.layout import ident
+from ..schedule.spec import Binding
+from .offsets import Product, Sum, index
 
 SPELLING: dict[Op, str] = {
     Op.NEG: "-{0}", Op.EXP: "exp({0})", Op.LOG: "log({0})", Op.SQRT: "sqrt({0})",
@@ -79,6 +82,33 @@ def _(x: Bin) -> str:
     def part(y):
         return f"({spell(y)})" if isinstance(y, Bin) and y.op not in ("max", "min") else spell(y)
     return f"{part(x.a)} {x.op} {part(x.b)}"
+
+
+@spell.register
+def _(x: int) -> str:
+    if isinstance(x, bool):
+        raise TypeError(f"no WGSL spelling for {x!r}")
+    return f"{x}u"
+
+
+@spell.register
+def _(x: str) -> str:
+    return spell(index(x))
+
+
+@spell.register
+def _(x: Sum) -> str:
+    def term(y):
+        return f"({spell(y)})" if isinstance(y, Sum) else spell(y)
+    return " + ".join(map(term, x.terms)) + "".join(f" - {term(y)}" for y in x.minus)
+
+
+@spell.register
+def _(x: Product) -> str:
+    def factor(y):
+        nested = isinstance(y, Sum) or (isinstance(y, Bin) and y.op not in ("max", "min"))
+        return f"({spell(y)})" if nested else spell(y)
+    return " * ".join(map(factor, x.factors))
 
 
 @spell.register
