@@ -1,38 +1,79 @@
-"""The README's Python examples run as written (on this machine's adapter, in a scratch directory),
-so the documentation keeps matching the code. A block that uses a name an earlier block defines is
-run after it, whatever its place in the text."""
+"""The README's and the docs pages' Python examples run as written (on this machine's adapter, in a
+scratch directory), so the documentation keeps matching the code. The pages share one namespace, as
+a reader's session would: a block that uses a name an earlier block (of any page) defines is run
+after it, whatever its place in the text. Links between the pages lead somewhere, and every result
+file under benches/results is cited by a document."""
 from __future__ import annotations
 
 import os
 import re
 from pathlib import Path
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+DOCS = ROOT / "docs"
+GUIDES = [README, *sorted(DOCS.glob("*.md")), ROOT / "benches" / "README.md"]
 
 
-def python_blocks() -> list[str]:
-    return re.findall(r"^```python\n(.*?)^```", README.read_text(), re.S | re.M)
+def python_blocks(page: Path) -> list[str]:
+    return re.findall(r"^```python\n(.*?)^```", page.read_text(), re.S | re.M)
 
 
-def test_readme_python_examples_run(tmp_path, capsys):
-    blocks = python_blocks()
-    assert len(blocks) >= 6
+def test_readme_and_docs_python_examples_run(tmp_path, capsys):
+    blocks = [(page, i, code) for page in GUIDES for i, code in enumerate(python_blocks(page))]
+    assert len(python_blocks(README)) >= 1 and len(blocks) >= 10
     namespace: dict = {}
-    pending = list(enumerate(blocks))
+    pending = blocks
     cwd = os.getcwd()
     os.chdir(tmp_path)
     try:
         while pending:
             waiting = []
-            for i, code in pending:
+            for page, i, code in pending:
                 try:
-                    exec(compile(code, f"README.md python block {i + 1}", "exec"), namespace)
+                    exec(compile(code, f"{page.relative_to(ROOT)} python block {i + 1}", "exec"), namespace)
                 except NameError:
-                    waiting.append((i, code))
-            assert len(waiting) < len(pending), f"blocks {[i + 1 for i, _ in waiting]} use names no block defines"
+                    waiting.append((page, i, code))
+            assert len(waiting) < len(pending), \
+                f"blocks {[(str(p.relative_to(ROOT)), i + 1) for p, i, _ in waiting]} use names no block defines"
             pending = waiting
     finally:
         os.chdir(cwd)
     out = capsys.readouterr().out
     assert "backward of rmsnorm: kernel rmsnorm_bwd_d_x" in out and "6.5" in out
     assert "bad.lk:2:13: unknown name 'q'" in out
+    assert "CacheStats(hits=1, misses=1" in out
+
+
+def test_readme_opens_with_the_two_commands_and_stays_a_guide():
+    text = README.read_text()
+    assert text.split("```bash\n", 1)[1].startswith("bash scripts/run-main.sh ")
+    assert "\nbash scripts/run-tests.sh " in text.split("```", 3)[1]
+    assert len(text.splitlines()) <= 250
+
+
+def test_links_between_the_guides_lead_somewhere():
+    for page in GUIDES:
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text()):
+            if "://" in target:
+                continue
+            assert (page.parent / target).exists(), f"{page.relative_to(ROOT)} links to {target}, which is not there"
+    linked = set(re.findall(r"\]\(docs/([\w-]+\.md)\)", README.read_text()))
+    assert linked == {p.name for p in DOCS.glob("*.md")}, "every docs page is linked from the README"
+
+
+def test_every_result_file_is_cited_and_every_cited_one_is_there():
+    texts = "\n".join(p.read_text() for p in GUIDES)
+    results = ROOT / "benches" / "results"
+    for f in results.iterdir():
+        assert f.name in texts, f"benches/results/{f.name} is cited by no document"
+    for page in GUIDES:
+        for name in re.findall(r"results/([\w.]+\.(?:json|log))", page.read_text()):
+            assert (results / name).exists(), f"{page.relative_to(ROOT)} cites results/{name}, which is not there"
+
+
+def test_the_fuzzer_command_the_docs_give_is_the_fuzzers():
+    """The fuzzer left the library for tests/fuzz: the docs give its command there."""
+    assert (ROOT / "tests" / "fuzz" / "__main__.py").exists()
+    text = "\n".join(p.read_text() for p in GUIDES)
+    assert "python -m tests.fuzz N" in text and "lfm2jit fuzz" not in text

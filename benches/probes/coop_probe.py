@@ -1,6 +1,6 @@
 """Probe: does an 8x8 f32 cooperative-matrix GEMM run on this adapter, how exact is it, how fast?
 
-    python benches/coop_probe.py          # LFM2JIT_ADAPTER picks the adapter, as everywhere
+    python benches/probes/coop_probe.py          # LFM2JIT_ADAPTER picks the adapter, as everywhere
 
 C[M, N] = A[M, K] B[K, N] (row-major) with naga's `enable wgpu_cooperative_matrix;`: each
 32-invocation workgroup computes R x R tiles of 8x8, loading A and B tiles straight from storage.

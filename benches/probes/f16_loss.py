@@ -6,7 +6,7 @@ real prose that any machine has, no download. Both runs start from the same weig
 see the same batches; --f16 differs only in storage precision, the matrix units and the loss
 scaler. Usage (the issue's target: every 20-step window's mean loss within 2% of fp32's):
 
-    python benches/f16_loss.py --preset 350M --steps 200 --out runs/f16-loss
+    python benches/probes/f16_loss.py --preset 350M --steps 200 --out runs/f16-loss
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Tune every matmul of LFM2-350M train steps and log what the autotuner measured, per kernel shape.
 
-    LFM2JIT_AUTOTUNE=1 python benches/tune_log.py --json tune_log.json [--shapes 1x512 8x512 1x2048] [--f16]
+    LFM2JIT_AUTOTUNE=1 python benches/probes/tune_log.py --json tune_log.json [--shapes 1x512 8x512 1x2048] [--f16]
 
 Runs one train window per shape with the autotuner on, recording for each tuned matmul the
 kernel, its template (``matmul``, SIMT; ``matmul_matrix``, the matrix units: ``--f16`` on a device
@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from dataclasses import asdict
 
 from lfm2jit import WgpuContext
-from bench import train_bench
+
+sys.path.insert(0, __file__.rsplit("/", 2)[0])   # benches/, where bench.py is
+from bench import train_bench  # noqa: E402
 from lfm2jit.tune.autotune import Tuner
 from lfm2jit.model.config import Lfm2Config
 

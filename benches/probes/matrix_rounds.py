@@ -1,6 +1,6 @@
 """Round-by-round GPU times of the matrix-unit products, chosen tiles against the same tiles given
 explicitly, with and without preallocated outputs: shows whether a product's time is steady or has
-slow rounds that a best-of-N hides. Usage: python benches/matrix_rounds.py [MxNxK ...]"""
+slow rounds that a best-of-N hides. Usage: python benches/probes/matrix_rounds.py [MxNxK ...]"""
 from __future__ import annotations
 
 import sys
@@ -9,7 +9,7 @@ import numpy as np
 
 from lfm2jit import ComputeEngine, WgpuContext, grad, library
 
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
+sys.path.insert(0, __file__.rsplit("/", 2)[0])   # benches/, where bench.py is
 from bench import time_engine  # noqa: E402
 
 

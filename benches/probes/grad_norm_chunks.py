@@ -1,6 +1,6 @@
 """The global gradient norm at several row lengths of its first pass (``grad_sumsq``'s chunk):
 
-    python benches/grad_norm_chunks.py [PRESET]     # default 350M; tiny runs on lavapipe
+    python benches/probes/grad_norm_chunks.py [PRESET]     # default 350M; tiny runs on lavapipe
 
 Gradients of every parameter shape of the preset (random, on the GPU), ``global_grad_norm`` at
 each chunk on an engine timing every dispatch: GPU time per call (summed over its dispatches, 5

@@ -3,7 +3,7 @@ T = 2048, f16 activations: u = s x A^T, du = s dY B, dB += dY^T u and dA += du^T
 few MB each and read back nothing big, so what counts is how many bytes are in flight: the sweep
 varies the tile along the long side, the k-step, split-K and the stages. Each candidate's result is
 checked against the planner's pick; times are the best of 3 rounds of 20 calls (GPU timestamps).
-Usage: python benches/narrow_tiles.py [IN OUT ...]   (default 2048 2048 2048 8192)"""
+Usage: python benches/probes/narrow_tiles.py [IN OUT ...]   (default 2048 2048 2048 8192)"""
 from __future__ import annotations
 
 import itertools
@@ -15,7 +15,7 @@ from lfm2jit import ComputeEngine, WgpuContext, grad, library
 from lfm2jit.ops import precision
 from lfm2jit.schedule.matmul import MatrixTiles
 
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
+sys.path.insert(0, __file__.rsplit("/", 2)[0])   # benches/, where bench.py is
 from bench import time_dispatches  # noqa: E402
 
 R = 8
