@@ -13,7 +13,7 @@ The same contract as the file sync (trainer/sync.py), through an MPI communicato
   copies itself as its backward finishes each bucket, last layer first, so on Dawn the first
   buckets are read and exchanged while the GPU still runs the backward of earlier layers), and
   averages each bucket in pieces of EXCHANGE_BYTES, one MPI collective at a time (several in
-  flight were 1.7x slower, benches/mpi_exchange.py). Two ranks: an in-place
+  flight were slower, benches/results/h200_mpi_exchange.log). Two ranks: an in-place
   allreduce (any algorithm gives both ranks a + b = b + a, the same bits); more: a reduce-scatter
   (rank r sums the r-th chunk of every rank's piece, once, in an order fixed by the world size) and
   an allgather of those sums, so every rank holds the same bits whatever MPI's allreduce would do.
@@ -40,7 +40,7 @@ from .errors import TrainError
 from .sync import sum_in_rank_order
 
 BUCKET_BYTES = 32 << 20        # float32 gradient bytes per readback slot
-EXCHANGE_BYTES = 8 << 20       # ... per MPI collective (H200 host, 2 ranks: 1.7x faster than 32 MiB)
+EXCHANGE_BYTES = 8 << 20       # ... per MPI collective (faster than 32 MiB: benches/results/h200_mpi_exchange.log)
 POLL_S = 0.001                 # between tests of a request after SPIN_S seconds of testing back to back
 SPIN_S = 1.0
 UPLOAD_SLOTS = 2               # staging buffers the means are written back through, in turn
@@ -290,8 +290,8 @@ class _Piece:
 
 class _HostArrays:
     """The host arrays of one bucket layout, kept from step to step: a fresh array's pages are
-    mapped in when first written (H200 host, benches/readback.py: 3.1 GB/s into fresh arrays, 6.5
-    into kept ones from one thread). Per bucket: its values (read back, then averaged in place) and
+    mapped in when first written, which made a readback into fresh arrays about half as fast
+    (benches/readback.py). Per bucket: its values (read back, then averaged in place) and
     their pieces of EXCHANGE_BYTES."""
 
     def __init__(self, sizes: list[int], world: int, rank: int):

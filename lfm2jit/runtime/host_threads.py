@@ -1,8 +1,8 @@
 """Large host-side copies and arithmetic cut into ranges that a few threads run at once.
 
-One thread reads a GPU's mapped staging memory at a fraction of the host's bandwidth (H200 host,
-benches/readback.py: 6 GB/s from one thread, 18 GB/s from four, 1.4 GB of gradients), and numpy
-lets go of the GIL while it copies or runs a ufunc over plain float arrays, so threads help.
+One thread reads a GPU's mapped staging memory at a fraction of the host's bandwidth, and numpy
+lets go of the GIL while it copies or runs a ufunc over plain float arrays, so threads help
+(benches/results/h200_readback.json: four threads read it about 2.5x faster than one).
 """
 from __future__ import annotations
 

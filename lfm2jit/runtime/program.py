@@ -26,8 +26,8 @@ import wgpu
 
 SCALARS_AT = 4            # an info block is the real length (u32), then the scalars (f32) in order
 # A replay submits in pieces, so the GPU starts while the rest is encoded: the first piece small
-# (the GPU idles until it is encoded: 256 commands were ~5 ms of an H200 step's host time), each
-# next one twice the last, up to COMMANDS_PER_SUBMIT.
+# (the GPU idles until it is encoded), each next one twice the last, up to COMMANDS_PER_SUBMIT
+# (benches/results/h200_sbs_first_submit_f16.json).
 FIRST_SUBMIT = 16
 COMMANDS_PER_SUBMIT = 256
 
