@@ -1,4 +1,4 @@
-"""``python -m trainer``: see trainer/cli.py (``python -m trainer --help``)."""
+"""``python -m trainer``: the command-line app in trainer/cli/ (``python -m trainer --help``)."""
 import sys
 
 from .cli import main

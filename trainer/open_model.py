@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .cli_options import UsageError
+from .cli.usage import UsageError
 
 
 def open_tokenizer(model: str, tokenizer: str | None = None):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fnmatch import fnmatchcase
 
-from .cli_options import UsageError
+from .cli.usage import UsageError
 
 
 def _matching(names, patterns: list[str], flag: str) -> set[str]:

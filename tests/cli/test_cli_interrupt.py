@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from test_cli_trainer import ROOT, cli, metrics
-from trainer.cli import AUTO_CHECKPOINT_SECONDS, auto_checkpoint_every, build_parser
+from trainer.cli.checkpoints import AUTO_CHECKPOINT_SECONDS, auto_checkpoint_every
+from trainer.cli.options import build_parser
 
 
 def _interrupted_run(out: Path, sig: int, lines: int = 3) -> tuple[int, str]:
@@ -75,15 +76,15 @@ def test_a_resumed_runs_summary_and_plot_cover_the_whole_run(tmp_path, monkeypat
     before = json.loads((out / "checkpoints" / f"step-{k:06d}" / "trainer.json").read_text())["data_position"]["evals"]
     assert [e["step"] for e in before] == [0]
 
-    import trainer.plot
+    import trainer.cli.plot
     drawn = []
-    real = trainer.plot.plot_run
+    real = trainer.cli.plot.plot_run
 
     def spy(path, m, evals, **kw):
         drawn.append(([x["step"] for x in m], [e["step"] for e in evals]))
         return real(path, m, evals, **kw)
 
-    monkeypatch.setattr(trainer.plot, "plot_run", spy)
+    monkeypatch.setattr(trainer.cli.plot, "plot_run", spy)
     from trainer.cli import main
     assert main(["--resume", str(out), "--steps", str(k + 2), "--no-progress"]) == 0
     whole = metrics(out)

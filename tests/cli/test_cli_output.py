@@ -7,8 +7,9 @@ from __future__ import annotations
 import io
 import re
 
-from trainer.cli import _fell, main
-from trainer.progress import Progress
+from trainer.cli import main
+from trainer.cli.progress import Progress
+from trainer.cli.summary import fell as _fell
 
 
 def test_max_len_eval_max_and_progress_lines(tmp_path, capsys):

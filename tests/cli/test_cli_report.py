@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from test_cli_trainer import SHORT, cli, metrics
-from trainer.cli import METRICS_KEYS
-from trainer.report import numbers
+from trainer.cli.report import numbers
+from trainer.cli.train import METRICS_KEYS
 
 tbx = pytest.importorskip("tensorboardX", reason="tensorboardX is not installed (pip install -e .[report])")
 
@@ -103,10 +103,10 @@ def test_a_resumed_run_appends_to_the_event_files_from_its_first_step(tmp_path):
 ])
 def test_report_to_a_missing_library_is_a_one_line_usage_error(tmp_path, monkeypatch, capsys, backend, absent, reason):
     """Refused before anything is loaded or written (the packages' absence faked: CI has them all)."""
-    import trainer.report
+    import trainer.cli.report
     from trainer.cli import main
-    real = trainer.report._importable
-    monkeypatch.setattr(trainer.report, "_importable", lambda m: m not in absent and real(m))
+    real = trainer.cli.report._importable
+    monkeypatch.setattr(trainer.cli.report, "_importable", lambda m: m not in absent and real(m))
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     assert main([*map(str, SHORT), "--steps", "1", "--out", str(tmp_path / "x"), "--report-to", "tensorboard",
                  backend]) == 2
@@ -114,7 +114,7 @@ def test_report_to_a_missing_library_is_a_one_line_usage_error(tmp_path, monkeyp
     assert not (tmp_path / "x").exists()
     # a tracking server of the user's own needs the mlflow client alone
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://localhost:5000")
-    assert trainer.report.missing("mlflow") == (None if "mlflow" not in absent else
+    assert trainer.cli.report.missing("mlflow") == (None if "mlflow" not in absent else
                                                 "the mlflow package is not installed (pip install mlflow)")
 
 

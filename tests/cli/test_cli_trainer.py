@@ -14,7 +14,8 @@ import pytest
 
 from lfm2jit.model import Lfm2Config, Lfm2Model
 from lfm2jit.model.config import PRESETS
-from trainer.cli import METRICS_KEYS, build_parser
+from trainer.cli.options import build_parser
+from trainer.cli.train import METRICS_KEYS
 from trainer.data import default_dataset, default_text_dataset, default_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -60,7 +61,7 @@ def long_run(tmp_path_factory):
 
 
 def check_plot(path, curves: dict[str, str]) -> None:
-    """The PNG opens, names each panel's box (trainer/plot.py), and each box holds its curve's colour."""
+    """The PNG opens, names each panel's box (trainer/cli/plot.py), and each box holds its curve's colour."""
     from PIL import Image
     img = Image.open(path)
     assert img.format == "PNG" and 300 < img.width < 4000 and 300 < img.height < 4000

@@ -2,6 +2,7 @@
 truncation, located errors, and the shipped assets (tokenizer round trip, deterministic generator)."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import warnings
 from pathlib import Path
@@ -395,11 +396,13 @@ def test_default_dataset_loads_without_truncation():
 
 
 def test_generator_reproduces_the_shipped_files(tmp_path):
-    from trainer import make_assets
+    spec = importlib.util.spec_from_file_location("make_assets", Path(__file__).resolve().parents[2] / "scripts" / "make_assets.py")
+    make_assets = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_assets)
     written = make_assets.generate(tmp_path)
     assert sorted(p.name for p in written) == sorted(make_assets.ASSET_FILES)
     for name in make_assets.ASSET_FILES:
         fresh, shipped = (tmp_path / name).read_bytes(), (default_assets_dir() / name).read_bytes()
-        assert fresh == shipped, (f"trainer/assets/{name} differs from a fresh `python -m trainer.make_assets` "
+        assert fresh == shipped, (f"trainer/assets/{name} differs from a fresh `python scripts/make_assets.py` "
                                   "(regenerate and commit it if the generator or tokenizers changed)")
     assert make_assets.main(["--check"]) == 0

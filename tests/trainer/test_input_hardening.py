@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import trainer
-import trainer.cli as cli_module
+import trainer.cli.train as cli_module
 from lfm2jit.model import Lfm2Config, Lfm2Model
 from trainer import SGD, AdamW, ConstantLR, CosineWithWarmup, GradScaler, Trainer
 from trainer.data import MAX_JSON_DEPTH, Batch, DataError, default_tokenizer, encode_chat, encode_text, load_tokenizer

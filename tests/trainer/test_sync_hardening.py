@@ -522,13 +522,14 @@ def test_out_and_sync_dir_naming_files_are_usage_errors(tmp_path, capsys):
 
 def _resolve_resume(ckpt: Path, saved: dict, *argv):
     """resolve() as prepare() calls it for ``--resume CKPT ARGV`` with ``saved`` as the checkpoint's
-    run settings (trainer.json itself is read and checked by trainer/run_dir.py)."""
-    from trainer.cli_options import build_parser, resolve
+    run settings (trainer.json itself is read and checked by trainer/cli/run_dir.py)."""
+    from trainer.cli.options import build_parser
+    from trainer.cli.resolve import resolve
     return resolve(build_parser().parse_args(["--resume", str(ckpt), *map(str, argv)]), False, saved, ckpt)
 
 
 def test_sync_settings_from_a_checkpoint_are_confirmed_and_reported(tmp_path):
-    from trainer.cli_options import UsageError
+    from trainer.cli.usage import UsageError
     ckpt = tmp_path / "run" / "checkpoints" / "step-000003"
     ckpt.mkdir(parents=True)
     elsewhere = tmp_path / "outside" / "sync"

@@ -14,8 +14,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .cli_options import UsageError
-from .open_model import load_model, open_tokenizer
+from ..open_model import load_model, open_tokenizer
+from .usage import UsageError, report
 
 IM_END = "<|im_end|>"
 
@@ -51,8 +51,7 @@ def main(argv: list[str]) -> int:
     try:
         session = _open(args)
     except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return report(e)
     if args.prompt is not None:
         session.answer(args.prompt)
         return 0
@@ -73,7 +72,7 @@ class Session:
         self.eos = sorted(set(model.generation_eos) | ({end} if end is not None and not args.raw else set()))
 
     def prompt_ids(self, text: str) -> list[int]:
-        from .data import encode_chat, encode_text
+        from ..data import encode_chat, encode_text
         if self.args.raw:
             return encode_text(text, self.tok)[:-1].tolist()          # without the closing <|endoftext|>
         self.messages.append({"role": "user", "content": text})

@@ -1,6 +1,6 @@
-"""The files of a run directory: checkpoints (finding, reading, pruning), the tokenizer copied
-next to a checkpoint's weights, metrics lines, and the check that a sync directory holds no stale
-gradient files of the same run id."""
+"""The files of a run directory: where each lives (``RunFiles``), checkpoints (finding, reading,
+pruning), the tokenizer copied next to a checkpoint's weights, metrics lines, the final model, and
+the check that a sync directory holds no stale gradient files of the same run id."""
 from __future__ import annotations
 
 import json
@@ -11,20 +11,49 @@ import sys
 import time
 from pathlib import Path
 
-from .cli_options import Run, UsageError
+from .state import Run
+from .usage import UsageError
 
 _STEP_DIR = re.compile(r"^step-(\d+)(?:\.old-\d+)?$")
 
 
+class RunFiles:
+    """Where a rank's files go: rank 0's at the top of the run directory, rank r's in rank<r>/; the
+    checkpoints (rank 0 writes them) in checkpoints/."""
+
+    def __init__(self, out: Path, rank: int):
+        self.dir = out if rank == 0 else out / f"rank{rank}"
+        self.checkpoints = out / "checkpoints"
+        self.settings = self.dir / "run.json"
+        self.metrics = self.dir / "metrics.jsonl"
+        self.evals = self.dir / "eval.jsonl"
+        self.samples = self.dir / "samples.jsonl"
+        self.plot = self.dir / "loss.png"
+        self.summary = self.dir / "summary.json"
+
+    def rewind(self, start: int) -> tuple[list[dict], list[dict]]:
+        """The metrics and the evaluations of the run's steps up to ``start`` (none for a fresh run),
+        with metrics.jsonl and eval.jsonl rewritten to hold only them: lines past the checkpoint are
+        from a run that died later. A fresh run's samples.jsonl goes."""
+        metrics = [m for m in read_metrics(self.metrics) if m.get("step", 0) <= start] if start else []
+        evals = [e for e in read_metrics(self.evals) if 0 < e.get("step", 0) <= start] if start else []
+        for path, lines in ((self.metrics, metrics), (self.evals, evals)):
+            with open(path, "w") as f:
+                f.writelines(json.dumps(x) + "\n" for x in lines)
+        if not start:
+            self.samples.unlink(missing_ok=True)
+        return metrics, evals
+
+
 def _complete(d: Path) -> bool:
-    from .checkpoint import is_complete
+    from ..checkpoint import is_complete
     return d.is_dir() and is_complete(d)
 
 
 def _aside(ckpt: Path) -> Path | None:
     """What a save killed between moving the previous checkpoint aside and renaming the new one
     into place leaves as the only copy: the newest complete ``<ckpt>.old-<pid>``."""
-    from .checkpoint import aside_copy
+    from ..checkpoint import aside_copy
     return aside_copy(ckpt)
 
 
@@ -58,8 +87,8 @@ def find_checkpoint(path: str) -> Path:
 def read_checkpoint_meta(ckpt: Path) -> dict:
     """trainer.json of a checkpoint written by python -m trainer, every key checked (the run
     settings in its data position too): a UsageError names the file, the key and what was expected."""
-    from .checkpoint import read_meta
-    from .errors import TrainError
+    from ..checkpoint import read_meta
+    from ..errors import TrainError
     f = ckpt / "trainer.json"
     try:
         meta = read_meta(f)
@@ -93,7 +122,8 @@ def _check_position(f: Path, pos: dict) -> None:
     run = pos.get("run")
     if run is None:
         return
-    from .cli_options import RESUMABLE, build_parser
+    from .options import build_parser
+    from .state import RESUMABLE
     kinds = _run_kinds()
     choices = {a.dest: a.choices for a in build_parser()._actions if a.choices}
     for key in RESUMABLE:
@@ -239,3 +269,40 @@ def default_out(run: Run) -> Path:
     while out.exists():
         out, i = base.with_name(f"{base.name}-{i}"), i + 1
     return out
+
+
+def saved_evals(position: dict, start: int) -> list[dict]:
+    """The held-out evaluations at the starts and ends of the earlier segments of a resumed run (kept in
+    the checkpoint's data position as "evals"); anything malformed is left out."""
+    out = []
+    for e in position.get("evals") or [] if isinstance(position.get("evals"), list) else []:
+        if (isinstance(e, dict) and type(e.get("step")) is int and 0 <= e["step"] <= start
+                and isinstance(e.get("loss"), (int, float)) and not isinstance(e.get("loss"), bool)):
+            out.append({k: e[k] for k in ("step", "loss", "answer_loss", "exact_match") if k in e})
+    return out
+
+
+def write_final_model(run: Run, model, out: Path) -> str:
+    """The run's result beside its checkpoints: OUT/model, in --save-dtype (merged, with --merge-lora),
+    or OUT/adapter for LoRA without merging; the line that says where. Merging changes the model in
+    place, so it happens after the last checkpoint was written."""
+    if run.lora_r is None or run.merge_lora:
+        if run.lora_r is not None:
+            model.merge_lora()
+        dtype = _save_dtype(run)
+        model.save_pretrained(out / "model", dtype)
+        copy_model_files(run.tokenizer, out / "model", run.model)
+        what = "merged model" if run.lora_r is not None else "model"
+        return f"{what} ({dtype}): {(out / 'model').resolve()} (transformers' Lfm2ForCausalLM loads it)"
+    model.save_adapter(out / "adapter", base_model=run.model)
+    return (f"LoRA adapter: {(out / 'adapter').resolve()} (PeftModel.from_pretrained(base, dir) loads it"
+            + (f" on {run.model})" if run.model else ")"))
+
+
+def _save_dtype(run: Run) -> str:
+    if run.save_dtype is not None:
+        return run.save_dtype
+    if run.source == "model" and Path(run.model).is_dir():
+        from lfm2jit.model.checkpoint import stored_dtype
+        return stored_dtype(Path(run.model))
+    return "f32"

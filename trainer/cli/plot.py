@@ -11,11 +11,12 @@ top left), so a reader can check what was drawn where.
 from __future__ import annotations
 
 import math
+import sys
 from pathlib import Path
 
 import numpy as np
 
-__all__ = ["plot_run", "trailing_mean"]
+__all__ = ["plot_run", "trailing_mean", "write_plot"]
 
 COLORS = {"loss": "#9bbbe8", "mean": "#1f4fa8", "eval": "#d62728", "match": "#2ca02c", "lr": "#7f3fbf",
           "grad_norm": "#ff7f0e"}
@@ -95,3 +96,11 @@ def plot_run(path, metrics: list[dict], evals: list[dict] | None = None, title: 
     fig.savefig(path, format="png", metadata=boxes)
     plt.close(fig)
     return path
+
+
+def write_plot(path: Path, metrics: list[dict], evals: list[dict]) -> None:
+    """The run's loss.png; a file that cannot be written is a note, not a failed run."""
+    try:
+        plot_run(path, metrics, evals, title=f"training: {path.parent.name}")
+    except OSError as e:
+        print(f"note: could not write {path}: {e}", file=sys.stderr)

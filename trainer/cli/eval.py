@@ -16,8 +16,10 @@ import sys
 import warnings
 from pathlib import Path
 
-from .cli_options import DEFAULT_MAX_LEN, DEFAULT_SAMPLES, UsageError
-from .open_model import load_model, open_tokenizer
+from ..open_model import load_model, open_tokenizer
+from .held_out import print_samples
+from .options import DEFAULT_MAX_LEN, DEFAULT_SAMPLES
+from .usage import UsageError, report
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,13 +46,12 @@ def main(argv: list[str]) -> int:
     try:
         return _run(args)
     except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return report(e)
 
 
 def _run(args) -> int:
-    from .data import Batch, DataError
-    from .evaluation import answer_cases, exact_match, greedy_answers, held_out_loss, last_user_turn, perplexity
+    from ..data import Batch, DataError
+    from ..evaluation import answer_cases, exact_match, greedy_answers, held_out_loss, perplexity
     for flag, value in (("--max-records", args.max_records), ("--max-len", args.max_len), ("--bucket", args.bucket)):
         if value is not None and value < 1:
             raise UsageError(f"{flag} must be at least 1, got {value}")
@@ -90,9 +91,7 @@ def _run(args) -> int:
         samples = greedy_answers(model, tok, cases, set(model.generation_eos) | ({end} - {None}))
         result.update(exact_match=exact_match(samples), answers=samples)
         print(f"  answers exactly right (greedy): {exact_match(samples):.1%} of {len(samples)}")
-        for x in samples[:args.samples]:
-            print(f"    {'ok ' if x['correct'] else 'BAD'} {last_user_turn(x['prompt'])!r} -> {x['answer']!r}"
-                  + ("" if x["correct"] else f" (expected {x['expected']!r})"))
+        print_samples(samples, args.samples, print)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
         print(f"  written: {Path(args.json).resolve()}")

@@ -1,0 +1,17 @@
+"""The command-line app, ``python -m trainer [COMMAND]``: one module per command. Without a command
+it trains (trainer/cli/train.py); ``generate`` and ``eval`` use a trained model alone."""
+from __future__ import annotations
+
+import importlib
+import sys
+
+# command word -> its module in this package; anything else is the train command's flags
+COMMANDS = {"generate": "generate", "eval": "eval"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command ``argv`` names (``sys.argv[1:]`` by default); its exit status."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] and argv[0] in COMMANDS:
+        return importlib.import_module(f".{COMMANDS[argv[0]]}", __name__).main(argv[1:])
+    return importlib.import_module(".train", __name__).main(argv)

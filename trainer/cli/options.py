@@ -1,0 +1,253 @@
+"""The flags of ``python -m trainer`` (training) and their documented defaults. Every flag's parser
+default is None, so that --resume can tell given flags from defaults; trainer/cli/resolve.py fills
+the defaults in."""
+from __future__ import annotations
+
+import argparse
+
+from lfm2jit.model.lora import DEFAULT_TARGETS
+
+from .report import BACKENDS
+from ..trainer import DEFAULT_PACK_TOKENS, DEFAULT_REPLAY_PASSES
+
+# Defaults of the run `python -m trainer` does with no arguments: a small model trained from
+# scratch on the shipped chat data (measured on lavapipe, 2 CPU cores: about 2.5 minutes, most
+# held-out answers right). initializer_range 0.05 (transformers' default is 0.02): at this width
+# the larger start learned the lookups sooner in PyTorch trials of this data.
+DEMO_PRESET = "demo"
+DEMO_SHAPE = dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, layer_types=["conv", "full_attention"], block_multiple_of=16,
+                  initializer_range=0.05)
+DEMO_STEPS = 2500
+DEMO_LR = 3e-3
+DEMO_CHECK_LOSS_DROP = 0.5     # with no arguments: exit 1 unless eval loss after <= 0.5 * before
+
+FINETUNE_LR = 5e-5
+DEFAULT_ACCUM = 4
+DEFAULT_MAX_LEN = 512
+DEFAULT_EVAL_FRACTION = 0.05
+DEFAULT_EVAL_MAX = 200
+DEFAULT_KEEP = 2
+DEFAULT_CHECKPOINT_MINUTES = 10.0
+DEFAULT_SAMPLES = 5
+
+SCHEDULES = ("constant", "warmup", "cosine", "linear")
+
+
+EPILOG = """\
+examples:
+  python -m trainer                                   # the main job: tiny LFM2 from scratch, a few minutes on CPU
+  python -m trainer --preset tiny --steps 50 --out runs/tiny
+  python -m trainer --model DIR --data chat.jsonl --lr 2e-5 --epochs 1 --grad-accum 8
+  python -m trainer --resume runs/tiny --steps 100    # continue a run from its latest checkpoint
+  python -m trainer generate --model runs/tiny/model --prompt "What is 3 + 4?"   # talk to it (generate --help)
+  python -m trainer eval --model runs/tiny/model --data held_out.jsonl            # score it alone (eval --help)
+  python -m trainer --model DIR --data d.jsonl --sync-dir /shared/sync --rank 0 --world-size 2 --out runs/x &
+  python -m trainer --model DIR --data d.jsonl --sync-dir /shared/sync --rank 1 --world-size 2 --out runs/x
+
+defaults that depend on the mode:
+  from scratch (no --model): --preset demo --lr 3e-3 --loss-on all, and on the built-in data --steps 2500
+  fine-tuning (--model DIR):  --lr 5e-5 --loss-on assistant
+  otherwise --epochs 1 when neither --steps nor --epochs is given
+  python -m trainer with no arguments at all also implies --check-loss-drop 0.5
+
+exit status: 0 done, 1 training failed (or --check-loss-drop not met), 2 bad usage or input
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The train command's parser: one argument group per concern."""
+    p = argparse.ArgumentParser(
+        prog="python -m trainer",
+        description="Train an LFM2 model on lfm2jit's WebGPU kernels. With no arguments: train a tiny LFM2 "
+                    "from scratch on the shipped synthetic chat data and tokenizer, then report. With "
+                    "--model DIR --data FILE.jsonl: fine-tune a Hugging Face LFM2 checkpoint.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_model_and_data(p)
+    _add_optimization(p)
+    _add_lora_and_frozen(p)
+    _add_output(p)
+    _add_sync_and_device(p)
+    return p
+
+
+def _add_model_and_data(p: argparse.ArgumentParser) -> None:
+    """The model to train and its data: --model or --preset, --tokenizer, --data, the held-out split."""
+    m = p.add_argument_group("model and data")
+    m.add_argument("--model", metavar="DIR",
+                   help="fine-tune this Hugging Face LFM2 checkpoint: config.json, model.safetensors (or a "
+                        "sharded index) and tokenizer.json in DIR. Without it a model is trained from scratch")
+    m.add_argument("--preset", metavar="NAME",
+                   help="shape of a model trained from scratch: demo (hidden 64, 2 layers: conv + attention; "
+                        "the default), tiny, tiny-untied, 350M, 700M, 1.2B; vocab_size is set to the "
+                        "tokenizer's size")
+    m.add_argument("--tokenizer", metavar="FILE",
+                   help="tokenizer.json (or a directory holding one); default: DIR/tokenizer.json with "
+                        "--model, else the shipped character-level tokenizer")
+    m.add_argument("--data", metavar="FILE.jsonl",
+                   help='training data: one JSON object a line, {"text": ...} or chat {"messages": [{"role", '
+                        '"content"}, ...]} (only assistant tokens are supervised); default: the shipped '
+                        "synthetic chat dataset (3000 records)")
+    m.add_argument("--data-kind", choices=("auto", "text", "chat"),
+                   help="record kind of --data: auto (by each record's key; default), text or chat")
+    m.add_argument("--loss-on", choices=("assistant", "all"),
+                   help="targets of chat records the loss counts: assistant (only the assistant answers, as in "
+                        "fine-tuning; the default with --model) or all (every next token of the rendered "
+                        "conversation, as in pretraining; the default from scratch). Text records: always all")
+    m.add_argument("--max-len", type=int, metavar="N",
+                   help=f"at most N positions per sequence; longer records are cut (with a note) "
+                        f"(default {DEFAULT_MAX_LEN})")
+    m.add_argument("--eval-fraction", type=float, metavar="F",
+                   help=f"hold out this fraction of the records (chosen by --seed) and report their mean loss "
+                        f"before and after training; 0 disables (default {DEFAULT_EVAL_FRACTION})")
+    m.add_argument("--eval-max", type=int, metavar="N",
+                   help=f"evaluate at most N held-out sequences (default {DEFAULT_EVAL_MAX})")
+    m.add_argument("--eval-data", metavar="FILE",
+                   help="held-out records from this JSONL file (same format as --data) instead of a fraction of "
+                        "--data")
+    m.add_argument("--eval-answers", type=int, metavar="N",
+                   help="score the greedy answers of up to N held-out chat records (their last assistant turn) "
+                        "for exact match at each evaluation; 0 disables (default: every evaluated record)")
+    m.add_argument("--samples", type=int, metavar="K",
+                   help=f"print K sample answers beside the expected ones at each evaluation (default {DEFAULT_SAMPLES})")
+    m.add_argument("--seed", type=int, metavar="N",
+                   help="seed of the initial weights (from scratch), the held-out split and the per-epoch "
+                        "shuffle (default 0)")
+
+
+def _add_optimization(p: argparse.ArgumentParser) -> None:
+    """The optimizer, its schedule, the batch and the run's length."""
+    o = p.add_argument_group("optimization")
+    o.add_argument("--optimizer", choices=("adamw", "sgd"), help="adamw (torch.optim.AdamW; default) or sgd "
+                                                                 "(torch.optim.SGD)")
+    o.add_argument("--lr", type=float, metavar="LR",
+                   help=f"peak learning rate (default {DEMO_LR:g} from scratch, {FINETUNE_LR:g} with --model)")
+    o.add_argument("--weight-decay", type=float, metavar="WD",
+                   help="weight decay: decoupled for adamw (default 0.01), added to the gradient for sgd "
+                        "(default 0)")
+    o.add_argument("--momentum", type=float, metavar="M", help="sgd momentum (default 0.9; adamw ignores it)")
+    o.add_argument("--schedule", choices=SCHEDULES,
+                   help="learning-rate schedule over the optimizer steps: constant; warmup (linear warmup, then "
+                        "constant); cosine (warmup, then cosine down to --min-lr; default); linear (warmup, then "
+                        "linear down to --min-lr)")
+    o.add_argument("--warmup-steps", type=int, metavar="N",
+                   help="warmup steps of the warmup/cosine/linear schedules (default 5%% of the steps)")
+    o.add_argument("--min-lr", type=float, metavar="LR",
+                   help="final learning rate of the cosine and linear schedules (default lr / 10)")
+    o.add_argument("--grad-accum", type=int, metavar="N",
+                   help=f"sequences per optimizer step (per rank): the batch size; the update is the mean over "
+                        f"them (default {DEFAULT_ACCUM})")
+    o.add_argument("--pack-tokens", type=int, metavar="N",
+                   help="run the sequences of a step packed, up to N positions per pass (padded to the longest); "
+                        f"0 = one sequence per pass (default {DEFAULT_PACK_TOKENS})")
+    o.add_argument("--replay", type=int, metavar="N",
+                   help="record the forward/backward pass of up to N input shapes and replay them (with the norm "
+                        "and optimizer steps) instead of running Python per kernel; each kept pass holds its "
+                        f"activations; 0 = off. Same results either way (default {DEFAULT_REPLAY_PASSES})")
+    o.add_argument("--clip", type=float, metavar="NORM",
+                   help="clip the global gradient L2 norm to NORM (torch.nn.utils.clip_grad_norm_); 0 = off "
+                        "(default 1.0)")
+    o.add_argument("--bucket", type=int, metavar="N",
+                   help="length bucket: kernels are compiled for lengths rounded up to a multiple of N, "
+                        "so every length in a bucket reuses them (default 64)")
+    o.add_argument("--scaler", action="store_true", default=None,
+                   help="dynamic loss scaling (GradScaler: scale 2**16, x0.5 and skip the step on inf/NaN "
+                        "gradients, x2 after 2000 clean steps)")
+    o.add_argument("--f16", action="store_true", default=None,
+                   help="mixed precision: activations and their gradients stored as f16 (half the activation "
+                        "memory and traffic); weights, gradients and optimizer state stay f32 and every kernel "
+                        "computes in f32. Turns on --scaler (f16 gradients need loss scaling). Needs an adapter "
+                        "with shader-f16")
+    o.add_argument("--recompute-mlp", action="store_true", default=None,
+                   help="backward recomputes each layer's MLP up-projections instead of keeping them: the largest "
+                        "activations, for two more matmuls per layer. Same results")
+    length = o.add_mutually_exclusive_group()
+    length.add_argument("--steps", type=int, metavar="N",
+                        help="train until optimizer step N (total, counting steps before a --resume)")
+    length.add_argument("--epochs", type=float, metavar="E",
+                        help="train for E passes over the training split (E may be fractional; default 1 unless "
+                             "--steps is given or the built-in run is done)")
+
+
+def _add_lora_and_frozen(p: argparse.ArgumentParser) -> None:
+    """Which parameters train: LoRA adapters, --train-only, --freeze."""
+    lo = p.add_argument_group("LoRA and frozen parameters (by default every parameter is trained)")
+    lo.add_argument("--lora-r", type=int, metavar="R",
+                    help="train LoRA adapters of rank R (PEFT's LoraConfig) instead of the whole model; the base "
+                         "weights stay frozen")
+    lo.add_argument("--lora-alpha", type=float, metavar="A", help="LoRA alpha; the update is scaled by A / R "
+                    "(default 2 R: Liquid's recipe uses R 8, alpha 16)")
+    lo.add_argument("--lora-targets", nargs="+", metavar="NAME",
+                    help=f"linear layers that get adapters, matched as PEFT matches target_modules (a module name "
+                         f"or its last part); default LFM2's every linear layer: {' '.join(DEFAULT_TARGETS)}")
+    lo.add_argument("--lora-dropout", type=float, metavar="P",
+                    help="LoRA dropout probability, PEFT's lora_dropout: each adapter's input elements dropped "
+                         "with probability P in training (masks drawn on the GPU; default 0)")
+    lo.add_argument("--lora-f16-base", action="store_true", default=None,
+                    help="keep the frozen base's linear weights as f16: half their memory")
+    lo.add_argument("--merge-lora", action="store_true", default=None,
+                    help="at the end, fold the adapters into the base and write the merged model to OUT/model "
+                         "(default: the adapter alone, to OUT/adapter, which PeftModel.from_pretrained loads)")
+    lo.add_argument("--train-only", nargs="+", metavar="PATTERN",
+                    help="train only the parameters whose transformers names match one of these shell patterns "
+                         "(e.g. 'lm_head.weight' 'model.layers.15.*'); with --lora-r, train these too")
+    lo.add_argument("--freeze", nargs="+", metavar="PATTERN",
+                    help="do not train the parameters whose names match one of these shell patterns")
+
+
+def _add_output(p: argparse.ArgumentParser) -> None:
+    """The run directory, checkpoints, --resume, evaluations and reporting."""
+    c = p.add_argument_group("output, checkpoints, resume")
+    c.add_argument("--out", metavar="DIR",
+                   help="run directory for metrics.jsonl, loss.png, summary.json, run.json and checkpoints/ "
+                        "(default runs/<date>-<time>; with --world-size > 1 runs/<run-id>; with --resume the run "
+                        "directory holding the checkpoint, whose metrics.jsonl is continued)")
+    c.add_argument("--checkpoint-every", type=int, metavar="N",
+                   help="also checkpoint every N optimizer steps; 0: only at the end (and on Ctrl-C/SIGTERM). "
+                        "Default: N chosen from the measured step time after the first 10 steps so that a "
+                        "checkpoint is written about every --checkpoint-minutes of training (none in runs shorter "
+                        "than that)")
+    c.add_argument("--checkpoint-minutes", type=float, metavar="M",
+                   help="without --checkpoint-every: checkpoint about every M minutes of training "
+                        f"(default {DEFAULT_CHECKPOINT_MINUTES:g})")
+    c.add_argument("--keep-checkpoints", type=int, metavar="K",
+                   help=f"keep only the newest K checkpoints of the run; 0 keeps all (default {DEFAULT_KEEP})")
+    c.add_argument("--resume", metavar="DIR",
+                   help="continue from a checkpoint (DIR/trainer.json) or a run directory's newest checkpoint: "
+                        "weights, optimizer, scaler, schedule, data position and the run's settings")
+    c.add_argument("--save-dtype", choices=("f32", "bf16", "f16"),
+                   help="dtype of the final model written to OUT/model (default: the input model's, f32 from "
+                        "scratch); checkpoints stay f32 so that --resume is exact")
+    c.add_argument("--eval-every", type=int, metavar="N",
+                   help="also score the held-out split every N optimizer steps: printed, written to eval.jsonl and "
+                        "drawn in loss.png (default 0: before and after training only)")
+    c.add_argument("--check-loss-drop", type=float, metavar="F",
+                   help="exit with status 1 unless the held-out loss after training is at most F times the loss "
+                        f"before (default: off; {DEMO_CHECK_LOSS_DROP} for the no-argument run)")
+    c.add_argument("--no-progress", action="store_true", default=None, help="no progress bar")
+    c.add_argument("--report-to", nargs="+", choices=BACKENDS, metavar="BACKEND",
+                   help="also log the settings, every step's metrics.jsonl scalars (train/KEY) and the evaluations "
+                        "(eval/KEY) to tensorboard (event files in OUT/tensorboard; pip install tensorboardX), "
+                        "wandb (files in OUT/wandb) and/or mlflow (MLFLOW_TRACKING_URI, else the SQLite store OUT/mlflow.db) "
+                        "(default: none)")
+
+
+def _add_sync_and_device(p: argparse.ArgumentParser) -> None:
+    """Several processes averaging their gradients, and the GPU adapter."""
+    s = p.add_argument_group("multi-process gradient sync (FileGradSync or MPI) and device")
+    s.add_argument("--distributed", choices=("file", "mpi"),
+                   help="how ranks average their gradients: file (through --sync-dir, the default) or mpi (launch "
+                        "with mpiexec -n N python -m trainer ... --distributed mpi: rank and world size from MPI; "
+                        "pip install mpi4py mpich)")
+    s.add_argument("--sync-dir", metavar="DIR",
+                   help="shared directory through which --world-size processes average their gradients every "
+                        "optimizer step; start one process per rank with the same flags")
+    s.add_argument("--rank", type=int, metavar="R", help="this process's rank, 0 .. world-size - 1 (default 0)")
+    s.add_argument("--world-size", type=int, metavar="N", help="number of processes (default 1)")
+    s.add_argument("--run-id", metavar="ID",
+                   help="name of the run's sync files, so files of another run are never mixed in: 1 to 64 letters, "
+                        "digits, '.', '_', '-', starting with a letter or digit (default run)")
+    s.add_argument("--sync-timeout", type=float, metavar="S",
+                   help="seconds to wait for the other ranks at a step before failing (default 600)")
+    s.add_argument("--adapter", metavar="SUBSTRING",
+                   help="use the wgpu adapter whose name/vendor/backend contains SUBSTRING (sets LFM2JIT_ADAPTER)")

@@ -1,0 +1,234 @@
+"""The train command's flags resolved into a ``Run``: defaults that depend on the mode (from scratch or
+fine-tuning), settings restored by ``--resume``, and validation with one-line errors (``UsageError``)."""
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+
+from lfm2jit.model.lora import DEFAULT_TARGETS
+
+from ..trainer import DEFAULT_PACK_TOKENS, DEFAULT_REPLAY_PASSES
+from .options import (DEFAULT_ACCUM, DEFAULT_CHECKPOINT_MINUTES, DEFAULT_EVAL_FRACTION, DEFAULT_EVAL_MAX, DEFAULT_KEEP,
+                      DEFAULT_MAX_LEN, DEFAULT_SAMPLES, DEMO_CHECK_LOSS_DROP, DEMO_LR, DEMO_PRESET, DEMO_STEPS,
+                      FINETUNE_LR)
+from .state import AS_YOU_LIKE, RESUMABLE, Run
+from .usage import UsageError
+
+
+def _given(args: argparse.Namespace) -> dict:
+    return {k: v for k, v in vars(args).items() if v is not None}
+
+
+def resolve(args: argparse.Namespace, argv_empty: bool, saved: dict | None = None, ckpt: Path | None = None) -> Run:
+    """Fill in defaults (or, with --resume, the checkpoint's settings), then validate."""
+    from ..data import default_dataset, default_tokenizer
+    g = _given(args)
+    notes: list[str] = []
+    # under MPI (given, or the resumed run's) the rank and world size come from MPI, never from the checkpoint
+    if g.get("distributed", (saved or {}).get("distributed")) == "mpi":
+        g.update(_mpi_world(g))
+    if saved is not None:
+        for flag in ("model", "preset"):
+            if flag in g:
+                raise UsageError(f"--{flag} cannot be combined with --resume: the model comes from the checkpoint")
+        base = {k: v for k, v in saved.items() if v is not None}
+        changed = [k for k in RESUMABLE if k in g and k in base and g[k] != base[k] and k not in AS_YOU_LIKE]
+        if changed:
+            notes.append("--resume with changed settings (the run will not continue exactly as before): "
+                         + ", ".join(f"{k} {base[k]!r} -> {g[k]!r}" for k in changed))
+        if "epochs" in g:
+            base.pop("steps", None)
+        cmd = dict(g)
+        base.update({k: v for k, v in g.items() if k in RESUMABLE})
+        g = {**g, **base}
+        _confirm_resumed_sync(cmd, g, ckpt, notes)
+        source = g["source"]
+    else:
+        source = "model" if "model" in g else "scratch"
+        if source == "model" and "preset" in g:
+            raise UsageError("--preset is for training from scratch; --model DIR brings its own config.json")
+    builtin_data = "data" not in g
+    model_dir = g.get("model")
+    if source == "model" and saved is None:
+        md = Path(model_dir)
+        if not md.is_dir():
+            raise UsageError(f"--model {model_dir}: no such directory")
+        if not (md / "config.json").is_file():
+            raise UsageError(f"--model {model_dir}: no config.json (a Hugging Face LFM2 checkpoint directory holds "
+                             "config.json, model.safetensors and tokenizer.json)")
+        if not any(md.glob("*.safetensors")) and not (md / "model.safetensors.index.json").is_file():
+            raise UsageError(f"--model {model_dir}: no *.safetensors weights")
+    tokenizer = g.get("tokenizer")
+    if tokenizer is None and ckpt is not None and (ckpt / "model" / "tokenizer.json").is_file():
+        tokenizer = str(ckpt / "model" / "tokenizer.json")      # the copy every checkpoint carries
+    if tokenizer is None:
+        if source == "model":
+            tokenizer = str(Path(model_dir) / "tokenizer.json")
+            if not Path(tokenizer).is_file():
+                raise UsageError(f"--model {model_dir}: no tokenizer.json (pass --tokenizer FILE)")
+        else:
+            tokenizer = str(default_tokenizer())
+    data = g.get("data") or str(default_dataset())
+    if not Path(data).is_file():
+        raise UsageError(f"--data {data}: no such file")
+    if g.get("eval_data") is not None and not Path(g["eval_data"]).is_file():
+        raise UsageError(f"--eval-data {g['eval_data']}: no such file")
+    if not Path(tokenizer).exists():
+        raise UsageError(f"--tokenizer {tokenizer}: no such file or directory")
+    optimizer = g.get("optimizer", "adamw")
+    lr = g.get("lr", DEMO_LR if source == "scratch" else FINETUNE_LR)
+    steps = g.get("steps")
+    epochs = g.get("epochs")
+    if steps is None and epochs is None and source == "scratch" and builtin_data:
+        steps = DEMO_STEPS
+    world = g.get("world_size", 1)
+    run = Run(
+        source=source, model=model_dir, preset=g.get("preset", DEMO_PRESET if source == "scratch" else None),
+        tokenizer=tokenizer, data=data, data_kind=g.get("data_kind", "auto"),
+        loss_on=g.get("loss_on", "all" if source == "scratch" else "assistant"),
+        max_len=g.get("max_len", DEFAULT_MAX_LEN), eval_fraction=g.get("eval_fraction", DEFAULT_EVAL_FRACTION),
+        eval_max=g.get("eval_max", DEFAULT_EVAL_MAX), seed=g.get("seed", 0), optimizer=optimizer, lr=lr,
+        weight_decay=g.get("weight_decay", 0.01 if optimizer == "adamw" else 0.0), momentum=g.get("momentum", 0.9),
+        schedule=g.get("schedule", "cosine"), warmup_steps=g.get("warmup_steps"), min_lr=g.get("min_lr", lr / 10),
+        grad_accum=g.get("grad_accum", DEFAULT_ACCUM), pack_tokens=g.get("pack_tokens", DEFAULT_PACK_TOKENS),
+        replay=g.get("replay", DEFAULT_REPLAY_PASSES), recompute_mlp=bool(g.get("recompute_mlp", False)), clip=g.get("clip", 1.0), bucket=g.get("bucket", 64),
+        scaler=bool(g.get("scaler", False) or g.get("f16", False)), f16=bool(g.get("f16", False)),
+        steps=steps, epochs=epochs, out=g.get("out"),
+        checkpoint_every=g.get("checkpoint_every"), checkpoint_minutes=g.get("checkpoint_minutes", DEFAULT_CHECKPOINT_MINUTES),
+        keep_checkpoints=g.get("keep_checkpoints", DEFAULT_KEEP),
+        check_loss_drop=g.get("check_loss_drop", DEMO_CHECK_LOSS_DROP if argv_empty else None),
+        progress=not g.get("no_progress", False), sync_dir=g.get("sync_dir"), rank=g.get("rank", 0),
+        world_size=world, run_id=g.get("run_id", "run"), sync_timeout=g.get("sync_timeout", 600.0),
+        adapter=g.get("adapter"), resume=g.get("resume"), builtin_data=builtin_data, notes=notes,
+        lora_r=g.get("lora_r"), lora_alpha=g.get("lora_alpha", 2.0 * g["lora_r"] if "lora_r" in g else None),
+        lora_targets=g.get("lora_targets", list(DEFAULT_TARGETS) if "lora_r" in g else None),
+        lora_dropout=g.get("lora_dropout", 0.0), lora_f16_base=bool(g.get("lora_f16_base", False)),
+        merge_lora=bool(g.get("merge_lora", False)), train_only=g.get("train_only"), freeze=g.get("freeze"),
+        eval_every=g.get("eval_every", 0), save_dtype=g.get("save_dtype"), eval_data=g.get("eval_data"),
+        eval_answers=g.get("eval_answers"), samples=g.get("samples", DEFAULT_SAMPLES),
+        report_to=list(dict.fromkeys(g.get("report_to") or [])), distributed=g.get("distributed", "file"),
+        derived={k for k in ("min_lr", "warmup_steps", "tokenizer", "data") if k not in g})
+    _validate(run)
+    for key in ("model", "tokenizer", "data", "eval_data", "sync_dir"):   # kept in checkpoints: independent of the cwd
+        if getattr(run, key) is not None:
+            setattr(run, key, str(Path(getattr(run, key)).resolve()))
+    return run
+
+
+def _mpi_world(g: dict) -> dict:
+    """--distributed mpi: this process's rank and the world size, from MPI's COMM_WORLD."""
+    given = [f"--{k.replace('_', '-')}" for k in ("rank", "world_size", "sync_dir") if k in g]
+    if given:
+        raise UsageError(f"--distributed mpi takes the rank and world size from MPI (mpiexec -n N); drop "
+                         f"{', '.join(given)}")
+    from ..errors import TrainError
+    from ..mpi_sync import load_mpi
+    try:
+        MPI = load_mpi()
+    except TrainError as e:
+        raise UsageError(str(e)) from None
+    return {"rank": MPI.COMM_WORLD.Get_rank(), "world_size": MPI.COMM_WORLD.Get_size(), "sync_dir": None}
+
+
+def _confirm_resumed_sync(cmd: dict, g: dict, ckpt: Path | None, notes: list[str]) -> None:
+    """The sync settings a resumed run takes from the checkpoint's trainer.json alone (not from the
+    command line) are checked, confirmed against the command line and reported in a note: a crafted
+    or moved checkpoint must not decide silently where the run writes its gradient files."""
+    import os
+    from ..sync import run_id_problem
+    if g.get("distributed") == "mpi":            # rank and world from MPI, no directory
+        return
+    src = f"--resume {ckpt}: {Path(ckpt) / 'trainer.json' if ckpt is not None else 'trainer.json'}"
+    world = g.get("world_size", 1)
+    if "world_size" not in cmd and (type(world) is not int or world < 1):
+        raise UsageError(f"{src}: world_size must be a positive integer, got {world!r}")
+    if "sync_timeout" not in cmd and "sync_timeout" in g and (type(g["sync_timeout"]) not in (int, float)
+                                                              or not g["sync_timeout"] > 0):
+        raise UsageError(f"{src}: sync_timeout must be a positive number, got {g['sync_timeout']!r}")
+    if "run_id" not in cmd and "run_id" in g and run_id_problem(g["run_id"]):
+        raise UsageError(f"{src}: run_id {run_id_problem(g['run_id'])}")
+    if "sync_dir" not in cmd and "sync_dir" in g and not isinstance(g["sync_dir"], str):
+        raise UsageError(f"{src}: sync_dir must be a string, got {g['sync_dir']!r}")
+    if type(world) is not int or world <= 1:
+        return
+    taken = [k for k in ("world_size", "sync_dir", "run_id") if k in g and k not in cmd]
+    if not taken:
+        return
+    if not any(k in cmd for k in ("rank", "world_size", "sync_dir")):
+        raise UsageError(f"{src} holds rank 0 of a {world}-process run syncing through {g.get('sync_dir')!r}: to "
+                         "continue it, start every rank with --resume and its --rank R (add --sync-dir DIR to sync "
+                         "elsewhere), or pass --world-size 1 to continue in one process")
+    if "sync_dir" not in cmd:
+        d = g.get("sync_dir")
+        if not d or not os.path.isabs(d) or not Path(d).is_dir():
+            raise UsageError(f"{src} names the sync directory {d!r}, which is not an existing directory given by an "
+                             "absolute path; pass --sync-dir DIR (the same to every rank)")
+    notes.append(f"--resume: gradients are synced through {g.get('sync_dir')} as run {g.get('run_id', 'run')!r} "
+                 f"({', '.join(taken)} from {Path(ckpt) / 'trainer.json' if ckpt is not None else 'trainer.json'}; "
+                 "pass --sync-dir and --run-id to choose others)")
+
+
+def _dir_problem(value) -> str | None:
+    """Why ``value`` cannot be (or become) a directory: empty, or it or a parent is an existing non-directory."""
+    if not str(value).strip():
+        return "must name a directory, got ''"
+    p = Path(value)
+    for q in (p, *p.parents):
+        if q.is_dir():
+            return None
+        if q.exists() or q.is_symlink():
+            return f"{value}: {'exists' if q == p else f'{q} exists'} and is not a directory"
+    return None
+
+
+def _validate(r: Run) -> None:
+    def positive(name, value, allow_zero=False):
+        if value is None:
+            return
+        if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+            raise UsageError(f"--{name.replace('_', '-')} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
+    if r.distributed not in ("file", "mpi"):         # a checkpoint's value: the flag's choices are argparse's
+        raise UsageError(f"--distributed must be file or mpi, got {r.distributed!r}")
+    for name in ("lr", "min_lr", "weight_decay", "momentum", "clip", "eval_fraction", "sync_timeout",
+                 "checkpoint_minutes"):
+        positive(name, getattr(r, name), allow_zero=name not in ("sync_timeout", "checkpoint_minutes"))
+    for name in ("grad_accum", "bucket", "max_len", "eval_max", "world_size"):
+        positive(name, getattr(r, name))
+    for name in ("checkpoint_every", "keep_checkpoints", "warmup_steps", "pack_tokens", "replay", "eval_every",
+                 "eval_answers", "samples"):
+        positive(name, getattr(r, name), allow_zero=True)
+    positive("steps", r.steps)
+    positive("epochs", r.epochs)
+    if r.min_lr > r.lr and r.schedule in ("cosine", "linear"):
+        raise UsageError(f"--min-lr {r.min_lr:g} is larger than --lr {r.lr:g}")
+    if r.eval_fraction >= 1:
+        raise UsageError(f"--eval-fraction must be below 1, got {r.eval_fraction}")
+    if r.preset is not None and r.source == "scratch":
+        from lfm2jit.model.config import PRESETS
+        if r.preset != DEMO_PRESET and r.preset not in PRESETS:
+            raise UsageError(f"unknown --preset {r.preset!r}; available: {', '.join([DEMO_PRESET, *PRESETS])}")
+    if not 0 <= r.rank < r.world_size:
+        raise UsageError(f"--rank must be in 0..{r.world_size - 1} for --world-size {r.world_size}, got {r.rank}")
+    if r.world_size > 1 and not r.sync_dir and r.distributed != "mpi":
+        raise UsageError("--world-size > 1 needs --sync-dir DIR, a directory every rank can read and write "
+                         "(or launch under mpiexec with --distributed mpi)")
+    lora_only = [f for f, v in (("lora-alpha", "lora_alpha"), ("lora-targets", "lora_targets"), ("lora-dropout",
+                                "lora_dropout"), ("lora-f16-base", "lora_f16_base"), ("merge-lora", "merge_lora"))
+                 if getattr(r, v) and r.lora_r is None]
+    if lora_only:
+        raise UsageError(f"--{lora_only[0]} needs --lora-r R (the rank of the adapters to train)")
+    positive("lora_r", r.lora_r)
+    positive("lora_alpha", r.lora_alpha)
+    if not (0.0 <= r.lora_dropout < 1.0):
+        raise UsageError(f"--lora-dropout must be in [0, 1), got {r.lora_dropout:g}")
+    from .report import missing
+    for name in r.report_to:
+        if missing(name):
+            raise UsageError(f"--report-to {name}: {missing(name)}")
+    from ..sync import run_id_problem
+    if run_id_problem(r.run_id):
+        raise UsageError(f"--run-id {run_id_problem(r.run_id)}")
+    for flag, value in (("out", r.out), ("sync-dir", r.sync_dir)):
+        if value is not None and _dir_problem(value):
+            raise UsageError(f"--{flag} {_dir_problem(value)}")

@@ -1,0 +1,117 @@
+"""The run's data: the training sequences and the held-out ones, read from --data (and --eval-data)
+with the run's tokenizer, and the shuffled order in which the steps take the training sequences."""
+from __future__ import annotations
+
+import hashlib
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .state import Run
+from .usage import UsageError
+
+
+@dataclass
+class Data:
+    train: list            # (input_ids, target_ids, loss_mask) with at least one supervised target
+    eval: list             # (input_ids, target_ids, loss_mask, answer_mask or None)
+    sha1: str
+    notes: list[str]
+    has_answers: bool      # eval holds chat records trained on all tokens: also report the answer loss
+    label: str = "all tokens"    # which targets the loss counts, for the summary
+    held: int = 0          # held-out records before --eval-max (eval holds the first --eval-max of them)
+
+
+def _triples(seqs, loss_on: str):
+    """Training triples; with loss_on "all" every target of a sequence is supervised, and the
+    assistant-only mask is kept alongside (None when it is the same)."""
+    out = []
+    for s in seqs:
+        ids, targets, mask = s.triple()
+        if ids.size == 0:
+            continue
+        if loss_on == "all":
+            full = np.ones_like(mask)
+            out.append((ids, targets, full, None if np.array_equal(mask, full) else mask))
+        elif mask.any():
+            out.append((ids, targets, mask, None))
+    return out
+
+
+def _read_batch(path: str, run: Run, tok, notes: list[str], flag: str = ""):
+    """A JSONL file's records as a Batch; its warnings join ``notes``; bad input is a UsageError."""
+    from ..data import Batch, DataError
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            batch = Batch.from_jsonl(path, tok, max_len=run.max_len, kind=run.data_kind)
+        except (DataError, FileNotFoundError) as e:
+            raise UsageError(f"{flag}{e}") from None
+        except UnicodeDecodeError as e:
+            raise UsageError(f"{flag}{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    notes += [str(w.message) for w in caught]
+    return batch
+
+
+def load_data(run: Run, tok) -> Data:
+    notes: list[str] = []
+    batch = _read_batch(run.data, run, tok, notes)
+    empty = sum(1 for s in batch if s.is_empty if run.loss_on == "assistant" or s.length == 0)
+    if empty:
+        notes.append(f"{empty} record(s) have no supervised token and are skipped")
+    cut = sum(1 for s in batch if s.is_empty and s.length > 0) if run.loss_on == "all" else 0
+    if cut:
+        notes.append(f"--loss-on all: the {cut} record(s) without an assistant token are still trained on, on "
+                     "every token they kept (only an --loss-on assistant run skips them)")
+    if run.eval_data is not None:
+        held = _read_batch(run.eval_data, run, tok, notes, "--eval-data ")
+        train = batch
+    elif run.eval_fraction > 0:
+        if len(batch) < 2:
+            raise UsageError(f"{run.data}: {len(batch)} record(s) cannot be split into training and held-out "
+                             "sequences; pass --eval-fraction 0")
+        try:
+            train, held = batch.split(run.eval_fraction, run.seed)
+        except ValueError as e:
+            raise UsageError(f"{run.data}: {e}") from None
+    else:
+        train, held = batch, batch[:0]
+    sha1 = hashlib.sha1(Path(run.data).read_bytes()).hexdigest()
+    tr = [t[:3] for t in _triples(train, run.loss_on)]
+    ev = _triples(held, run.loss_on)[:run.eval_max]
+    if not tr:
+        raise UsageError(f"{run.data}: no training sequence has a supervised token")
+    full = all(bool(t[2].all()) for t in tr)
+    return Data(tr, ev, sha1, notes, has_answers=any(e[3] is not None for e in ev),
+                label="all tokens" if full else "assistant tokens", held=len(held))
+
+
+def epoch_order(n: int, seed: int, epoch: int) -> np.ndarray:
+    """The training order of an epoch: a permutation of 0..n-1 fixed by (seed, epoch)."""
+    return np.random.default_rng([seed, epoch]).permutation(n)
+
+
+@dataclass
+class Cursor:
+    """Where the run is in its data: the epoch, the next sequence of the epoch's order, the tokens
+    trained on so far (all of it kept in a checkpoint's data position)."""
+    n: int                 # training sequences
+    seed: int
+    epoch: int = 0
+    next: int = 0
+    tokens: int = 0
+
+    def __post_init__(self):
+        self.order = epoch_order(self.n, self.seed, self.epoch)
+
+    def take(self, per_step: int) -> np.ndarray:
+        """The next step's window of ``per_step`` sequence indices; a window that does not fit in the
+        epoch starts the next one."""
+        if self.next + per_step > self.n:
+            self.epoch, self.next = self.epoch + 1, 0
+            self.order = epoch_order(self.n, self.seed, self.epoch)
+        window = self.order[self.next:self.next + per_step]
+        self.next += per_step
+        return window

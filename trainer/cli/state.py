@@ -1,0 +1,149 @@
+"""The typed state of a training run: ``Run``, its resolved settings (run.json, and what a checkpoint
+keeps for --resume); ``Session``, everything built before the first step; ``History``, what the
+run has measured so far."""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .options import DEFAULT_SAMPLES
+
+if TYPE_CHECKING:
+    from .splits import Data
+
+# Settings whose change on --resume does not alter the training itself (a changed --steps shows up as a
+# changed schedule, noted separately).
+AS_YOU_LIKE = {"steps", "checkpoint_every", "checkpoint_minutes", "eval_every", "keep_checkpoints", "eval_max", "sync_timeout", "check_loss_drop",
+               "eval_answers", "samples"}
+
+# Settings a checkpoint carries and --resume restores (flags given with --resume override them).
+RESUMABLE = ("tokenizer", "data", "data_kind", "loss_on", "max_len", "eval_fraction", "eval_max", "seed", "optimizer", "lr",
+             "weight_decay", "momentum", "schedule", "warmup_steps", "min_lr", "grad_accum", "pack_tokens", "clip", "bucket",
+             "scaler", "f16", "steps", "checkpoint_every", "checkpoint_minutes", "keep_checkpoints", "world_size", "sync_dir", "run_id",
+             "sync_timeout", "check_loss_drop", "source", "preset", "lora_r", "lora_alpha", "lora_targets",
+             "lora_dropout", "lora_f16_base", "merge_lora", "train_only", "freeze", "eval_every", "save_dtype",
+             "eval_data", "eval_answers", "samples", "distributed")
+
+
+@dataclass
+class Run:
+    """The resolved settings of a run (everything a default or a checkpoint could supply)."""
+    source: str                     # "scratch" or "model"
+    model: str | None
+    preset: str | None
+    tokenizer: str
+    data: str
+    data_kind: str
+    loss_on: str
+    max_len: int
+    eval_fraction: float
+    eval_max: int
+    seed: int
+    optimizer: str
+    lr: float
+    weight_decay: float
+    momentum: float
+    schedule: str
+    warmup_steps: int | None        # None: 5% of the steps, fixed once steps are known
+    min_lr: float
+    grad_accum: int
+    pack_tokens: int
+    replay: int
+    recompute_mlp: bool
+    clip: float
+    bucket: int
+    scaler: bool
+    f16: bool
+    steps: int | None
+    epochs: float | None
+    out: str | None
+    checkpoint_every: int | None    # None: chosen from the measured step time (about every checkpoint_minutes)
+    checkpoint_minutes: float
+    keep_checkpoints: int
+    check_loss_drop: float | None
+    progress: bool
+    sync_dir: str | None
+    rank: int
+    world_size: int
+    run_id: str
+    sync_timeout: float
+    adapter: str | None
+    resume: str | None
+    lora_r: int | None = None
+    lora_alpha: float | None = None
+    lora_targets: list[str] | None = None
+    lora_dropout: float = 0.0
+    lora_f16_base: bool = False
+    merge_lora: bool = False
+    train_only: list[str] | None = None
+    freeze: list[str] | None = None
+    eval_every: int = 0
+    eval_data: str | None = None
+    eval_answers: int | None = None   # None: every evaluated record
+    samples: int = DEFAULT_SAMPLES
+    save_dtype: str | None = None     # None: the input model's (resolved in prepare), f32 from scratch
+    report_to: list[str] = field(default_factory=list)   # --report-to backends (not kept in checkpoints)
+    distributed: str = "file"                             # how ranks average gradients: "file" or "mpi"
+    builtin_data: bool = False
+    notes: list[str] = field(default_factory=list)
+    derived: set = field(default_factory=set)     # settings left to defaults that follow others
+
+    def saved(self) -> dict:
+        """The settings a checkpoint keeps. Defaults derived from other settings (min_lr = lr / 10,
+        warmup = 5% of the steps) are kept as None, so they follow an overridden lr or steps."""
+        return {k: None if k in self.derived else getattr(self, k) for k in RESUMABLE}
+
+
+@dataclass
+class Session:
+    """Everything a training run builds before its first step (trainer/cli/prepare.py)."""
+    run: Run
+    tok: Any                 # the tokenizers.Tokenizer of run.tokenizer
+    data: Data
+    ctx: Any                 # lfm2jit.WgpuContext
+    engine: Any              # lfm2jit.ComputeEngine
+    model: Any               # lfm2jit.model.Lfm2Model
+    trainer: Any             # trainer.Trainer
+    out: Path                # the run directory
+    position: dict           # the checkpoint's data position (epoch, next, elapsed, tokens, evals), or a fresh one
+    ckpt: Path | None        # the checkpoint of --resume
+    params: list             # the parameters trained
+
+    def sum_over_ranks(self, values, what: str) -> list[float]:
+        """The sums over the ranks of ``values`` (through the gradient sync); this rank's own alone."""
+        if self.run.world_size == 1:
+            return [float(v) for v in values]
+        return self.trainer.distributed_grad_sync.allreduce_sum(values, what)
+
+    def finish_sync(self) -> None:
+        """The ranks ended together (done, or stopped after the same step by a signal): the sync's files
+        go, so that the same command can run again and --resume finds no earlier run's files."""
+        from .. import TrainError
+        if self.run.world_size > 1 and hasattr(self.trainer.distributed_grad_sync, "finish"):
+            try:
+                self.trainer.distributed_grad_sync.finish()
+            except TrainError as e:
+                print(f"note: {e}", file=sys.stderr)
+
+
+@dataclass
+class History:
+    """What the run has measured, its earlier segments (before a --resume) included."""
+    start: int                    # the optimizer step this segment started after
+    elapsed_before: float         # training seconds of the earlier segments
+    metrics_before: list[dict]    # metrics.jsonl lines of the earlier segments
+    evals_during: list[dict]      # the --eval-every evaluations (eval.jsonl's lines)
+    evals_at_ends: list[dict]     # held-out losses at the segments' starts and ends (kept in checkpoints)
+    metrics: list[dict] = field(default_factory=list)     # this segment's metrics.jsonl lines
+    eval_before: dict = field(default_factory=dict)       # this segment's first evaluation ({}: no held-out data)
+
+    @property
+    def whole(self) -> list[dict]:
+        """Every metrics line of the run."""
+        return self.metrics_before + self.metrics
+
+    def evals(self) -> list[dict]:
+        """Every evaluation of the run, by step."""
+        return sorted(self.evals_at_ends + self.evals_during, key=lambda e: e["step"])

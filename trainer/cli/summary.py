@@ -1,0 +1,145 @@
+"""What a training run tells the user: the banner at its start, each held-out evaluation, and the
+summary at its end (printed, and written to summary.json), with the --check-loss-drop verdict."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from .held_out import print_samples
+from .run_dir import RunFiles, clean
+from .state import History, Session
+
+
+def fmt_count(n: int) -> str:
+    return f"{n / 1e6:.2f}M" if n >= 1e6 else (f"{n / 1e3:.1f}k" if n >= 1e3 else str(n))
+
+
+def fell(ratio: float) -> bool:
+    """Whether a loss ratio shown as x{ratio:.2f} shows a fall (x1.00 does not)."""
+    return bool(np.isfinite(ratio)) and float(f"{ratio:.2f}") < 1.0
+
+
+def print_banner(s: Session, start: int) -> None:
+    """What is trained, on what, for which steps, and where the files go."""
+    run, data, cfg = s.run, s.data, s.model.cfg
+    n_params = sum(int(np.prod(t.shape)) for t in s.model.parameters())
+    n_trained = sum(int(np.prod(t.shape)) for t in s.params)
+    what = (f"resuming {s.ckpt}" if s.ckpt else f"fine-tuning {run.model}" if run.source == "model"
+            else f"training from scratch (preset {run.preset})")
+    print(f"lfm2jit trainer: {what} on {s.ctx.name}")
+    print(f"  model: {fmt_count(n_params)} parameters, hidden {cfg.hidden_size}, {cfg.num_hidden_layers} layers "
+          f"({', '.join(cfg.layer_types)}), vocab {cfg.vocab_size}")
+    if n_trained != n_params:
+        lora = (f"LoRA r {run.lora_r} alpha {run.lora_alpha:g} on {', '.join(run.lora_targets)}"
+                + (", f16 base" if run.lora_f16_base else "") if run.lora_r is not None else "a subset")
+        print(f"  training {fmt_count(n_trained)} of them ({100 * n_trained / n_params:.2f}%): {lora}")
+    print(f"  data: {run.data}: {len(data.train)} training sequences, {data.held} held out"
+          + (f" ({len(data.eval)} of them evaluated: --eval-max {run.eval_max})" if len(data.eval) < data.held else "")
+          + (f"; rank {run.rank} of {run.world_size}" if run.world_size > 1 else ""))
+    print(f"  steps {start + 1}..{run.steps}: {run.grad_accum} sequence(s) per step"
+          + (f" per rank x {run.world_size} ranks" if run.world_size > 1 else "")
+          + f", {run.optimizer} lr {run.lr:g} ({run.schedule}), clip {run.clip:g}, bucket {run.bucket}"
+          + (", loss scaling" if run.scaler else "") + (", f16 activations" if run.f16 else ""))
+    print(f"  output: {s.out.resolve()}")
+    sys.stdout.flush()
+
+
+def print_eval_before(s: Session, before: dict, seconds: float) -> None:
+    print(f"  held-out loss before training: {before['loss']:.4f}"
+          + (f" (answer tokens only: {before['answer_loss']:.4f})" if s.data.has_answers else "")
+          + f"; {len(s.data.eval)} sequences, {seconds:.1f}s")
+    sys.stdout.flush()
+
+
+def print_eval_during(s: Session, step: int, ev: dict, write) -> None:
+    """An evaluation during training, with its first --samples answers, through ``write``."""
+    write(f"  step {step}: held-out loss {ev['loss']:.4f}"
+          + (f" (answers {ev['answer_loss']:.4f})" if s.data.has_answers else "")
+          + (f", exact match {ev['exact_match']:.0%} of {ev['answers_scored']}"
+             if ev["exact_match"] is not None else ""))
+    if ev["exact_match"] is not None:
+        print_samples(ev["samples"], s.run.samples, write)
+
+
+def conclude(s: Session, h: History, final_eval: dict, final_samples: list[dict], train_seconds: float,
+             eval_seconds: float, files: RunFiles, checkpoint: Path | None, final_model: str | None, reporters) -> int:
+    """Write summary.json for the whole run (the earlier segments of a resumed run too), print it; the
+    exit status (1 when --check-loss-drop is not met)."""
+    run, data, nan = s.run, s.data, float("nan")
+    steps = s.trainer.optimizer_steps()
+    eval_before, answer_before = h.eval_before.get("loss", nan), h.eval_before.get("answer_loss", nan)
+    eval_after, answer_after = final_eval.get("loss", nan), final_eval.get("answer_loss", nan)
+    first_eval = h.evals_at_ends[0] if h.evals_at_ends else None
+    if first_eval is not None and first_eval["step"] < h.start:       # the held-out loss at the run's start
+        eval_before = first_eval["loss"] if first_eval["loss"] is not None else nan
+        answer_before = nan if first_eval.get("answer_loss") is None else first_eval["answer_loss"]
+    whole, new = h.whole, h.metrics
+    losses = [m["loss"] for m in whole if not m["skipped"] and m["loss"] is not None]
+    loss_steps = [m["step"] for m in whole if not m["skipped"] and m["loss"] is not None]
+    k = max(1, len(losses) // 10)
+    first, last = (losses[0], losses[-1]) if losses else (nan, nan)
+    first_avg = float(np.mean(losses[:k])) if losses else nan
+    last_avg = float(np.mean(losses[-k:])) if losses else nan
+    toks = sum(m["tokens"] for m in new)
+    tps = toks / train_seconds if train_seconds > 0 else nan
+    run_toks, run_seconds = sum(m["tokens"] for m in whole), h.elapsed_before + train_seconds
+    if data.eval:
+        ratio = eval_after / eval_before
+    else:
+        ratio = last_avg / first_avg if losses else nan
+    summary = {
+        "steps": steps, "steps_this_run": len(new), "first_step": h.start + 1,
+        "sequences": run.grad_accum * run.world_size * len(whole), "tokens": run_toks,
+        "train_seconds": round(run_seconds, 2),
+        "tokens_per_s": round(run_toks / run_seconds, 1) if run_seconds > 0 else None,
+        "tokens_this_run": toks, "train_seconds_this_run": round(train_seconds, 2),
+        "tokens_per_s_this_run": round(tps, 1), "first_loss": first, "last_loss": last,
+        f"first_{k}_steps_mean_loss": first_avg, f"last_{k}_steps_mean_loss": last_avg,
+        "eval_sequences": len(data.eval), "eval_before": eval_before, "eval_after": eval_after,
+        "eval_answer_before": answer_before, "eval_answer_after": answer_after,
+        "eval_perplexity_after": final_eval.get("perplexity"), "eval_answer_perplexity_after": final_eval.get(
+            "answer_perplexity"), "eval_exact_match": final_eval.get("exact_match"),
+        "eval_answers_scored": final_eval.get("answers_scored", 0),
+        "eval_seconds": round(eval_seconds, 2), "loss_fell": fell(ratio), "loss_ratio": ratio,
+        "evals_during": h.evals_during,
+        "metrics": str(files.metrics.resolve()), "plot": str(files.plot.resolve()),
+        "checkpoint": str(Path(checkpoint).resolve()) if checkpoint else None,
+    }
+    summary = {key: clean(v) for key, v in summary.items()}
+    files.summary.write_text(json.dumps(summary, indent=2) + "\n")
+    reporters.finish("finished")
+    print()
+    print(f"done: {len(new)} optimizer steps (to step {steps}) on {toks} tokens in "
+          f"{train_seconds:.1f}s: {tps:.0f} tokens/s")
+    if losses:
+        print(f"  train loss: step {loss_steps[0]} {first:.4f} -> step {loss_steps[-1]} {last:.4f}"
+              + (f"  (mean of the first {k} steps {first_avg:.4f} -> of the last {k} {last_avg:.4f})" if k > 1 else ""))
+    if data.eval:
+        print(f"  held-out loss ({data.label}): {eval_before:.4f} before -> {eval_after:.4f} after  "
+              f"(x{eval_after / eval_before:.2f}, {len(data.eval)} sequences)")
+        if data.has_answers:
+            print(f"  held-out loss on the answers only: {answer_before:.4f} before -> {answer_after:.4f} after  "
+                  f"(x{answer_after / answer_before:.2f})")
+        if final_eval.get("exact_match") is not None:
+            print(f"  held-out answers exactly right: {final_eval['exact_match']:.0%} of "
+                  f"{final_eval['answers_scored']} (greedy; all in {files.samples.resolve()}), for example:")
+            print_samples(final_samples, run.samples, print)
+    print(f"  the {'held-out' if data.eval else 'training'} loss {'fell' if fell(ratio) else 'DID NOT FALL'} "
+          f"(x{ratio:.2f})")
+    print(f"  metrics: {files.metrics.resolve()}")
+    print(f"  loss curve: {files.plot.resolve()}")
+    if checkpoint:
+        print(f"  checkpoint: {Path(checkpoint).resolve()}  (Hugging Face model in its model/ directory"
+              + (", the LoRA adapter in adapter/)" if run.lora_r is not None else ")"))
+    if final_model is not None:
+        print(f"  {final_model}")
+    print(f"  summary: {files.summary.resolve()}")
+    if run.check_loss_drop is not None and len(new) and not (ratio <= run.check_loss_drop):
+        print(f"error: the {'held-out' if data.eval else 'training'} loss went from "
+              f"{eval_before if data.eval else first_avg:.4f} to {eval_after if data.eval else last_avg:.4f} "
+              f"(x{ratio:.2f}); --check-loss-drop wants at most x{run.check_loss_drop:g}", file=sys.stderr)
+        return 1
+    return 0
