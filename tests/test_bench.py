@@ -80,3 +80,12 @@ def test_side_by_side_quick_against_torch_on_cpu(tmp_path):
 ])
 def test_profile_classes_see_through_f16_variants(kernel, cls):
     assert bench._kernel_class(kernel) == cls
+
+
+def test_probes_compile():
+    """The one-off probes in benches/probes/ stay valid Python where they moved (each imports bench.py from
+    benches/ itself when run as ``python benches/probes/NAME.py``)."""
+    probes = sorted((ROOT / "benches" / "probes").glob("*.py"))
+    assert probes
+    for probe in probes:
+        compile(probe.read_text(), str(probe), "exec")
