@@ -77,3 +77,40 @@ def test_the_fuzzer_command_the_docs_give_is_the_fuzzers():
     assert (ROOT / "tests" / "fuzz" / "__main__.py").exists()
     text = "\n".join(p.read_text() for p in GUIDES)
     assert "python -m tests.fuzz N" in text and "lfm2jit fuzz" not in text
+
+
+def _help(*command: str) -> str:
+    import subprocess
+    import sys
+    env = {**os.environ, "COLUMNS": "200"}
+    done = subprocess.run([sys.executable, "-m", *command, "--help"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
+
+
+def _flags(text: str) -> set[str]:
+    return set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", text))
+
+
+def test_cli_page_lists_every_trainer_flag_and_no_other():
+    """docs/cli.md's table of `python -m trainer` flags is the parser's: none missing, none made up."""
+    page = (DOCS / "cli.md").read_text()
+    table = page.split("## `python -m trainer`", 1)[1].split("Flags given with", 1)[0]
+    options = _help("trainer").split("\nexamples:", 1)[0]      # the epilog's examples name generate's flags too
+    assert _flags(table) == _flags(options) - {"--help"}
+
+
+def test_cli_page_names_only_flags_generate_and_eval_have():
+    page = (DOCS / "cli.md").read_text()
+    section = page.split("## `python -m trainer generate` and `eval`", 1)[1].split("## `python -m lfm2jit`", 1)[0]
+    known = _flags(_help("trainer", "generate")) | _flags(_help("trainer", "eval"))
+    assert _flags(section) <= known, _flags(section) - known
+
+
+def test_environment_table_is_settings():
+    """Every LFM2JIT_ variable lfm2jit/settings.py reads is in docs/cli.md's table, and nothing else is."""
+    page = (DOCS / "cli.md").read_text().split("## Environment variables", 1)[1]
+    documented = set(re.findall(r"^\| `(LFM2JIT_[A-Z_]+)`", page, re.M))
+    read = set(re.findall(r"\"(LFM2JIT_[A-Z_]+)\"", (ROOT / "lfm2jit" / "settings.py").read_text()))
+    assert documented == read
