@@ -13,6 +13,7 @@ from typing import Callable
 from ..dsl.errors import DslError
 from ..ir.nodes import KernelIR, toposort
 from ..ir.ops import Op
+from ..tune.tiles import ColumnTiles, MatrixTiles, TileConfig
 from . import intrinsic, matmul, pointwise, reduce
 from .layout import bind_dims, bucketed
 from .spec import EMULATED_MATRIX_CONFIGS, EMULATED_SUBGROUP, PORTABLE, Binding, KernelSpec, MatrixConfig, Plan, Target
@@ -29,9 +30,9 @@ class Schedule:
 SCHEDULES: dict[str, Schedule] = {
     "pointwise": Schedule(pointwise.plan),
     "rowreduce": Schedule(reduce.plan_rows),
-    "colreduce": Schedule(reduce.plan_columns, reduce.ColumnTiles),
+    "colreduce": Schedule(reduce.plan_columns, ColumnTiles),
     # SIMT tiles, or subgroup-matrix tiles (the matrix units, where the target has them)
-    "contraction": Schedule(matmul.plan, (matmul.TileConfig, matmul.MatrixTiles)),
+    "contraction": Schedule(matmul.plan, (TileConfig, MatrixTiles)),
     "intrinsic": Schedule(intrinsic.plan),
 }
 

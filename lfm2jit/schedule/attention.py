@@ -40,9 +40,10 @@ and o as vec4s. The matrix dk/dv kernel
 takes D from a first pass ("prep", one invocation per query and head) instead of summing it again
 in every key block that streams the query.
 
-Block sizes (AttentionTiles) come from ``choose_tiles(mode, E)`` unless the caller passes tiles
-(``engine.run(..., tiles=...)``, the autotuner); ``tiles_problem`` holds the rules any tiles must
-keep; the autotuner's candidates are in tune/candidates.py.
+Block sizes (AttentionTiles, MatrixAttentionTiles) come from tune/heuristics.py unless the caller
+passes tiles (``engine.run(..., tiles=...)``, the autotuner); ``tiles_problem`` and
+``matrix_tiles_problem`` hold the rules any tiles must keep; the autotuner's candidates are in
+tune/candidates.py.
 """
 from __future__ import annotations
 
@@ -50,43 +51,19 @@ import math
 from dataclasses import dataclass, replace
 
 from ..ir.intrinsics import ATTENTION_BWD_PARAMS, IntrinsicError
+from ..tune import heuristics
+from ..tune.tiles import AttentionTiles, MatrixAttentionTiles
 from .code import Index
-from .matmul import REDUCE_THREADS
 from .layout import extent, strides
+from .matmul import REDUCE_THREADS
 from .spec import EntryPoint, IntrinsicCall, MatrixConfig, Plan, Scratch
 
 WORKGROUP_BYTES = 16384      # portable maxComputeWorkgroupStorageSize
 MAX_THREADS = 256            # portable maxComputeInvocationsPerWorkgroup
 MAX_HEAD_DIM = 128
-TARGET_THREADS = 128         # invocations per workgroup to aim for
-SLICE_COLUMNS = 16           # accumulator columns per invocation to aim for (E / row_threads)
 
 
 # ---- tiling ----
-
-@dataclass(frozen=True)
-class AttentionTiles:
-    """Block sizes of one attention kernel; ``tiles_problem`` states the rules they must keep.
-
-    rows: rows a workgroup owns (queries; keys for dkdv); tile: rows streamed per step (keys;
-    queries for dkdv); row_threads: invocations per owned row; threads = rows * row_threads.
-    """
-    rows: int
-    tile: int
-    row_threads: int
-
-    @property
-    def threads(self) -> int:
-        return self.rows * self.row_threads
-
-
-def _row_threads(e: int) -> int:
-    """Invocations per row: enough that each owns about SLICE_COLUMNS accumulator columns (at most 8)."""
-    s = 1
-    while s < 8 and e % (2 * s) == 0 and e // (2 * s) >= SLICE_COLUMNS:
-        s *= 2
-    return s
-
 
 def workgroup_words(mode: str, t: AttentionTiles, e: int) -> int:
     """f32 words of workgroup memory the template declares for ``mode`` (fwd, dq, dkdv)."""
@@ -126,16 +103,11 @@ def check_tiles(name: str, mode: str, t: AttentionTiles, e: int) -> None:
 
 
 def choose_tiles(mode: str, e: int) -> AttentionTiles:
-    """Rows per workgroup for about TARGET_THREADS invocations, then the largest streamed tile
-    (at most 64) that keeps the template's rules (workgroup memory within the portable 16 KiB)."""
-    s = _row_threads(e)
-    rows = max(16, min(64, TARGET_THREADS // s))
-    tile = 64
-    while tile > 1:
-        t = AttentionTiles(rows, tile, s)
-        if tiles_problem(mode, t, e) is None:
-            return t
-        tile //= 2
+    """The ``mode`` template's default tiles at head dim ``e`` (heuristics.attention_tiles, keeping
+    its rules: workgroup memory within the portable 16 KiB)."""
+    tiles = heuristics.attention_tiles(e, lambda t: tiles_problem(mode, t, e) is None)
+    if tiles is not None:
+        return tiles
     raise IntrinsicError(f"no attention tiling for head dim {e} fits {WORKGROUP_BYTES} bytes")
 
 
@@ -244,26 +216,6 @@ def _params(call: IntrinsicCall, mode: str, params: tuple[str, ...], outputs: tu
 
 
 # ---- the three kernels on the matrix units ----
-
-@dataclass(frozen=True)
-class MatrixAttentionTiles:
-    """Block sizes of the matrix-unit kernels (MATRIX_TEMPLATES): ``rows`` owned rows per workgroup
-    (queries; keys for dkdv), one subgroup per fragment height of them; ``tile`` rows streamed per
-    step (keys; queries for dkdv)."""
-    rows: int
-    tile: int
-
-
-MATRIX_CANDIDATES = (MatrixAttentionTiles(64, 64), MatrixAttentionTiles(64, 32), MatrixAttentionTiles(32, 64),
-                     MatrixAttentionTiles(32, 32), MatrixAttentionTiles(16, 32), MatrixAttentionTiles(64, 16),
-                     MatrixAttentionTiles(32, 16), MatrixAttentionTiles(16, 16))
-# Each kernel takes the first of its preferences that fits the device's workgroup memory, then of the
-# rest in MATRIX_CANDIDATES' order. The H200 at T = 2048 (H = 16, G = 8, E = 64; benches/README.md,
-# "Backward results spilled a tile's width at a time"): the forward ran fastest at 64x32, dq and dk/dv
-# at 32x16 (at T = 512 with one sequence dk/dv's 64x16 led, a grid of 64 workgroups).
-MATRIX_PREFERRED = {"fwd": (MatrixAttentionTiles(64, 32),), "dq": (MatrixAttentionTiles(32, 16),),
-                    "dkdv": (MatrixAttentionTiles(32, 16),)}
-
 
 MATRIX_TEMPLATES = {"fwd": "attention_fwd_matrix", "dq": "attention_dq_matrix", "dkdv": "attention_dkdv_matrix"}
 
@@ -375,7 +327,7 @@ def _matrix_params(call: IntrinsicCall, target, mode: str, params: tuple[str, ..
             raise IntrinsicError(f"{call.name}: tiles {call.tiles} do not fit {MATRIX_TEMPLATES[mode]}: {why}")
         tiles = call.tiles
     else:
-        tiles = next((t for t in (*MATRIX_PREFERRED[mode], *MATRIX_CANDIDATES) if not problem(t)), None)
+        tiles = heuristics.matrix_attention_tiles(mode, lambda t: not problem(t))
         if tiles is None:
             return None
     simt = _params(replace(call, tiles=None), mode, params, outputs)

@@ -10,6 +10,7 @@ from typing import Callable
 
 from ..ir import intrinsics
 from ..ir.nodes import KernelIR, TensorArg
+from ..tune.tiles import AttentionTiles, MatrixAttentionTiles
 from . import attention, dropout, scatter
 from .spec import IntrinsicCall, Plan
 
@@ -20,13 +21,11 @@ class IntrinsicPlanner:
     tiles: type | tuple[type, ...] | None = None   # the class(es) of tiles a caller may pass; None: no override
 
 
+ATTENTION_TILES = (AttentionTiles, MatrixAttentionTiles)
 PLANNERS: dict[str, IntrinsicPlanner] = {
-    intrinsics.ATTENTION: IntrinsicPlanner(attention.plan_forward,
-                                           (attention.AttentionTiles, attention.MatrixAttentionTiles)),
-    intrinsics.ATTENTION_DQ: IntrinsicPlanner(attention.plan_dq,
-                                              (attention.AttentionTiles, attention.MatrixAttentionTiles)),
-    intrinsics.ATTENTION_DKDV: IntrinsicPlanner(attention.plan_dkdv,
-                                                (attention.AttentionTiles, attention.MatrixAttentionTiles)),
+    intrinsics.ATTENTION: IntrinsicPlanner(attention.plan_forward, ATTENTION_TILES),
+    intrinsics.ATTENTION_DQ: IntrinsicPlanner(attention.plan_dq, ATTENTION_TILES),
+    intrinsics.ATTENTION_DKDV: IntrinsicPlanner(attention.plan_dkdv, ATTENTION_TILES),
     intrinsics.EMBEDDING_GRAD: IntrinsicPlanner(scatter.plan),
     intrinsics.DROPOUT: IntrinsicPlanner(dropout.plan),
 }

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 from ..ir.nodes import SEQ_AXIS, KernelIR
 from .code import COMPUTE_TYPE, Bin, Compare, Const, IndexLet, Let, SeqLen, Store, Var
-from .lower import Lowerer
 from .layout import index_vars, total, unravel
+from .lower import Lowerer
 from .spec import MAX_WORKGROUP, EntryPoint, Plan
 
 PER_INVOCATION = 4            # elements an invocation computes in a large space

@@ -18,43 +18,17 @@ from dataclasses import dataclass
 from ..ir.nodes import SEQ_AXIS, KernelIR, Node, toposort
 from ..ir.ops import REDUCE, Op
 from ..ir.partition import is_inline, reduction_chain, use_counts
+from ..tune import heuristics
 from .code import Bin, Compare, Const, Index, IndexLet, Let, SeqLen, Store, Var
+from .layout import extent, index_vars, offset, total, unravel
 from .lower import Lowerer
 from .pointwise import result_store
-from .layout import extent, index_vars, offset, total, unravel
 from .spec import MAX_WORKGROUP, EntryPoint, Plan, Scratch
 
 COLUMN_THREADS = 256
-COLUMN_BUSY = 256      # workgroups a split column reduction aims for (an H200 has 132 SMs)
-COLUMN_SLICE = 4096    # the fewest iterations of the reduced loop a slice keeps
-COLUMN_SPLITS = (1, 2, 4, 8, 16, 32)
 REDUCE_THREADS = 256   # invocations per workgroup of the pass that combines the slices
 MAX_GROUPS_X = 65535   # a split reduction's output groups run along x alone (its slices along z)
 ROW_UNROLL = 4         # the most workgroup strides a row pass takes per trip
-
-
-@dataclass(frozen=True)
-class ColumnTiles:
-    """How a column reduction spreads over the GPU: its reduced loop cut into ``split`` slices,
-    each summed by its own workgroups (``column_split`` picks it; tests and the autotuner may
-    give it)."""
-    split: int = 1
-
-    def __post_init__(self):
-        if self.split not in COLUMN_SPLITS:
-            raise ValueError(f"ColumnTiles.split must be one of {COLUMN_SPLITS}, got {self.split!r}")
-
-
-def column_split(groups: int, reach: int, phases: int) -> int:
-    """Slices for a column reduction of ``groups`` workgroups over a loop of up to ``reach``
-    iterations: doubled while the workgroups stay within COLUMN_BUSY and each slice keeps
-    COLUMN_SLICE iterations. Only a single reduction splits (a second one would need the first's
-    finished result inside its loop)."""
-    split = 1
-    while (phases == 1 and 2 * split <= COLUMN_SPLITS[-1] and 2 * split * groups <= COLUMN_BUSY
-           and reach // (2 * split) >= COLUMN_SLICE):
-        split *= 2
-    return split
 
 
 @dataclass(frozen=True)
@@ -200,7 +174,7 @@ def plan_columns(ir: KernelIR, sizes, accumulate: frozenset[str], tiles=None, ta
     # (a norm weight's gradient) still spread their long reduction over many invocations.
     outs = 4 if n <= 4096 else 16
     groups = -(-n // outs)
-    split = tiles.split if tiles is not None else column_split(groups, total(axes, sizes), len(phases))
+    split = tiles.split if tiles is not None else heuristics.column_split(groups, total(axes, sizes), len(phases))
     if split > 1 and (len(phases) != 1 or groups > MAX_GROUPS_X):
         raise ValueError(f"{ir.name}: tiles={tiles!r}: only a single reduction of at most "
                          f"{MAX_GROUPS_X * outs} outputs splits its loop (this one has {len(phases)} "

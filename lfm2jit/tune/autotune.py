@@ -13,12 +13,10 @@ import os
 from dataclasses import asdict
 from pathlib import Path
 
-from ..schedule.attention import AttentionTiles, MatrixAttentionTiles
-from ..schedule.matmul import MatrixTiles, TileConfig
-from ..schedule.reduce import ColumnTiles
 from ..safefiles import read_own_file, untrusted_reason, write_atomic
 from ..settings import settings
 from . import candidates
+from .tiles import AttentionTiles, ColumnTiles, MatrixAttentionTiles, MatrixTiles, TileConfig
 from .timing import WARM_SECONDS, seconds_per_call, warm_up
 
 CANDIDATE_WARM_SECONDS = 0.02   # after the search's warm-up, each candidate runs this long before it is timed

@@ -5,10 +5,10 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from ..schedule.attention import (MATRIX_CANDIDATES, MATRIX_TEMPLATES, TARGET_THREADS, AttentionTiles, choose_tiles,
-                                  tiles_problem)
-from ..schedule.matmul import NARROW, TAIL_BASE_TILES, MatrixTiles, TileConfig, narrow_matrix_tiles, tail_columns
-from ..schedule.reduce import COLUMN_SPLITS, ColumnTiles
+from ..schedule.attention import MATRIX_TEMPLATES, choose_tiles, tiles_problem
+from .heuristics import (MATRIX_ATTENTION_CANDIDATES, NARROW, TAIL_BASE_TILES, TARGET_THREADS, narrow_matrix_tiles,
+                         tail_columns)
+from .tiles import COLUMN_SPLITS, AttentionTiles, ColumnTiles, MatrixTiles, TileConfig
 
 MIN_THREADS = 64             # fewest invocations per workgroup an attention candidate has
 MAX_CANDIDATES = 8           # attention candidates per (mode, head dim)
@@ -79,7 +79,7 @@ def for_spec(spec) -> tuple:
     if spec.template in ("attention_fwd", "attention_bwd"):
         return attention(spec.params.mode, spec.params.head_dim)
     if spec.template in MATRIX_TEMPLATES.values():   # the planner's pick first; one that does not fit scores inf
-        return (spec.params.tiles, *(t for t in MATRIX_CANDIDATES if t != spec.params.tiles))
+        return (spec.params.tiles, *(t for t in MATRIX_ATTENTION_CANDIDATES if t != spec.params.tiles))
     if spec.template == "colreduce" and spec.params.split > 1:   # only what the planner found long and narrow
         return (ColumnTiles(spec.params.split), *(ColumnTiles(s) for s in COLUMN_SPLITS if s != spec.params.split))
     return ()

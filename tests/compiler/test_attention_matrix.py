@@ -17,7 +17,9 @@ from lfm2jit import library
 from lfm2jit.codegen.render import render
 from lfm2jit.driver import grad
 from lfm2jit.ir.intrinsics import IntrinsicError
-from lfm2jit.schedule.attention import MATRIX_CANDIDATES, MatrixAttentionTiles, matrix_tiles_problem
+from lfm2jit.schedule.attention import matrix_tiles_problem
+from lfm2jit.tune.heuristics import MATRIX_ATTENTION_CANDIDATES
+from lfm2jit.tune.tiles import MatrixAttentionTiles
 from test_attention import H, _check, _inputs, _run, attention_kernel, reference
 
 TOL = 4e-3
@@ -30,7 +32,7 @@ def fwd16():
 
 def _fitting(engine, e, mode="fwd"):
     t = engine.target
-    return [c for c in MATRIX_CANDIDATES if not matrix_tiles_problem(mode, c, e, t.matrix("f16", "f32"),
+    return [c for c in MATRIX_ATTENTION_CANDIDATES if not matrix_tiles_problem(mode, c, e, t.matrix("f16", "f32"),
                                                                         t.subgroup_size, t.workgroup_bytes)]
 
 
@@ -117,7 +119,7 @@ def test_declared_workgroup_memory_is_what_the_planner_counts(E):
     for emulated in (False, True):
         target = Target(EMULATED_MATRIX_CONFIGS, 32, 1 << 20, emulated=emulated)
         for mode, kernel in kernels.items():
-            for tiles in MATRIX_CANDIDATES:
+            for tiles in MATRIX_ATTENTION_CANDIDATES:
                 spec = kernel.specialize({"T": 100, "H": H, "G": 2, "E": E}, 16, frozenset(), tiles, target)
                 declared = sum(int(n) * (2 if t == "f16" else 4) for t, n in
                                re.findall(r"var<workgroup> \w+: array<(f16|f32), (\d+)>", render(spec)))
@@ -141,7 +143,7 @@ def test_autotuned_matrix_attention_is_correct_and_cached(ctx, matrix_engine, tm
     _check(got, reference(q, k, v, do), TOL)
     saved = json.loads((tmp_path / "autotune.json").read_text())
     assert sorted(e["kind"] for e in saved.values()) == ["MatrixAttentionTiles"] * 3
-    assert all(len(e["seconds"]) == len(MATRIX_CANDIDATES) for e in saved.values())
+    assert all(len(e["seconds"]) == len(MATRIX_ATTENTION_CANDIDATES) for e in saved.values())
     again = ComputeEngine(ctx)
     for a, g in zip(_run(again, fwd, bwd, q, k, v, do, bucket=16), got):
         np.testing.assert_array_equal(a, g)
@@ -171,7 +173,7 @@ def test_tiles_are_padded_against_bank_conflicts_and_read_as_vectors(fwd16):
     from lfm2jit.cli import MATRIX_UNITS
     kernels = dict(zip(("fwd", "dq", "dkdv"), [fwd16, *grad(fwd16, cotangents=["o"]).kernels]))
     for mode, kernel in kernels.items():
-        for tiles in MATRIX_CANDIDATES:
+        for tiles in MATRIX_ATTENTION_CANDIDATES:
             for E in (16, 64, 128):
                 spec = kernel.specialize({"T": 256, "H": H, "G": 2, "E": E}, 64, frozenset(), tiles,
                                          MATRIX_UNITS.__class__(MATRIX_UNITS.matrix_configs, 32, 1 << 20))

@@ -11,9 +11,10 @@ import pytest
 
 from lfm2jit import ComputeEngine, grad, library
 from lfm2jit.schedule import SCHEDULES
-from lfm2jit.schedule.attention import AttentionTiles, choose_tiles, tiles_problem
+from lfm2jit.schedule.attention import choose_tiles, tiles_problem
 from lfm2jit.schedule.code import Var
-from lfm2jit.schedule.matmul import LONG_K, TileConfig
+from lfm2jit.tune.heuristics import LONG_K, matmul_tiles
+from lfm2jit.tune.tiles import AttentionTiles, TileConfig
 from lfm2jit.tune.candidates import MATMUL as CANDIDATES
 from lfm2jit.tune.candidates import attention as attention_candidates
 from conftest import rel_err
@@ -268,11 +269,10 @@ def test_default_tiles_split_long_contractions_correctly(ctx, engine, rng, dtype
 
 
 def test_default_tiles_follow_the_measured_rules():
-    """choose_tiles' boundaries (its docstring has the measurements): long K splits over 2,
+    """matmul_tiles' boundaries (its constants name the measurements): long K splits over 2,
     small outputs over 4 from K = 1024, big outputs and short K never."""
-    from lfm2jit.schedule.matmul import choose_tiles
-    assert choose_tiles(4608, 1024, 2048).split == 2          # weight gradient at T = 2048
-    assert choose_tiles(4608, 1024, 1024).split == 1
-    assert choose_tiles(512, 512, 1024).split == 4            # 32 tiles
-    assert choose_tiles(512, 512, 512) == TileConfig(64, 64, 8, 4, 4, vec=True)
-    assert choose_tiles(8192, 4608, 4096).split == 1          # 4608 tiles fill the GPU already
+    assert matmul_tiles(4608, 1024, 2048).split == 2          # weight gradient at T = 2048
+    assert matmul_tiles(4608, 1024, 1024).split == 1
+    assert matmul_tiles(512, 512, 1024).split == 4            # 32 tiles
+    assert matmul_tiles(512, 512, 512) == TileConfig(64, 64, 8, 4, 4, vec=True)
+    assert matmul_tiles(8192, 4608, 4096).split == 1          # 4608 tiles fill the GPU already

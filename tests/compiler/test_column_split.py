@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from lfm2jit import ComputeEngine, Tensor, compile_source
-from lfm2jit.schedule.reduce import COLUMN_BUSY, COLUMN_SLICE, COLUMN_SPLITS, ColumnTiles, column_split
+from lfm2jit.tune.heuristics import COLUMN_BUSY, COLUMN_SLICE, column_split
+from lfm2jit.tune.tiles import COLUMN_SPLITS, ColumnTiles
 from lfm2jit.schedule.layout import bucketed
 from lfm2jit.tune.candidates import for_spec
 

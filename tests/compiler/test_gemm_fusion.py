@@ -17,7 +17,8 @@ import pytest
 from conftest import rel_err
 from lfm2jit import compile_source, grad
 from lfm2jit.ir.partition import partition
-from lfm2jit.schedule.matmul import MatrixTiles, TileConfig, narrow_matrix_tiles
+from lfm2jit.tune.heuristics import narrow_matrix_tiles
+from lfm2jit.tune.tiles import MatrixTiles, TileConfig
 
 
 def _parts(src: str, name: str):

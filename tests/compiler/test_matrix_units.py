@@ -21,7 +21,8 @@ from lfm2jit.cli import MATRIX_UNITS
 from lfm2jit.codegen.render import render
 from lfm2jit.engine import target_of
 from lfm2jit.schedule import EMULATED_MATRIX_CONFIGS, EMULATED_SUBGROUP, Target
-from lfm2jit.schedule.matmul import H200_WAVE, MatrixTiles, narrow_matrix_tiles, tail_columns
+from lfm2jit.tune.heuristics import H200_WAVE, narrow_matrix_tiles, tail_columns
+from lfm2jit.tune.tiles import MatrixTiles
 from lfm2jit.tune.candidates import MATRIX, matrix as matrix_candidates
 
 LINEAR = library.get("linear").without({"r"})
