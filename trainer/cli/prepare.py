@@ -66,6 +66,7 @@ def _settings(args, argv_empty: bool) -> tuple[Path | None, dict | None, Run]:
 
 
 def _tokenizer(run: Run):
+    """The tokenizer of --tokenizer (a tokenizer.json or its directory)."""
     from ..data import load_tokenizer
     try:
         return load_tokenizer(run.tokenizer)

@@ -41,6 +41,7 @@ class StopSignals:
             raise Interrupted
 
     def name(self) -> str:
+        """The signal that stopped this rank, for the message."""
         return signal.Signals(self.received[0]).name if self.received else "another rank's signal"
 
     def _on_signal(self, signum, frame):

@@ -56,6 +56,8 @@ def _read_batch(path: str, run: Run, tok, notes: list[str], flag: str = ""):
 
 
 def load_data(run: Run, tok) -> Data:
+    """The training and held-out sequences of --data (or --eval-data), with notes on what was left out;
+    bad input is a UsageError."""
     notes: list[str] = []
     batch = _read_batch(run.data, run, tok, notes)
     empty = sum(1 for s in batch if s.is_empty if run.loss_on == "assistant" or s.length == 0)

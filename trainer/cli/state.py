@@ -15,16 +15,17 @@ if TYPE_CHECKING:
 
 # Settings whose change on --resume does not alter the training itself (a changed --steps shows up as a
 # changed schedule, noted separately).
-AS_YOU_LIKE = {"steps", "checkpoint_every", "checkpoint_minutes", "eval_every", "keep_checkpoints", "eval_max", "sync_timeout", "check_loss_drop",
-               "eval_answers", "samples"}
+AS_YOU_LIKE = {"steps", "checkpoint_every", "checkpoint_minutes", "eval_every", "keep_checkpoints",
+               "eval_max", "sync_timeout", "check_loss_drop", "eval_answers", "samples"}
 
 # Settings a checkpoint carries and --resume restores (flags given with --resume override them).
-RESUMABLE = ("tokenizer", "data", "data_kind", "loss_on", "max_len", "eval_fraction", "eval_max", "seed", "optimizer", "lr",
-             "weight_decay", "momentum", "schedule", "warmup_steps", "min_lr", "grad_accum", "pack_tokens", "clip", "bucket",
-             "scaler", "f16", "steps", "checkpoint_every", "checkpoint_minutes", "keep_checkpoints", "world_size", "sync_dir", "run_id",
-             "sync_timeout", "check_loss_drop", "source", "preset", "lora_r", "lora_alpha", "lora_targets",
-             "lora_dropout", "lora_f16_base", "merge_lora", "train_only", "freeze", "eval_every", "save_dtype",
-             "eval_data", "eval_answers", "samples", "distributed")
+RESUMABLE = ("tokenizer", "data", "data_kind", "loss_on", "max_len", "eval_fraction", "eval_max", "seed",
+             "optimizer", "lr", "weight_decay", "momentum", "schedule", "warmup_steps", "min_lr",
+             "grad_accum", "pack_tokens", "clip", "bucket", "scaler", "f16", "steps", "checkpoint_every",
+             "checkpoint_minutes", "keep_checkpoints", "world_size", "sync_dir", "run_id", "sync_timeout",
+             "check_loss_drop", "source", "preset", "lora_r", "lora_alpha", "lora_targets", "lora_dropout",
+             "lora_f16_base", "merge_lora", "train_only", "freeze", "eval_every", "save_dtype", "eval_data",
+             "eval_answers", "samples", "distributed")
 
 
 @dataclass

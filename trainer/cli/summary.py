@@ -14,6 +14,7 @@ from .state import History, Session
 
 
 def fmt_count(n: int) -> str:
+    """A parameter count as 950, 163.2k or 1.20M."""
     return f"{n / 1e6:.2f}M" if n >= 1e6 else (f"{n / 1e3:.1f}k" if n >= 1e3 else str(n))
 
 
@@ -48,6 +49,7 @@ def print_banner(s: Session, start: int) -> None:
 
 
 def print_eval_before(s: Session, before: dict, seconds: float) -> None:
+    """The held-out loss before the first step, which took ``seconds``."""
     print(f"  held-out loss before training: {before['loss']:.4f}"
           + (f" (answer tokens only: {before['answer_loss']:.4f})" if s.data.has_answers else "")
           + f"; {len(s.data.eval)} sequences, {seconds:.1f}s")

@@ -1,6 +1,9 @@
 """``python -m trainer``: train a tiny LFM2 from scratch on the shipped data (no arguments), or fine-tune
 a Hugging Face LFM2 checkpoint on a chat or text JSONL file (``--model DIR --data FILE``).
 
+``prepare`` (trainer/cli/prepare.py) builds the run's ``Session``; ``Training.train`` below is the
+loop: for each optimizer step, next_batch -> step -> log -> (checkpoint) -> (evaluate), then finish.
+
 Each optimizer step takes the next ``world_size * grad_accum`` sequences of the epoch's shuffled
 order; rank r trains on sequences r, r + world_size, ... of that window (one micro-batch per
 sequence, as ``Trainer`` runs them), so N ranks with accumulation A see exactly the sequences that
@@ -28,12 +31,13 @@ from __future__ import annotations
 import json
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from .checkpoints import Cadence, save
 from . import held_out
+from .checkpoints import Cadence, save
 from .options import build_parser
 from .plot import write_plot
 from .prepare import prepare
@@ -65,49 +69,38 @@ def main(argv: list[str]) -> int:
     return Training(session).train()
 
 
+@dataclass
+class StepResult:
+    """One optimizer step as the loop sees it."""
+    stats: object            # the StepStats of the window's last sequence: whether the optimizer stepped
+    record: dict             # the step's metrics.jsonl line, over all ranks
+    seconds: float
+
+
 class Training:
-    """The loop over optimizer steps: batch -> step -> log -> (checkpoint) -> (evaluate), then finish."""
+    """A run's loop over optimizer steps: batch -> step -> log -> (checkpoint) -> (evaluate), then finish."""
 
     def __init__(self, s: Session):
         self.s, self.run, self.tr = s, s.run, s.trainer
         self.files = RunFiles(s.out, s.run.rank)
-        self.files.dir.mkdir(parents=True, exist_ok=True)
-        settings = json.dumps({k: v for k, v in vars(self.run).items() if k not in ("notes", "derived")}, indent=2)
-        self.files.settings.write_text(settings)
-        start = self.tr.optimizer_steps()
-        metrics_before, evals_during = self.files.rewind(start)
-        pos = s.position
-        self.h = History(start, float(pos.get("elapsed", 0.0)), metrics_before, evals_during, saved_evals(pos, start))
-        self.cursor = Cursor(len(s.data.train), self.run.seed, int(pos.get("epoch", 0)), int(pos.get("next", 0)),
-                             int(pos.get("tokens", 0)))
-        self.my_eval = s.data.eval[self.run.rank::self.run.world_size]
-        print_banner(s, start)
-        self.reporters = Reporters(self.run.report_to if self.run.rank == 0 else [], s.out, first_step=start + 1,
-                                   warn=lambda line: print(line, file=sys.stderr))
-        self.reporters.start(json.loads(settings))
+        self.my_eval = s.data.eval[s.run.rank::s.run.world_size]
         self.lost_in_a_row = self.zero_in_a_row = 0    # windows without a finite, nonzero step; of them, zero norm
-        self.last_ckpt = None
+        self.last_ckpt: Path | None = None
 
     def train(self) -> int:
-        """Run the steps from the checkpoint's (or the first) to --steps; the exit status."""
+        """Train from the checkpoint's step (or the first) to --steps; the exit status."""
         from .. import TrainError
-        run, h = self.run, self.h
-        self.evaluate_before()
-        self.t0 = time.perf_counter()
-        self.bar = Progress(total=run.steps, initial=h.start, enabled=run.progress, file=sys.stderr, desc="train")
-        self.stop = StopSignals(self.warn)
-        self.cadence = Cadence(run, h.start, self.warn)
-        self.stop.install()
+        self.begin()
         try:
             with open(self.files.metrics, "a") as self.metrics_file:
-                while self.tr.optimizer_steps() < run.steps:
-                    self.stop.check(run.world_size)
-                    stats, rec, seconds = self.step(self.next_batch())
-                    self.log(stats, rec)
-                    if stats.skipped:
+                while self.tr.optimizer_steps() < self.run.steps:
+                    self.stop.check(self.run.world_size)
+                    result = self.step(self.next_batch())
+                    self.log(result)
+                    if result.stats.skipped:
                         continue
                     k = self.tr.optimizer_steps()
-                    if self.cadence.due(k, seconds):
+                    if self.cadence.due(k, result.seconds):
                         self.checkpoint(k)
                     if self.evaluation_due(k):
                         self.evaluate(k)
@@ -121,13 +114,35 @@ class Training:
             raise
         return self.finish()
 
+    def begin(self) -> None:
+        """Before the first step: run.json, the earlier segments' history, the banner, the held-out loss."""
+        s, run, start = self.s, self.run, self.tr.optimizer_steps()
+        self.files.dir.mkdir(parents=True, exist_ok=True)
+        settings = json.dumps({k: v for k, v in vars(run).items() if k not in ("notes", "derived")}, indent=2)
+        self.files.settings.write_text(settings)
+        metrics_before, evals_during = self.files.rewind(start)
+        pos = s.position
+        self.h = History(start, float(pos.get("elapsed", 0.0)), metrics_before, evals_during, saved_evals(pos, start))
+        self.cursor = Cursor(len(s.data.train), run.seed, int(pos.get("epoch", 0)), int(pos.get("next", 0)),
+                             int(pos.get("tokens", 0)))
+        print_banner(s, start)
+        self.reporters = Reporters(run.report_to if run.rank == 0 else [], s.out, first_step=start + 1,
+                                   warn=lambda line: print(line, file=sys.stderr))
+        self.reporters.start(json.loads(settings))
+        self.evaluate_before()
+        self.t0 = time.perf_counter()
+        self.bar = Progress(total=run.steps, initial=start, enabled=run.progress, file=sys.stderr, desc="train")
+        self.cadence = Cadence(run, start, self.warn)
+        self.stop = StopSignals(self.warn)
+        self.stop.install()
+
     def next_batch(self) -> np.ndarray:
         """This rank's share of the next window of sequences: rank r takes r, r + world_size, ..."""
         return self.cursor.take(self.run.world_size * self.run.grad_accum)[self.run.rank::self.run.world_size]
 
-    def step(self, window: np.ndarray):
-        """One optimizer step on ``window``: the last sequence's StepStats, the metrics line of the whole
-        window over all ranks (the mean loss of its sequences, its tokens), and the step's seconds."""
+    def step(self, window: np.ndarray) -> StepResult:
+        """One optimizer step on ``window``; its metrics over all ranks: the mean loss of the window's
+        sequences, its tokens (and each rank's stop vote)."""
         data, tr = self.s.data, self.tr
         t_step = time.perf_counter()
         stats = tr.train_sequences([data.train[i] for i in window], self.s.params)
@@ -143,10 +158,11 @@ class Training:
                "tokens": toks, "supervised": int(supervised), "tokens_per_s": toks / seconds if seconds > 0 else None,
                "lr": last.lr, "grad_norm": last.grad_norm, "loss_scale": last.loss_scale,
                "skipped": bool(last.skipped), "elapsed": round(self.elapsed(), 3), "epoch": self.cursor.epoch}
-        return last, {k: clean(v) for k, v in rec.items()}, seconds
+        return StepResult(last, {k: clean(v) for k, v in rec.items()}, seconds)
 
-    def log(self, last, rec: dict) -> None:
-        """Append the step to metrics.jsonl and the reporters, stop a run that no longer steps, move the bar."""
+    def log(self, result: StepResult) -> None:
+        """The step into metrics.jsonl and the reporters; a run that no longer steps fails; the bar moves."""
+        rec, last = result.record, result.stats
         self.metrics_file.write(json.dumps(rec) + "\n")
         self.metrics_file.flush()
         self.h.metrics.append(rec)
@@ -172,8 +188,17 @@ class Training:
                 + (", the loss scale underflowed" if self.tr.scaler is not None else "")
                 + f"); the loss scale is down to {last.loss_scale:g}")
 
+    def checkpoint(self, step: int) -> Path:
+        """Save the trainer and the run's position at ``step``; the checkpoint's directory."""
+        c = self.cursor
+        position = {"epoch": c.epoch, "next": c.next, "elapsed": self.elapsed(), "tokens": c.tokens,
+                    "data_sha1": self.s.data.sha1, "n_train": c.n, "run": self.run.saved(),
+                    "evals": self.h.evals_at_ends}
+        self.last_ckpt = save(self.tr, self.run, self.files.checkpoints, step, position)
+        return self.last_ckpt
+
     def evaluate_before(self) -> None:
-        """The held-out loss before this segment's first step (no answers: the model has learned none yet)."""
+        """The held-out loss before this segment's first step (no answers: few would be right yet)."""
         s, h = self.s, self.h
         if not s.data.eval:
             return
@@ -199,14 +224,6 @@ class Training:
         self.reporters.log_eval(step, ev)
         print_eval_during(self.s, step, ev, self.warn)
         del ev["samples"]
-
-    def checkpoint(self, step: int):
-        """Save the trainer and the run's position at ``step``; the checkpoint's directory."""
-        c = self.cursor
-        position = {"epoch": c.epoch, "next": c.next, "elapsed": self.elapsed(), "tokens": c.tokens,
-                    "data_sha1": self.s.data.sha1, "n_train": c.n, "run": self.run.saved(), "evals": self.h.evals_at_ends}
-        self.last_ckpt = save(self.tr, self.run, self.files.checkpoints, step, position)
-        return self.last_ckpt
 
     def finish(self) -> int:
         """After the last step: the final evaluation, checkpoint and model, the plot and the summary."""
@@ -240,7 +257,7 @@ class Training:
         run, h = self.run, self.h
         self.bar.close()
         k = self.tr.optimizer_steps()
-        if run.rank == 0 and k > h.start and (self.last_ckpt is None or Path(self.last_ckpt).name != f"step-{k:06d}"):
+        if run.rank == 0 and k > h.start and (self.last_ckpt is None or self.last_ckpt.name != f"step-{k:06d}"):
             self.checkpoint(k)
         ckpt = self.last_ckpt or self.s.ckpt
         self.stop.restore()
@@ -248,7 +265,7 @@ class Training:
         self.reporters.finish("interrupted")
         self.s.finish_sync()            # every rank stopped after the same step: the run can resume or rerun
         if run.rank == 0 and ckpt:
-            print(f"\n{self.stop.name()}: stopped after step {k}; checkpoint {Path(ckpt).resolve()}\n"
+            print(f"\n{self.stop.name()}: stopped after step {k}; checkpoint {ckpt.resolve()}\n"
                   f"  continue with: {self.resume_command()}", file=sys.stderr)
         else:
             print(f"\n{self.stop.name()}: stopped after step {k}"
