@@ -29,8 +29,9 @@ from lfm2jit.model.checkpoint import parameter_shapes
 from lfm2jit.model.config import PRESETS
 from trainer import AdamW, TrainError, Trainer
 from trainer.checkpoint import clean_stale
+from trainer.cli.resume import find_checkpoint, read_checkpoint_meta
+from trainer.cli.run_dir import copy_model_files
 from trainer.cli.usage import UsageError
-from trainer.cli.run_dir import copy_model_files, find_checkpoint, read_checkpoint_meta
 
 ROOT = Path(__file__).resolve().parents[2]
 ERRORS = (TrainError, CheckpointError, ConfigError)
@@ -355,7 +356,8 @@ from pathlib import Path
 from lfm2jit import ComputeEngine, WgpuContext
 from lfm2jit.model import Lfm2Model
 from trainer import AdamW, Trainer
-from trainer.cli.run_dir import copy_model_files, prune_checkpoints
+from trainer.cli.checkpoints import prune_checkpoints
+from trainer.cli.run_dir import copy_model_files
 src, root, tok = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
 signal.signal(signal.SIGCHLD, signal.SIG_IGN)        # killed children are reaped at once
 # fork copies only the calling thread: a lock another thread held (OpenBLAS's pool, which the

@@ -522,7 +522,7 @@ def test_out_and_sync_dir_naming_files_are_usage_errors(tmp_path, capsys):
 
 def _resolve_resume(ckpt: Path, saved: dict, *argv):
     """resolve() as prepare() calls it for ``--resume CKPT ARGV`` with ``saved`` as the checkpoint's
-    run settings (trainer.json itself is read and checked by trainer/cli/run_dir.py)."""
+    run settings (trainer.json itself is read and checked by trainer/cli/resume.py)."""
     from trainer.cli.options import build_parser
     from trainer.cli.resolve import resolve
     return resolve(build_parser().parse_args(["--resume", str(ckpt), *map(str, argv)]), False, saved, ckpt)

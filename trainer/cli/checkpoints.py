@@ -4,12 +4,14 @@ N steps with N chosen from the measured step time so that one is written about e
 position, the older ones pruned to --keep-checkpoints."""
 from __future__ import annotations
 
+import re
+import shutil
 from pathlib import Path
 
 import numpy as np
 
 from .options import DEFAULT_CHECKPOINT_MINUTES
-from .run_dir import copy_model_files, prune_checkpoints
+from .run_dir import copy_model_files
 from .state import Run
 
 AUTO_CHECKPOINT_SECONDS = 60 * DEFAULT_CHECKPOINT_MINUTES
@@ -52,3 +54,13 @@ def save(trainer, run: Run, root: Path, step: int, position: dict) -> Path:
     trainer.save_checkpoint(path, position, fill=lambda tmp: copy_model_files(run.tokenizer, tmp / "model", run.model))
     prune_checkpoints(root, run.keep_checkpoints)
     return path
+
+
+def prune_checkpoints(root: Path, keep: int) -> None:
+    """Delete all but the newest ``keep`` checkpoints under ``root`` (0 keeps all)."""
+    if keep <= 0 or not root.is_dir():
+        return
+    found = sorted((int(m.group(1)), d) for d in root.iterdir()
+                   if (m := re.match(r"^step-(\d+)$", d.name)) and d.is_dir())
+    for _, d in found[:-keep]:
+        shutil.rmtree(d, ignore_errors=True)

@@ -9,7 +9,8 @@ from pathlib import Path
 
 from .options import DEMO_PRESET, DEMO_SHAPE
 from .resolve import resolve
-from .run_dir import check_sync_dir, default_out, find_checkpoint, read_checkpoint_meta
+from .resume import find_checkpoint, read_checkpoint_meta
+from .run_dir import check_sync_dir, default_out
 from .splits import Data, load_data
 from .state import Run, Session
 from .usage import UsageError

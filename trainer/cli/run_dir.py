@@ -1,6 +1,6 @@
-"""The files of a run directory: where each lives (``RunFiles``), checkpoints (finding, reading,
-pruning), the tokenizer copied next to a checkpoint's weights, metrics lines, the final model, and
-the check that a sync directory holds no stale gradient files of the same run id."""
+"""The files of a run directory: where each lives (``RunFiles``), metrics lines, the model files
+completing a Hugging Face directory (a checkpoint's model/ and the final model), and the check that a
+sync directory holds no stale gradient files of the same run id."""
 from __future__ import annotations
 
 import json
@@ -13,8 +13,6 @@ from pathlib import Path
 
 from .state import Run
 from .usage import UsageError
-
-_STEP_DIR = re.compile(r"^step-(\d+)(?:\.old-\d+)?$")
 
 
 class RunFiles:
@@ -43,131 +41,6 @@ class RunFiles:
         if not start:
             self.samples.unlink(missing_ok=True)
         return metrics, evals
-
-
-def _complete(d: Path) -> bool:
-    from ..checkpoint import is_complete
-    return d.is_dir() and is_complete(d)
-
-
-def _aside(ckpt: Path) -> Path | None:
-    """What a save killed between moving the previous checkpoint aside and renaming the new one
-    into place leaves as the only copy: the newest complete ``<ckpt>.old-<pid>``."""
-    from ..checkpoint import aside_copy
-    return aside_copy(ckpt)
-
-
-def find_checkpoint(path: str) -> Path:
-    """A checkpoint directory, or the newest checkpoint of a run directory: the directory that
-    holds its trainer.json (``step-N.old-<pid>`` when a killed save left only that copy)."""
-    p = Path(path)
-    if (p / "trainer.json").is_file():
-        return p                  # named directly: loading reports any file it lacks
-    if not p.exists():
-        aside = _aside(p)
-        if aside is not None:
-            return aside
-        raise UsageError(f"--resume {path}: no such directory")
-    for base in (p / "checkpoints", p):
-        steps: dict[int, Path] = {}
-        if base.is_dir():
-            for d in base.iterdir():
-                m = _STEP_DIR.match(d.name)
-                if m and _complete(d):
-                    main = base / f"step-{m.group(1)}"
-                    steps[int(m.group(1))] = main if _complete(main) else (_aside(main) or d)
-        if steps:
-            return steps[max(steps)]
-    aside = _aside(p)
-    if aside is not None:
-        return aside              # an interrupted save: the previous checkpoint, moved aside
-    raise UsageError(f"--resume {path}: not a checkpoint (no trainer.json) and no checkpoints/step-* inside")
-
-
-def read_checkpoint_meta(ckpt: Path) -> dict:
-    """trainer.json of a checkpoint written by python -m trainer, every key checked (the run
-    settings in its data position too): a UsageError names the file, the key and what was expected."""
-    from ..checkpoint import read_meta
-    from ..errors import TrainError
-    f = ckpt / "trainer.json"
-    try:
-        meta = read_meta(f)
-    except TrainError as e:
-        raise UsageError(str(e)) from None
-    _check_position(f, meta["data_position"])
-    return meta
-
-
-# data position keys the CLI writes -> (check, what it must be)
-def _nonneg_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
-
-
-_POSITION = {
-    "epoch": (_nonneg_int, "an integer >= 0"),
-    "next": (_nonneg_int, "an integer >= 0"),
-    "tokens": (_nonneg_int, "an integer >= 0"),
-    "n_train": (_nonneg_int, "an integer >= 0"),
-    "elapsed": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0,
-                "a number >= 0"),
-    "data_sha1": (lambda v: v is None or isinstance(v, str), "a string"),
-    "run": (lambda v: v is None or isinstance(v, dict), "an object of run settings"),
-}
-
-
-def _check_position(f: Path, pos: dict) -> None:
-    for key, (ok, what) in _POSITION.items():
-        if key in pos and not ok(pos[key]):
-            raise UsageError(f"{f}: key 'data_position.{key}' must be {what}, got {pos[key]!r:.60}")
-    run = pos.get("run")
-    if run is None:
-        return
-    from .options import build_parser
-    from .state import RESUMABLE
-    kinds = _run_kinds()
-    choices = {a.dest: a.choices for a in build_parser()._actions if a.choices}
-    for key in RESUMABLE:
-        if key not in run or run[key] is None:
-            continue
-        v = run[key]
-        allowed = kinds.get(key)
-        if allowed is not None and not _of_kind(v, allowed):
-            words = {"int": "an integer", "float": "a number", "str": "a string", "bool": "true or false",
-                     "list[str]": "a list of strings"}
-            raise UsageError(f"{f}: key 'data_position.run.{key}' must be "
-                             f"{' or '.join(words[k] for k in sorted(allowed))}, "
-                             f"got {type(v).__name__} {v!r:.60}")
-        if key in choices and v not in choices[key]:
-            raise UsageError(f"{f}: key 'data_position.run.{key}' must be one of "
-                             f"{', '.join(map(str, choices[key]))}, got {v!r:.60}")
-    if run.get("source") not in ("scratch", "model"):
-        raise UsageError(f"{f}: key 'data_position.run.source' must be 'scratch' or 'model', "
-                         f"got {run.get('source')!r:.60}")
-
-
-def _run_kinds() -> dict[str, set[str]]:
-    """Run's fields -> the JSON kinds their annotation allows ("int", "float", "str", "bool", "list[str]")."""
-    from dataclasses import fields
-    out = {}
-    for f in fields(Run):
-        kinds = {k.strip() for k in str(f.type).split("|")} - {"None"}
-        if kinds and kinds <= {"int", "float", "str", "bool", "list[str]"}:
-            out[f.name] = kinds
-    return out
-
-
-def _of_kind(v, kinds: set[str]) -> bool:
-    if isinstance(v, bool):
-        return "bool" in kinds
-    if isinstance(v, int):
-        return bool(kinds & {"int", "float"})
-    if isinstance(v, float):
-        return "float" in kinds and math.isfinite(v)
-    if isinstance(v, str):
-        return "str" in kinds
-    if isinstance(v, list):
-        return "list[str]" in kinds and all(isinstance(x, str) for x in v)
-    return False
 
 
 # The files beside a Hugging Face model's weights that tell transformers how to tokenize, chat and stop.
@@ -207,15 +80,6 @@ def generation_config(model_dir: Path) -> dict:
     out = {"bos_token_id": cfg.get("bos_token_id"), "pad_token_id": cfg.get("pad_token_id"),
            "eos_token_id": stops[0] if len(stops) == 1 else stops}
     return {k: v for k, v in out.items() if v is not None}
-
-
-def prune_checkpoints(root: Path, keep: int) -> None:
-    if keep <= 0 or not root.is_dir():
-        return
-    found = sorted((int(m.group(1)), d) for d in root.iterdir()
-                   if (m := re.match(r"^step-(\d+)$", d.name)) and d.is_dir())
-    for _, d in found[:-keep]:
-        shutil.rmtree(d, ignore_errors=True)
 
 
 def clean(v):
@@ -268,17 +132,6 @@ def default_out(run: Run) -> Path:
     out, i = base, 1
     while out.exists():
         out, i = base.with_name(f"{base.name}-{i}"), i + 1
-    return out
-
-
-def saved_evals(position: dict, start: int) -> list[dict]:
-    """The held-out evaluations at the starts and ends of the earlier segments of a resumed run (kept in
-    the checkpoint's data position as "evals"); anything malformed is left out."""
-    out = []
-    for e in position.get("evals") or [] if isinstance(position.get("evals"), list) else []:
-        if (isinstance(e, dict) and type(e.get("step")) is int and 0 <= e["step"] <= start
-                and isinstance(e.get("loss"), (int, float)) and not isinstance(e.get("loss"), bool)):
-            out.append({k: e[k] for k in ("step", "loss", "answer_loss", "exact_match") if k in e})
     return out
 
 

@@ -43,7 +43,8 @@ from .plot import write_plot
 from .prepare import prepare
 from .progress import Progress
 from .report import Reporters
-from .run_dir import RunFiles, clean, saved_evals, write_final_model
+from .resume import saved_evals
+from .run_dir import RunFiles, clean, write_final_model
 from .signals import Interrupted, StopSignals
 from .splits import Cursor
 from .state import History, Session
