@@ -15,7 +15,9 @@ import pytest
 
 from lfm2jit import compile_source, grad, library
 from lfm2jit.cli import MATRIX_UNITS
+from lfm2jit.codegen.offsets import index, plus, tile_at, times
 from lfm2jit.codegen.render import render, templates_dir
+from lfm2jit.codegen.wgsl import spell
 from lfm2jit.engine import target_of
 from lfm2jit.schedule import PORTABLE
 from lfm2jit.tune.candidates import for_spec
@@ -70,6 +72,15 @@ def _variants(matrix_target):
 @pytest.fixture(scope="module")
 def variants(matrix_engine):
     return _variants(matrix_engine.target)
+
+
+def test_offsets_spell_as_the_formula_reads():
+    """Nothing folded; a sum inside a product or another sum parenthesised, a tile's minor sum flat."""
+    assert spell(tile_at(16, plus("sm0", 16), 40, 640)) == "640u + 16u * 40u + sm0 + 16u"
+    assert spell(tile_at(plus("sm0", 16), 0, "ROW_STRIDE")) == "(sm0 + 16u) * ROW_STRIDE + 0u"
+    assert spell(plus(times("batch", 0), plus("n0", 16), minus=(64,))) == "batch * 0u + (n0 + 16u) - 64u"
+    with pytest.raises(ValueError, match="not a WGSL name"):
+        index("r0 + 1u")                    # expressions are built as typed values, never spliced in as text
 
 
 def test_every_template_and_branch_is_rendered(variants):
