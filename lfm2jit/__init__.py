@@ -2,7 +2,9 @@
 
 Follow the path by imports: dsl (parse) -> ir (check, differentiate, partition) -> schedule (a
 typed spec per part) -> codegen (render WGSL) -> driver (kernels, caches, dumps); runtime (device,
-tensors, recording) knows none of them, and engine joins driver and runtime.
+tensors, recording) knows none of them, and engine joins driver and runtime. tune's tile classes
+and heuristics sit below schedule (planners ask them for tiles), its autotuner above it; ops (the
+shipped kernels, which register their names with the driver) sits on top.
 """
 from .driver import Backward, Kernel, Module, compile_source, grad
 from .dsl.errors import DslError

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import os
 import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from .codegen.render import render, templates_dir
 from .dsl import ast
@@ -83,6 +83,15 @@ class Kernel:
         if key not in self._variants:
             self._variants[key] = self._derived(retype(self.ir, storage, key[1]))
         return self._variants[key]
+
+    def with_f16(self, names) -> "Kernel":
+        """This kernel with the tensors in ``names`` stored as f16 and the rest as declared: the dtype
+        variant a call specializes (engine.run's ``f16=``)."""
+        names = frozenset(names)
+        unknown = sorted(names - self.tensor_names)
+        if unknown:
+            raise ValueError(f"{self.name}: cannot store {unknown} as f16: the kernel has no such tensors")
+        return self.variant("f16", self.tensor_names - names) if names else self
 
     def without(self, omitted) -> "Kernel":
         """This kernel as a call that leaves out the defaulted inputs in ``omitted`` runs it: each
@@ -210,6 +219,27 @@ def compile_source(text: str, filename: str = "<source>") -> Module:
                            column=kdef.loc.column, source=text, expected="unique kernel names")
         kernels[kdef.name] = Kernel(build_kernel(kdef, src), kdef)
     return Module(kernels, filename)
+
+
+# ---- kernels by name ----
+
+_lookup: Callable[[str], Kernel] | None = None
+
+
+def name_kernels_with(lookup: Callable[[str], Kernel]) -> None:
+    """Let callers name a kernel instead of passing it (``engine.run("adamw", ...)``): ``lookup``
+    finds it. The shipped library registers itself (ops/library.py), so the engine needs no ops."""
+    global _lookup
+    _lookup = lookup
+
+
+def kernel_named(kernel: Kernel | str) -> Kernel:
+    """``kernel`` itself, or the kernel of that name."""
+    if not isinstance(kernel, str):
+        return kernel
+    if _lookup is None:
+        raise KeyError(f"no kernel library to find {kernel!r} in: import lfm2jit.ops.library")
+    return _lookup(kernel)
 
 
 # ---- the WGSL disk cache ----

@@ -1,5 +1,7 @@
 """ComputeEngine: the compile driver over the runtime. ``run`` checks a call, compiles each part of
-the kernel once per specialization, and records one dispatch per part.
+the kernel once per specialization (sizes, bucket, tiles, the tensors stored as f16, the device),
+and records one dispatch per part. It imports nothing above the driver and runtime: kernels passed
+by name are found through the driver (ops/library.py registers the shipped ones).
 
 Arguments are validated before any GPU work. A kernel that partition() split into parts runs them
 in order, with the temporaries between them taken from the buffer pool and given back when the
@@ -13,12 +15,11 @@ import numbers
 import struct
 from dataclasses import dataclass
 
-from .driver import Backward, CacheStats, Kernel, Timer, WgslDiskCache, generate_wgsl
-from .safefiles import write_atomic
+from .driver import Backward, CacheStats, Kernel, Timer, WgslDiskCache, generate_wgsl, kernel_named
 from .ir.nodes import SEQ_AXIS
-from .ops import library
 from .runtime.recorder import Compiled, Recorder, Shader
 from .runtime.tensor import Tensor
+from .safefiles import write_atomic
 from .schedule import EMULATED_MATRIX_CONFIGS, EMULATED_SUBGROUP, KernelSpec, MatrixConfig, Target, bucketed
 from .settings import settings
 from .tune.autotune import Tuner
@@ -54,7 +55,7 @@ class ComputeEngine(Recorder):
     def compile(self, kernel: Kernel | str, dims: dict[str, int], bucket: int = 1,
                 accumulate: frozenset[str] = frozenset(), tiles=None) -> CompiledKernel:
         """The pipelines of a one-part kernel at these sizes (made once per specialization)."""
-        kernel = library.get(kernel) if isinstance(kernel, str) else kernel
+        kernel = kernel_named(kernel)
         if tiles is None and self.tuner is not None:    # stays None where the template has no candidates
             tiles = self.tuner.tiles(kernel, dims, bucket, accumulate)
         spec = kernel.specialize(dims, bucket, accumulate, tiles, self.target)
@@ -73,13 +74,14 @@ class ComputeEngine(Recorder):
 
     # ---- recording ----
     def run(self, kernel: Kernel | str, *, bucket: int = 1, dims: dict[str, int] | None = None,
-            out: dict[str, Tensor] | None = None, accumulate=(), tiles=None, **args) -> dict[str, Tensor]:
+            out: dict[str, Tensor] | None = None, accumulate=(), tiles=None, f16=(), **args) -> dict[str, Tensor]:
         """Record one kernel call; returns its outputs by name. Bad arguments raise before GPU work.
 
         ``out`` supplies output tensors to write into; outputs named in ``accumulate`` (which must
-        be in ``out``) are added to instead of overwritten.
+        be in ``out``) are added to instead of overwritten. ``f16`` names the tensors stored as f16
+        (the kernel's dtype variant, computing in f32; ops/precision.py chooses them).
         """
-        kernel = library.get(kernel) if isinstance(kernel, str) else kernel
+        kernel = kernel_named(kernel).with_f16(f16)
         kernel = kernel.without(n for n in kernel.ir.defaults if n not in args)
         ir = kernel.ir
         args, sizing = self._own_arguments(kernel, args)

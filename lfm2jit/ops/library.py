@@ -1,10 +1,11 @@
-"""The kernels that ship with lfm2jit: every ``ops/kernels/*.lk`` file in the package, by kernel name."""
+"""The kernels that ship with lfm2jit: every ``ops/kernels/*.lk`` file in the package, by kernel name
+(registered with the driver, so ``engine.run`` takes their names)."""
 from __future__ import annotations
 
 from functools import lru_cache
 from importlib import resources
 
-from ..driver import Kernel, compile_source
+from ..driver import Kernel, compile_source, name_kernels_with
 
 
 def sources() -> dict[str, str]:
@@ -29,3 +30,6 @@ def get(name: str) -> Kernel:
     if name not in ks:
         raise KeyError(f"no shipped kernel named {name!r}; available: {', '.join(sorted(ks))}")
     return ks[name]
+
+
+name_kernels_with(get)

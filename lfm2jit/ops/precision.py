@@ -1,11 +1,11 @@
-"""Mixed precision: the kernel variant a call with f16 activations runs.
+"""Mixed precision: which tensors a call with f16 activations stores as f16.
 
 In f16 mode activations and their gradients are stored as f16, while parameters, parameter
 gradients, optimizer state and per-row statistics stay f32, and every kernel computes in f32
-(loads widen, stores narrow). A call's variant follows the tensors it is given, so the call sites
+(loads widen, stores narrow). A call's dtypes follow the tensors it is given, so the call sites
 stay the same as in f32 mode: an input stays f32 when the tensor passed is f32, an output when
 ``out=`` gives an f32 tensor or it is a statistic in ``STATISTICS``; every other float tensor is
-stored as f16.
+stored as f16. The engine runs the variant they make (``engine.run(..., f16=names)``).
 """
 from __future__ import annotations
 
@@ -27,19 +27,19 @@ def check_activation_dtype(dtype: str, ctx) -> str:
     return dtype
 
 
-def for_call(kernel: Kernel, dtype: str, args: dict, out: dict | None = None) -> Kernel:
-    """The variant of ``kernel`` that a call with these arguments runs when activations are ``dtype``.
-    With f32 activations only the f16 tensors given (a frozen base weight kept as f16) are f16."""
+def f16_tensors(kernel: Kernel, dtype: str, args: dict, out: dict | None = None) -> frozenset[str]:
+    """The tensors of ``kernel`` that a call with these arguments stores as f16 when activations are
+    ``dtype``. With f32 activations only the f16 tensors given (a frozen base weight kept as f16)."""
     if dtype == "f32":
-        halves = {n for n, t in {**args, **(out or {})}.items() if isinstance(t, Tensor) and t.dtype == "f16"}
-        return kernel.variant("f16", kernel.tensor_names - halves) if halves else kernel
+        given = {n for n, t in {**args, **(out or {})}.items() if isinstance(t, Tensor) and t.dtype == "f16"}
+        return frozenset(given) & kernel.tensor_names
     keep = {n for n, t in args.items() if isinstance(t, Tensor) and t.dtype == "f32"}
     keep |= {n for n, t in (out or {}).items() if t.dtype == "f32"}
-    return kernel.variant(dtype, frozenset(keep | STATISTICS) & kernel.tensor_names)
+    return kernel.tensor_names - keep - STATISTICS
 
 
 def run(engine, kernel: Kernel | str, dtype: str, *, out: dict | None = None, **args) -> dict[str, Tensor]:
-    """``engine.run`` of the variant of ``kernel`` (or the shipped kernel of that name) that this
-    call runs when activations are ``dtype``."""
+    """``engine.run`` of ``kernel`` (or the shipped kernel of that name) with the tensors this call
+    stores as f16 when activations are ``dtype``."""
     kernel = library.get(kernel) if isinstance(kernel, str) else kernel
-    return engine.run(for_call(kernel, dtype, args, out), out=out, **args)
+    return engine.run(kernel, out=out, f16=f16_tensors(kernel, dtype, args, out), **args)

@@ -1,8 +1,8 @@
 """Elementwise schedule: each invocation computes ``per_invocation`` elements, a workgroup's width
 apart (so every load stays coalesced), and issues their loads together.
 
-An f16 kernel with one element per invocation keeps 2-4 bytes in flight per thread: on an H200 that
-held silu_mul and the residual adds near 1.4 TB/s of 4.8. Interior workgroups (all their elements
+One element per invocation keeps too few bytes in flight per thread to reach a big GPU's memory
+bandwidth (docs/journal.md, 2026-12-04). Interior workgroups (all their elements
 inside the space and before the real sequence length, one workgroup-uniform test) run the
 unrolled elements without guards; the last workgroup walks them one by one, guarded."""
 from __future__ import annotations

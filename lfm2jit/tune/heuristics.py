@@ -19,12 +19,12 @@ from .tiles import COLUMN_SPLITS, AttentionTiles, MatrixAttentionTiles, MatrixTi
 
 # ---- SIMT GEMM (the portable template; every pick fits WebGPU's default limits) ----
 
-LONG_K = 2048         # K split over 2 from here: won 5 of 6 products at 1x512, 1x2048 (H200, h200_tune_log_1x512_1x2048.json)
-SHORT_K = 1024        # small outputs split K over 4 from here: won 2 of 3 by 6-30% (same log)
-SMALL_OUTPUT = 128    # fewer 64x128 tiles than this is a small output; split-K lost all 8 with more (H200, h200_tune_log_8x512.json)
-SPLIT_K_TILES = 1024  # long K splits while at most this many 64x128 tiles run: 11 of 12 at 8x512 (same log)
-SIMT_TILES = TileConfig(64, 128, 16, 8, 8, vec=True)      # the tuner's usual winner (H200, h200_tune_log_8x512.json)
-SIMT_SMALL_TILES = TileConfig(64, 64, 8, 4, 4, vec=True)  # small outputs with short K: more workgroups (same log)
+LONG_K = 2048         # K split over 2 from here: won 5 of 6 at 1x512, 1x2048 (H200: h200_tune_log_1x512_1x2048.json)
+SHORT_K = 1024        # small outputs split K over 4 from here: won 2 of 3, by 6-30% (same log)
+SMALL_OUTPUT = 128    # fewer 64x128 tiles is a small output; with more, split-K lost all 8 (H200: h200_tune_log_8x512.json)
+SPLIT_K_TILES = 1024  # long K splits up to this many 64x128 tiles: won 11 of 12 at 8x512 (same log)
+SIMT_TILES = TileConfig(64, 128, 16, 8, 8, vec=True)      # the tuner's usual winner (H200: h200_tune_log_8x512.json)
+SIMT_SMALL_TILES = TileConfig(64, 64, 8, 4, 4, vec=True)  # small outputs, short K: more workgroups (same log)
 
 
 def matmul_tiles(m: int, n: int, k: int) -> TileConfig:
@@ -41,25 +41,26 @@ def matmul_tiles(m: int, n: int, k: int) -> TileConfig:
 
 # ---- the matrix-unit GEMM ----
 
-NARROW = 16               # outputs at most this thin (LoRA ranks, decode rows) take one-fragment-thin tiles (H200, h200_narrow_tiles.log)
-NARROW_SLICE = 256        # the shortest share of K a thin output's split leaves a slice (H200, h200_narrow_tiles.log)
-BUSY_GROUPS = 128         # workgroups that keep the H200's 132 SMs busy (the device's SM count)
-ONE_STEP_K = 32           # K this short (LoRA's up-projections) runs one k-step of BK = 32: the layout rules
-SMALL_MATRIX_GRID = 128   # fewer 128x128 tiles than this take 64x64 ones (H200 at T = 512, h200_tune_log_f16_1x512.json)
-LARGE_MATRIX_GRID = 256   # from this many 128x128 tiles, 2x2 subgroups without prefetch (H200, h200_mtiles_unmasked.json)
-HUGE_MATRIX_GRID = 1024   # dW shorter than LONG_K takes 128x128 tiles from this many (H200, h200_tune_log_f16_1x512.json)
-SPLIT_WAVE_K = 4096       # a wave of 128x128 tiles summing this much splits K over 2: 1.25-1.3x (H200, h200_mtiles_wave_split.json)
-DW_TAIL_SPLIT = 8         # dW's split tail cuts each tail tile's K in 8: 1.25x at T = 2048 (H200, h200_mtiles_dw_tail.json)
-H200_WAVE = 2 * 132       # 128x128 workgroups of 2x2 subgroups an H200 runs at once: 132 SMs, 2 each by registers (h200_mtiles_split_tail.log)
-MANY_ACCUMULATORS = 8     # a subgroup with more fragments stores them one a round: 4 a round ran 1.4-1.8x slower (H200, h200_mtiles_epilogue.json)
-SMALL_MATRIX_TILES = MatrixTiles(64, 64, 2, 2, 32)        # small grids, and the fallback where a pick does not fit (h200_tune_log_f16_1x512.json)
-SMALL_MATRIX_SPLIT_TILES = MatrixTiles(64, 64, 2, 2, 32, split=2)   # small grids with K >= LONG_K: 1.05-1.3x (same log)
-JUST_OVER_A_WAVE_TILES = MatrixTiles(256, 128, 4, 2, 32, prefetch=False)   # 1-2 waves, short K: 1.6x y, 1.2x dX (same log)
-WAVE_SPLIT_TILES = MatrixTiles(128, 128, 2, 2, 32, split=2, prefetch=False)   # at most a wave, K >= SPLIT_WAVE_K (h200_mtiles_wave_split.json)
-MATRIX_TILES = MatrixTiles(128, 128, 2, 4, 32)            # 128x128 grids under LARGE_MATRIX_GRID (H200, h200_mtiles_unmasked.json)
-LARGE_MATRIX_TILES = MatrixTiles(128, 128, 2, 2, 32, prefetch=False)   # 1.1-1.25x the prefetching 2x2: few registers left (same file)
-TAIL_BASE_TILES = LARGE_MATRIX_TILES      # dW over LONG_K or more: 1.2-1.55x 128x256 at T = 2048 (same file)
-# the matrix tiles for a device where the pick does not fit, largest first (their rules are the adapter's limits)
+# Sources: benches/results/h200_*; "same file" is the line above's.
+NARROW = 16               # outputs this thin (LoRA ranks, decode rows) take one-fragment-thin tiles (h200_narrow_tiles.log)
+NARROW_SLICE = 256        # the shortest share of K a thin output's split leaves a slice (same file)
+BUSY_GROUPS = 128         # workgroups that keep the H200's 132 SMs busy (its SM count)
+ONE_STEP_K = 32           # K this short (LoRA's up-projections) is one k-step of the tiles' BK
+SMALL_MATRIX_GRID = 128   # fewer 128x128 tiles take 64x64 ones (T = 512: h200_tune_log_f16_1x512.json)
+LARGE_MATRIX_GRID = 256   # from this many 128x128 tiles, 2x2 subgroups without prefetch (h200_mtiles_unmasked.json)
+HUGE_MATRIX_GRID = 1024   # dW shorter than LONG_K takes 128x128 tiles from this many (h200_tune_log_f16_1x512.json)
+SPLIT_WAVE_K = 4096       # a wave of 128x128 tiles over this K splits it in 2: 1.25-1.3x (h200_mtiles_wave_split.json)
+DW_TAIL_SPLIT = 8         # dW's split tail cuts each tail tile's K in 8: 1.25x at T = 2048 (h200_mtiles_dw_tail.json)
+H200_WAVE = 2 * 132       # 128x128 2x2-subgroup workgroups at once: 132 SMs, 2 by registers (h200_mtiles_split_tail.log)
+MANY_ACCUMULATORS = 8     # subgroups with more store one a round: 4 a round ran 1.4-1.8x slower (h200_mtiles_epilogue.json)
+SMALL_MATRIX_TILES = MatrixTiles(64, 64, 2, 2, 32)      # small grids (h200_tune_log_f16_1x512.json)
+SMALL_MATRIX_SPLIT_TILES = replace(SMALL_MATRIX_TILES, split=2)     # small grids, K >= LONG_K: 1.05-1.3x (same file)
+JUST_OVER_A_WAVE_TILES = MatrixTiles(256, 128, 4, 2, 32, prefetch=False)   # 1-2 waves, short K: 1.6x y (same file)
+MATRIX_TILES = MatrixTiles(128, 128, 2, 4, 32)          # grids under LARGE_MATRIX_GRID (h200_mtiles_unmasked.json)
+LARGE_MATRIX_TILES = MatrixTiles(128, 128, 2, 2, 32, prefetch=False)   # 1.1-1.25x prefetching: registers are short (same)
+TAIL_BASE_TILES = LARGE_MATRIX_TILES                    # dW over LONG_K: 1.2-1.55x 128x256 at T = 2048 (same file)
+WAVE_SPLIT_TILES = replace(LARGE_MATRIX_TILES, split=2)   # at most a wave, K >= SPLIT_WAVE_K (h200_mtiles_wave_split.json)
+# where the pick does not fit the device's workgroup memory or subgroup size: the first of these that does
 MATRIX_FALLBACK = (SMALL_MATRIX_TILES, MatrixTiles(32, 64, 1, 2, 32))
 
 
@@ -115,7 +116,7 @@ def _h200_matrix_tiles(m: int, n: int, k: int, k_contiguous: int) -> MatrixTiles
 
 # ---- attention ----
 
-TARGET_THREADS = 128      # invocations per SIMT attention workgroup to aim for: a design choice the autotuner searches around
+TARGET_THREADS = 128      # invocations per SIMT attention workgroup: a design choice, the autotuner searches around it
 SLICE_COLUMNS = 16        # accumulator columns per invocation to aim for (E / row_threads): likewise
 MAX_STREAMED = 64         # the longest streamed SIMT tile tried first
 # the matrix attention tiles, in the order a kernel falls back through them (and the autotuner tries them)
@@ -156,7 +157,7 @@ def matrix_attention_tiles(mode: str, fits: Callable[[MatrixAttentionTiles], boo
 
 # ---- column reductions ----
 
-COLUMN_BUSY = 256      # workgroups a split column reduction aims for: about 2 per H200 SM, not yet timed (benches/README.md)
+COLUMN_BUSY = 256      # workgroups a split column reduction aims for: about 2 per H200 SM, not timed yet
 COLUMN_SLICE = 4096    # the fewest iterations of the reduced loop a slice keeps: likewise untimed
 
 

@@ -164,6 +164,8 @@ def test_tiles_picked_for_the_h200_fall_back_where_they_do_not_fit():
     assert PRODUCTS["y"].specialize(sizes, 64, target=MATRIX_UNITS).params.tiles.wm == 256
     small = replace(MATRIX_UNITS, workgroup_bytes=32768)
     assert PRODUCTS["y"].specialize(sizes, 64, target=small).params.tiles == MatrixTiles(64, 64, 2, 2, 32)
+    tiny = replace(MATRIX_UNITS, workgroup_bytes=12288)      # 64x64 tiles take 14 KiB: the next fallback fits
+    assert PRODUCTS["y"].specialize(sizes, 64, target=tiny).params.tiles == MatrixTiles(32, 64, 1, 2, 32)
 
 
 @pytest.mark.parametrize("K,split", [(8192, 8), (2048, 8), (1024, 4), (300, 1), (64, 1)])

@@ -152,6 +152,20 @@ def test_out_argument_writes_in_place_and_is_checked(engine, rng):
         engine.run("scale", x=x, alpha=2.0, out={"y": engine.empty((3, 5))})
 
 
+def test_f16_names_the_tensors_a_call_stores_as_f16(engine, rng):
+    """``f16=`` is part of what a call specializes: the named tensors are stored as f16 (the rest as
+    declared), the kernel computes in f32; a name the kernel lacks is refused before GPU work."""
+    if not engine.ctx.has_f16:
+        pytest.skip("adapter lacks shader-f16")
+    x = rng.standard_normal((3, 4)).astype(np.float32)
+    y = engine.run("scale", x=engine.tensor(x, "f16"), alpha=2.0, f16={"x", "y"})["y"]
+    assert y.dtype == "f16" and rel_err(y.numpy(), 2.0 * x.astype(np.float16)) < 1e-3
+    mixed = engine.run("scale", x=engine.tensor(x, "f16"), alpha=2.0, f16={"x"})["y"]
+    assert mixed.dtype == "f32" and rel_err(mixed.numpy(), 2.0 * x.astype(np.float16)) < 1e-6
+    with pytest.raises(ValueError, match=r"cannot store \['z'\] as f16"):
+        engine.run("scale", x=engine.tensor(x), alpha=2.0, f16={"z"})
+
+
 def test_pool_reuses_freed_buffers(ctx, rng):
     eng = ComputeEngine(ctx)
     x = eng.tensor(rng.standard_normal((32, 64)).astype(np.float32))
