@@ -578,7 +578,7 @@ class Bench:
 
         from lfm2jit.model.adapters import LoraAdapters
         from lfm2jit.model.config import Lfm2Config
-        from lfm2jit.model.lfm2 import _grad as backward_of
+        from lfm2jit.model.layers import backward_of
         from lfm2jit.model.lora import LoraConfig, init_weights
         from lfm2jit.ops import precision
         cfg = Lfm2Config.preset("tiny" if self.quick else "1.2B")

@@ -1,7 +1,8 @@
 """The LFM2 model on lfm2jit kernels: config, checkpoints, forward and backward, LoRA adapters."""
 from .checkpoint import CheckpointError
 from .config import ConfigError, Lfm2Config
-from .lfm2 import DeviceIds, Lfm2Model
+from .ids import DeviceIds
+from .lfm2 import Lfm2Model
 from .lora import AdapterError, LoraConfig
 
 __all__ = ["AdapterError", "CheckpointError", "ConfigError", "DeviceIds", "Lfm2Config", "Lfm2Model", "LoraConfig"]

@@ -273,3 +273,21 @@ def save_checkpoint(directory: Path, cfg: Lfm2Config, tensors: dict[str, np.ndar
     specs = {n: TensorSpec(dtype=SAVE_DTYPES[dtype], shape=a.shape, data_ptr=a.ctypes.data, data_len=a.nbytes)
              for n, a in arrays.items()}
     serialize_file(specs, str(d / "model.safetensors"), {"format": "pt"})
+
+
+def init_tensors(cfg: Lfm2Config, seed: int) -> dict[str, np.ndarray]:
+    """As transformers initialises LFM2: normal(0, initializer_range) for linear, conv and embedding
+    weights, zeros for biases and the padding token's embedding row, ones for norm weights."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, shape in parameter_shapes(cfg).items():
+        if "norm" in name:
+            out[name] = np.ones(shape, np.float32)
+        elif name.endswith(".bias"):
+            out[name] = np.zeros(shape, np.float32)
+        else:
+            out[name] = (rng.standard_normal(shape) * cfg.initializer_range).astype(np.float32)
+    pad = cfg.pad_token_id
+    if pad is not None and 0 <= pad < cfg.vocab_size:      # nn.Embedding(padding_idx) starts at zero
+        out["model.embed_tokens.weight"][pad] = 0.0
+    return out

@@ -23,15 +23,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..ops import library
 from ..runtime import Tensor
-from ..schedule.spec import bucketed
+from ..schedule.layout import bucketed
+from .layers import Attention, Conv, Rows
+from .staging import EMBEDDING, FINAL_NORM
 
 GROW = 64        # cache rows added at a time (and the decode attention's length bucket)
-
-
-def _k(name: str):
-    return library.get(name)
 
 
 @dataclass(frozen=True)
@@ -115,14 +112,14 @@ class InferenceState:
         model, e = self.model, self.model.engine
         n, taps = len(ids), model.cfg.conv_L_cache
         trace = model.forward(ids, bucket=self.grow)
-        for i, s in enumerate(trace.layers):
+        for i, (s, *_) in enumerate(trace.layers):
             if i in self.windows:             # the last L - 1 rows of B, C, x; zeros before the prompt
                 last = min(n, taps - 1)
                 if last:
-                    e.copy_rows(s["bcx"], self.windows[i][0], last, n - last, b * taps + taps - last)
+                    e.copy_rows(s.bcx, self.windows[i][0], last, n - last, b * taps + taps - last)
             else:
                 g = model.cfg.num_key_value_heads
-                for cache, rows in zip(self.kv[i], (s["kr"], s["v"])):
+                for cache, rows in zip(self.kv[i], (s.kr, s.v)):
                     e.copy_rows(rows.view(n * g, model.cfg.head_dim), cache, n * g, 0, self._row(b, 0))
         last = e.empty((1, model.cfg.hidden_size), model.activation_dtype)
         e.copy_rows(trace.hn, last, 1, n - 1)
@@ -130,17 +127,20 @@ class InferenceState:
 
     def step(self, tokens) -> np.ndarray:
         """Feed one new token per sequence (at position lengths[b]); returns and keeps the logits [B, V]."""
-        model, cfg, e = self.model, self.model.cfg, self.model.engine
+        model, k, e = self.model, self.model.kernels, self.model.engine
         ids = model.check_ids(np.asarray(tokens).reshape(1, self.batch), "tokens")[0]
         self._reserve(max(self.lengths) + 1)
-        cos, sin = model.rope_angles(self.lengths)
+        cos, sin = model.rope.angles(self.lengths)
         self._rope = (e.tensor(cos), e.tensor(sin))
         self._seen = e.tensor(np.array(self.lengths, np.float32) + 1)          # positions with this one
-        h = model._run(_k("embedding"), bucket=1, table=model.p("model.embed_tokens.weight"), ids=e.tensor(ids))["y"]
-        for i, kind in enumerate(cfg.layer_types):
-            mix = self._conv_step if kind == "conv" else self._attention_step
-            h = model.block(h, {"kind": kind, "pre": f"model.layers.{i}."}, 1, lambda s, i=i: mix(i, s))
-        hn = model._run(_k("rmsnorm"), bucket=1, x=h, w=model.p("model.embedding_norm.weight"), eps=cfg.norm_eps)["y"]
+        h = k.run("embedding", bucket=1, table=model.p(EMBEDDING), ids=e.tensor(ids))["y"]        # (B, D)
+        for i, (mixer, *rest) in enumerate(model.blocks):
+            # the mixer against this state's cache, between its norm and out_proj; the rest as in training
+            step = self._conv_step if isinstance(mixer, Conv) else self._attention_step
+            h = mixer.project(step(i, mixer, mixer.normed(h, 1)[0]), h, 1)
+            for layer in rest:
+                h = layer.forward(h, Rows(1), train=False)[0]
+        hn = k.norm(h, FINAL_NORM, 1)[0]
         self.logits = model.head_logits(hn)
         self.lengths = [n + 1 for n in self.lengths]
         return self.logits
@@ -159,46 +159,71 @@ class InferenceState:
                     self.model.engine.copy_rows(old, new, n * g, b * old_capacity * g, self._row(b, 0))
                 caches[j] = new
 
-    def _conv_step(self, i: int, s: dict) -> Tensor:
+    def _conv_step(self, i: int, conv: Conv, xn: Tensor) -> Tensor:
         model, cfg, e = self.model, self.model.cfg, self.model.engine
         d, taps, batch = cfg.hidden_size, cfg.conv_L_cache, self.batch
-        pre = s["pre"]
-        bcx = model._linear(s["xn"], pre + "conv.in_proj", 1)                                     # (B, 3D)
+        bcx = model.kernels.linear(xn, conv.pre + "conv.in_proj", 1)                              # (B, 3D)
         now, nxt = self.windows[i]
         if taps > 1:                          # every row up one (each window's first row drops out) ...
             e.copy_rows(now, nxt, batch * taps - 1, 1, 0)
         for b in range(batch):                # ... and the new row last in each window
             e.copy_rows(bcx, nxt, 1, b, b * taps + taps - 1)
         self.windows[i] = [nxt, now]
-        args = {"bcx": nxt.view(batch, taps, 3, d), "w": model.p(pre + "conv.conv.weight").view(d, taps)}
-        if cfg.conv_bias:
-            args["b"] = model.p(pre + "conv.conv.bias")
-        y = model._run(_k("short_conv"), bucket=1, **args)["y"].view(batch * taps, d)              # (B * L, D)
+        y = model.kernels.run("short_conv", bucket=1, bcx=nxt.view(batch, taps, 3, d),
+                              **conv.weights())["y"].view(batch * taps, d)                         # (B * L, D)
         c = e.empty((batch, d), model.activation_dtype)
         for b in range(batch):
             e.copy_rows(y, c, 1, b * taps + taps - 1, b)
         return c                                                                                   # (B, D) out_proj's input
 
-    def _attention_step(self, i: int, s: dict) -> Tensor:
-        model, cfg, e = self.model, self.model.cfg, self.model.engine
+    def _attention_step(self, i: int, attention: Attention, xn: Tensor) -> Tensor:
+        model, cfg, e, kernels = self.model, self.model.cfg, self.model.engine, self.model.kernels
         batch, h, g, dim = self.batch, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        a, run, xn = s["pre"] + "self_attn.", model._run, s["xn"]
-        q = model._linear(xn, a + "q_proj", 1).view(batch, h, dim)                                 # (B, H, E)
-        k = model._linear(xn, a + "k_proj", 1).view(batch, g, dim)                                 # (B, G, E)
-        v = model._linear(xn, a + "v_proj", 1).view(batch * g, dim)                                # (B * G, E)
-        qn = run(_k("head_rmsnorm"), bucket=1, x=q, w=model.p(a + "q_layernorm.weight"), eps=cfg.norm_eps)["y"]
-        kn = run(_k("head_rmsnorm"), bucket=1, x=k, w=model.p(a + "k_layernorm.weight"), eps=cfg.norm_eps)["y"]
+        a, run = attention.attn, kernels.run
+        q = kernels.linear(xn, a + "q_proj", 1).view(batch, h, dim)                                # (B, H, E)
+        k = kernels.linear(xn, a + "k_proj", 1).view(batch, g, dim)                                # (B, G, E)
+        v = kernels.linear(xn, a + "v_proj", 1).view(batch * g, dim)                               # (B * G, E)
+        qn = kernels.norm(q, a + "q_layernorm.weight", 1, "head_rmsnorm")[0]
+        kn = kernels.norm(k, a + "k_layernorm.weight", 1, "head_rmsnorm")[0]
         cos, sin = self._rope
-        qr = run(_k("rope"), bucket=1, x=qn.view(batch, h, 2, dim // 2), cos=cos, sin=sin)["y"].view(batch, h * dim)
-        kr = run(_k("rope"), bucket=1, x=kn.view(batch, g, 2, dim // 2), cos=cos, sin=sin)["y"].view(batch * g, dim)
+        qr = run("rope", bucket=1, x=qn.view(batch, h, 2, dim // 2), cos=cos, sin=sin)["y"].view(batch, h * dim)
+        kr = run("rope", bucket=1, x=kn.view(batch, g, 2, dim // 2), cos=cos, sin=sin)["y"].view(batch * g, dim)
         kc, vc = self.kv[i]
         for b, n in enumerate(self.lengths):          # this position's k and v, at each sequence's length
             e.copy_rows(kr, kc, g, b * g, self._row(b, n))
             e.copy_rows(v, vc, g, b * g, self._row(b, n))
         cache = (batch, self.capacity, g, dim)
-        o = run(_k("attention_decode"), bucket=self.grow, q=qr.view(batch, g, h // g, dim), k=kc.view(*cache),
+        o = run("attention_decode", bucket=self.grow, q=qr.view(batch, g, h // g, dim), k=kc.view(*cache),
                 v=vc.view(*cache), n=self._seen, scale=1.0 / math.sqrt(dim))["o"]                  # (B, G, H/G, E)
         return o.view(batch, h * dim)                                                              # (B, H * E) out_proj's input
+
+
+def check_request(model, prompt_ids, max_new_tokens, seed) -> tuple[list[np.ndarray], bool]:
+    """Lfm2Model.generate's prompts, each as int32 ids [T], and whether it was given one prompt (not
+    a list); the prompts, ``max_new_tokens`` and ``seed`` checked."""
+    single = len(prompt_ids) > 0 and np.ndim(prompt_ids[0]) == 0 if isinstance(prompt_ids, (list, tuple)) \
+        else np.ndim(prompt_ids) == 1
+    prompts = [model.check_ids(p, "prompt_ids" if single else f"prompt_ids[{i}]")
+               for i, p in enumerate([prompt_ids] if single else list(prompt_ids))]
+    if not prompts:
+        raise ValueError("prompt_ids is an empty list of prompts")
+    if any(p.shape[0] != 1 for p in prompts):
+        raise ValueError("prompt_ids: each prompt must be one sequence of ids (a list of prompts, not a 2-D batch "
+                         "per prompt)")
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise ValueError(f"seed must be an integer, got {seed!r}")
+    return [p[0] for p in prompts], single
+
+
+def eos_ids(eos_token_id, vocab_size: int) -> frozenset[int]:
+    """The end ids of ``eos_token_id`` (an id or a list of them), each checked against the vocabulary."""
+    ids = [eos_token_id] if np.ndim(eos_token_id) == 0 else list(eos_token_id)
+    for i in ids:
+        if not isinstance(i, (int, np.integer)) or isinstance(i, bool) or not 0 <= i < vocab_size:
+            raise ValueError(f"eos_token_id {i!r} is not a token id of the vocabulary 0..{vocab_size - 1}")
+    return frozenset(int(i) for i in ids)
 
 
 def generate(model, prompts, max_new_tokens: int, sampling: Sampling, eos_ids: frozenset[int], seed: int,

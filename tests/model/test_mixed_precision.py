@@ -16,6 +16,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from lfm2jit.model import Lfm2Model
+from lfm2jit.model.layers import AttentionSaved
 from lfm2jit.ops.precision import check_activation_dtype
 from trainer import SGD, AdamW, GradScaler, Trainer
 from conftest import rel_err
@@ -71,11 +72,11 @@ def test_activations_are_f16_and_parameters_stay_f32(ctx, engine):
     model = Lfm2Model(cfg, ctx, engine, seed=1, activation_dtype="f16")
     trace = model.forward(np.arange(1, 12), bucket=16)
     assert trace.h_in.dtype == trace.hn.dtype == "f16"
-    for s in trace.layers:
-        assert s["h"].dtype == s["a"].dtype == s["b"].dtype == "f16"
-        assert s["inv_op"].dtype == "f32"                       # statistics stay f32
-        if s["kind"] != "conv":
-            assert s["o"].dtype == "f16" and s["lse"].dtype == "f32"
+    for mixer, mlp in trace.layers:
+        assert mixer.h.dtype == mlp.a.dtype == mlp.b.dtype == "f16"
+        assert mixer.inv.dtype == "f32"                         # statistics stay f32
+        if isinstance(mixer, AttentionSaved):
+            assert mixer.o.dtype == "f16" and mixer.lse.dtype == "f32"
     model.zero_grad()
     model.backward(trace, engine.tensor(np.ones((11, cfg.hidden_size), np.float16)), model.parameters())
     for name, t in model.named_parameters().items():

@@ -1,0 +1,18 @@
+"""The decoder's layers as typed forward/backward pairs: each forward returns the activations its
+backward reads, as a dataclass with a shape per field."""
+from .attention import Attention, AttentionSaved, Rope
+from .base import Residual, ResidualSaved, Rows
+from .conv import Conv, ConvSaved
+from .kernels import Kernels, LoraSaved, backward_of
+from .mlp import Mlp, MlpSaved
+
+__all__ = ["Attention", "AttentionSaved", "Conv", "ConvSaved", "Kernels", "LoraSaved", "Mlp", "MlpSaved", "Residual",
+           "ResidualSaved", "Rope", "Rows", "backward_of", "decoder_block"]
+
+
+def decoder_block(kernels: Kernels, cfg, index: int, rope: Rope, keep_ab: bool = True) -> list[Residual]:
+    """Decoder layer ``index`` as the list its forward runs in order (backward: reversed): its
+    mixer (the conv or the attention, by ``cfg.layer_types``), then the MLP."""
+    kind = cfg.layer_types[index]
+    mixer = Conv(kernels, cfg, index) if kind == "conv" else Attention(kernels, cfg, index, rope)
+    return [mixer, Mlp(kernels, cfg, index, keep_ab)]

@@ -1,0 +1,53 @@
+"""Putting LoRA adapters on a model's parameters (optionally narrowing the frozen base to f16) and
+folding them back in (merge)."""
+from __future__ import annotations
+
+import numpy as np
+
+from ..runtime import Tensor, arena
+from ..runtime.tensor import DTYPES
+from .adapters import LoraAdapters
+from .checkpoint import parameter_shapes
+from .config import Lfm2Config
+from .lora import LoraConfig
+
+BASE_DTYPES = ("f32", "f16")
+
+
+def check_base_dtype(base_dtype: str, ctx) -> None:
+    if base_dtype not in BASE_DTYPES:
+        raise ValueError(f"base_dtype must be 'f32' or 'f16', got {base_dtype!r}")
+    if base_dtype == "f16" and not ctx.has_f16:
+        raise ValueError(f"base_dtype='f16' needs the shader-f16 feature, which adapter {ctx.name!r} lacks")
+
+
+def upload_adapters(ctx, config: LoraConfig, modules, weights: dict[str, np.ndarray], seed: int) -> LoraAdapters:
+    """The adapters' A and B matrices uploaded side by side (runtime/arena.py), PEFT names kept."""
+    return LoraAdapters(config, dict(zip(weights, arena.upload(ctx, list(weights.values())))), modules, seed)
+
+
+def base_linears(cfg: Lfm2Config) -> list[str]:
+    """The decoder's linear weights: what base_dtype="f16" narrows."""
+    return [n for n, shape in parameter_shapes(cfg).items()
+            if n.startswith("model.layers.") and n.endswith(".weight") and len(shape) == 2]
+
+
+def reupload(ctx, params: dict[str, Tensor], to_f16: set[str]) -> dict[str, Tensor]:
+    """The parameters named in ``to_f16`` as f16 in an arena of their own, the others re-uploaded
+    as f32 into a fresh one (new tensors, same values, the same order), so the old arena, and
+    with it the f32 copies, is freed: an arena lives while any view of it does."""
+    arrays = {n: t.numpy() for n, t in params.items()}
+    new: dict[str, Tensor] = {}
+    for dtype, names in (("f32", [n for n in arrays if n not in to_f16]), ("f16", [n for n in arrays if n in to_f16])):
+        new.update(zip(names, arena.upload(ctx, [arrays[n] for n in names], dtype)))
+    return {n: new[n] for n in arrays}
+
+
+def merge(params: dict[str, Tensor], lora: LoraAdapters) -> None:
+    """W += s * B A for every adapted module, in float64, stored as the weight's dtype (an f16 base
+    is rounded to f16, as merging into a half-precision base in PEFT is)."""
+    s = lora.config.scaling
+    for module, ad in lora.by_module.items():
+        w = params[module + ".weight"]
+        merged = w.numpy().astype(np.float64) + s * (ad.b.numpy().astype(np.float64) @ ad.a.numpy().astype(np.float64))
+        w.write(merged.astype(DTYPES[w.dtype]))
