@@ -26,7 +26,7 @@ def prepare(args, argv_empty: bool) -> Session:
     data = load_data(run, tok)
     for note in data.notes:
         print(f"note: {note}", file=sys.stderr)
-    _fix_length(run, len(data.train))
+    _resolve_length(run, len(data.train))
     schedule = make_schedule(run, run.steps)
     ctx, engine = _device(run)
     model = _model(run, cfg, ckpt, ctx, engine)
@@ -101,7 +101,7 @@ def _model_config(run: Run, tok, ckpt: Path | None):
     return cfg
 
 
-def _fix_length(run: Run, n_train: int) -> None:
+def _resolve_length(run: Run, n_train: int) -> None:
     """--steps from --epochs (1 by default) and the warmup from the steps, now that the data is known."""
     steps_per_epoch = n_train // (run.world_size * run.grad_accum)
     if steps_per_epoch == 0:

@@ -22,27 +22,14 @@ def _given(args: argparse.Namespace) -> dict:
 
 def resolve(args: argparse.Namespace, argv_empty: bool, saved: dict | None = None, ckpt: Path | None = None) -> Run:
     """Fill in defaults (or, with --resume, the checkpoint's settings), then validate."""
-    from ..data import default_dataset, default_tokenizer
+    from ..data import default_dataset
     g = _given(args)
     notes: list[str] = []
     # under MPI (given, or the resumed run's) the rank and world size come from MPI, never from the checkpoint
     if g.get("distributed", (saved or {}).get("distributed")) == "mpi":
         g.update(_mpi_world(g))
     if saved is not None:
-        for flag in ("model", "preset"):
-            if flag in g:
-                raise UsageError(f"--{flag} cannot be combined with --resume: the model comes from the checkpoint")
-        base = {k: v for k, v in saved.items() if v is not None}
-        changed = [k for k in RESUMABLE if k in g and k in base and g[k] != base[k] and k not in AS_YOU_LIKE]
-        if changed:
-            notes.append("--resume with changed settings (the run will not continue exactly as before): "
-                         + ", ".join(f"{k} {base[k]!r} -> {g[k]!r}" for k in changed))
-        if "epochs" in g:
-            base.pop("steps", None)
-        cmd = dict(g)
-        base.update({k: v for k, v in g.items() if k in RESUMABLE})
-        g = {**g, **base}
-        _confirm_resumed_sync(cmd, g, ckpt, notes)
+        g = _with_saved(g, saved, ckpt, notes)
         source = g["source"]
     else:
         source = "model" if "model" in g else "scratch"
@@ -51,24 +38,8 @@ def resolve(args: argparse.Namespace, argv_empty: bool, saved: dict | None = Non
     builtin_data = "data" not in g
     model_dir = g.get("model")
     if source == "model" and saved is None:
-        md = Path(model_dir)
-        if not md.is_dir():
-            raise UsageError(f"--model {model_dir}: no such directory")
-        if not (md / "config.json").is_file():
-            raise UsageError(f"--model {model_dir}: no config.json (a Hugging Face LFM2 checkpoint directory holds "
-                             "config.json, model.safetensors and tokenizer.json)")
-        if not any(md.glob("*.safetensors")) and not (md / "model.safetensors.index.json").is_file():
-            raise UsageError(f"--model {model_dir}: no *.safetensors weights")
-    tokenizer = g.get("tokenizer")
-    if tokenizer is None and ckpt is not None and (ckpt / "model" / "tokenizer.json").is_file():
-        tokenizer = str(ckpt / "model" / "tokenizer.json")      # the copy every checkpoint carries
-    if tokenizer is None:
-        if source == "model":
-            tokenizer = str(Path(model_dir) / "tokenizer.json")
-            if not Path(tokenizer).is_file():
-                raise UsageError(f"--model {model_dir}: no tokenizer.json (pass --tokenizer FILE)")
-        else:
-            tokenizer = str(default_tokenizer())
+        _check_model_dir(model_dir)
+    tokenizer = _tokenizer_path(g.get("tokenizer"), source, model_dir, ckpt)
     data = g.get("data") or str(default_dataset())
     if not Path(data).is_file():
         raise UsageError(f"--data {data}: no such file")
@@ -116,6 +87,52 @@ def resolve(args: argparse.Namespace, argv_empty: bool, saved: dict | None = Non
         if getattr(run, key) is not None:
             setattr(run, key, str(Path(getattr(run, key)).resolve()))
     return run
+
+
+def _with_saved(g: dict, saved: dict, ckpt: Path | None, notes: list[str]) -> dict:
+    """--resume: the checkpoint's settings, overridden by the flags given (a note lists the changes)."""
+    for flag in ("model", "preset"):
+        if flag in g:
+            raise UsageError(f"--{flag} cannot be combined with --resume: the model comes from the checkpoint")
+    base = {k: v for k, v in saved.items() if v is not None}
+    changed = [k for k in RESUMABLE if k in g and k in base and g[k] != base[k] and k not in AS_YOU_LIKE]
+    if changed:
+        notes.append("--resume with changed settings (the run will not continue exactly as before): "
+                     + ", ".join(f"{k} {base[k]!r} -> {g[k]!r}" for k in changed))
+    if "epochs" in g:
+        base.pop("steps", None)
+    cmd = dict(g)
+    base.update({k: v for k, v in g.items() if k in RESUMABLE})
+    g = {**g, **base}
+    _confirm_resumed_sync(cmd, g, ckpt, notes)
+    return g
+
+
+def _check_model_dir(model_dir: str) -> None:
+    """--model names a Hugging Face LFM2 directory: config.json and safetensors weights."""
+    md = Path(model_dir)
+    if not md.is_dir():
+        raise UsageError(f"--model {model_dir}: no such directory")
+    if not (md / "config.json").is_file():
+        raise UsageError(f"--model {model_dir}: no config.json (a Hugging Face LFM2 checkpoint directory holds "
+                         "config.json, model.safetensors and tokenizer.json)")
+    if not any(md.glob("*.safetensors")) and not (md / "model.safetensors.index.json").is_file():
+        raise UsageError(f"--model {model_dir}: no *.safetensors weights")
+
+
+def _tokenizer_path(tokenizer: str | None, source: str, model_dir: str | None, ckpt: Path | None) -> str:
+    """--tokenizer, else the copy a checkpoint carries, the --model directory's, or the shipped one."""
+    from ..data import default_tokenizer
+    if tokenizer is None and ckpt is not None and (ckpt / "model" / "tokenizer.json").is_file():
+        tokenizer = str(ckpt / "model" / "tokenizer.json")      # the copy every checkpoint carries
+    if tokenizer is None:
+        if source == "model":
+            tokenizer = str(Path(model_dir) / "tokenizer.json")
+            if not Path(tokenizer).is_file():
+                raise UsageError(f"--model {model_dir}: no tokenizer.json (pass --tokenizer FILE)")
+        else:
+            tokenizer = str(default_tokenizer())
+    return tokenizer
 
 
 def _mpi_world(g: dict) -> dict:
