@@ -10,13 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..ir.nodes import SEQ_AXIS, KernelIR
+from ..tune import heuristics
 from .code import COMPUTE_TYPE, Bin, Compare, Const, IndexLet, Let, SeqLen, Store, Var
 from .layout import index_vars, total, unravel
 from .lower import Lowerer
 from .spec import MAX_WORKGROUP, EntryPoint, Plan
-
-PER_INVOCATION = 4            # elements an invocation computes in a large space
-UNROLL_MIN_ELEMENTS = 1 << 18  # spaces smaller than this keep one element an invocation (their workgroups are few)
 
 
 @dataclass(frozen=True)
@@ -41,7 +39,8 @@ def plan(ir: KernelIR, sizes: dict[str, int], accumulate: frozenset[str], tiles=
     stores = tuple(result_store(lower, ir, o, Var("gid"), bound, accumulate) for o in ir.outputs)
     # a guard on T may stop an invocation's later elements only when T is the outermost axis
     # (then a later element's row is never earlier)
-    per = PER_INVOCATION if n >= UNROLL_MIN_ELEMENTS and (SEQ_AXIS not in space or space[0] == SEQ_AXIS) else 1
+    unrolls = n >= heuristics.UNROLL_MIN_ELEMENTS and (SEQ_AXIS not in space or space[0] == SEQ_AXIS)
+    per = heuristics.PER_INVOCATION if unrolls else 1
     span = MAX_WORKGROUP * per
     last = Bin("+", Var("first"), Const(span - 1))
     interior = (Compare("<", last, Const(n)),) + (

@@ -28,7 +28,6 @@ from .spec import MAX_WORKGROUP, EntryPoint, Plan, Scratch
 COLUMN_THREADS = 256
 REDUCE_THREADS = 256   # invocations per workgroup of the pass that combines the slices
 MAX_GROUPS_X = 65535   # a split reduction's output groups run along x alone (its slices along z)
-ROW_UNROLL = 4         # the most workgroup strides a row pass takes per trip
 
 
 @dataclass(frozen=True)
@@ -138,13 +137,13 @@ def plan_rows(ir: KernelIR, sizes, accumulate: frozenset[str], tiles=None, targe
 
 
 def strided_unroll(cols: Index, wg: int) -> int:
-    """Workgroup strides per trip of a row loop: the largest power of two up to ROW_UNROLL that the
-    row's whole strides divide, so the unrolled trip needs no bound check and its loads issue
-    together (one load in flight per invocation left a row pass at a fraction of the bandwidth).
+    """Workgroup strides per trip of a row loop: the largest power of two up to heuristics.ROW_UNROLL
+    that the row's whole strides divide, so the unrolled trip needs no bound check and its loads
+    issue together (one load in flight per invocation leaves a row pass short of the bandwidth).
     A row whose length is only known at run time keeps one stride per trip."""
     if not isinstance(cols, Const) or cols.value % wg:
         return 1
-    u = ROW_UNROLL
+    u = heuristics.ROW_UNROLL
     while (cols.value // wg) % u:
         u //= 2
     return u

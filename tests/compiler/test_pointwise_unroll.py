@@ -9,7 +9,7 @@ import pytest
 
 from lfm2jit import compile_source
 from lfm2jit.runtime.tensor import Tensor
-from lfm2jit.schedule import pointwise
+from lfm2jit.tune import heuristics
 
 SOURCE = """
 kernel gate(a: f32[T, C], b: f32[T, C], w: f32[C]) -> (y: f32[T, C], z: f32[T, C]) {
@@ -42,9 +42,9 @@ def test_unrolled_elements_are_bitwise_one_a_time_and_stop_at_the_real_length(en
     w = rng.standard_normal(cols).astype(np.float32)
     padded = -(-rows // bucket) * bucket
     results = []
-    for per in (pointwise.PER_INVOCATION, 1):
-        monkeypatch.setattr(pointwise, "UNROLL_MIN_ELEMENTS", 0)
-        monkeypatch.setattr(pointwise, "PER_INVOCATION", per)
+    for per in (heuristics.PER_INVOCATION, 1):
+        monkeypatch.setattr(heuristics, "UNROLL_MIN_ELEMENTS", 0)
+        monkeypatch.setattr(heuristics, "PER_INVOCATION", per)
         (fy, y), (fz, z) = _padded_out(engine, rows, padded, cols), _padded_out(engine, rows, padded, cols)
         gate = compile_source(SOURCE).gate
         assert gate.specialize({"T": padded, "C": cols}, bucket).params.per_invocation == per
@@ -66,9 +66,9 @@ def test_unrolled_accumulation_without_a_sequence_axis(engine, rng, monkeypatch,
     w = rng.standard_normal(cols).astype(np.float32)
     acc0 = rng.standard_normal((rows, cols)).astype(np.float32)
     got = []
-    for per in (pointwise.PER_INVOCATION, 1):
-        monkeypatch.setattr(pointwise, "UNROLL_MIN_ELEMENTS", 0)
-        monkeypatch.setattr(pointwise, "PER_INVOCATION", per)
+    for per in (heuristics.PER_INVOCATION, 1):
+        monkeypatch.setattr(heuristics, "UNROLL_MIN_ELEMENTS", 0)
+        monkeypatch.setattr(heuristics, "PER_INVOCATION", per)
         acc = engine.tensor(acc0)
         engine.run(compile_source(SOURCE).mix, x=engine.tensor(x), w=engine.tensor(w), out={"y": acc}, accumulate={"y"})
         got.append(acc.numpy())
@@ -77,8 +77,8 @@ def test_unrolled_accumulation_without_a_sequence_axis(engine, rng, monkeypatch,
 
 
 def test_which_spaces_unroll(monkeypatch):
-    n = pointwise.UNROLL_MIN_ELEMENTS
-    assert pointwise.PER_INVOCATION == 4
+    n = heuristics.UNROLL_MIN_ELEMENTS
+    assert heuristics.PER_INVOCATION == 4
     assert MOD.gate.specialize({"T": n // 64, "C": 64}, 1).params.per_invocation == 4
     assert MOD.gate.specialize({"T": n // 64 - 1, "C": 64}, 1).params.per_invocation == 1   # few workgroups
     assert MOD.mix.specialize({"R": n // 64, "C": 64}, 1).params.per_invocation == 4

@@ -11,6 +11,7 @@ from lfm2jit import compile_source
 from lfm2jit.schedule import reduce
 from lfm2jit.schedule.code import Const, SeqLen
 from lfm2jit.schedule.reduce import strided_unroll
+from lfm2jit.tune import heuristics
 
 # two phases (a sum, then a max of what the sum scales) and an element output after them
 SOURCE = """kernel k(x: f32[R, C], w: f32[C]) -> (y: f32[R, C], s: f32[R], m: f32[R]) {
@@ -32,8 +33,8 @@ def test_unrolled_rows_are_bitwise_the_single_stride_ones_and_match_float64(engi
     x = rng.standard_normal((rows, cols)).astype(np.float32)
     w = rng.standard_normal(cols).astype(np.float32)
     results = []
-    for most in (reduce.ROW_UNROLL, 1):
-        monkeypatch.setattr(reduce, "ROW_UNROLL", most)
+    for most in (heuristics.ROW_UNROLL, 1):
+        monkeypatch.setattr(heuristics, "ROW_UNROLL", most)
         (kernel,) = list(compile_source(SOURCE))
         got = engine.run(kernel, x=engine.tensor(x), w=engine.tensor(w))
         results.append({k: v.numpy() for k, v in got.items()})
@@ -43,7 +44,7 @@ def test_unrolled_rows_are_bitwise_the_single_stride_ones_and_match_float64(engi
 
 
 def test_strided_unroll_takes_whole_strides_only():
-    assert reduce.ROW_UNROLL == 4
+    assert heuristics.ROW_UNROLL == 4
     assert [strided_unroll(Const(256 * k), 256) for k in (1, 2, 3, 4, 8, 16)] == [1, 2, 1, 4, 4, 4]
     assert strided_unroll(Const(300), 256) == 1 and strided_unroll(Const(64), 32) == 2
     assert strided_unroll(SeqLen(), 256) == 1      # a length known only at run time
