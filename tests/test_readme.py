@@ -114,3 +114,11 @@ def test_environment_table_is_settings():
     documented = set(re.findall(r"^\| `(LFM2JIT_[A-Z_]+)`", page, re.M))
     read = set(re.findall(r"\"(LFM2JIT_[A-Z_]+)\"", (ROOT / "lfm2jit" / "settings.py").read_text()))
     assert documented == read
+
+
+def test_shipped_kernels_the_language_page_names_are_shipped():
+    from lfm2jit.ops import library
+    page = (DOCS / "kernel-language.md").read_text()
+    paragraph = page.split("The shipped kernels (`python -m lfm2jit list`)", 1)[1].split("\n\n", 1)[0]
+    named = {n for n in re.findall(r"`([a-z][a-z0-9_]+)`", paragraph)}
+    assert len(named) >= 15 and named <= set(library.kernels()), named - set(library.kernels())
