@@ -23,10 +23,12 @@ class StopSignals:
         self._previous: dict = {}
 
     def install(self) -> None:
+        """Catch SIGINT and SIGTERM from now on (the previous handlers are kept for ``restore``)."""
         if threading.current_thread() is threading.main_thread():
             self._previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
 
     def restore(self) -> None:
+        """Put the previous handlers back."""
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
