@@ -16,7 +16,7 @@ Files:
   ONE_TURN_POSITIONS (64) positions long, so a default step (4 sequences packed, length bucket 64)
   is 4 x 64 rows; a two-turn one at most DEFAULT_MAX_LEN (128). String manipulation and arithmetic
   (reverse, uppercase, first/last letter, one-digit sums, counting) are left out: that model does
-  not learn them in minutes on a CPU, and even a 7% share of them (first/last letter) slowed the
+  not learn them in its short run, and even a 7% share of them (first/last letter) slowed the
   other tasks enough to cost about 20 points of held-out exact match (measured with PyTorch).
 - ``text.jsonl``: a small ``{"text": ...}`` sample (short factual sentences about the same tables).
 - ``tokenizer.json``: a character-level tokenizer (a ``tokenizers`` BPE model with no merges) over

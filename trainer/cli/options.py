@@ -11,8 +11,8 @@ from .report import BACKENDS
 from ..trainer import DEFAULT_PACK_TOKENS, DEFAULT_REPLAY_PASSES
 
 # Defaults of the run `python -m trainer` does with no arguments: a small model trained from
-# scratch on the shipped chat data (measured on lavapipe, 2 CPU cores: about 2.5 minutes, most
-# held-out answers right). initializer_range 0.05 (transformers' default is 0.02): at this width
+# scratch on the shipped chat data, small enough for a CPU driver and large enough to get most
+# held-out answers right. initializer_range 0.05 (transformers' default is 0.02): at this width
 # the larger start learned the lookups sooner in PyTorch trials of this data.
 DEMO_PRESET = "demo"
 DEMO_SHAPE = dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,

@@ -7,8 +7,8 @@ loss=...`` is printed every ``every`` steps (default: a tenth of the run, at lea
 last step.
 
 The estimate of the time remaining starts after the first ``warmup`` steps of this run: those
-compile and specialize the kernels (seconds each on a CPU driver), the steps after them are the
-run's pace. Until then it reads "time left estimated from step N".
+compile and specialize the kernels, the steps after them are the run's pace. Until then it reads
+"time left estimated from step N".
 """
 from __future__ import annotations
 
