@@ -36,8 +36,10 @@ class ResidualSaved:
 
 
 class Residual:
-    """A layer h + out(body(xn)), xn = rmsnorm(h) with weight ``norm``; subclasses give the body,
-    its saved state and its backward."""
+    """A layer h + out(body(xn)), xn = rmsnorm(h) with weight ``norm``. A subclass gives
+    ``forward(h, rows, train) -> (output, saved)``, ``recompute(saved, rows)`` (puts back what
+    forward did not keep) and ``backward(saved, dh, rows)`` (dh: the output's gradient, to which
+    it adds the gradient through the body, making it the input's)."""
     norm: str                       # the rmsnorm's weight
     out: str                        # the output projection, which adds the residual in its epilogue
 
