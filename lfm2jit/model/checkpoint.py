@@ -19,6 +19,9 @@ SAVE_DTYPES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}     # our
 _STORED = {"F32": "f32", "F64": "f32", "F16": "f16", "BF16": "bf16"}
 
 
+EMBEDDING, FINAL_NORM = "model.embed_tokens.weight", "model.embedding_norm.weight"
+
+
 class CheckpointError(ValueError):
     """Missing, unexpected or mis-shaped tensors, or an unreadable file; the message lists them."""
 
@@ -26,7 +29,7 @@ class CheckpointError(ValueError):
 def parameter_shapes(cfg: Lfm2Config) -> dict[str, tuple[int, ...]]:
     """Every parameter of the model, by its transformers name, in the model's order."""
     d, e = cfg.hidden_size, cfg.head_dim
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, d)}
+    shapes: dict[str, tuple[int, ...]] = {EMBEDDING: (cfg.vocab_size, d)}
     for i, kind in enumerate(cfg.layer_types):
         p = f"model.layers.{i}."
         shapes[p + "operator_norm.weight"] = (d,)
@@ -52,7 +55,7 @@ def parameter_shapes(cfg: Lfm2Config) -> dict[str, tuple[int, ...]]:
         shapes[p + "feed_forward.w1.weight"] = (cfg.ff_dim, d)
         shapes[p + "feed_forward.w3.weight"] = (cfg.ff_dim, d)
         shapes[p + "feed_forward.w2.weight"] = (d, cfg.ff_dim)
-    shapes["model.embedding_norm.weight"] = (d,)
+    shapes[FINAL_NORM] = (d,)
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, d)
     return shapes
@@ -289,5 +292,5 @@ def init_tensors(cfg: Lfm2Config, seed: int) -> dict[str, np.ndarray]:
             out[name] = (rng.standard_normal(shape) * cfg.initializer_range).astype(np.float32)
     pad = cfg.pad_token_id
     if pad is not None and 0 <= pad < cfg.vocab_size:      # nn.Embedding(padding_idx) starts at zero
-        out["model.embed_tokens.weight"][pad] = 0.0
+        out[EMBEDDING][pad] = 0.0
     return out

@@ -26,7 +26,7 @@ import numpy as np
 from ..runtime import Tensor
 from ..schedule.layout import bucketed
 from .layers import Attention, Conv, Rows
-from .staging import EMBEDDING, FINAL_NORM
+from .checkpoint import EMBEDDING, FINAL_NORM
 
 GROW = 64        # cache rows added at a time (and the decode attention's length bucket)
 

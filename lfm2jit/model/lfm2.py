@@ -30,7 +30,8 @@ from ..runtime import Tensor, arena
 from ..runtime.tensor import DTYPES
 from . import lora_attach, staging
 from .adapters import LoraAdapters
-from .checkpoint import check_tensors, init_tensors, load_checkpoint, read_generation_eos, save_checkpoint
+from .checkpoint import (EMBEDDING, FINAL_NORM, check_tensors, init_tensors, load_checkpoint, read_generation_eos,
+                         save_checkpoint)
 from .config import Lfm2Config
 from .generate import Sampling, check_request, eos_ids, generate
 from .ids import DeviceIds, check_ids
@@ -91,7 +92,7 @@ class Lfm2Model:
 
     @property
     def lm_head(self) -> Tensor:
-        return self._params["model.embed_tokens.weight" if self.cfg.tie_word_embeddings else "lm_head.weight"]
+        return self._params[EMBEDDING if self.cfg.tie_word_embeddings else "lm_head.weight"]
 
     # ---- LoRA ----
     def add_lora(self, config: LoraConfig = LoraConfig(), seed: int = 0, base_dtype: str = "f32") -> list[Tensor]:
@@ -161,7 +162,7 @@ class Lfm2Model:
         stored as ``dtype`` ("f32", "bf16" or "f16": rounded to nearest even)."""
         tensors = self.state_dict()
         if self.cfg.tie_word_embeddings:
-            tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]   # transformers expects it
+            tensors["lm_head.weight"] = tensors[EMBEDDING]   # transformers expects it
         save_checkpoint(Path(directory), self.cfg, tensors, dtype)
 
     def load_state(self, tensors: dict[str, np.ndarray]) -> None:
@@ -207,16 +208,16 @@ class Lfm2Model:
                              f"a multiple of {self.pack_multiple()} positions long (pad them)")
         ids = input_ids if uploaded else DeviceIds.upload(self.engine, host, self.cfg.pad_token_id)
         k, rows = self.kernels, Rows(bucket, batch, seq)
-        h = k.run("embedding", bucket=bucket, table=self.p("model.embed_tokens.weight"), ids=ids.ids)["y"]  # (T, D)
+        h = k.run("embedding", bucket=bucket, table=self.p(EMBEDDING), ids=ids.ids)["y"]              # (T, D)
         trace = Trace(ids, rows, h)
         for i, block in enumerate(self.blocks):
             saved = []
             for layer in block:
-                h, s = layer.forward(h, rows, train)                                                # (T, D)
+                h, s = layer.forward(h, rows, train)                                                  # (T, D)
                 saved.append(s)
             trace.layers.append(saved if i >= keep_from else None)
         trace.h_out = h
-        trace.hn, trace.inv = k.norm(h, staging.FINAL_NORM, bucket)                                 # (T, D), (T,)
+        trace.hn, trace.inv = k.norm(h, FINAL_NORM, bucket)                                           # (T, D), (T,)
         return trace
 
     def logits(self, input_ids, bucket: int = 1) -> np.ndarray:
@@ -308,7 +309,7 @@ class Lfm2Model:
                              f"(forward(keep_from=...)), which a backward for these parameters needs (it starts at "
                              f"layer {lowest})")
         # hn = rmsnorm(h_out)
-        dh = k.norm_backward(trace.h_out, trace.inv, staging.FINAL_NORM, d_hn, rows.bucket)       # (T, D)
+        dh = k.norm_backward(trace.h_out, trace.inv, FINAL_NORM, d_hn, rows.bucket)                   # (T, D)
         ready(0)
         for i in reversed(range(lowest, n_layers)):
             block, saved = self.blocks[i], trace.layers[i]
@@ -319,7 +320,7 @@ class Lfm2Model:
                 layer.backward(s, dh, rows)            # dh becomes the gradient in the layer's input
             ready(staging.layer_stage(i, n_layers))
         # h_in = embed(ids)
-        emb = self.p(staging.EMBEDDING)
+        emb = self.p(EMBEDDING)
         if k.is_trained(emb):
             ids = trace.ids                      # slots skip the padding token: torch's padding_idx
             k.run("embedding_backward", bucket=rows.bucket, dims={"V": self.cfg.vocab_size}, g=dh,

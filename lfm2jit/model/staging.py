@@ -6,8 +6,7 @@ from __future__ import annotations
 import re
 
 from ..runtime import Tensor
-
-FINAL_NORM, EMBEDDING = "model.embedding_norm.weight", "model.embed_tokens.weight"
+from .checkpoint import EMBEDDING, FINAL_NORM
 
 
 def layer_of(name: str) -> int | None:
