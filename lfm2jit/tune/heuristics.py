@@ -2,7 +2,7 @@
 
 Layer: imports only tune/tiles.py; schedule's planners import this module, never the reverse.
 
-Each constant names the measurement it was read from (benches/results/, benches/README.md). WebGPU
+Each constant names the measurement it was read from (benches/results/, docs/journal.md). WebGPU
 reports no SM count, so the rules that size a grid to fill the GPU (BUSY_GROUPS, H200_WAVE,
 COLUMN_BUSY) keep the H200's 132 SMs as "a big GPU": a smaller GPU runs the same grids in more
 waves, where an extra K split costs one short reduce pass and a ragged last wave matters less. What
@@ -87,8 +87,7 @@ def matrix_tiles(m: int, n: int, k: int, k_contiguous: int, fits: Callable[[Matr
 
 
 def _h200_matrix_tiles(m: int, n: int, k: int, k_contiguous: int) -> MatrixTiles:
-    """The best tiles the H200 measured for each kind of product (benches/README.md, "Matrix units",
-    "LoRA", "Split-K in the last wave's tiles only", "Short-sequence matrix tiles")."""
+    """The best tiles the H200 measured for each kind of product (the constants name the files)."""
     if min(m, n) <= NARROW:        # one fragment thin, K split until BUSY_GROUPS run, slices NARROW_SLICE long
         grid = -(-max(m, n) // 128)
         split = next((s for s in (1, 2, 4) if grid * s >= BUSY_GROUPS), 8)
