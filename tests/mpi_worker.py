@@ -19,7 +19,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# tests/ for sync_worker, and the checkout: without it, tests/trainer/ would import as the trainer package
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 from sync_worker import make_trainer, rank_sequences  # noqa: E402
 
 
