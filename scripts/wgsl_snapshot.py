@@ -79,9 +79,9 @@ def model_shaders(cache_dir: Path) -> dict[str, str]:
         tr.train_step(ids[:-1], ids[1:], params)
         model.generate(list(ids[:5]), max_new_tokens=3)
     out = {}
-    for f in sorted(cache_dir.glob("*.wgsl")):
+    for f in sorted(cache_dir.glob("*.wgsl")):   # named by a hash of the compiler's source: label by content
         body = f.read_text().partition("\n")[2]
-        out[f"model.{f.name.rsplit('-', 1)[0]}"] = body
+        out[f"model.{f.name.rsplit('-', 1)[0]}.{hashlib.sha256(body.encode()).hexdigest()[:12]}"] = body
     return out
 
 
@@ -100,9 +100,11 @@ def compare(new: Path, old: Path) -> int:
     def read(d):
         return dict(reversed(line.split(" ", 1)) for line in (d / "manifest.txt").read_text().splitlines())
     a, b = read(old), read(new)
-    labels_changed = sorted(k for k in a.keys() & b.keys() if a[k] != b[k])
     model_old = {v for k, v in a.items() if k.startswith("model.")}
     model_new = {v for k, v in b.items() if k.startswith("model.")}
+    a = {k: v for k, v in a.items() if not k.startswith("model.")}
+    b = {k: v for k, v in b.items() if not k.startswith("model.")}
+    labels_changed = sorted(k for k in a.keys() & b.keys() if a[k] != b[k])
     for k in labels_changed:
         print(f"changed: {k}  ({old / (a[k] + '.wgsl')} -> {new / (b[k] + '.wgsl')})")
     for k in sorted(a.keys() - b.keys()):
