@@ -18,7 +18,6 @@ from lfm2jit.cli import MATRIX_UNITS
 from lfm2jit.codegen.offsets import index, plus, tile_at, times
 from lfm2jit.codegen.render import render, templates_dir
 from lfm2jit.codegen.wgsl import spell
-from lfm2jit.engine import target_of
 from lfm2jit.schedule import PORTABLE
 from lfm2jit.tune.candidates import for_spec
 
