@@ -55,7 +55,7 @@ import numpy as np
 from lfm2jit import ComputeEngine, WgpuContext, grad
 from lfm2jit.ops import library
 from lfm2jit.schedule.attention import MATRIX_TEMPLATES, choose_tiles, matrix_tiles_problem
-from lfm2jit.schedule.matmul import TileConfig
+from lfm2jit.tune.tiles import TileConfig
 from lfm2jit.settings import settings
 from lfm2jit.tune.candidates import MATMUL as CANDIDATES
 from lfm2jit.tune.candidates import for_spec
@@ -114,7 +114,7 @@ class Ceilings:
 # 4096^3 and the LFM2-350M MLP and QKV products at T = 2048 (M x N x K)
 MTILE_SHAPES = [(4096, 4096, 4096), (2048, 4608, 1024), (2048, 1024, 4608), (2048, 3072, 1024)]
 # each tile is timed this many times and the fastest kept: a shared GPU's other work slows some
-# timings several-fold (the same kernel measured 1.2 and 3.6 ms in one run), never speeds one up
+# timings several-fold, never speeds one up
 MTILE_ROUNDS = 3
 MTILE_PRODUCTS = ("fwd", "fwd_w16", "fwd_y32", "dx", "dw")
 

@@ -13,7 +13,7 @@ import numpy as np
 
 from lfm2jit import ComputeEngine, WgpuContext, grad, library
 from lfm2jit.ops import precision
-from lfm2jit.schedule.matmul import MatrixTiles
+from lfm2jit.tune.tiles import MatrixTiles
 
 sys.path.insert(0, __file__.rsplit("/", 2)[0])   # benches/, where bench.py is
 from bench import time_dispatches  # noqa: E402
@@ -50,7 +50,8 @@ def main(pairs):
             "d_a": (dw, dict(x=x, w=a, d_y=u), "d_w", "m", 2 * T * n_in),
         }
         for name, (kernel, args, out, thin, nbytes) in products.items():
-            kern = precision.for_call(library.get(kernel) if isinstance(kernel, str) else kernel, "f16", args)
+            kern = library.get(kernel) if isinstance(kernel, str) else kernel
+            kern = kern.with_f16(precision.f16_tensors(kern, "f16", args))
             want = e.run(kern, **args)[out].numpy().astype(np.float64)
             base = sum(s for _, s in time_dispatches(e, lambda: e.run(kern, **args), 20))
             best = (base, "planner")
