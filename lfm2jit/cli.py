@@ -11,7 +11,7 @@ import os
 import sys
 from pathlib import Path
 
-from .driver import STAGES, Kernel, grad, stages
+from .driver import STAGES, Kernel, compile_source, grad, stages
 from .safefiles import write_atomic
 from .dsl.errors import DslError
 from .ir.nodes import SEQ_AXIS
@@ -50,10 +50,43 @@ def axis_size(text: str) -> tuple[str, int]:
 
 
 def lookup(name: str) -> Kernel:
+    """A shipped kernel by name, or a kernel of a user's source file: ``FILE.lk`` (its one kernel) or
+    ``FILE.lk:KERNEL``."""
+    path, kernel_name = name, None
+    if not name.endswith(".lk"):
+        head, sep, tail = name.rpartition(":")
+        if sep and head.endswith(".lk"):
+            path, kernel_name = head, tail
+    if path.endswith(".lk"):
+        return lookup_file(Path(path), kernel_name)
     kernels = library.kernels()
     if name not in kernels:
-        raise UsageError(f"no shipped kernel named {name!r}; available: {', '.join(sorted(kernels))}")
+        raise UsageError(f"no shipped kernel named {name!r}; available: {', '.join(sorted(kernels))} "
+                         "(or give a source file: FILE.lk[:KERNEL])")
     return kernels[name]
+
+
+def lookup_file(path: Path, kernel_name: str | None) -> Kernel:
+    """The kernel ``kernel_name`` of the source file ``path`` (its only kernel when not named)."""
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"cannot read {path}: {getattr(e, 'strerror', None) or e}") from None
+    try:
+        module = compile_source(text, str(path))
+    except DslError as e:       # file:line:column, the line, and what was expected
+        raise UsageError(str(e)) from None
+    names = [k.name for k in module]
+    if not names:
+        raise UsageError(f"{path} defines no kernel")
+    if kernel_name is None:
+        if len(names) > 1:
+            raise UsageError(f"{path} defines {len(names)} kernels ({', '.join(names)}): "
+                             f"name one as {path}:KERNEL")
+        kernel_name = names[0]
+    if kernel_name not in names:
+        raise UsageError(f"{path} has no kernel named {kernel_name!r}; it defines {', '.join(names)}")
+    return next(k for k in module if k.name == kernel_name)
 
 
 def sizes_for(kernel: Kernel, given: dict[str, int], bucket: int) -> dict[str, int]:
@@ -71,12 +104,14 @@ def describe_sizes(sizes: dict[str, int]) -> str:
 
 def cmd_info(args) -> None:
     """The WebGPU implementation and adapter lfm2jit would use, and what each implementation lists."""
-    from .runtime.context import AdapterError, WgpuContext, describe
+    from .runtime.context import AdapterError, WgpuContext, _quiet_stderr, describe, ensure_runtime_dir
     from .runtime.implementations import IMPLEMENTATIONS
     from .settings import settings
+    ensure_runtime_dir()    # before any driver opens, as WgpuContext.create does (else lavapipe complains)
     for name, impl in IMPLEMENTATIONS.items():
         try:
-            found = [describe(a) for a in impl.adapters()]
+            with _quiet_stderr():   # as dawn_has_gpu: Dawn explains on stderr why it lists no adapter
+                found = [describe(a) for a in impl.adapters()]
         except Exception as e:  # noqa: BLE001 - an implementation that cannot start is reported, not fatal
             found = [f"(cannot start: {type(e).__name__}: {e})"]
         print(f"{name}: {'; '.join(found) or '(no adapters)'}")
@@ -140,12 +175,13 @@ def parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="the WebGPU implementation, adapter, features and subgroup-matrix configs in use")
     info.set_defaults(run=cmd_info)
     dump = sub.add_parser("dump", help="print (or write) what one kernel compiles to (WGSL by default)",
-                          description="Print the stages one shipped kernel compiles to at concrete sizes: "
+                          description="Print the stages one kernel (shipped, or from FILE.lk) compiles to at concrete sizes: "
                                       "the WGSL, and with --ast (the source as parsed), --ir (the IR, and each "
                                       "part when the kernel runs as several), --spec (each part's typed spec) "
                                       "those stages as WGSL comments before it. Axes not given with --dim "
                                       f"default: T to the bucket, any other to {DEFAULT_SIZE}.")
-    dump.add_argument("name", metavar="NAME", help="kernel name (see `list`)")
+    dump.add_argument("name", metavar="NAME", help="shipped kernel name (see `list`), or a source file: "
+                      "FILE.lk (its one kernel) or FILE.lk:KERNEL (one of several)")
     dump.add_argument("--bucket", type=positive_int, default=1, metavar="N",
                       help="length bucket: T is rounded up to a multiple of N (default 1)")
     dump.add_argument("--dim", type=axis_size, action="append", default=[], metavar="AXIS=SIZE",

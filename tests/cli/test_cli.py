@@ -116,3 +116,53 @@ def test_dump_backward_of_every_shipped_kernel(capsys):
         else:
             assert status == 2 and any(reason in err for reason in NOT_DIFFERENTIABLE), (kernel.name, err)
     assert dumped >= 20
+
+
+def test_info_is_quiet_without_a_runtime_dir():
+    """`info` sets the runtime directory before listing adapters and lists them with native stderr
+    quieted, as the context does: no lavapipe "XDG_RUNTIME_DIR is invalid", no Dawn warning."""
+    import os
+    env = {k: v for k, v in os.environ.items() if k != "XDG_RUNTIME_DIR"}
+    r = subprocess.run([sys.executable, "-m", "lfm2jit", "info"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120, env=env)
+    assert r.returncode == 0, r.stderr
+    assert "adapter" in r.stdout
+    assert "XDG_RUNTIME_DIR" not in r.stderr and "Warning" not in r.stderr, r.stderr
+
+
+USER_SOURCE = """\
+kernel double(x: f32[T, D]) -> (y: f32[T, D]) {
+    y = x * 2.0
+}
+
+kernel triple(x: f32[T, D]) -> (y: f32[T, D]) {
+    y = x * 3.0
+}
+"""
+
+
+def test_dump_a_users_lk_file(tmp_path):
+    one = tmp_path / "one.lk"
+    one.write_text(USER_SOURCE.split("\n\n")[0] + "\n")
+    r = cli("dump", str(one), "--dim", "D=7")
+    assert r.returncode == 0, r.stderr
+    assert "const D: u32 = 7u;" in r.stdout and "@compute" in r.stdout
+    two = tmp_path / "two.lk"
+    two.write_text(USER_SOURCE)
+    r = cli("dump", f"{two}:triple", "--dim", "D=5")
+    assert r.returncode == 0, r.stderr
+    assert "3.0" in r.stdout and "@compute" in r.stdout
+    r = cli("dump", str(two))             # several kernels: name one
+    assert r.returncode == 2 and "double" in r.stderr and "triple" in r.stderr and f"{two}:KERNEL" in r.stderr
+    r = cli("dump", f"{two}:nope")
+    assert r.returncode == 2 and "nope" in r.stderr and "double, triple" in r.stderr
+
+
+def test_dump_a_bad_lk_file_is_a_located_error(tmp_path):
+    bad = tmp_path / "bad.lk"
+    bad.write_text("kernel f(x: f32[T]) -> (y: f32[T]) {\n    y = x +* 2.0\n}\n")
+    r = cli("dump", str(bad))
+    assert r.returncode == 2
+    assert f"{bad}:2:" in r.stderr and "Traceback" not in r.stderr
+    r = cli("dump", str(tmp_path / "missing.lk"))
+    assert r.returncode == 2 and "missing.lk" in r.stderr and "Traceback" not in r.stderr
