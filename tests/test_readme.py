@@ -122,3 +122,15 @@ def test_shipped_kernels_the_language_page_names_are_shipped():
     paragraph = page.split("The shipped kernels (`python -m lfm2jit list`)", 1)[1].split("\n\n", 1)[0]
     named = {n for n in re.findall(r"`([a-z][a-z0-9_]+)`", paragraph)}
     assert len(named) >= 15 and named <= set(library.kernels()), named - set(library.kernels())
+
+
+def test_files_the_guides_name_are_there():
+    """A path in backticks that starts at the checkout's top (or inside lfm2jit/) names a file that exists."""
+    tops = ("lfm2jit/", "trainer/", "tests/", "benches/", "templates/", "scripts/")
+    inside = ("ops/", "ir/", "schedule/", "runtime/", "codegen/", "dsl/", "tune/", "model/")
+    for page in GUIDES:
+        for path in set(re.findall(r"`([\w./-]+/[\w.-]+\.(?:py|lk|lark|j2|sh|json|log|md))`", page.read_text())):
+            if path.startswith(tops):
+                assert (ROOT / path).exists(), f"{page.relative_to(ROOT)} names {path}, which is not there"
+            elif path.startswith(inside):
+                assert (ROOT / "lfm2jit" / path).exists(), f"{page.relative_to(ROOT)} names {path}, which is not there"
