@@ -781,13 +781,16 @@ def train_bench(ctx, cfg, shapes, steps: int = 3, warmup: int = 1, seed: int = 0
             host = {k: v / steps for k, v in acc.items()}
             wall = statistics.median(walls)
             gpu_s, by_kernel, by_class = None, {}, {}
+            profile_s = None
             if profile and ctx.has_timestamps:
                 engine.synchronize()
                 engine.timings.clear()
                 engine.timing = True
                 try:
+                    t_a = time.perf_counter()
                     window()
                     engine.synchronize()
+                    profile_s = time.perf_counter() - t_a
                 finally:
                     engine.timing = False
                 gpu_s = sum(s for _, s in engine.timings)
@@ -809,7 +812,7 @@ def train_bench(ctx, cfg, shapes, steps: int = 3, warmup: int = 1, seed: int = 0
                 "host_flush_s": host["flush"], "host_wait_s": host["wait"],
                 "host_python_s": wall - host["flush"] - host["wait"],
                 "host_python_us_per_dispatch": 1e6 * (wall - host["flush"] - host["wait"]) / max(dispatches, 1),
-                "gpu_busy_s": gpu_s, "gpu_busy_by_class_s": by_class,
+                "gpu_busy_s": gpu_s, "gpu_busy_by_class_s": by_class, "profile_window_s": profile_s,
                 "gpu_top_kernels": [{"kernel": k, "seconds": v[0], "dispatches": v[1]} for k, v in top],
                 "peak_pool_in_use_bytes": peak_in_use, "param_bytes": param_bytes,
                 "peak_bytes": peak_in_use + param_bytes,
@@ -821,7 +824,9 @@ def train_bench(ctx, cfg, shapes, steps: int = 3, warmup: int = 1, seed: int = 0
             flops = per_token * n_params * tokens + per_token * 2 * len(cfg.attention_layers) * t * t * cfg.hidden_size * batch
             line = Line("train", f"train_step_{name}", name, wall, "wall", flops, bound="compute",
                         wall_seconds=wall, extra=extra)
-            line.extra["gpu_busy_fraction"] = gpu_s / wall if gpu_s else None
+            # of the profiled window's own wall time: timestamps slow a window down, so its GPU time
+            # against the median untimed window could pass 100%
+            line.extra["gpu_busy_fraction"] = gpu_s / profile_s if gpu_s else None
             if probe is not None:
                 line.extra.update(probe())
         except Exception as e:   # noqa: BLE001
@@ -866,8 +871,22 @@ def format_train(line: Line) -> str:
             f"({x['host_python_us_per_dispatch']:.1f} us host each)")
 
 
+HEADER = f"{'group':9s} {'name':28s} {'shape':26s} {'time':>12s} {'timer':6s} {'rate':>15s} {'ceil%':>6s}"
+
+
+def footer(lines: list[Line], ceil: Ceilings) -> str:
+    """What the end of a run adds to the lines printed as they were measured: each matmul line's
+    rate against torch's on the same shape, and the ceilings."""
+    torch_gemm = {l.shape: l.tflops() for l in lines if l.name == "torch_gemm" and l.seconds}
+    out = [f"{line.group:9s} {line.name:28s} {line.shape:26s} {100 * line.tflops() / torch_gemm[line.shape]:.0f}% of torch"
+           for line in lines if line.group in ("matmul", "tiles") and line.shape in torch_gemm and line.tflops()
+           and not line.error]
+    out.append(f"# ceilings: {ceil.source}" + (f"; fp32 {ceil.flops / 1e12:.0f} TFLOP/s" if ceil.flops else ""))
+    return "\n".join(out)
+
+
 def table(lines: list[Line], ceil: Ceilings) -> str:
-    out = [f"{'group':9s} {'name':28s} {'shape':26s} {'time':>12s} {'timer':6s} {'rate':>15s} {'ceil%':>6s}"]
+    out = [HEADER]
     torch_gemm = {l.shape: l.tflops() for l in lines if l.name == "torch_gemm" and l.seconds}
     for line in lines:
         if line.group == "train":
@@ -917,6 +936,7 @@ def main(argv=None) -> int:
     reps = args.reps or (3 if args.quick else 10)
     ctx = WgpuContext.create()
     print(f"# adapter: {ctx.name}; features: {', '.join(sorted(ctx.features))}", flush=True)
+    print(HEADER, flush=True)       # the lines follow as they are measured, each once
     wanted = args.only or list(GROUPS if not args.quick else QUICK_GROUPS)
     if args.no_tiles:
         wanted = [w for w in wanted if w != "tiles"]
@@ -966,7 +986,7 @@ def main(argv=None) -> int:
     lines = state["lines"]
     total = time.perf_counter() - t_start
     print(f"\n# {len(lines)} lines in {total:.1f}s on {ctx.name}")
-    print(table(lines, bench.ceil))
+    print(footer(lines, bench.ceil))
     if args.json:
         print(f"# wrote {args.json}")
     return 0 if not any(l.error for l in lines) else 1

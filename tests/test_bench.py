@@ -89,3 +89,26 @@ def test_probes_compile():
     assert probes
     for probe in probes:
         compile(probe.read_text(), str(probe), "exec")
+
+
+def test_bench_prints_each_line_once(capsys):
+    """The lines print as they are measured; the end adds the totals, not the same lines again."""
+    assert bench.main(["--quick", "--only", "pointwise", "rmsnorm"]) == 0
+    out = capsys.readouterr().out
+    rows = [l for l in out.splitlines() if l.startswith(("pointwise ", "rmsnorm "))]
+    assert rows and len(rows) == len(set(rows)), out
+    assert sum(l.startswith("group ") for l in out.splitlines()) == 1 and "# ceilings:" in out and " lines in " in out
+
+
+def test_gpu_busy_fraction_is_of_the_profiled_window_itself():
+    """GPU busy time is summed over one window run with timestamps on: its fraction is of that window's
+    own wall time (not of the median untimed window's, which a slower timed window exceeded: 125%)."""
+    from lfm2jit import WgpuContext
+    from lfm2jit.model.config import Lfm2Config
+    ctx = WgpuContext.create()
+    if not ctx.has_timestamps:
+        pytest.skip("no timestamp queries")
+    lines, _ = bench.train_bench(ctx, Lfm2Config.preset("tiny"), [(1, 64)], steps=1, log=lambda s: None)
+    x = lines[0].extra
+    assert x["gpu_busy_fraction"] == pytest.approx(x["gpu_busy_s"] / x["profile_window_s"])
+    assert 0 < x["gpu_busy_fraction"] <= 1.0
