@@ -294,11 +294,11 @@ class Batch:
             raise DataError("no records (the file is empty)", path)
         notes = []
         if cut_lines:
-            notes.append(f"{path}: {len(cut_lines)} of {len(seqs)} records were longer than max_len={max_len} "
+            notes.append(f"{path}: {len(cut_lines)} of {len(seqs)} record{'s' if len(seqs) != 1 else ''} were longer than max_len={max_len} "
                          f"positions and were truncated to their first {max_len + 1} tokens "
                          f"(lines {_lines(cut_lines)})")
         if lost_lines:
-            notes.append(f"{path}: {len(lost_lines)} truncated chat record(s) lost every assistant token (lines "
+            notes.append(f"{path}: {len(lost_lines)} truncated chat record{'s' if len(lost_lines) != 1 else ''} lost every assistant token (lines "
                          f"{_lines(lost_lines)}): a loss on the assistant tokens only has nothing to learn from "
                          "them (Batch.sequences() skips them); raise max_len to keep their answers")
         for note in notes:

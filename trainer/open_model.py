@@ -17,6 +17,8 @@ def open_tokenizer(model: str, tokenizer: str | None = None):
     try:
         return model_dir, load_tokenizer(tokenizer or model_dir)
     except (ValueError, FileNotFoundError) as e:
+        if tokenizer:
+            raise UsageError(f"--tokenizer {tokenizer}: {e}") from None
         raise UsageError(f"tokenizer: {e} (give --tokenizer PATH)") from None
 
 

@@ -90,7 +90,7 @@ def test_adapter_is_applied(model_dir, ctx, capsys, tmp_path):
 
 @pytest.mark.parametrize("argv,match", [
     (["--prompt", "x"], "the following arguments are required: --model"),
-    (["--model", "{m}"], "one of the arguments --prompt --chat is required"),
+    (["--model", "{m}"], "give --prompt TEXT .* or --chat"),
     (["--model", "{tmp}", "--prompt", "x"], "not a model directory"),
     (["--model", "{m}", "--prompt", "x", "--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
     (["--model", "{m}", "--prompt", "x", "--sample", "--temperature", "0"], "temperature must be a positive"),
@@ -108,3 +108,28 @@ def test_bad_usage_exits_2_with_one_line(model_dir, tmp_path, capsys, argv, matc
     assert "Traceback" not in err
     import re
     assert re.search(match, err), err
+
+
+def test_generate_without_prompt_or_chat_is_one_line(model_dir, capsys):
+    rc, out, err = _run(["--model", str(model_dir)], capsys)
+    assert rc == 2 and out == ""
+    assert err.count("\n") == 1 and "--prompt" in err and "--chat" in err and "usage:" not in err, err
+
+
+def test_a_bad_tokenizer_given_does_not_say_give_one(model_dir, tmp_path, capsys):
+    rc, _, err = _run(["--model", str(model_dir), "--tokenizer", str(tmp_path / "none.json"), "--prompt", "x"], capsys)
+    assert rc == 2 and err.count("\n") == 1
+    assert "--tokenizer" in err and "none.json" in err and "give --tokenizer" not in err, err
+
+
+def test_eval_counts_one_record_as_one_record(model_dir, tmp_path, capsys):
+    data = tmp_path / "one.jsonl"
+    data.write_text('{"text": "hello there"}\n')
+    rc = main(["eval", "--model", str(model_dir), "--data", str(data), "--no-answers"])
+    out = capsys.readouterr().out
+    assert rc == 0 and f"{data}: 1 record\n" in out, out
+
+
+def test_record_counts_are_singular_for_one():
+    from trainer.cli.splits import count
+    assert count(1, "record") == "1 record" and count(0, "record") == "0 records" and count(3, "record") == "3 records"

@@ -17,7 +17,7 @@ def test_max_len_eval_max_and_progress_lines(tmp_path, capsys):
     cap = capsys.readouterr()
     assert rc == 0, cap.err
     # every record lost its answer to the cut, but --loss-on all trains on all 2850 of them: no "skipped"
-    assert "3000 truncated chat record(s) lost every assistant token" in cap.err
+    assert "3000 truncated chat records lost every assistant token" in cap.err
     assert "will be skipped" not in cap.err and "are skipped" not in cap.err
     assert "still trained on" in cap.err
     assert "2850 training sequences, 150 held out (20 of them evaluated: --eval-max 20)" in cap.out
@@ -29,8 +29,9 @@ def test_max_len_eval_max_and_progress_lines(tmp_path, capsys):
     # the first two steps compile kernels: no estimate from them
     assert "time left estimated from step 3" in lines[0] and "time left estimated from step 3" in lines[1]
     assert re.search(r"\d+:\d\d remaining", lines[2]) and "done" in lines[3]
-    ratio = float(re.search(r"held-out loss \(all tokens\): .* \(x(\d\.\d\d),", cap.out).group(1))
-    assert f"the held-out loss {'fell' if ratio < 1 else 'DID NOT FALL'} (x{ratio:.2f})" in cap.out
+    m = re.search(r"held-out loss \(all tokens\): (\d\.\d{4}) before -> (\d\.\d{4}) after  \((x[\d.]+),", cap.out)
+    verdict = "fell" if float(m.group(2)) < float(m.group(1)) else "DID NOT FALL"
+    assert f"the held-out loss {verdict} ({m.group(3)})" in cap.out
 
 
 def test_a_loss_shown_as_x1_00_did_not_fall(tmp_path, capsys):
@@ -43,9 +44,13 @@ def test_a_loss_shown_as_x1_00_did_not_fall(tmp_path, capsys):
     assert "train: step" not in cap.err                    # --no-progress
 
 
-def test_fell_uses_the_shown_rounding():
-    assert _fell(0.13) and _fell(0.994)
-    assert not _fell(0.996) and not _fell(1.0) and not _fell(1.2) and not _fell(float("nan"))
+def test_the_verdict_agrees_with_the_losses_shown():
+    """0.2053 -> 0.2045 fell, and its ratio is shown with the digits that say so (not x1.00)."""
+    from trainer.cli.summary import ratio_text
+    assert _fell(0.2053, 0.2045) and ratio_text(0.2053, 0.2045) == "x0.9961"
+    assert _fell(1.0, 0.13) and ratio_text(1.0, 0.13) == "x0.13"
+    assert not _fell(0.20531, 0.20529) and ratio_text(0.20531, 0.20529) == "x1.00"   # shown equal: no fall
+    assert not _fell(1.0, 1.0) and not _fell(1.0, 1.2) and not _fell(1.0, float("nan"))
 
 
 class FakeTerminal(io.StringIO):

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from ..open_model import load_model, open_tokenizer
 from .held_out import print_samples
+from .splits import count
 from .options import DEFAULT_MAX_LEN, DEFAULT_SAMPLES
 from .usage import UsageError, report
 
@@ -81,7 +82,7 @@ def _run(args) -> int:
     result = {"model": str(model_dir), "adapter": args.adapter, "data": args.data, "records": len(items),
               "loss": loss, "perplexity": perplexity(loss), "answer_loss": answer_loss,
               "answer_perplexity": perplexity(answer_loss), "exact_match": None, "answers": []}
-    print(f"{args.data}: {len(items)} records")
+    print(f"{args.data}: {count(len(items), 'record')}")
     print(f"  loss over every next token: {loss:.4f} (perplexity {perplexity(loss):.2f})")
     cases = [] if args.no_answers else answer_cases(items, answers_are_the_loss=False)
     if answer_loss == answer_loss:      # not NaN: some records have answers

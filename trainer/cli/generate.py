@@ -28,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--adapter", metavar="DIR", help="a LoRA adapter (PEFT's adapter_config.json + "
                    "adapter_model.safetensors, e.g. a LoRA run's OUT/adapter) applied to the model")
     p.add_argument("--tokenizer", metavar="PATH", help="tokenizer.json or its directory (default: the model's)")
-    what = p.add_mutually_exclusive_group(required=True)
+    what = p.add_mutually_exclusive_group()     # one of them: checked in main, reported in one line
     what.add_argument("--prompt", metavar="TEXT", help="one user message; prints the answer and exits")
     what.add_argument("--chat", action="store_true", help="a conversation: one user message per line on "
                       "stdin, each answer printed as it comes; an empty line or end of input ends it")
@@ -49,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if args.prompt is None and not args.chat:
+            raise UsageError("give --prompt TEXT (one answer) or --chat (a conversation on stdin)")
         session = _open(args)
     except UsageError as e:
         return report(e)

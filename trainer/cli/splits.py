@@ -55,6 +55,11 @@ def _read_batch(path: str, run: Run, tok, notes: list[str], flag: str = ""):
     return batch
 
 
+def count(n: int, noun: str) -> str:
+    """``n`` and ``noun``, plural unless n is 1: 1 record, 2 records."""
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
 def load_data(run: Run, tok) -> Data:
     """The training and held-out sequences of --data (or --eval-data), with notes on what was left out;
     bad input is a UsageError."""
@@ -62,17 +67,19 @@ def load_data(run: Run, tok) -> Data:
     batch = _read_batch(run.data, run, tok, notes)
     empty = sum(1 for s in batch if s.is_empty if run.loss_on == "assistant" or s.length == 0)
     if empty:
-        notes.append(f"{empty} record(s) have no supervised token and are skipped")
+        notes.append(f"{count(empty, 'record')} {'has' if empty == 1 else 'have'} no supervised token and "
+                     f"{'is' if empty == 1 else 'are'} skipped")
     cut = sum(1 for s in batch if s.is_empty and s.length > 0) if run.loss_on == "all" else 0
     if cut:
-        notes.append(f"--loss-on all: the {cut} record(s) without an assistant token are still trained on, on "
+        notes.append(f"--loss-on all: the {count(cut, 'record')} without an assistant token "
+                     f"{'is' if cut == 1 else 'are'} still trained on, on "
                      "every token they kept (only an --loss-on assistant run skips them)")
     if run.eval_data is not None:
         held = _read_batch(run.eval_data, run, tok, notes, "--eval-data ")
         train = batch
     elif run.eval_fraction > 0:
         if len(batch) < 2:
-            raise UsageError(f"{run.data}: {len(batch)} record(s) cannot be split into training and held-out "
+            raise UsageError(f"{run.data}: {count(len(batch), 'record')} cannot be split into training and held-out "
                              "sequences; pass --eval-fraction 0")
         try:
             train, held = batch.split(run.eval_fraction, run.seed)

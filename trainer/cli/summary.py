@@ -18,9 +18,20 @@ def fmt_count(n: int) -> str:
     return f"{n / 1e6:.2f}M" if n >= 1e6 else (f"{n / 1e3:.1f}k" if n >= 1e3 else str(n))
 
 
-def fell(ratio: float) -> bool:
-    """Whether a loss ratio shown as x{ratio:.2f} shows a fall (x1.00 does not)."""
-    return bool(np.isfinite(ratio)) and float(f"{ratio:.2f}") < 1.0
+def fell(before: float, after: float) -> bool:
+    """Whether the loss fell as the summary shows it (four decimals): 0.2053 -> 0.2045 did,
+    0.20531 -> 0.20529 (both shown as 0.2053) did not."""
+    return bool(np.isfinite(before) and np.isfinite(after)) and float(f"{after:.4f}") < float(f"{before:.4f}")
+
+
+def ratio_text(before: float, after: float) -> str:
+    """after / before as x0.13; with four decimals where two would read x1.00 although the losses
+    shown differ (x0.9961 for 0.2053 -> 0.2045), so the ratio explains the verdict."""
+    ratio = after / before if before else float("nan")
+    text = f"x{ratio:.2f}"
+    if text == "x1.00" and f"{after:.4f}" != f"{before:.4f}":
+        text = f"x{ratio:.4f}"
+    return text
 
 
 def print_banner(s: Session, start: int) -> None:
@@ -88,10 +99,8 @@ def conclude(s: Session, h: History, final_eval: dict, final_samples: list[dict]
     toks = sum(m["tokens"] for m in new)
     tps = toks / train_seconds if train_seconds > 0 else nan
     run_toks, run_seconds = sum(m["tokens"] for m in whole), h.elapsed_before + train_seconds
-    if data.eval:
-        ratio = eval_after / eval_before
-    else:
-        ratio = last_avg / first_avg if losses else nan
+    before, after = (eval_before, eval_after) if data.eval else (first_avg, last_avg)
+    ratio = after / before if (data.eval or losses) and before else nan
     summary = {
         "steps": steps, "steps_this_run": len(new), "first_step": h.start + 1,
         "sequences": run.grad_accum * run.world_size * len(whole), "tokens": run_toks,
@@ -105,7 +114,7 @@ def conclude(s: Session, h: History, final_eval: dict, final_samples: list[dict]
         "eval_perplexity_after": final_eval.get("perplexity"), "eval_answer_perplexity_after": final_eval.get(
             "answer_perplexity"), "eval_exact_match": final_eval.get("exact_match"),
         "eval_answers_scored": final_eval.get("answers_scored", 0),
-        "eval_seconds": round(eval_seconds, 2), "loss_fell": fell(ratio), "loss_ratio": ratio,
+        "eval_seconds": round(eval_seconds, 2), "loss_fell": fell(before, after), "loss_ratio": ratio,
         "evals_during": h.evals_during,
         "metrics": str(files.metrics.resolve()), "plot": str(files.plot.resolve()),
         "checkpoint": str(Path(checkpoint).resolve()) if checkpoint else None,
@@ -121,16 +130,16 @@ def conclude(s: Session, h: History, final_eval: dict, final_samples: list[dict]
               + (f"  (mean of the first {k} steps {first_avg:.4f} -> of the last {k} {last_avg:.4f})" if k > 1 else ""))
     if data.eval:
         print(f"  held-out loss ({data.label}): {eval_before:.4f} before -> {eval_after:.4f} after  "
-              f"(x{eval_after / eval_before:.2f}, {len(data.eval)} sequences)")
+              f"({ratio_text(eval_before, eval_after)}, {len(data.eval)} sequences)")
         if data.has_answers:
             print(f"  held-out loss on the answers only: {answer_before:.4f} before -> {answer_after:.4f} after  "
-                  f"(x{answer_after / answer_before:.2f})")
+                  f"({ratio_text(answer_before, answer_after)})")
         if final_eval.get("exact_match") is not None:
             print(f"  held-out answers exactly right: {final_eval['exact_match']:.0%} of "
                   f"{final_eval['answers_scored']} (greedy; all in {files.samples.resolve()}), for example:")
             print_samples(final_samples, run.samples, print)
-    print(f"  the {'held-out' if data.eval else 'training'} loss {'fell' if fell(ratio) else 'DID NOT FALL'} "
-          f"(x{ratio:.2f})")
+    print(f"  the {'held-out' if data.eval else 'training'} loss {'fell' if fell(before, after) else 'DID NOT FALL'} "
+          f"({ratio_text(before, after)})")
     print(f"  metrics: {files.metrics.resolve()}")
     print(f"  loss curve: {files.plot.resolve()}")
     if checkpoint:
@@ -141,7 +150,6 @@ def conclude(s: Session, h: History, final_eval: dict, final_samples: list[dict]
     print(f"  summary: {files.summary.resolve()}")
     if run.check_loss_drop is not None and len(new) and not (ratio <= run.check_loss_drop):
         print(f"error: the {'held-out' if data.eval else 'training'} loss went from "
-              f"{eval_before if data.eval else first_avg:.4f} to {eval_after if data.eval else last_avg:.4f} "
-              f"(x{ratio:.2f}); --check-loss-drop wants at most x{run.check_loss_drop:g}", file=sys.stderr)
+              f"{before:.4f} to {after:.4f} ({ratio_text(before, after)}); --check-loss-drop wants at most x{run.check_loss_drop:g}", file=sys.stderr)
         return 1
     return 0
