@@ -249,5 +249,7 @@ def _add_sync_and_device(p: argparse.ArgumentParser) -> None:
                         "digits, '.', '_', '-', starting with a letter or digit (default run)")
     s.add_argument("--sync-timeout", type=float, metavar="S",
                    help="seconds to wait for the other ranks at a step before failing (default 600)")
-    s.add_argument("--adapter", metavar="SUBSTRING",
-                   help="use the wgpu adapter whose name/vendor/backend contains SUBSTRING (sets LFM2JIT_ADAPTER)")
+    s.add_argument("--gpu", metavar="SUBSTRING",
+                   help="use the GPU (WebGPU adapter) whose name/vendor/backend contains SUBSTRING (sets "
+                        "LFM2JIT_ADAPTER), as generate and eval take it (there --adapter DIR is a LoRA adapter)")
+    s.add_argument("--adapter", metavar="DIR", help=argparse.SUPPRESS)   # a LoRA directory elsewhere: refused here

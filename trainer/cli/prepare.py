@@ -58,8 +58,8 @@ def _settings(args, argv_empty: bool) -> tuple[Path | None, dict | None, Run]:
     run = resolve(args, argv_empty, saved, ckpt)
     for note in run.notes:
         print(f"note: {note}", file=sys.stderr)
-    if run.adapter is not None:
-        os.environ["LFM2JIT_ADAPTER"] = run.adapter
+    if run.gpu is not None:
+        os.environ["LFM2JIT_ADAPTER"] = run.gpu
     if run.distributed == "mpi" and "LFM2JIT_ADAPTER_INDEX" not in os.environ:
         from ..mpi_sync import local_rank
         os.environ["LFM2JIT_ADAPTER_INDEX"] = str(local_rank())     # one GPU per rank on a multi-GPU host
@@ -129,7 +129,7 @@ def make_schedule(run: Run, total: int):
 
 
 def _device(run: Run):
-    """The WebGPU context (the adapter of --adapter, else the best) and its compute engine."""
+    """The WebGPU context (the adapter --gpu names, else the best) and its compute engine."""
     from lfm2jit import ComputeEngine, WgpuContext
     from lfm2jit.runtime.context import AdapterError
     try:

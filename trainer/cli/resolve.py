@@ -24,6 +24,9 @@ def resolve(args: argparse.Namespace, argv_empty: bool, saved: dict | None = Non
     """Fill in defaults (or, with --resume, the checkpoint's settings), then validate."""
     from ..data import default_dataset
     g = _given(args)
+    if "adapter" in g:      # --adapter is a LoRA directory (generate, eval); never reread as the GPU
+        raise UsageError(f"--adapter {g['adapter']}: the GPU is chosen with --gpu SUBSTRING (--adapter is a LoRA "
+                         "adapter directory, for generate and eval)")
     notes: list[str] = []
     # under MPI (given, or the resumed run's) the rank and world size come from MPI, never from the checkpoint
     if g.get("distributed", (saved or {}).get("distributed")) == "mpi":
@@ -73,7 +76,7 @@ def resolve(args: argparse.Namespace, argv_empty: bool, saved: dict | None = Non
         check_loss_drop=g.get("check_loss_drop", DEMO_CHECK_LOSS_DROP if argv_empty else None),
         progress=not g.get("no_progress", False), sync_dir=g.get("sync_dir"), rank=g.get("rank", 0),
         world_size=world, run_id=g.get("run_id", "run"), sync_timeout=g.get("sync_timeout", 600.0),
-        adapter=g.get("adapter"), resume=g.get("resume"), builtin_data=builtin_data, notes=notes,
+        gpu=g.get("gpu"), resume=g.get("resume"), builtin_data=builtin_data, notes=notes,
         lora_r=g.get("lora_r"), lora_alpha=g.get("lora_alpha", 2.0 * g["lora_r"] if "lora_r" in g else None),
         lora_targets=g.get("lora_targets", list(DEFAULT_TARGETS) if "lora_r" in g else None),
         lora_dropout=g.get("lora_dropout", 0.0), lora_f16_base=bool(g.get("lora_f16_base", False)),
@@ -95,6 +98,11 @@ def _with_saved(g: dict, saved: dict, ckpt: Path | None, notes: list[str]) -> di
         if flag in g:
             raise UsageError(f"--{flag} cannot be combined with --resume: the model comes from the checkpoint")
     base = {k: v for k, v in saved.items() if v is not None}
+    if "adapter" in base:           # older runs' name for the GPU substring (now --gpu)
+        gpu = base.pop("adapter")
+        base.setdefault("gpu", gpu)
+    if "gpu" in g:
+        base.pop("gpu", None)
     changed = [k for k in RESUMABLE if k in g and k in base and g[k] != base[k] and k not in AS_YOU_LIKE]
     if changed:
         notes.append("--resume with changed settings (the run will not continue exactly as before): "

@@ -36,6 +36,9 @@ class RunFiles:
         metrics = [m for m in read_metrics(self.metrics) if m.get("step", 0) <= start] if start else []
         evals = [e for e in read_metrics(self.evals) if 0 < e.get("step", 0) <= start] if start else []
         for path, lines in ((self.metrics, metrics), (self.evals, evals)):
+            if path == self.evals and not lines:     # written by the first evaluation of --eval-every, if any
+                path.unlink(missing_ok=True)
+                continue
             with open(path, "w") as f:
                 f.writelines(json.dumps(x) + "\n" for x in lines)
         if not start:

@@ -70,7 +70,7 @@ class Run:
     world_size: int
     run_id: str
     sync_timeout: float
-    adapter: str | None
+    gpu: str | None                 # --gpu: a substring of the GPU adapter's name (LFM2JIT_ADAPTER)
     resume: str | None
     lora_r: int | None = None
     lora_alpha: float | None = None
