@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from .options import DEFAULT_CHECKPOINT_MINUTES
-from .run_dir import copy_model_files
+from .run_dir import write_model_files
 from .state import Run
 
 AUTO_CHECKPOINT_SECONDS = 60 * DEFAULT_CHECKPOINT_MINUTES
@@ -47,20 +47,24 @@ class Cadence:
         return run.rank == 0 and bool(self.every) and step % self.every == 0 and step < run.steps
 
 
-def save(trainer, run: Run, root: Path, step: int, position: dict) -> Path:
+def save(trainer, run: Run, root: Path, step: int, position: dict, files: dict[str, bytes]) -> Path:
     """Checkpoint ``trainer`` at ``step`` under ``root`` with the data ``position``; the tokenizer and
-    the other model files go in before the checkpoint becomes visible."""
+    the other model files (``files``, read at the start of the run) go in before the checkpoint becomes
+    visible."""
     path = root / f"step-{step:06d}"
-    trainer.save_checkpoint(path, position, fill=lambda tmp: copy_model_files(run.tokenizer, tmp / "model", run.model))
+    trainer.save_checkpoint(path, position, fill=lambda tmp: write_model_files(files, tmp / "model"))
     prune_checkpoints(root, run.keep_checkpoints)
     return path
 
 
 def prune_checkpoints(root: Path, keep: int) -> None:
-    """Delete all but the newest ``keep`` checkpoints under ``root`` (0 keeps all)."""
+    """Delete all but the newest ``keep`` complete checkpoints under ``root`` (0 keeps all). One that
+    lacks a file (``--resume`` says it skips it) is neither counted nor deleted: it stays for a look
+    until a save of the same step replaces it."""
+    from ..checkpoint import is_complete
     if keep <= 0 or not root.is_dir():
         return
     found = sorted((int(m.group(1)), d) for d in root.iterdir()
-                   if (m := re.match(r"^step-(\d+)$", d.name)) and d.is_dir())
+                   if (m := re.match(r"^step-(\d+)$", d.name)) and d.is_dir() and is_complete(d))
     for _, d in found[:-keep]:
         shutil.rmtree(d, ignore_errors=True)

@@ -202,6 +202,10 @@ def _add_output(p: argparse.ArgumentParser) -> None:
                    help="run directory for metrics.jsonl, loss.png, summary.json, run.json and checkpoints/ "
                         "(default runs/<date>-<time>; with --world-size > 1 runs/<run-id>; with --resume the run "
                         "directory holding the checkpoint, whose metrics.jsonl is continued)")
+    c.add_argument("--overwrite", action="store_true", default=None,
+                   help="let a fresh run use an --out that holds another run: that run's files (run.json, "
+                        "metrics.jsonl, checkpoints/, model/, ...) are removed first; refused if DIR holds anything "
+                        "else. Without it such an --out is refused")
     c.add_argument("--checkpoint-every", type=int, metavar="N",
                    help="also checkpoint every N optimizer steps; 0: only at the end (and on Ctrl-C/SIGTERM). "
                         "Default: N chosen from the measured step time after the first 10 steps so that a "

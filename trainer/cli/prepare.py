@@ -10,7 +10,7 @@ from pathlib import Path
 from .options import DEMO_PRESET, DEMO_SHAPE
 from .resolve import resolve
 from .resume import find_checkpoint, read_checkpoint_meta
-from .run_dir import check_sync_dir, default_out
+from .run_dir import check_out, check_sync_dir, clear_out, default_out, model_files
 from .splits import Data, load_data
 from .state import Run, Session
 from .usage import UsageError
@@ -21,7 +21,13 @@ FRESH_POSITION = {"epoch": 0, "next": 0, "elapsed": 0.0, "tokens": 0}
 def prepare(args, argv_empty: bool) -> Session:
     """The run's ``Session``, from the parsed flags (``argv_empty``: no flags at all were given)."""
     ckpt, meta, run = _settings(args, argv_empty)
+    out = _out_dir(run, ckpt)
+    check_out(out, run, ckpt)                  # before any work: a fresh run never lands on another run's files
     tok = _tokenizer(run)
+    try:                                       # kept for every model directory the run writes
+        files = model_files(run.tokenizer, run.model)
+    except OSError as e:
+        raise UsageError(f"tokenizer: {e}") from None
     cfg = _model_config(run, tok, ckpt)        # before any GPU work, so a vocabulary mismatch is reported first
     data = load_data(run, tok)
     for note in data.notes:
@@ -38,10 +44,12 @@ def prepare(args, argv_empty: bool) -> Session:
             check_sync_dir(run, tr.distributed_grad_sync.run_id)
         # every rank agrees on the run (world size, ranks, parameters) before any of them writes a file
         tr.sync_handshake(params)
-    out = _out_dir(run, ckpt)
+    removed = clear_out(out, run, ckpt)
+    if removed:
+        print(f"note: --overwrite: removed the earlier run's {', '.join(removed)} from {out}", file=sys.stderr)
     run.out = str(out)
     return Session(run=run, tok=tok, data=data, ctx=ctx, engine=engine, model=model, trainer=tr, out=out,
-                   position=position, ckpt=ckpt, params=params)
+                   position=position, ckpt=ckpt, params=params, model_files=files)
 
 
 def _settings(args, argv_empty: bool) -> tuple[Path | None, dict | None, Run]:

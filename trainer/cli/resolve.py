@@ -77,6 +77,7 @@ def resolve(args: argparse.Namespace, argv_empty: bool, saved: dict | None = Non
         progress=not g.get("no_progress", False), sync_dir=g.get("sync_dir"), rank=g.get("rank", 0),
         world_size=world, run_id=g.get("run_id", "run"), sync_timeout=g.get("sync_timeout", 600.0),
         gpu=g.get("gpu"), resume=g.get("resume"), builtin_data=builtin_data, notes=notes,
+        overwrite=bool(g.get("overwrite", False)),
         lora_r=g.get("lora_r"), lora_alpha=g.get("lora_alpha", 2.0 * g["lora_r"] if "lora_r" in g else None),
         lora_targets=g.get("lora_targets", list(DEFAULT_TARGETS) if "lora_r" in g else None),
         lora_dropout=g.get("lora_dropout", 0.0), lora_f16_base=bool(g.get("lora_f16_base", False)),

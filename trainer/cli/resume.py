@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import re
+import sys
 from pathlib import Path
 
 from .state import Run
@@ -13,9 +14,20 @@ from .usage import UsageError
 _STEP_DIR = re.compile(r"^step-(\d+)(?:\.old-\d+)?$")
 
 
-def _complete(d: Path) -> bool:
-    from ..checkpoint import is_complete
-    return d.is_dir() and is_complete(d)
+def _problem(d: Path) -> str | None:
+    """Which file of a checkpoint ``d`` lacks ("<path> is missing"), or None when it has them all. A
+    file present but damaged is not looked into here: loading checks every one, and refuses it by name."""
+    m = d / "model"
+    for f in (d / "trainer.json", d / "optimizer.safetensors", m / "config.json"):
+        if not f.is_file():
+            return f"{f} is missing"
+    if not (m / "model.safetensors").is_file() and not (m / "model.safetensors.index.json").is_file():
+        return f"{m / 'model.safetensors'} is missing"
+    return None
+
+
+def _say(line: str) -> None:
+    print(f"note: {line}", file=sys.stderr)
 
 
 def _aside(ckpt: Path) -> Path | None:
@@ -30,22 +42,42 @@ def find_checkpoint(path: str) -> Path:
     holds its trainer.json (``step-N.old-<pid>`` when a killed save left only that copy)."""
     p = Path(path)
     if (p / "trainer.json").is_file():
-        return p                  # named directly: loading reports any file it lacks
+        problem = _problem(p)     # named directly: it is this checkpoint or none
+        if problem is not None:
+            raise UsageError(f"--resume {path}: not a usable checkpoint: {problem}")
+        return p
     if not p.exists():
         aside = _aside(p)
         if aside is not None:
+            _say(f"--resume {path}: no such directory; using {aside}, the copy an interrupted save left aside")
             return aside
         raise UsageError(f"--resume {path}: no such directory")
     for base in (p / "checkpoints", p):
-        steps: dict[int, Path] = {}
+        steps: dict[int, str] = {}
         if base.is_dir():
             for d in base.iterdir():
                 m = _STEP_DIR.match(d.name)
-                if m and _complete(d):
-                    main = base / f"step-{m.group(1)}"
-                    steps[int(m.group(1))] = main if _complete(main) else (_aside(main) or d)
-        if steps:
-            return steps[max(steps)]
+                if m and d.is_dir():
+                    steps[int(m.group(1))] = f"step-{m.group(1)}"
+        skipped: list[tuple[Path, str]] = []
+        for step in sorted(steps, reverse=True):      # the newest usable one; every one passed over is said
+            main = base / steps[step]
+            problem = _problem(main) if main.is_dir() else f"{main} is missing"
+            if problem is None:
+                found = main
+            elif (found := _aside(main)) is not None:
+                _say(f"--resume {path}: {problem}; using {found.name}, the copy of it an interrupted save "
+                     "left aside")
+            else:
+                skipped.append((main, problem))
+                continue
+            for d, why in skipped:
+                _say(f"--resume {path}: skipped the newer checkpoint {d.name}: {why} (left in place; "
+                     "--keep-checkpoints does not count it)")
+            return found
+        if skipped:
+            raise UsageError(f"--resume {path}: no usable checkpoint in {base}: the newest, {skipped[0][0].name}, "
+                             f"is not one: {skipped[0][1]}")
     aside = _aside(p)
     if aside is not None:
         return aside              # an interrupted save: the previous checkpoint, moved aside

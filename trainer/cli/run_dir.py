@@ -51,24 +51,36 @@ MODEL_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.js
                "generation_config.json")
 
 
-def copy_model_files(tokenizer: str, model_dir: Path, source_model: str | None = None) -> None:
-    """Make ``model_dir`` (weights and config.json written) a complete Hugging Face directory: the
-    tokenizer and its config, chat template and generation config, from the input model's directory
-    (fine-tuning) or beside the tokenizer; without a generation config there, one is written from
-    config.json with the tokenizer's end of turn (<|im_end|>) as a stop id too, so transformers'
-    ``generate`` stops at the end of an answer."""
+def model_files(tokenizer: str, source_model: str | None = None) -> dict[str, bytes]:
+    """The files that complete a Hugging Face directory beside its weights and config.json, read once
+    at the start of a run (so that no later write depends on a checkpoint that pruning can remove):
+    the tokenizer, and its config, the chat template and the generation config from the input model's
+    directory (fine-tuning) or beside the tokenizer. Raises OSError naming a file that does not read."""
     src = Path(tokenizer)
     src = src / "tokenizer.json" if src.is_dir() else src
-    try:
-        shutil.copyfile(src, model_dir / "tokenizer.json")
-        for directory in [d for d in (Path(source_model) if source_model else None, src.parent) if d is not None]:
-            for name in MODEL_FILES[1:]:
-                if (directory / name).is_file() and not (model_dir / name).exists():
-                    shutil.copyfile(directory / name, model_dir / name)
-        if not (model_dir / "generation_config.json").exists():
-            (model_dir / "generation_config.json").write_text(json.dumps(generation_config(model_dir), indent=2))
-    except OSError as e:
-        print(f"note: could not complete the model directory {model_dir}: {e}", file=sys.stderr)
+    files = {"tokenizer.json": src.read_bytes()}
+    for directory in [d for d in (Path(source_model) if source_model else None, src.parent) if d is not None]:
+        for name in MODEL_FILES[1:]:
+            if name not in files and (directory / name).is_file():
+                files[name] = (directory / name).read_bytes()
+    return files
+
+
+def write_model_files(files: dict[str, bytes], model_dir: Path) -> None:
+    """Make ``model_dir`` (weights and config.json written) a complete Hugging Face directory from
+    ``files`` (``model_files``); without a generation config among them, one is written from
+    config.json with the tokenizer's end of turn (<|im_end|>) as a stop id too, so transformers'
+    ``generate`` stops at the end of an answer. Raises OSError."""
+    for name, raw in files.items():
+        if name == "tokenizer.json" or not (model_dir / name).exists():
+            (model_dir / name).write_bytes(raw)
+    if not (model_dir / "generation_config.json").exists():
+        (model_dir / "generation_config.json").write_text(json.dumps(generation_config(model_dir), indent=2))
+
+
+def copy_model_files(tokenizer: str, model_dir: Path, source_model: str | None = None) -> None:
+    """``write_model_files`` of the files ``model_files`` reads now."""
+    write_model_files(model_files(tokenizer, source_model), model_dir)
 
 
 def generation_config(model_dir: Path) -> dict:
@@ -128,6 +140,77 @@ def check_sync_dir(run: Run, sync_id: str) -> None:
                          "pass a new --run-id to every rank")
 
 
+# What a run writes in its directory (RunFiles, the final model or adapter and what a killed write of
+# them leaves, the reporters' files, the other ranks' directories): a directory holding any of these
+# holds another run, whose files a fresh run would overwrite or mix its own with.
+_RUN_ENTRY = re.compile(r"^(?:run\.json|metrics\.jsonl|eval\.jsonl|samples\.jsonl|loss\.png|summary\.json|checkpoints"
+                        r"|(?:model|adapter)(?:\.(?:tmp|old)-\d+)?|tensorboard|wandb|mlflow\.db|mlruns|rank\d+)$")
+_CHECKPOINT_ENTRY = re.compile(r"^step-\d+(?:\.(?:tmp|old)-\d+)?$")
+
+
+def _foreign(out: Path) -> list[str]:
+    """What in ``out`` no run writes (checkpoints/ and the rank directories looked into as well)."""
+    found = [e.name for e in out.iterdir() if not _RUN_ENTRY.match(e.name)]
+    for e in out.iterdir():
+        if e.name == "checkpoints" and e.is_dir():
+            found += [f"checkpoints/{c.name}" for c in e.iterdir() if not _CHECKPOINT_ENTRY.match(c.name)]
+        elif re.match(r"^rank\d+$", e.name) and e.is_dir():
+            found += [f"{e.name}/{c.name}" for c in e.iterdir() if not _RUN_ENTRY.match(c.name) or c.name.startswith("rank")]
+        elif re.match(r"^rank\d+$", e.name) or (e.name == "checkpoints" and not e.is_dir()):
+            found.append(e.name)
+    return sorted(found)
+
+
+def check_out(out: Path, run: Run, ckpt: Path | None) -> None:
+    """Refuse an ``out`` that holds another run (any file or directory a run writes there), unless the
+    run continues there (--resume of a checkpoint in out/checkpoints) or --overwrite is given and ``out``
+    holds nothing but a run's files, which ``clear_out`` then removes. Every rank decides the same: they
+    all look before the sync handshake, and no rank writes a file before it."""
+    resumed_here = (ckpt is not None and ckpt.parent.name == "checkpoints"
+                    and ckpt.parent.parent.resolve() == out.resolve())
+    if resumed_here:
+        if run.overwrite:
+            raise UsageError(f"--overwrite would remove the run in {out} that --resume continues: leave "
+                             "--overwrite out to continue it, or give another --out")
+        return
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise UsageError(f"--out {out}: exists and is not a directory")
+    entries = sorted(e.name for e in out.iterdir() if _RUN_ENTRY.match(e.name))
+    if not entries:
+        return
+    if not run.overwrite:
+        listed = ", ".join(entries[:3]) + (", ..." if len(entries) > 3 else "")
+        raise UsageError(f"--out {out} holds another run ({listed}): continue it with --resume {out}, choose "
+                         "another --out, or pass --overwrite to remove that run's files first")
+    foreign = _foreign(out)
+    if foreign:
+        listed = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+        raise UsageError(f"--overwrite: --out {out} also holds files no run writes ({listed}); refusing to "
+                         "clear it: move them away or choose another --out")
+
+
+def clear_out(out: Path, run: Run, ckpt: Path | None) -> list[str]:
+    """With --overwrite (``check_out`` passed), remove the earlier run's files from ``out``: rank 0 the top
+    level's (and the directories of ranks this run does not have), rank r its own rank<r>/. After the
+    sync handshake, so that every rank has looked first. The names removed."""
+    if not run.overwrite or not out.is_dir() or (ckpt is not None and ckpt.parent.name == "checkpoints"
+                                                 and ckpt.parent.parent.resolve() == out.resolve()):
+        return []
+    if run.rank == 0:
+        mine = [e for e in out.iterdir() if _RUN_ENTRY.match(e.name)
+                and not (re.match(r"^rank(\d+)$", e.name) and 0 < int(e.name[4:]) < run.world_size)]
+    else:
+        mine = [e for e in out.iterdir() if e.name == f"rank{run.rank}"]
+    for e in sorted(mine):
+        if e.is_dir() and not e.is_symlink():
+            shutil.rmtree(e)
+        else:
+            e.unlink()
+    return sorted(e.name for e in mine)
+
+
 def default_out(run: Run) -> Path:
     if run.world_size > 1:
         return Path("runs") / run.run_id
@@ -138,19 +221,50 @@ def default_out(run: Run) -> Path:
     return out
 
 
-def write_final_model(run: Run, model, out: Path) -> str:
+def _write_atomically(final: Path, fill) -> bool:
+    """Write a directory whole or not at all: ``fill(tmp)`` writes ``final.tmp-<pid>``, which then
+    replaces ``final`` (moved aside first, removed after). A failure is said in one line, the previous
+    ``final`` (if any) left as it was; whether it was written."""
+    import os
+    tmp = final.with_name(f"{final.name}.tmp-{os.getpid()}")
+    old = final.with_name(f"{final.name}.old-{os.getpid()}")
+    try:
+        for d in (tmp, old):
+            if d.exists():
+                shutil.rmtree(d)
+        fill(tmp)
+        if final.exists():
+            final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
+        return True
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old.exists() and not final.exists():
+            old.rename(final)
+        print(f"error: could not write {final}: {e}; the run's checkpoints hold its weights", file=sys.stderr)
+        return False
+
+
+def write_final_model(run: Run, model, out: Path, files: dict[str, bytes]) -> str:
     """The run's result beside its checkpoints: OUT/model, in --save-dtype (merged, with --merge-lora),
-    or OUT/adapter for LoRA without merging; the line that says where. Merging changes the model in
-    place, so it happens after the last checkpoint was written."""
+    with ``files`` (``model_files``, read at the start) beside the weights, or OUT/adapter for LoRA
+    without merging, each written whole or not at all; the line that says where. Merging changes the
+    model in place, so it happens after the last checkpoint was written."""
     if run.lora_r is None or run.merge_lora:
         if run.lora_r is not None:
             model.merge_lora()
         dtype = _save_dtype(run)
-        model.save_pretrained(out / "model", dtype)
-        copy_model_files(run.tokenizer, out / "model", run.model)
+
+        def fill(tmp: Path) -> None:
+            model.save_pretrained(tmp, dtype)
+            write_model_files(files, tmp)
         what = "merged model" if run.lora_r is not None else "model"
+        if not _write_atomically(out / "model", fill):
+            return f"{what}: not written"
         return f"{what} ({dtype}): {(out / 'model').resolve()} (transformers' Lfm2ForCausalLM loads it)"
-    model.save_adapter(out / "adapter", base_model=run.model)
+    if not _write_atomically(out / "adapter", lambda tmp: model.save_adapter(tmp, base_model=run.model)):
+        return "LoRA adapter: not written"
     return (f"LoRA adapter: {(out / 'adapter').resolve()} (PeftModel.from_pretrained(base, dir) loads it"
             + (f" on {run.model})" if run.model else ")"))
 

@@ -72,6 +72,7 @@ class Run:
     sync_timeout: float
     gpu: str | None                 # --gpu: a substring of the GPU adapter's name (LFM2JIT_ADAPTER)
     resume: str | None
+    overwrite: bool = False         # --overwrite: a fresh run may clear the run files of another in --out
     lora_r: int | None = None
     lora_alpha: float | None = None
     lora_targets: list[str] | None = None
@@ -111,6 +112,7 @@ class Session:
     position: dict           # the checkpoint's data position (epoch, next, elapsed, tokens, evals), or a fresh one
     ckpt: Path | None        # the checkpoint of --resume
     params: list             # the parameters trained
+    model_files: dict = field(default_factory=dict)   # tokenizer etc. beside every model directory (run_dir.model_files)
 
     def sum_over_ranks(self, values, what: str) -> list[float]:
         """The sums over the ranks of ``values`` (through the gradient sync); this rank's own alone."""

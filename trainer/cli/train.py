@@ -67,7 +67,11 @@ def main(argv: list[str]) -> int:
     except TrainError as e:           # the sync handshake: another rank disagrees, or none answered
         print(f"error: {e}", file=sys.stderr)
         return 1
-    return Training(session).train()
+    try:
+        return Training(session).train()
+    except OSError as e:              # a full disk or a file-size limit while writing a checkpoint or a run file
+        print(f"error: {e}", file=sys.stderr)
+        return 1
 
 
 @dataclass
@@ -195,7 +199,7 @@ class Training:
         position = {"epoch": c.epoch, "next": c.next, "elapsed": self.elapsed(), "tokens": c.tokens,
                     "data_sha1": self.s.data.sha1, "n_train": c.n, "run": self.run.saved(),
                     "evals": self.h.evals_at_ends}
-        self.last_ckpt = save(self.tr, self.run, self.files.checkpoints, step, position)
+        self.last_ckpt = save(self.tr, self.run, self.files.checkpoints, step, position, self.s.model_files)
         return self.last_ckpt
 
     def evaluate_before(self) -> None:
@@ -247,7 +251,7 @@ class Training:
         if final_samples:             # every scored answer of the last evaluation
             with open(self.files.samples, "a") as f:
                 f.writelines(json.dumps({"step": k, **x}) + "\n" for x in final_samples)
-        final_model = write_final_model(run, s.model, s.out) if run.rank == 0 else None
+        final_model = write_final_model(run, s.model, s.out, s.model_files) if run.rank == 0 else None
         write_plot(self.files.plot, h.whole, h.evals() if s.data.eval else [])
         s.finish_sync()
         return conclude(s, h, final_eval, final_samples, train_seconds, eval_seconds, self.files, self.last_ckpt,
