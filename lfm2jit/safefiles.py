@@ -4,13 +4,18 @@ written so that another user sharing the directory cannot steer them.
 * ``write_atomic``: the data goes to a temp file created exclusively (``mkstemp``: a random name,
   ``O_EXCL``, never a planted symlink) beside the target, then replaces the target in one rename
   (which replaces a symlink at the target rather than following it). A reader never sees half a file.
+* ``replace_with``: the same for a file a native writer (safetensors' ``serialize_file``) writes by
+  name; a failed write (a full disk, a file-size limit) leaves the old file and raises an OSError
+  naming the file, never a torn file or a bare SafetensorError.
 * ``untrusted_reason``: why a directory's contents must not be read back (owned by another user,
   writable by the group or by everyone, a symlink), or None. A shared cache directory is then
   neither read nor written: a planted WGSL file would run as this user's kernel.
 """
 from __future__ import annotations
 
+import errno
 import os
+import re
 import stat
 import tempfile
 from pathlib import Path
@@ -28,6 +33,37 @@ def write_atomic(path: Path, data: str | bytes, mode: int = 0o644) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def replace_with(path: Path, write, mode: int | None = None) -> None:
+    """``write(temp_name)`` writes the file beside ``path`` (``.tmp-<name>.*``), which then replaces
+    ``path`` in one rename. ``mode``: default 0o666 less the umask, as a plain open would give."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".tmp-{path.name}.")
+    os.close(fd)
+    if mode is None:
+        mode = 0o666 & ~_umask()
+    try:
+        write(tmp)
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except Exception as e:
+        Path(tmp).unlink(missing_ok=True)
+        if isinstance(e, OSError) or type(e).__name__ == "SafetensorError":
+            found = re.search(r"os error (\d+)", str(e))
+            code = (e.errno if isinstance(e, OSError) and e.errno else int(found.group(1)) if found else errno.EIO)
+            raise OSError(code, f"cannot write it: {os.strerror(code)}", str(path)) from None
+        raise
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def untrusted_reason(directory: Path) -> str | None:

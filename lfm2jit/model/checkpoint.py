@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 from safetensors import TensorSpec, serialize_file
 
+from ..safefiles import replace_with
 from .config import Lfm2Config
 
 SAVE_DTYPES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}     # ours -> safetensors' names
@@ -192,8 +193,14 @@ def _weight_files(d: Path) -> list[Path]:
     return [single]
 
 
+class Tensors(dict):
+    """Tensors read from a model directory, which ``check_tensors`` names in its errors."""
+    source: Path | None = None
+
+
 def load_checkpoint(directory: Path) -> dict[str, np.ndarray]:
-    tensors: dict[str, np.ndarray] = {}
+    tensors = Tensors()
+    tensors.source = Path(directory)
     for f in _weight_files(Path(directory)):
         tensors.update(read_safetensors(f))
     return tensors
@@ -217,7 +224,7 @@ def read_generation_eos(directory: Path) -> list[int]:
 def check_tensors(cfg: Lfm2Config, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """The tensors the model needs, checked against the table; a tied checkpoint's lm_head is dropped."""
     want = parameter_shapes(cfg)
-    tensors = dict(tensors)
+    tensors_in, tensors = tensors, dict(tensors)
     if cfg.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)     # some tied checkpoints store it anyway
     missing = [n for n in want if n not in tensors]
@@ -232,7 +239,9 @@ def check_tensors(cfg: Lfm2Config, tensors: dict[str, np.ndarray]) -> dict[str, 
             parts.append("unexpected: " + ", ".join(unexpected))
         if misshaped:
             parts.append("wrong shape: " + "; ".join(misshaped))
-        raise CheckpointError("checkpoint does not match the config: " + " | ".join(parts))
+        where = getattr(tensors_in, "source", None)
+        raise CheckpointError((f"{where}: " if where is not None else "") + "checkpoint does not match the config: "
+                              + " | ".join(parts))
     return {n: tensors[n] for n in want}
 
 
@@ -271,11 +280,13 @@ def save_checkpoint(directory: Path, cfg: Lfm2Config, tensors: dict[str, np.ndar
     d.mkdir(parents=True, exist_ok=True)
     config = cfg.to_dict()
     config["torch_dtype"] = config["dtype"] = SAVE_DTYPES[dtype]
-    (d / "config.json").write_text(json.dumps(config, indent=2))
+    # each file is written beside itself and renamed into place: a kill or a full disk leaves the old one
+    text = json.dumps(config, indent=2)
+    replace_with(d / "config.json", lambda tmp: Path(tmp).write_text(text))
     arrays = {n: _narrow(a, dtype) for n, a in tensors.items()}
     specs = {n: TensorSpec(dtype=SAVE_DTYPES[dtype], shape=a.shape, data_ptr=a.ctypes.data, data_len=a.nbytes)
              for n, a in arrays.items()}
-    serialize_file(specs, str(d / "model.safetensors"), {"format": "pt"})
+    replace_with(d / "model.safetensors", lambda tmp: serialize_file(specs, tmp, {"format": "pt"}))
 
 
 def init_tensors(cfg: Lfm2Config, seed: int) -> dict[str, np.ndarray]:

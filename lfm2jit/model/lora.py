@@ -95,8 +95,17 @@ class LoraConfig:
         targets = config.get("target_modules")
         if not isinstance(targets, (list, tuple, str)):
             raise AdapterError(f"{where}: target_modules must be a list of module names, got {targets!r}")
-        return cls(r=config.get("r", 8), alpha=config.get("lora_alpha", 8), target_modules=targets,
-                   dropout=config.get("lora_dropout", 0.0) or 0.0, use_rslora=bool(config.get("use_rslora", False)))
+        try:
+            lora = cls(r=config.get("r", 8), alpha=config.get("lora_alpha", 8), target_modules=targets,
+                       dropout=config.get("lora_dropout", 0.0) or 0.0, use_rslora=bool(config.get("use_rslora", False)))
+        except AdapterError as e:
+            raise AdapterError(f"{where}: {e}") from None
+        for target in lora.target_modules:       # LoraConfig.modules would say it without naming the file
+            if target.rpartition(".")[2] not in LFM2_LINEARS:
+                hint = f" (LFM2 calls it {LLAMA_NAMES[target]!r})" if target in LLAMA_NAMES else ""
+                raise AdapterError(f"{where}: LoRA target {target!r} matches no linear layer of this LFM2{hint}; "
+                                   f"LFM2's linear layers are {', '.join(LFM2_LINEARS)}")
+        return lora
 
 
 def peft_names(module: str) -> tuple[str, str]:
@@ -138,10 +147,14 @@ def check_weights(config: LoraConfig, modules: dict[str, tuple[int, int]], tenso
 
 def write_adapter(directory: Path, config: LoraConfig, tensors: dict[str, np.ndarray], base_model: str | None) -> None:
     from safetensors.numpy import save_file
+
+    from ..safefiles import replace_with
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / CONFIG_FILE).write_text(json.dumps(config.to_peft(base_model), indent=2))
-    save_file({n: np.ascontiguousarray(t, np.float32) for n, t in tensors.items()}, str(directory / WEIGHTS_FILE),
-              metadata={"format": "pt"})
+    # each file is written beside itself and renamed into place: a kill or a full disk leaves the old one
+    text = json.dumps(config.to_peft(base_model), indent=2)
+    replace_with(directory / CONFIG_FILE, lambda tmp: Path(tmp).write_text(text))
+    arrays = {n: np.ascontiguousarray(t, np.float32) for n, t in tensors.items()}
+    replace_with(directory / WEIGHTS_FILE, lambda tmp: save_file(arrays, tmp, metadata={"format": "pt"}))
 
 
 def read_adapter(directory: Path) -> tuple[LoraConfig, dict[str, np.ndarray]]:
