@@ -37,6 +37,8 @@ from typing import Callable
 import numpy as np
 from safetensors.numpy import save_file
 
+from lfm2jit.safefiles import replace_with
+
 from .errors import TrainError
 from .schedules import schedule_from_dict
 
@@ -67,7 +69,8 @@ def save_checkpoint(trainer, directory, data_position: dict | None = None,
     if getattr(trainer.model, "lora", None) is not None:
         trainer.model.save_adapter(tmp / "adapter")
     names = {id(t): n for n, t in trainer.model.named_parameters().items()}
-    save_file(trainer.optimizer.state_arrays(names), str(tmp / "optimizer.safetensors"))
+    state = trainer.optimizer.state_arrays(names)     # a full disk: an OSError naming the file, not a SafetensorError
+    replace_with(tmp / "optimizer.safetensors", lambda name: save_file(state, name))
     if fill is not None:
         fill(tmp)
     meta = {
