@@ -194,7 +194,7 @@ def _gone(pid: int) -> None:
 
 
 KILLS = {"checkpoint": 5, "pretrained": 6, "adapter": 6}
-DELAY = {"checkpoint": 0.4, "pretrained": 0.15, "adapter": 0.1}
+DELAY = {"checkpoint": 1.5, "pretrained": 1.0, "adapter": 0.6}     # seconds: a few saves on lavapipe
 
 
 @pytest.mark.parametrize("writer", list(KILLS))
@@ -204,7 +204,7 @@ def test_a_writer_killed_at_random_points_leaves_the_old_or_the_new_version(writ
     dest = tmp_path / "dest"
     old_version(writer, src, dest)
     rng = np.random.default_rng({"checkpoint": 1, "pretrained": 2, "adapter": 3}[writer])
-    seen_versions, errors = [], []
+    seen_versions, errors, finished = [], [], 0
     for _ in range(KILLS[writer]):
         pid, lines, seen = zygote({"writer": writer, "mode": "kill", "dest": str(dest)})
         time.sleep(float(rng.uniform(0.0, DELAY[writer])))
@@ -215,10 +215,11 @@ def test_a_writer_killed_at_random_points_leaves_the_old_or_the_new_version(writ
             errors.append(got)
         seen_versions.append(got)
         saved = [int(x.split()[1]) for x in lines[seen:] if x.startswith("saved")]
+        finished += len(saved)
         if saved and not isinstance(got, str):
             assert got in (saved[-1], saved[-1] ^ 1), (got, saved)   # the last finished save, or the one after it
     TABLE[f"writer {writer}: kill"] = {"cases": KILLS[writer], "torn": 0, "errors": len(errors),
-                                       "versions": seen_versions}
+                                       "saves finished": finished, "versions found": seen_versions}
     assert errors == [], errors
 
 
