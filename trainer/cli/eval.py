@@ -16,6 +16,8 @@ import sys
 import warnings
 from pathlib import Path
 
+from lfm2jit.safefiles import write_atomic
+
 from ..open_model import load_model, open_tokenizer
 from .held_out import print_samples
 from .splits import count
@@ -94,6 +96,6 @@ def _run(args) -> int:
         print(f"  answers exactly right (greedy): {exact_match(samples):.1%} of {len(samples)}")
         print_samples(samples, args.samples, print)
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+        write_atomic(Path(args.json), json.dumps(result, indent=1) + "\n")
         print(f"  written: {Path(args.json).resolve()}")
     return 0

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
+from lfm2jit.safefiles import write_atomic
+
 from .held_out import print_samples
 from .run_dir import RunFiles, clean
 from .state import History, Session
@@ -120,7 +122,7 @@ def conclude(s: Session, h: History, final_eval: dict, final_samples: list[dict]
         "checkpoint": str(Path(checkpoint).resolve()) if checkpoint else None,
     }
     summary = {key: clean(v) for key, v in summary.items()}
-    files.summary.write_text(json.dumps(summary, indent=2) + "\n")
+    write_atomic(files.summary, json.dumps(summary, indent=2) + "\n")   # whole or not at all, on a full disk too
     reporters.finish("finished")
     print()
     print(f"done: {len(new)} optimizer steps (to step {steps}) on {toks} tokens in "
