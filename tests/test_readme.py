@@ -134,3 +134,11 @@ def test_files_the_guides_name_are_there():
                 assert (ROOT / path).exists(), f"{page.relative_to(ROOT)} names {path}, which is not there"
             elif path.startswith(inside):
                 assert (ROOT / "lfm2jit" / path).exists(), f"{page.relative_to(ROOT)} names {path}, which is not there"
+
+
+def test_design_page_table_of_templates_is_the_templates_directory():
+    page = (DOCS / "design.md").read_text().split("## Parts and templates", 1)[1].split("\n\n", 2)[2]
+    table = page.split("\n\n", 1)[0]
+    named = set(re.findall(r"`([a-z_]+)`", "\n".join(line.split("|")[1] for line in table.splitlines()[2:])))
+    shipped = {p.name[:-len(".wgsl.j2")] for p in (ROOT / "templates").glob("[!_]*.wgsl.j2")}
+    assert named == shipped
