@@ -105,3 +105,33 @@ def test_a_damaged_checkpoint_is_not_counted_by_retention(damaged_run, tmp_path)
     from trainer.cli.checkpoints import prune_checkpoints
     prune_checkpoints(out / "checkpoints", 1)
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000001", "step-000002"]
+
+
+def test_every_rank_decides_alike_and_clears_only_its_own_files(tmp_path):
+    """Ranks share --out: each looks before the sync handshake (no rank writes before it), so all refuse
+    alike; with --overwrite rank 0 clears the top level (and ranks this run lacks), rank r its rank<r>/."""
+    from trainer.cli.run_dir import check_out, clear_out
+    from trainer.cli.usage import UsageError
+
+    class R:
+        def __init__(self, rank, overwrite):
+            self.rank, self.world_size, self.overwrite = rank, 2, overwrite
+
+    out = tmp_path / "x"
+    for d in ("checkpoints/step-000003", "rank1", "rank3", "model"):
+        (out / d).mkdir(parents=True)
+    for f in ("run.json", "metrics.jsonl", "rank1/metrics.jsonl", "rank3/run.json"):
+        (out / f).write_text("{}")
+    for rank in (0, 1):
+        with pytest.raises(UsageError, match="--overwrite"):
+            check_out(out, R(rank, False), None)
+        check_out(out, R(rank, True), None)
+    assert clear_out(out, R(1, True), None) == ["rank1"]
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoints", "metrics.jsonl", "model", "rank3", "run.json"]
+    (out / "rank1").mkdir()             # rank 1 has started writing: rank 0 leaves it alone
+    assert clear_out(out, R(0, True), None) == ["checkpoints", "metrics.jsonl", "model", "rank3", "run.json"]
+    assert [p.name for p in out.iterdir()] == ["rank1"]
+    (out / "checkpoints").mkdir()
+    (out / "checkpoints" / "notes.txt").write_text("mine")
+    with pytest.raises(UsageError, match="checkpoints/notes.txt"):
+        check_out(out, R(0, True), None)
