@@ -36,6 +36,8 @@ from pathlib import Path
 
 import numpy as np
 
+from lfm2jit.safefiles import write_atomic
+
 from . import held_out
 from .checkpoints import Cadence, save
 from .options import build_parser
@@ -124,7 +126,7 @@ class Training:
         s, run, start = self.s, self.run, self.tr.optimizer_steps()
         self.files.dir.mkdir(parents=True, exist_ok=True)
         settings = json.dumps({k: v for k, v in vars(run).items() if k not in ("notes", "derived")}, indent=2)
-        self.files.settings.write_text(settings)
+        write_atomic(self.files.settings, settings)
         metrics_before, evals_during = self.files.rewind(start)
         pos = s.position
         self.h = History(start, float(pos.get("elapsed", 0.0)), metrics_before, evals_during, saved_evals(pos, start))
