@@ -37,7 +37,7 @@ from typing import Sequence
 from ..runtime import arena
 from ..runtime.tensor import ITEMSIZE, Tensor
 
-CHUNK = 4096              # elements per row of the norm's first pass (one workgroup each); rows 4x and 16x longer ran it 1.5x and 3.6x slower on the H200 (benches/results/h200_grad_norm_chunks.log)
+CHUNK = 4096              # elements per row of the norm's first pass (one workgroup each); longer rows ran slower (benches/results/h200_grad_norm_chunks.log)
 PASS2_CHUNK = 1024        # partial sums per row of the second pass
 MAX_ROWS = 1 << 24        # row and column indices travel as f32: exact up to 2^24
 PARTIALS_BUCKET = 1 << 20  # pass 3 loops to the runtime length; one pipeline for every length up to this

@@ -66,7 +66,7 @@ def matrix(params) -> tuple[MatrixTiles, ...]:
                               for s in (2, 4, 8))
     thin = "m" if params.m_pad <= params.n_size else "n"
     short = tuple(MatrixTiles(16, 64, 1, 4, bk, split=s) if thin == "m" else MatrixTiles(64, 16, 4, 1, bk, split=s)
-                  for bk, s in ((32, 4), (64, 8)))     # half as long: 1.2-1.6x on LoRA's dY B and dB (H200, one sweep)
+                  for bk, s in ((32, 4), (64, 8)))     # half as long: faster on LoRA's dY B and dB (h200_lora_mtiles.json)
     return tuple(narrow_matrix_tiles(thin, s) for s in (1, 2, 4, 8)) + short + (MatrixTiles(64, 64, 2, 2, 32),)
 
 

@@ -1,9 +1,8 @@
 """Timing GPU work fairly.
 
 An idle GPU lowers its clocks, and a kernel timed in a short burst after idling (or after a
-compile) measures the clock ramp more than the kernel: on the H200, the same matmul timed cold
-ran at 5-21 TFLOP/s where the train step, which keeps the GPU busy, ran it at about 30. So work is
-first repeated until the GPU has been busy for a while, and then timed back to back.
+compile) measures the clock ramp more than the kernel (docs/journal.md has the measurement). So
+work is first repeated until the GPU has been busy for a while, and then timed back to back.
 """
 from __future__ import annotations
 
