@@ -11,8 +11,8 @@ from .options import DEMO_PRESET, DEMO_SHAPE
 from .resolve import resolve
 from .resume import find_checkpoint, read_checkpoint_meta
 from .run_dir import check_out, check_sync_dir, clear_out, default_out, model_files
-from .splits import Data, load_data
-from .state import Run, Session
+from .splits import load_data
+from .state import Data, Run, Session
 from .usage import UsageError
 
 FRESH_POSITION = {"epoch": 0, "next": 0, "elapsed": 0.0, "tokens": 0}

@@ -9,19 +9,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .state import Run
+from .state import Data, Run
 from .usage import UsageError
-
-
-@dataclass
-class Data:
-    train: list            # (input_ids, target_ids, loss_mask) with at least one supervised target
-    eval: list             # (input_ids, target_ids, loss_mask, answer_mask or None)
-    sha1: str
-    notes: list[str]
-    has_answers: bool      # eval holds chat records trained on all tokens: also report the answer loss
-    label: str = "all tokens"    # which targets the loss counts, for the summary
-    held: int = 0          # held-out records before --eval-max (eval holds the first --eval-max of them)
 
 
 def _triples(seqs, loss_on: str):

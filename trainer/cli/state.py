@@ -1,17 +1,14 @@
 """The typed state of a training run: ``Run``, its resolved settings (run.json, and what a checkpoint
-keeps for --resume); ``Session``, everything built before the first step; ``History``, what the
-run has measured so far."""
+keeps for --resume); ``Data``, the training and held-out sequences; ``Session``, everything built
+before the first step; ``History``, what the run has measured so far."""
 from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .options import DEFAULT_SAMPLES
-
-if TYPE_CHECKING:
-    from .splits import Data
 
 # Settings whose change on --resume does not alter the training itself (a changed --steps shows up as a
 # changed schedule, noted separately).
@@ -96,6 +93,18 @@ class Run:
         """The settings a checkpoint keeps. Defaults derived from other settings (min_lr = lr / 10,
         warmup = 5% of the steps) are kept as None, so they follow an overridden lr or steps."""
         return {k: None if k in self.derived else getattr(self, k) for k in RESUMABLE}
+
+
+@dataclass
+class Data:
+    """The run's training and held-out sequences, as trainer/cli/splits.py reads and splits them."""
+    train: list            # (input_ids, target_ids, loss_mask) with at least one supervised target
+    eval: list             # (input_ids, target_ids, loss_mask, answer_mask or None)
+    sha1: str
+    notes: list[str]
+    has_answers: bool      # eval holds chat records trained on all tokens: also report the answer loss
+    label: str = "all tokens"    # which targets the loss counts, for the summary
+    held: int = 0          # held-out records before --eval-max (eval holds the first --eval-max of them)
 
 
 @dataclass
