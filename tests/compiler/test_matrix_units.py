@@ -3,7 +3,7 @@
 What the scheduler decides runs everywhere: contractions with an f16 operand go to the matrix
 template on a device with f16 subgroup matrices, f32 ones stay SIMT, and every tile the autotuner
 may try renders. The numbers run on the device's matrix units where it has them (Dawn on an NVIDIA
-GPU: benches/results/h200_matrix_tests_dawn.log), and elsewhere (lavapipe in CI) on the same
+GPU: benches/results/h200_gemm_fusion_tests_dawn.log), and elsewhere (lavapipe in CI) on the same
 template with its subgroup-matrix operations emulated in plain WGSL (LFM2JIT_MATRIX_UNITS=emulate).
 """
 from __future__ import annotations

@@ -2,7 +2,7 @@
 float64 reference evaluator over named axes.
 
 Nothing here imports the compiler: the reference must stay independent of its IR. The rules are
-restated from the language's documentation (README, grammar.lark) and its checker's behaviour:
+restated from the language's documentation (docs/kernel-language.md, grammar.lark) and its checker's behaviour:
 
 - a value has a dtype (f32 f16 i32 u32, or ``float`` for a literal-only value) and a shape, a tuple
   of axis names (an integer size is the axis named by its digits, e.g. "3");
