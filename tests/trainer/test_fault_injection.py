@@ -35,7 +35,7 @@ from lfm2jit.model import CheckpointError, ConfigError, Lfm2Config, Lfm2Model, L
 from lfm2jit.model.checkpoint import check_tensors, load_checkpoint as read_model_dir
 from lfm2jit.model.lora import AdapterError, read_adapter
 from micro_model import make_data, micro
-from test_checkpoint_hardening import RUN, cli, edit_header, truncate
+from test_checkpoint_hardening import cli, edit_header, run_dir, truncate  # noqa: F401 (run_dir: a fixture)
 from trainer import AdamW, TrainError, Trainer
 from trainer.cli.run_dir import read_metrics
 
@@ -258,13 +258,7 @@ def test_a_full_disk_leaves_the_old_or_the_new_version_and_a_clear_error(writer,
     assert rows[-1][1] is None and rows[0][1] is not None        # the roomy disk saves; no room fails
 
 
-# ---- the run files of the CLI: metrics.jsonl, run.json, summary.json ----
-@pytest.fixture(scope="module")
-def run_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("faults-cli") / "run"
-    r = cli(*RUN, "--steps", 2, "--checkpoint-every", 1, "--out", out)
-    assert r.returncode == 0, r.stderr
-    return out
+# ---- the run files of the CLI: metrics.jsonl, run.json, summary.json (run_dir: the hardening tests' two-step run) ----
 
 
 def whole_lines(path: Path) -> list[dict]:
