@@ -20,6 +20,7 @@ from .ir.nodes import SEQ_AXIS
 from .runtime.recorder import Compiled, Recorder, Shader
 from .runtime.tensor import Tensor
 from .safefiles import write_atomic
+from .schedule import pieces
 from .schedule import EMULATED_MATRIX_CONFIGS, EMULATED_SUBGROUP, KernelSpec, MatrixConfig, Target, bucketed
 from .settings import settings
 from .tune.autotune import Tuner
@@ -37,7 +38,8 @@ class CompiledKernel:
 
 
 def shader_of(spec: KernelSpec, wgsl: str) -> Shader:
-    return Shader(spec.kernel, spec.key, wgsl, tuple((b.binding, b.access == "read") for b in spec.bindings),
+    slots = tuple((b.binding + i, b.access == "read") for b in spec.bindings for i in range(b.pieces))
+    return Shader(spec.kernel, spec.key, wgsl, slots,
                   tuple((e.name, e.grid) for e in spec.entry_points))
 
 
@@ -125,21 +127,31 @@ class ComputeEngine(Recorder):
             env[t.name] = self.empty(tuple(sizes[a] for a in t.shape), t.dtype,
                                      capacity=math.prod(_padded(sizes, bucket, t.shape)))
         calls = []
-        limit = self.ctx.limits.get("max-storage-buffer-binding-size")
         for k, compiled in parts:
             spec = compiled.spec
             names = list(spec.inputs) + [n for n, _, _ in spec.outputs]
             tensors = [env[n] for n in names] + [self.empty((s.elements,), s.dtype) for s in spec.scratch]
-            for name, t in zip(names + [f"scratch {s.tensor}" for s in spec.scratch], tensors):
-                if limit and t.binding_size > limit:     # wgpu would fail inside the dispatch: refuse first
-                    raise ValueError(f"{ir.name}: {name} binds {t.binding_size} bytes ({t.dtype}{list(t.shape)}); the "
-                                     f"adapter binds at most {limit} (max-storage-buffer-binding-size): split the "
-                                     "work or use a smaller length bucket")
+            tensors = self._pieces(ir.name, spec, tensors)
             values = tuple(scalars[s] for s in k.ir.scalars)
             calls.append((compiled, tensors, struct.pack(f"<I{len(values)}f", t_valid, *values), k.ir.scalars, values))
         for compiled, tensors, info, names, values in calls:
             self.dispatch(compiled.pipelines, tensors, info, names, values)
         return {n: _drop_leading(outputs[n], decl, left_out) for n, decl in zip(outputs, ir.outputs)}
+
+    def _pieces(self, kernel: str, spec: KernelSpec, tensors: list[Tensor]) -> list[Tensor]:
+        """The tensors to bind, in binding order: a tensor the spec binds in pieces becomes one flat
+        view per piece. Refuses, before any GPU work, a binding larger than the device allows."""
+        limit = self.ctx.limits.get("max-storage-buffer-binding-size")
+        out = []
+        for b, t in zip(spec.bindings, tensors):
+            spans = pieces.ranges(b, t.offset, t.binding_size)
+            for at, nbytes in spans:
+                if limit and nbytes > limit:     # wgpu would fail inside the dispatch: refuse first
+                    raise ValueError(f"{kernel}: {b.tensor} binds {nbytes} bytes ({t.dtype}{list(t.shape)}); the "
+                                     f"adapter binds at most {limit} (max-storage-buffer-binding-size): split the "
+                                     "work or use a smaller length bucket")
+            out += [t] if len(spans) == 1 else [t.bytes_view(at, nbytes) for at, nbytes in spans]
+        return out
 
     def _leading_axes(self, ir, args: dict) -> tuple[dict, set[str]]:
         """Inputs passed without some optional leading axes (``B?``), viewed with them (size 1),
@@ -263,20 +275,26 @@ class ComputeEngine(Recorder):
 
 def target_of(ctx, matrix_units: str = "auto") -> Target:
     """What the context's device offers the planners: its subgroup matrices (Dawn lists them per
-    adapter), the subgroup size they run at, and its workgroup memory. ``matrix_units`` is
-    LFM2JIT_MATRIX_UNITS: "off" offers none, "emulate" the emulated ones on any device with f16."""
-    workgroup_bytes = int(ctx.limits.get("max-compute-workgroup-storage-size", 16384))
+    adapter), the subgroup size they run at, its workgroup memory and storage-binding limits.
+    ``matrix_units`` is LFM2JIT_MATRIX_UNITS: "off" offers none, "emulate" the emulated ones on any
+    device with f16."""
+    limits = ctx.limits
+    device = dict(workgroup_bytes=int(limits.get("max-compute-workgroup-storage-size", 16384)),
+                  storage_buffers=int(limits.get("max-storage-buffers-per-shader-stage", 8)),
+                  binding_bytes=int(min(limits.get("max-storage-buffer-binding-size", 128 << 20),
+                                        limits.get("max-buffer-size", 256 << 20))),
+                  binding_align=int(limits.get("min-storage-buffer-offset-alignment", 256)))
     if matrix_units == "off":
-        return Target(workgroup_bytes=workgroup_bytes)
+        return Target(**device)
     if matrix_units == "emulate":
         if "shader-f16" not in {str(f) for f in getattr(ctx, "features", ())}:
             raise ValueError(f"LFM2JIT_MATRIX_UNITS=emulate: {ctx.name} has no shader-f16, which the matrix "
                              "templates need even when their subgroup matrices are emulated")
-        return Target(EMULATED_MATRIX_CONFIGS, EMULATED_SUBGROUP, workgroup_bytes, emulated=True)
+        return Target(EMULATED_MATRIX_CONFIGS, EMULATED_SUBGROUP, emulated=True, **device)
     configs = tuple(c for c in (_matrix_config(d) for d in getattr(ctx, "subgroup_matrix_configs", ())) if c)
     info = getattr(ctx, "info", {})
     subgroup = int(info.get("subgroup_min_size") or info.get("subgroupMinSize") or (32 if configs else 0))
-    return Target(configs, subgroup if configs else 0, workgroup_bytes)
+    return Target(configs, subgroup if configs else 0, **device)
 
 
 def _matrix_config(d) -> MatrixConfig | None:

@@ -22,6 +22,10 @@ LFM2JIT_DAWN_ROBUSTNESS  on, or off to ask Dawn for devices without its bounds c
                    buffer access (the device toggle disable_robustness). lfm2jit's kernels keep
                    their own reads and writes in bounds, but off trusts that: a measured, opt-in
                    speed setting, never the default (default: on)
+LFM2JIT_LIMITS     raised (ask the adapter for its highest storage-binding, buffer, workgroup and
+                   storage-buffer-count limits) or default (ask for none: the device has exactly
+                   WebGPU's default limits, what browsers and many integrated and mobile GPUs give;
+                   for checking that everything still plans and runs there) (default: raised)
 LFM2JIT_HOST_COPY_THREADS  threads that copy large readbacks out of mapped staging memory (one
                    thread reads it at a fraction of the host's memory bandwidth; numpy lets go of
                    the GIL while it copies) (default: the CPUs, at most 4)
@@ -40,6 +44,7 @@ WEBGPU_IMPLEMENTATIONS = ("auto", "dawn", "wgpu-native")
 DAWN_INSTANCE_TOGGLES = ("allow_unsafe_apis", "vulkan_enable_f16_on_nvidia")
 DAWN_DEVICE_DISABLED_TOGGLES = ("timestamp_quantization",)
 MATRIX_UNIT_MODES = ("auto", "off", "emulate")
+LIMIT_MODES = ("raised", "default")
 
 
 @dataclass(frozen=True)
@@ -54,6 +59,7 @@ class Settings:
     dawn_robustness: bool
     matrix_units: str
     host_copy_threads: int
+    limits: str
 
 
 def _path(name: str) -> Path | None:
@@ -74,6 +80,7 @@ def settings() -> Settings:
         dawn_robustness=_on_off("LFM2JIT_DAWN_ROBUSTNESS", default=True),
         matrix_units=_choice("LFM2JIT_MATRIX_UNITS", MATRIX_UNIT_MODES),
         host_copy_threads=_index("LFM2JIT_HOST_COPY_THREADS", default=min(4, os.cpu_count() or 1), least=1),
+        limits=_choice("LFM2JIT_LIMITS", LIMIT_MODES),
     )
 
 

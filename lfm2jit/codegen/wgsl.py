@@ -7,6 +7,8 @@ parenthesised where they nest.
 """
 from __future__ import annotations
 
+import contextlib
+from contextvars import ContextVar
 from functools import singledispatch
 
 from ..ir.ops import Op
@@ -39,8 +41,41 @@ def buffer(name: str) -> str:
     return f"{name}_"
 
 
+# The tensors of the kernel being rendered that are bound in pieces (schedule/pieces.py): their
+# elements are reached through accessor functions, which _common.wgsl.j2 declares.
+_PIECED: ContextVar[frozenset[str]] = ContextVar("pieced", default=frozenset())
+
+
+@contextlib.contextmanager
+def pieced(names) -> None:
+    """Spell loads and stores of these tensors through their piece accessors while inside."""
+    token = _PIECED.set(frozenset(names))
+    try:
+        yield
+    finally:
+        _PIECED.reset(token)
+
+
+def load(name: str, index_text: str) -> str:
+    """Element ``index_text`` of tensor ``name``."""
+    return f"{name}_load({index_text})" if name in _PIECED.get() else f"{buffer(name)}[{index_text}]"
+
+
+def store(name: str, index_text: str, value_text: str, accumulate: bool = False) -> str:
+    """A statement writing (or, ``accumulate``, adding) ``value_text`` to element ``index_text`` of ``name``."""
+    if accumulate:
+        value_text = f"{load(name, index_text)} + {value_text}"
+    if name in _PIECED.get():
+        return f"{name}_store({index_text}, {value_text});"
+    return f"{buffer(name)}[{index_text}] = {value_text};"
+
+
 def element(b: Binding) -> str:
     return f"vec{b.vector}<{b.dtype}>" if b.vector > 1 else b.dtype
+
+
+def element_bytes(b: Binding) -> int:
+    return b.vector * {"f16": 2}.get(b.dtype, 4)
 
 
 def literal(value: float, ctype: str) -> str:
@@ -128,7 +163,7 @@ def _(x: Ref) -> str:
 
 @spell.register
 def _(x: Load) -> str:
-    text = f"{buffer(x.tensor)}[{spell(x.offset)}]"
+    text = load(x.tensor, spell(x.offset))
     ctype = COMPUTE_TYPE[x.dtype]
     return text if ctype == x.dtype else f"{ctype}({text})"
 
@@ -177,8 +212,7 @@ def _(x: Store) -> str:
     value = spell(x.value)
     if x.value_type != x.dtype:
         value = f"{x.dtype}({value})"
-    target = f"{buffer(x.tensor)}[{spell(x.offset)}]"
-    return f"{target} = {target} + {value};" if x.accumulate else f"{target} = {value};"
+    return store(x.tensor, spell(x.offset), value, x.accumulate)
 
 
 def reduce_init(op: Op) -> str:

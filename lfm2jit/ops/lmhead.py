@@ -161,13 +161,15 @@ def lm_head_cross_entropy(engine, h: Tensor, E: Tensor, targets, mask=None, *, n
         E_c = E.rows(c0, c1)
         run("xent_logits", bucket=bucket, out={"x": x}, h=h, E=E_c)
         new, old = state[i % 2], state[(i + 1) % 2]
-        out = {"m2": new["m"], "s2": new["s"], "tl2": new["tl"], "lse": lse}
+        out = {"m2": new["m"], "s2": new["s"], "tl2": new["tl"]}
         if i == 0:
             run("xent_lse_first", bucket=bucket, out=out, x=x, tgt=targets)
         else:
             run("xent_lse_next", bucket=bucket, out=out, x=x, tgt=targets,
                 m=old["m"], s=old["s"], tl=old["tl"], c0=float(c0))
-    tl = state[(len(chunks) - 1) % 2]["tl"]
+    final = state[(len(chunks) - 1) % 2]
+    run("xent_lse_final", bucket=bucket, out={"lse": lse}, m=final["m"], s=final["s"])
+    tl = final["tl"]
     loss = engine.empty((segments,), "f32")      # f32 whatever the activations' dtype
     if segments == 1:
         run("xent_loss", bucket=bucket, out={"loss": loss}, lse=lse, tl=tl, mask=mask, inv_norm=scalars["inv_norm"])

@@ -259,7 +259,7 @@ def _together(*lists, spans: bool = True):
     order, so a step is a dispatch or two), else one per non-empty tensor."""
     if spans:
         return arena.runs_together(lists)
-    return [tuple(_flat(x) for x in xs) for xs in zip(*lists) if xs[0].size]
+    return [piece for xs in zip(*lists) if xs[0].size for piece in arena.cut(*(_flat(x) for x in xs))]
 
 
 def sgd_scalars(*, lr: float, momentum: float = 0.0, dampening: float = 0.0, weight_decay: float = 0.0,

@@ -156,8 +156,27 @@ def _groups(tensors: Sequence[Tensor]) -> list[list[int]]:
 
 def runs(tensors: Sequence[Tensor]) -> list[Run]:
     """The tensors (empty ones left out) grouped, in order, into maximal runs. A tensor that is
-    not a whole carved one is a run of its own."""
-    return [Run(_span(tuple(tensors[i] for i in g)), tuple(tensors[i] for i in g)) for g in _groups(tensors)]
+    not a whole carved one is a run of its own; a run longer than one binding is cut into spans
+    that each fit one (``cut``)."""
+    out = []
+    for g in _groups(tensors):
+        members = tuple(tensors[i] for i in g)
+        out += [Run(span, members) for (span,) in cut(_span(members))]
+    return out
+
+
+def cut(*spans: Tensor) -> list[tuple[Tensor, ...]]:
+    """Flat views of one size that go together element by element, cut at the same elements into
+    consecutive views of at most one binding each (each starting at the binding alignment), so a
+    pass over them never binds more than the device allows."""
+    first = spans[0]
+    item = ITEMSIZE[first.dtype]
+    align = _align(first.ctx)
+    step = buffer_limit(first.ctx) // align * align // item
+    if first.size <= step:
+        return [spans]
+    return [tuple(x.bytes_view(x.offset + start * item, min(step, first.size - start) * item) for x in spans)
+            for start in range(0, first.size, step)]
 
 
 def runs_together(lists: Sequence[Sequence[Tensor]]) -> list[tuple[Tensor, ...]]:
@@ -180,7 +199,7 @@ def runs_together(lists: Sequence[Sequence[Tensor]]) -> list[tuple[Tensor, ...]]
         if i in starts or not joint:
             joint.append([])
         joint[-1].append(i)
-    return [tuple(_span(tuple(xs[i] for i in g)) for xs in lists) for g in joint]
+    return [piece for g in joint for piece in cut(*(_span(tuple(xs[i] for i in g)) for xs in lists))]
 
 
 def _span(tensors: tuple[Tensor, ...]) -> Tensor:

@@ -18,6 +18,15 @@ OPTIONAL_FEATURES = ("shader-f16", "subgroup", "subgroups", "timestamp-query", S
 RAISED_LIMITS = ("max-storage-buffer-binding-size", "max-buffer-size", "max-compute-workgroup-storage-size",
                  "max-storage-buffers-per-shader-stage", "max-compute-invocations-per-workgroup",
                  "max-compute-workgroup-size-x", "max-compute-workgroup-size-y")
+# WebGPU's default limits (the spec's "Limits" table), which LFM2JIT_LIMITS=default asks for
+# explicitly: an implementation may hand out its adapter's own limits when asked for none.
+WEBGPU_DEFAULT_LIMITS = {
+    "max-storage-buffer-binding-size": 128 << 20, "max-buffer-size": 256 << 20,
+    "max-compute-workgroup-storage-size": 16384, "max-compute-invocations-per-workgroup": 256,
+    "max-compute-workgroup-size-x": 256, "max-compute-workgroup-size-y": 256, "max-compute-workgroup-size-z": 64,
+    "max-compute-workgroups-per-dimension": 65535, "max-storage-buffers-per-shader-stage": 8,
+    "max-bind-groups": 4, "max-uniform-buffer-binding-size": 65536, "min-storage-buffer-offset-alignment": 256,
+}
 NO_ADAPTER_HELP = ("WebGPU found no adapter. Without a GPU, install Mesa's Vulkan CPU driver: "
                    "apt-get install -y mesa-vulkan-drivers libvulkan1")
 
@@ -148,7 +157,8 @@ class WgpuContext:
         impl = choose_implementation(webgpu or opts.webgpu)
         adapter = choose_adapter(impl.adapters(), wanted, impl.name, opts.adapter_index)
         features = frozenset(f for f in OPTIONAL_FEATURES if f in adapter.features)
-        limits = {k: adapter.limits[k] for k in RAISED_LIMITS if k in adapter.limits}
+        limits = ({k: adapter.limits[k] for k in RAISED_LIMITS if k in adapter.limits} if opts.limits == "raised"
+                  else {k: v for k, v in WEBGPU_DEFAULT_LIMITS.items() if k in adapter.limits})
         device = impl.request_device(adapter, features, limits)
         return cls(adapter, device, features, impl.name, impl.subgroup_matrix_configs(adapter))
 

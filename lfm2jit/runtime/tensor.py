@@ -73,6 +73,12 @@ class Tensor:
         return Tensor(self.ctx, self.buffer, shape, self.dtype, capacity=self.capacity, offset=self.offset,
                       base=self._base or self)
 
+    def bytes_view(self, offset: int, nbytes: int) -> "Tensor":
+        """A flat view of ``nbytes`` bytes of this tensor's buffer from byte ``offset`` (how a tensor
+        larger than one binding is bound, piece by piece)."""
+        n = nbytes // ITEMSIZE[self.dtype]
+        return Tensor(self.ctx, self.buffer, (n,), self.dtype, capacity=n, offset=offset, base=self._base or self)
+
     def rows(self, start: int, stop: int) -> "Tensor":
         """Rows start:stop of the leading axis, as a view (the offset must meet the adapter's alignment)."""
         if not 0 <= start < stop <= self.shape[0]:

@@ -7,6 +7,7 @@ tries several).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -14,7 +15,7 @@ from ..dsl.errors import DslError
 from ..ir.nodes import KernelIR, toposort
 from ..ir.ops import Op
 from ..tune.tiles import ColumnTiles, MatrixTiles, TileConfig
-from . import intrinsic, matmul, pointwise, reduce
+from . import intrinsic, matmul, pieces, pointwise, reduce
 from .layout import bind_dims, bucketed
 from .spec import EMULATED_MATRIX_CONFIGS, EMULATED_SUBGROUP, PORTABLE, Binding, KernelSpec, MatrixConfig, Plan, Target
 
@@ -79,6 +80,9 @@ def specialize(ir: KernelIR, dims: dict[str, int], bucket: int = 1,
                      for i, (t, access) in enumerate(tensors))
     bindings += tuple(Binding(s.tensor, len(tensors) + 1 + i, "read_write", s.dtype)
                       for i, s in enumerate(plan.scratch))
+    elements = {t.name: math.prod(sizes[a] for a in t.shape) for t, _ in tensors}
+    elements.update((s.tensor, s.elements) for s in plan.scratch)
+    bindings = pieces.assign(ir.name, plan.template, bindings, elements, target)
     outputs = tuple((o.name, o.dtype, tuple(sizes[a] for a in o.shape)) for o in ir.outputs)
     inputs = tuple(t.name for t in ir.inputs if t.name not in ir.inouts)
     return KernelSpec(ir.name, plan.template, plan.params, bindings, plan.entry_points, plan.scratch,

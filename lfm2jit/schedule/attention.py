@@ -385,9 +385,14 @@ def plan_dkdv(call: IntrinsicCall, target=None) -> Plan:
     parallel rather than one after another (a short sequence otherwise leaves most of a big GPU
     idle); their partial dk, dv meet in a workspace and a second pass sums them in a fixed order."""
     template, p = _choose(call, target, "dkdv", ATTENTION_BWD_PARAMS, ("dk", "dv"), "attention_bwd")
+    budget = target.storage_buffers if target is not None else 8
+    tensors = len(call.operands) + sum(o is not None for o in call.outputs)
+    if isinstance(p, MatrixAttentionParams) and tensors + 1 > budget:    # no room for its D = dO . O buffer
+        template, p = "attention_bwd", _params(call, "dkdv", ATTENTION_BWD_PARAMS, ("dk", "dv"))
     t_pad = call.sizes[call.operands[0].shape[-3]]
     blocks = -(-t_pad // p.tiles.rows)
-    split = p.group
+    # the heads of a group in parallel need a workspace binding; without room for it, one after another
+    split = p.group if tensors + (p.group > 1) + isinstance(p, MatrixAttentionParams) <= budget else 1
     p = replace(p, t_pad=t_pad)
     main = EntryPoint("main", (blocks, p.kv_heads, p.batch * split))
     passes, scratch = (main,), ()

@@ -27,6 +27,13 @@ class Binding:
     access: str          # "read" | "read_write"
     dtype: str           # element dtype: f32 f16 i32 u32
     vector: int = 1      # 4: the template reads it as 4-vectors of dtype
+    pieces: int = 1      # bound as this many consecutive bindings (schedule/pieces.py), each ...
+    piece_bytes: int = 0  # ... this many bytes long but the last
+
+    @property
+    def slots(self) -> int:
+        """The storage bindings it takes."""
+        return self.pieces
 
 
 @dataclass(frozen=True)
@@ -100,6 +107,9 @@ class Target:
     subgroup_size: int = 0
     workgroup_bytes: int = 16384       # the device's maxComputeWorkgroupStorageSize
     emulated: bool = False             # the subgroup matrices are written out in plain WGSL (testing)
+    storage_buffers: int = 8           # maxStorageBuffersPerShaderStage: storage bindings one kernel may have
+    binding_bytes: int = 128 << 20     # maxStorageBufferBindingSize: larger tensors are bound in pieces
+    binding_align: int = 256           # minStorageBufferOffsetAlignment: where a piece may start
 
     def matrix(self, component: str, result: str) -> MatrixConfig | None:
         """The largest config of these types (16x16x16 before 16x8x16 ...), or None."""

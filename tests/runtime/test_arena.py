@@ -94,7 +94,14 @@ def test_a_small_binding_limit_spreads_the_arena_and_the_norm_still_holds(engine
     assert finite and abs(norm - norm64(arrays)) <= 1e-5 * norm64(arrays)
     small, big, after = arena.carve(engine, [(10,), (2000,), (10,)])  # larger than a binding: a buffer alone
     assert len({id(small.buffer), id(big.buffer), id(after.buffer)}) == 3
-    assert [len(r.tensors) for r in arena.runs([small, big, after])] == [1, 1, 1]
+    pieces = arena.runs([small, big, after])       # big (8000 bytes) is cut into spans of one binding each
+    assert [r.tensors for r in pieces] == [(small,), (big,), (big,), (after,)]
+    assert [r.span.nbytes for r in pieces] == [40, 4096, 8000 - 4096, 40]
+    arrays = [rng.standard_normal(t.shape).astype(np.float32) for t in (small, big, after)]
+    for t, a in zip((small, big, after), arrays):
+        t.write(a)
+    norm, finite = global_grad_norm(engine, [small, big, after])
+    assert finite and abs(norm - norm64(arrays)) <= 1e-5 * norm64(arrays)
 
 
 def test_nonfinite_gradient_in_a_run_is_reported(engine, rng):
