@@ -9,6 +9,11 @@ Parameters, their gradients and per-row statistics are always f32. Activations (
 gradients) are f32, or f16 with ``activation_dtype="f16"``: mixed precision, where every kernel
 still computes in f32 and only storage narrows (see lfm2jit/ops/precision.py).
 
+On an adapter without the shader-f16 feature, f16 activations and an f16 LoRA base
+(``add_lora(base_dtype="f16")``) are refused with one line before any GPU work, rather than run
+in f32: both were asked for to halve memory, and an f32 fallback would quietly double it. An f16
+(or bf16) checkpoint loads anywhere: its tensors are widened to f32 as they are read.
+
 Shapes: T positions (padded to the length bucket inside kernels), D hidden, F MLP width,
 H query heads, G kv heads, E head dim (E = 2R for RoPE), V vocabulary.
 
@@ -102,6 +107,7 @@ class Lfm2Model:
         ``seed`` draws A and, with ``config.dropout``, the training passes' dropout masks."""
         if not isinstance(config, LoraConfig):
             raise TypeError(f"add_lora takes a LoraConfig, got {type(config).__name__}")
+        lora_attach.check_base_dtype(base_dtype, self.ctx)     # before A is drawn: an f16 base needs shader-f16
         modules = config.modules(self.cfg)
         self._attach(config, modules, init_weights(config, modules, seed), base_dtype, seed)
         return self.lora_parameters()
@@ -110,6 +116,7 @@ class Lfm2Model:
         """A PEFT adapter directory (adapter_config.json + adapter_model.safetensors), checked in
         full against this model before anything changes. ``seed``: of the dropout masks (add_lora's:
         a resumed run passes the seed it started with, so it draws the masks the run would have)."""
+        lora_attach.check_base_dtype(base_dtype, self.ctx)     # before the files are read
         config, tensors = read_adapter(Path(directory))
         modules = config.modules(self.cfg)
         self._attach(config, modules, check_weights(config, modules, tensors, str(directory)), base_dtype, seed)
@@ -145,6 +152,7 @@ class Lfm2Model:
     def from_pretrained(cls, directory, ctx, engine, activation_dtype: str = "f32",
                         recompute_mlp: bool = False) -> "Lfm2Model":
         directory = Path(directory)
+        precision.check_activation_dtype(activation_dtype, ctx)    # before the checkpoint is read
         cfg = Lfm2Config.from_json(directory / "config.json")
         model = cls(cfg, ctx, engine, tensors=load_checkpoint(directory), activation_dtype=activation_dtype,
                     recompute_mlp=recompute_mlp)

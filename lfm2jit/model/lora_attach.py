@@ -15,10 +15,16 @@ BASE_DTYPES = ("f32", "f16")
 
 
 def check_base_dtype(base_dtype: str, ctx) -> None:
+    """A one-line ValueError, before any GPU work, for a base dtype the adapter cannot run.
+
+    base_dtype="f16" on an adapter without the shader-f16 feature is refused rather than kept as
+    f32: what was asked for is half the base's memory, so a silent f32 fallback would hand back a
+    model twice the size that was planned for (and that may not fit), with nothing said."""
     if base_dtype not in BASE_DTYPES:
         raise ValueError(f"base_dtype must be 'f32' or 'f16', got {base_dtype!r}")
     if base_dtype == "f16" and not ctx.has_f16:
-        raise ValueError(f"base_dtype='f16' needs the shader-f16 feature, which adapter {ctx.name!r} lacks")
+        raise ValueError(f"base_dtype='f16' (f16 base weights) needs the shader-f16 feature, which adapter "
+                         f"{ctx.name!r} lacks; use base_dtype='f32'")
 
 
 def upload_adapters(ctx, config: LoraConfig, modules, weights: dict[str, np.ndarray], seed: int) -> LoraAdapters:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import re
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -26,6 +27,7 @@ INFO_BYTES = 256           # one info block (t_valid + scalars) per dispatch: th
 SUBMIT_EVERY = 32          # recorded dispatches per submission (and info blocks in the ring): the GPU starts
                            # on them while Python records more
 MAX_QUERIES = 4096
+_ENABLES_F16 = re.compile(r"^\s*enable\b[^;]*\bf16\b", re.MULTILINE)    # WGSL's `enable f16;` directive
 
 
 class ShaderCompileError(RuntimeError):
@@ -115,6 +117,12 @@ class Recorder:
         return self._pipelines.get((key, self.ctx.name))
 
     def build(self, shader: Shader) -> Compiled:
+        features = getattr(self.ctx, "features", None)
+        if features is not None and "shader-f16" not in features and _ENABLES_F16.search(shader.wgsl):
+            # one line, before the shader compiler's multi-line refusal: f16 storage or math was asked
+            # for (engine.run(f16=...), f16 tensors), and is refused, not widened to f32 behind the caller
+            raise ValueError(f"kernel {shader.label!r} stores or computes f16 values, which needs the shader-f16 "
+                             f"feature that adapter {self.ctx.name!r} lacks; run it on f32 tensors (no f16=)")
         try:
             module = self.device.create_shader_module(code=shader.wgsl, label=shader.label)
         except Exception as e:  # wgpu raises its own validation error types
