@@ -33,8 +33,9 @@ def load_model(model_dir: Path, tok, adapter: str | None = None, gpu: str | None
         ctx = WgpuContext.create(gpu or None)
     except GpuError as e:
         raise UsageError(str(e)) from None
-    if f16 and not ctx.has_f16:
-        raise UsageError(f"--f16: adapter {ctx.name!r} has no shader-f16 feature; run without --f16")
+    if f16 and not ctx.has_f16:     # refused, not run in f32: --f16 asks for half the activation memory
+        raise UsageError(f"--f16 (f16 activations): adapter {ctx.name!r} lacks the shader-f16 feature; "
+                         "run without --f16")
     try:
         model = Lfm2Model.from_pretrained(model_dir, ctx, ComputeEngine(ctx), "f16" if f16 else "f32")
         if adapter:

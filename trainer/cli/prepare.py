@@ -137,17 +137,25 @@ def make_schedule(run: Run, total: int):
 
 
 def _device(run: Run):
-    """The WebGPU context (the adapter --gpu names, else the best) and its compute engine."""
+    """The WebGPU context (the adapter --gpu names, else the best) and its compute engine.
+
+    --f16 and --lora-f16-base on an adapter without the shader-f16 feature are refused here, before
+    the engine or the model exists, rather than run in f32: both ask for half the memory, which an
+    f32 run would quietly double (and the run's checkpoints would say f16 where it was not)."""
     from lfm2jit import ComputeEngine, WgpuContext
     from lfm2jit.runtime.context import AdapterError
     try:
         ctx = WgpuContext.create()
     except AdapterError as e:
         raise UsageError(str(e)) from None
-    engine = ComputeEngine(ctx)
-    if run.f16 and not ctx.has_f16:
-        raise UsageError(f"--f16: adapter {ctx.name!r} has no shader-f16 feature; train without --f16")
-    return ctx, engine
+    if not ctx.has_f16:
+        if run.f16:
+            raise UsageError(f"--f16 (f16 activations): adapter {ctx.name!r} lacks the shader-f16 feature; "
+                             "train without --f16")
+        if run.lora_r is not None and run.lora_f16_base:
+            raise UsageError(f"--lora-f16-base (f16 base weights): adapter {ctx.name!r} lacks the shader-f16 "
+                             "feature; train without --lora-f16-base")
+    return ctx, ComputeEngine(ctx)
 
 
 def _model(run: Run, cfg, ckpt: Path | None, ctx, engine):
