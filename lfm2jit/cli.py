@@ -102,8 +102,35 @@ def describe_sizes(sizes: dict[str, int]) -> str:
     return ", ".join(f"{a}={s}" for a, s in sizes.items())
 
 
+# The device limits the planners read (engine.target_of, runtime/context.py), each with what it decides.
+SCHEDULE_LIMITS = {
+    "max-storage-buffer-binding-size": "a tensor larger than this is bound in pieces",
+    "max-buffer-size": "the largest one buffer (a tensor or an arena of them) may be",
+    "max-compute-workgroup-storage-size": "workgroup memory: bounds the GEMM and attention tiles",
+    "max-compute-invocations-per-workgroup": "bounds the invocations of one workgroup (a tile's threads)",
+    "max-storage-buffers-per-shader-stage": "the tensors (and pieces of them) one kernel may bind",
+    "min-storage-buffer-offset-alignment": "where a piece of a tensor, or a tensor in an arena, may start",
+}
+LIMIT_MODE_HELP = {"raised": "the adapter's highest limits were asked for",
+                   "default": "WebGPU's default limits were asked for, as browsers and many integrated GPUs give"}
+
+
+def feature_lines(ctx) -> list[str]:
+    """One line per optional feature that decides a schedule: present or absent, and what that means."""
+    subgroups = bool({"subgroup", "subgroups"} & set(ctx.features))   # wgpu-native's and Dawn's names
+    rows = [("shader-f16", ctx.has_f16, "f16 activations and f16 bases can run",
+             "--f16, --lora-f16-base and f16 bases (add_lora(base_dtype='f16')) are refused with one error line"),
+            ("subgroups", subgroups, "not used outside subgroup matrices",
+             "nothing changes: no kernel uses them outside subgroup matrices"),
+            ("subgroup matrices", ctx.has_subgroup_matrix,
+             f"f16 products may run on the matrix units ({len(ctx.subgroup_matrix_configs)} configs)",
+             "f16 products take the portable SIMT path")]
+    return [f"  {name}: {'present' if has else 'absent'}: {yes if has else no}" for name, has, yes, no in rows]
+
+
 def cmd_info(args) -> None:
-    """The WebGPU implementation and adapter lfm2jit would use, and what each implementation lists."""
+    """The WebGPU implementation and adapter lfm2jit would use, what each implementation lists, and
+    the limits and features of the device it gets that decide the schedules."""
     from .runtime.context import AdapterError, WgpuContext, _quiet_stderr, describe, ensure_runtime_dir
     from .runtime.implementations import IMPLEMENTATIONS
     from .settings import settings
@@ -119,20 +146,27 @@ def cmd_info(args) -> None:
         ctx = WgpuContext.create()
     except AdapterError as e:
         raise UsageError(str(e)) from None
-    print(f"\nLFM2JIT_WEBGPU={settings().webgpu}: {ctx.implementation}, adapter {ctx.name}")
+    opts = settings()
+    print(f"\nLFM2JIT_WEBGPU={opts.webgpu}: {ctx.implementation}, adapter {ctx.name}")
     if ctx.implementation == "dawn":
-        print(f"LFM2JIT_DAWN_ROBUSTNESS: {'on' if settings().dawn_robustness else 'off (bounds clamping disabled)'}")
-    print(f"features: {', '.join(sorted(ctx.features)) or 'none'}")
+        print(f"LFM2JIT_DAWN_ROBUSTNESS: {'on' if opts.dawn_robustness else 'off (bounds clamping disabled)'}")
+    print(f"features requested: {', '.join(sorted(ctx.features)) or 'none'}")
     print("subgroup matrix configs: " + ("; ".join(str(c) for c in ctx.subgroup_matrix_configs) or "none"))
-    mode = settings().matrix_units
+    mode = opts.matrix_units
     print(f"LFM2JIT_MATRIX_UNITS={mode}: f16 products on "
           + {"off": "the portable SIMT path",
              "emulate": "the matrix templates, subgroup matrices emulated in plain WGSL (slow; for testing)"}.get(
               mode, "the matrix units" if ctx.subgroup_matrix_configs else "the portable SIMT path (no matrix units)"))
-    for key in ("max-compute-workgroup-storage-size", "max-compute-invocations-per-workgroup",
-                "max-storage-buffer-binding-size", "min-storage-buffer-offset-alignment"):
-        if key in ctx.limits:
-            print(f"{key}: {ctx.limits[key]}")
+    print("\nfeatures that decide the schedules:")
+    print("\n".join(feature_lines(ctx)))
+    limits_mode = getattr(opts, "limits", "raised")
+    print(f"\nLFM2JIT_LIMITS={limits_mode}: {LIMIT_MODE_HELP.get(limits_mode, '')}; the device's limits that decide "
+          "the schedules:")
+    for key, what in SCHEDULE_LIMITS.items():
+        value = ctx.limits.get(key)
+        size = "" if not isinstance(value, int) or value < 2 ** 20 else (
+            f" ({value >> 20} MiB)" if value % 2 ** 20 == 0 else f" (about {round(value / 2 ** 20)} MiB)")
+        print(f"  {key}: {'(not reported)' if value is None else value}{size}: {what}")
 
 
 def cmd_list(args) -> None:
@@ -172,7 +206,8 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     ls = sub.add_parser("list", help="each shipped kernel's signature and the template it schedules to")
     ls.set_defaults(run=cmd_list)
-    info = sub.add_parser("info", help="the WebGPU implementation, adapter, features and subgroup-matrix configs in use")
+    info = sub.add_parser("info", help="the WebGPU implementation and adapter in use, and the features and limits that "
+                                           "decide the schedules")
     info.set_defaults(run=cmd_info)
     dump = sub.add_parser("dump", help="print (or write) what one kernel compiles to (WGSL by default)",
                           description="Print the stages one kernel (shipped, or from FILE.lk) compiles to at concrete sizes: "

@@ -1,6 +1,7 @@
 """`python -m lfm2jit` in subprocesses, as a user runs it: exit codes, stdout, files written."""
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -128,6 +129,58 @@ def test_info_is_quiet_without_a_runtime_dir():
     assert r.returncode == 0, r.stderr
     assert "adapter" in r.stdout
     assert "XDG_RUNTIME_DIR" not in r.stderr and "Warning" not in r.stderr, r.stderr
+
+
+INFO_LIMIT = re.compile(r"^  ((?:max|min)-[a-z-]+): (\d+)", re.MULTILINE)
+# WebGPU's default limits (the spec's Limits table), written out here rather than read from the code
+SPEC_DEFAULTS = {"max-storage-buffer-binding-size": 128 << 20, "max-buffer-size": 256 << 20,
+                 "max-compute-workgroup-storage-size": 16384, "max-compute-invocations-per-workgroup": 256,
+                 "max-storage-buffers-per-shader-stage": 8, "min-storage-buffer-offset-alignment": 256}
+
+
+def _info(capsys) -> tuple[str, dict[str, int]]:
+    from lfm2jit.cli import main
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    return out, {k: int(v) for k, v in INFO_LIMIT.findall(out)}
+
+
+def test_info_prints_the_limits_and_features_that_decide_the_schedules(ctx, capsys):
+    """The device's limits as the context has them (this session's LFM2JIT_LIMITS), and a line for
+    each of shader-f16, subgroups and subgroup matrices saying whether the device has it."""
+    from lfm2jit.settings import settings
+    out, limits = _info(capsys)
+    assert set(limits) == set(SPEC_DEFAULTS), out
+    assert limits == {k: ctx.limits[k] for k in SPEC_DEFAULTS}
+    assert f"LFM2JIT_LIMITS={settings().limits}: " in out
+    subgroups = bool({"subgroup", "subgroups"} & set(ctx.features))
+    for name, has in (("shader-f16", ctx.has_f16), ("subgroups", subgroups), ("subgroup matrices",
+                                                                              ctx.has_subgroup_matrix)):
+        assert f"\n  {name}: {'present' if has else 'absent'}: " in out, name
+    assert "  subgroup matrices: absent: f16 products take the portable SIMT path" in out or ctx.has_subgroup_matrix
+
+
+def test_info_under_default_limits_prints_webgpus_defaults_and_raised_the_adapters(ctx, capsys, monkeypatch):
+    monkeypatch.setenv("LFM2JIT_LIMITS", "default")
+    out, limits = _info(capsys)
+    assert limits == SPEC_DEFAULTS, out
+    assert "LFM2JIT_LIMITS=default: " in out
+    assert "max-storage-buffer-binding-size: 134217728 (128 MiB): " in out
+    monkeypatch.setenv("LFM2JIT_LIMITS", "raised")
+    out, limits = _info(capsys)
+    assert "LFM2JIT_LIMITS=raised: " in out
+    raised = [k for k in SPEC_DEFAULTS if k.startswith("max-")]      # min-...-alignment is not raised
+    assert {k: limits[k] for k in raised} == {k: ctx.adapter.limits[k] for k in raised}
+
+
+def test_info_on_an_adapter_without_shader_f16_says_what_is_refused(capsys, monkeypatch):
+    from lfm2jit import WgpuContext
+    from no_f16 import context_without_f16
+    no_f16, _ = context_without_f16()
+    monkeypatch.setattr(WgpuContext, "create", classmethod(lambda cls, *a, **k: no_f16))
+    out, _ = _info(capsys)
+    assert ("\n  shader-f16: absent: --f16, --lora-f16-base and f16 bases (add_lora(base_dtype='f16')) are refused "
+            "with one error line\n") in out
 
 
 USER_SOURCE = """\
