@@ -18,8 +18,10 @@ from .ir.nodes import SEQ_AXIS
 from .ops import library
 from .schedule import PORTABLE, MatrixConfig, Target
 
-# A device like Dawn on an H200 lists: f16 x f16 -> f32 subgroup matrices of 16x16x16, subgroups of 32.
-MATRIX_UNITS = Target((MatrixConfig(16, 16, 16, "f16", "f32"),), 32, 49152)
+# A device like Dawn on an H200 lists: f16 x f16 -> f32 subgroup matrices of 16x16x16, subgroups of 32,
+# with 48 KiB of workgroup memory; lfm2jit raises its storage-buffer count and binding size past
+# WebGPU's defaults (8, 128 MiB).
+MATRIX_UNITS = Target((MatrixConfig(16, 16, 16, "f16", "f32"),), 32, 49152, storage_buffers=16, binding_bytes=1 << 30)
 
 DEFAULT_SIZE = 64
 

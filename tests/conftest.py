@@ -7,9 +7,32 @@ import pytest
 from lfm2jit import ComputeEngine, WgpuContext
 
 
+def with_env(name: str, value: str, make):
+    """``make()`` with one environment variable set while it runs (settings are read at creation)."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv(name, value)
+    try:
+        return make()
+    finally:
+        mp.undo()
+
+
 @pytest.fixture(scope="session")
-def ctx() -> WgpuContext:
+def raised_ctx() -> WgpuContext:
+    """The device as lfm2jit opens it by default: the adapter's raised limits."""
     return WgpuContext.create()
+
+
+@pytest.fixture(scope="session")
+def default_limits_ctx() -> WgpuContext:
+    """The same adapter with exactly WebGPU's default limits (LFM2JIT_LIMITS=default)."""
+    return with_env("LFM2JIT_LIMITS", "default", WgpuContext.create)
+
+
+@pytest.fixture(scope="session")
+def ctx(raised_ctx) -> WgpuContext:
+    """The tests' device; the kernel tests (tests/compiler, tests/ops) override it with default limits."""
+    return raised_ctx
 
 
 @pytest.fixture(scope="session")
@@ -18,20 +41,17 @@ def engine(ctx) -> ComputeEngine:
 
 
 @pytest.fixture(scope="session")
-def matrix_engine(ctx, engine) -> ComputeEngine:
+def matrix_engine(raised_ctx) -> ComputeEngine:
     """An engine whose f16 products run on the matrix templates: the device's subgroup matrices where
     it has them, else the same templates with those operations emulated in plain WGSL
-    (LFM2JIT_MATRIX_UNITS=emulate), so that lavapipe in CI tests them too."""
+    (LFM2JIT_MATRIX_UNITS=emulate), so that lavapipe in CI tests them too. With the raised limits:
+    the templates' larger tiles need more than the default 16 KiB of workgroup memory."""
+    engine = ComputeEngine(raised_ctx)
     if engine.target.matrix_configs:
         return engine
-    if not ctx.has_f16:
-        pytest.skip(f"{ctx.name} has no shader-f16, which the matrix templates need")
-    mp = pytest.MonkeyPatch()
-    mp.setenv("LFM2JIT_MATRIX_UNITS", "emulate")
-    try:
-        emulated = ComputeEngine(ctx)
-    finally:
-        mp.undo()
+    if not raised_ctx.has_f16:
+        pytest.skip(f"{raised_ctx.name} has no shader-f16, which the matrix templates need")
+    emulated = with_env("LFM2JIT_MATRIX_UNITS", "emulate", lambda: ComputeEngine(raised_ctx))
     assert emulated.target.emulated
     return emulated
 
@@ -39,12 +59,3 @@ def matrix_engine(ctx, engine) -> ComputeEngine:
 @pytest.fixture
 def rng() -> np.random.Generator:
     return np.random.default_rng(1234)
-
-
-def rel_err(got, want) -> float:
-    """Normwise relative error max|got - want| / max|want|: scale-free, and meaningful near zeros."""
-    got = np.asarray(got, dtype=np.float64)
-    want = np.asarray(want, dtype=np.float64)
-    assert got.shape == want.shape, f"shape {got.shape} != {want.shape}"
-    denom = max(np.abs(want).max(initial=0.0), 1e-30)
-    return float(np.abs(got - want).max(initial=0.0) / denom)

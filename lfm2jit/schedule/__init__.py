@@ -45,9 +45,14 @@ def tiles_class(ir: KernelIR) -> type | tuple[type, ...] | None:
     return SCHEDULES[ir.structure.kind].tiles
 
 
-def schedule_error(ir: KernelIR, message: str, expected: str) -> DslError:
-    return DslError(message, filename=ir.filename, line=ir.line, column=1 if ir.line else 0,
-                    source=ir.source or None, expected=expected)
+class DeviceLimitError(DslError, ValueError):
+    """A kernel this device's limits cannot bind (located at the kernel; a ValueError as every
+    refusal of a specialization is, so the autotuner scores such a candidate out)."""
+
+
+def schedule_error(ir: KernelIR, message: str, expected: str, cls: type[DslError] = DslError) -> DslError:
+    return cls(message, filename=ir.filename, line=ir.line, column=1 if ir.line else 0,
+               source=ir.source or None, expected=expected)
 
 
 def specialize(ir: KernelIR, dims: dict[str, int], bucket: int = 1,
@@ -82,7 +87,12 @@ def specialize(ir: KernelIR, dims: dict[str, int], bucket: int = 1,
                       for i, s in enumerate(plan.scratch))
     elements = {t.name: math.prod(sizes[a] for a in t.shape) for t, _ in tensors}
     elements.update((s.tensor, s.elements) for s in plan.scratch)
-    bindings = pieces.assign(ir.name, plan.template, bindings, elements, target)
+    try:
+        bindings = pieces.assign(ir.name, plan.template, bindings, elements, target,
+                                 frozenset(s.tensor for s in plan.scratch))
+    except pieces.BindingLimitError as e:
+        raise schedule_error(ir, str(e), "a kernel within the device's storage-binding limits",
+                             DeviceLimitError) from None
     outputs = tuple((o.name, o.dtype, tuple(sizes[a] for a in o.shape)) for o in ir.outputs)
     inputs = tuple(t.name for t in ir.inputs if t.name not in ir.inouts)
     return KernelSpec(ir.name, plan.template, plan.params, bindings, plan.entry_points, plan.scratch,

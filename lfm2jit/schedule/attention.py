@@ -388,6 +388,9 @@ def plan_dkdv(call: IntrinsicCall, target=None) -> Plan:
     budget = target.storage_buffers if target is not None else 8
     tensors = len(call.operands) + sum(o is not None for o in call.outputs)
     if isinstance(p, MatrixAttentionParams) and tensors + 1 > budget:    # no room for its D = dO . O buffer
+        if isinstance(call.tiles, MatrixAttentionTiles):
+            raise IntrinsicError(f"{call.name}: tiles {call.tiles} need {tensors + 1} storage bindings (D = dO . O "
+                                 f"has one of its own); the device allows {budget}")
         template, p = "attention_bwd", _params(call, "dkdv", ATTENTION_BWD_PARAMS, ("dk", "dv"))
     t_pad = call.sizes[call.operands[0].shape[-3]]
     blocks = -(-t_pad // p.tiles.rows)

@@ -26,7 +26,7 @@ from ..tune.tiles import MatrixTiles, TileConfig
 from .code import COMPUTE_TYPE, Index, Let, Value, Var
 from .layout import extent, strides
 from .lower import Lowerer
-from .spec import EntryPoint, MatrixConfig, Plan, Scratch
+from .spec import PORTABLE, EntryPoint, MatrixConfig, Plan, Scratch
 
 REDUCE_THREADS = 256
 MAX_WORKGROUPS = 65535    # WebGPU's maxComputeWorkgroupsPerDimension (its default limit)
@@ -282,16 +282,31 @@ def plan(ir: KernelIR, sizes: dict[str, int], accumulate: frozenset[str], tiles=
                                                  and "f16" in (a.dtype, b.dtype, out.dtype))
     if matrix and frag is None:
         raise ValueError(f"{ir.name}: tiles={tiles!r} need a device with f16 subgroup matrices (the matrix units)")
+    products = (sizes[bt] if bt else 1) * sizes[m_axis] * sizes[n_axis]
+    binding = target.binding_bytes if target is not None else PORTABLE.binding_bytes
+
+    def workspace_problem(t) -> str | None:
+        """A split-K workspace is one binding: at most the device's binding size (at most: the
+        matrix template leaves out the columns its tail covers whole)."""
+        cols = min(sizes[n_axis], t.tail * t.wn) if getattr(t, "tail", 0) else sizes[n_axis]
+        nbytes = t.split * products // sizes[n_axis] * cols * 4
+        return (f"its split-K workspace of {nbytes} bytes exceeds the device's {binding}-byte binding"
+                if t.split > 1 and nbytes > binding else None)
     if matrix:
         k_contiguous = sum(strides(x.shape, sizes)[k] == 1 for x in (a, b))
         def problem(t: MatrixTiles) -> str | None:
-            return t.problem(frag, target.subgroup_size, target.workgroup_bytes, sizes[n_axis])
+            return (t.problem(frag, target.subgroup_size, target.workgroup_bytes, sizes[n_axis])
+                    or workspace_problem(t))
         tiles = tiles or heuristics.matrix_tiles(sizes[m_axis], sizes[n_axis], sizes[k], k_contiguous,
                                                  lambda t: problem(t) is None)
         if problem(tiles):
             raise ValueError(f"{ir.name}: tiles {tiles} do not fit the matrix template: {problem(tiles)}")
     else:
-        tiles = tiles or heuristics.matmul_tiles(sizes[m_axis], sizes[n_axis], sizes[k])
+        if tiles is None:
+            tiles = heuristics.matmul_tiles(sizes[m_axis], sizes[n_axis], sizes[k])
+            tiles = replace(tiles, split=1) if workspace_problem(tiles) else tiles
+        if workspace_problem(tiles):
+            raise ValueError(f"{ir.name}: tiles {tiles} do not fit: {workspace_problem(tiles)}")
 
     def operand(x, row_axis: str, rows: int, kk: str, vectors: bool = True) -> Operand:
         st = strides(x.shape, sizes)

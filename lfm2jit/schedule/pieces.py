@@ -19,8 +19,11 @@ from dataclasses import replace
 
 from .spec import Binding, Target
 
-# templates whose every tensor access goes through a load/store accessor
-PIECEABLE = frozenset({"pointwise", "rowreduce", "embedding_grad"})
+# the templates that reach tensors through the load/store accessors, and the accesses they do so for
+# (the matrix GEMM loads its accumulator with subgroupMatrixLoad, which takes the array itself);
+# scratch buffers are always bound whole
+PIECEABLE = {"pointwise": {"read", "read_write"}, "rowreduce": {"read", "read_write"},
+             "embedding_grad": {"read", "read_write"}, "matmul": {"read", "read_write"}, "matmul_matrix": {"read"}}
 ITEMSIZE = {"f32": 4, "f16": 2, "i32": 4, "u32": 4}
 
 
@@ -39,9 +42,10 @@ def binding_bytes(elements: int, dtype: str) -> int:
 
 
 def assign(kernel: str, template: str, bindings: tuple[Binding, ...], elements: dict[str, int],
-           target: Target) -> tuple[Binding, ...]:
+           target: Target, scratch: frozenset[str] = frozenset()) -> tuple[Binding, ...]:
     """``bindings`` numbered again from 1, each tensor larger than one binding split into pieces.
-    ``elements`` gives each binding's element count at this specialization. Raises
+    ``elements`` gives each binding's element count at this specialization (``scratch``: the
+    template's own buffers). Raises
     BindingLimitError when a tensor too large is bound by a template that cannot take pieces, or
     when the kernel needs more storage bindings than the device has."""
     step = piece_bytes(target)
@@ -49,11 +53,11 @@ def assign(kernel: str, template: str, bindings: tuple[Binding, ...], elements: 
     for b in bindings:
         nbytes = binding_bytes(elements[b.tensor], b.dtype)
         pieces = max(1, math.ceil(nbytes / step))
-        if pieces > 1 and template not in PIECEABLE:
+        if pieces > 1 and (b.tensor in scratch or b.access not in PIECEABLE.get(template, ())):
             raise BindingLimitError(
                 f"{kernel}: {b.tensor} binds {nbytes} bytes ({b.dtype}[{elements[b.tensor]}]); the device binds at "
                 f"most {target.binding_bytes} (max-storage-buffer-binding-size) and the {template} template "
-                "binds a tensor whole: use a shorter length bucket or smaller operands")
+                "binds this tensor whole: use a shorter length bucket or smaller operands")
         out.append(replace(b, binding=slot, pieces=pieces, piece_bytes=step if pieces > 1 else 0))
         slot += pieces
     names = {b.tensor for b in out}

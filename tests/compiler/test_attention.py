@@ -13,7 +13,7 @@ from lfm2jit.ir.intrinsics import IntrinsicError, kernel_ir
 from lfm2jit.schedule.attention import WORKGROUP_BYTES, choose_tiles, workgroup_words
 from lfm2jit.ir.grad import AutodiffError
 from lfm2jit.ir.nodes import TensorArg
-from conftest import rel_err
+from numerics import rel_err
 
 # f32 throughout, sums of at most T*E = 4096 terms of O(1) values: the errors seen are about 5e-7
 # normwise; 1e-4 leaves room for other summation orders (other tiles, other GPUs).

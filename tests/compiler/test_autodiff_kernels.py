@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import rel_err
+from numerics import rel_err
 from lfm2jit import Tensor, compile_source, grad
 
 # f32 sums of at most a few hundred terms against float64: 1e-4 normwise leaves a wide margin.

@@ -12,7 +12,7 @@ from typing import Callable
 import numpy as np
 import pytest
 
-from conftest import rel_err
+from numerics import rel_err
 from ir_eval import evaluate
 from lfm2jit import compile_source
 from lfm2jit.ir.grad import RULES, AutodiffError, grad_ir

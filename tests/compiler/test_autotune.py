@@ -17,7 +17,7 @@ from lfm2jit.tune.heuristics import LONG_K, matmul_tiles
 from lfm2jit.tune.tiles import AttentionTiles, TileConfig
 from lfm2jit.tune.candidates import MATMUL as CANDIDATES
 from lfm2jit.tune.candidates import attention as attention_candidates
-from conftest import rel_err
+from numerics import rel_err
 from test_attention import H, attention_kernel, reference
 from test_attention import _inputs as attention_inputs
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import rel_err
+from numerics import rel_err
 from dsl_errors import assert_dsl_error
 from lfm2jit import compile_source, grad, library
 from lfm2jit.ir.nodes import format_ir

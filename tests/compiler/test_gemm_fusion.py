@@ -14,7 +14,7 @@ import re
 import numpy as np
 import pytest
 
-from conftest import rel_err
+from numerics import rel_err
 from lfm2jit import compile_source, grad
 from lfm2jit.ir.partition import partition
 from lfm2jit.tune.heuristics import narrow_matrix_tiles

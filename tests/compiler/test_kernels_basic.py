@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from lfm2jit import Tensor
-from conftest import rel_err
+from numerics import rel_err
 
 # f32 kernels over at most a few thousand terms: 1e-5 normwise leaves a 10x margin over the
 # worst errors seen (about 1e-6 for softmax's log-sum-exp at D=1000).

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from conftest import rel_err
+from numerics import rel_err
 from lfm2jit import compile_source, grad
 
 LAYERNORM = """

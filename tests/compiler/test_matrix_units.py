@@ -15,7 +15,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from conftest import rel_err
+from numerics import rel_err
 from lfm2jit import ComputeEngine, grad, library
 from lfm2jit.cli import MATRIX_UNITS
 from lfm2jit.codegen.render import render

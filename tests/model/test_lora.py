@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import rel_err
+from numerics import rel_err
 from lfm2jit.model import Lfm2Config, Lfm2Model
 from lfm2jit.model import AdapterError, LoraConfig
 from lfm2jit.model.config import PRESETS

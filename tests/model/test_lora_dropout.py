@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import rel_err
+from numerics import rel_err
 from lfm2jit import grad
 from lfm2jit.model import LoraConfig
 from lfm2jit.model.adapters import dropout_key

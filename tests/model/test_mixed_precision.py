@@ -19,7 +19,7 @@ from lfm2jit.model import Lfm2Model
 from lfm2jit.model.layers import AttentionSaved
 from lfm2jit.ops.precision import check_activation_dtype
 from trainer import SGD, AdamW, GradScaler, Trainer
-from conftest import rel_err
+from numerics import rel_err
 from test_model import BUCKET, GOLDEN, GOLDEN_CONFIGS, run_loss_and_grads, worst
 from micro_model import make_data, micro, snap
 

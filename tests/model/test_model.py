@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from conftest import rel_err
+from numerics import rel_err
 from lfm2jit.ops.lmhead import lm_head_cross_entropy
 from lfm2jit.model import CheckpointError, ConfigError, Lfm2Config, Lfm2Model
 from lfm2jit.model.checkpoint import parameter_shapes

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from lfm2jit import grad, library
 from lfm2jit.ops.embedding import slots
-from conftest import rel_err
+from numerics import rel_err
 
 TOL = 1e-4          # f32 kernels: measured errors are ~1e-7; 1e-4 is the bar
 SHAPES_T = [(1, 1), (37, 16), (64, 64)]    # (T, bucket): a single position, off-bucket, full bucket

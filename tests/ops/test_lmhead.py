@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from lfm2jit import ComputeEngine, Tensor
 from lfm2jit.ops.lmhead import kept_chunks, lm_head_cross_entropy
 from lfm2jit.schedule.layout import bucketed
-from conftest import rel_err
+from numerics import rel_err
 
 # f32 on the GPU; the logits are sums of D <= 48 products and dE sums over T <= 64 positions: the
 # errors seen are about 1e-6 normwise, and 1e-4 leaves room for other summation orders and GPUs.

@@ -11,7 +11,7 @@ import torch
 
 from lfm2jit import library
 from lfm2jit.ops.optim import adamw_step, global_grad_norm, scale_, sgd_step
-from conftest import rel_err
+from numerics import rel_err
 
 TOL = 1e-5
 SHAPES = [(1,), (3,), (1000,), (4099,), (33, 17)]

@@ -8,7 +8,7 @@ from lfm2jit import ComputeEngine, Tensor, compile_source
 from lfm2jit.runtime.context import AdapterError, choose_adapter, native_adapters
 from lfm2jit.runtime.recorder import MAX_GROUPS_PER_DIM, fold_workgroups
 from lfm2jit.runtime.pool import size_class
-from conftest import rel_err
+from numerics import rel_err
 
 
 class FakeAdapter:

@@ -13,7 +13,7 @@ import torch
 import transformers
 
 import trainer.checkpoint as ckpt_module
-from conftest import rel_err
+from numerics import rel_err
 from lfm2jit.model import Lfm2Model
 from micro_model import make_data, micro, snap
 from trainer import SGD, AdamW, CosineWithWarmup, GradScaler, TrainError, Trainer

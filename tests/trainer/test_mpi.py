@@ -19,7 +19,7 @@ import pytest
 
 HERE = Path(__file__).resolve().parents[1]   # tests/, where mpi_worker.py lives
 sys.path.insert(0, str(HERE))
-from conftest import rel_err  # noqa: E402
+from numerics import rel_err  # noqa: E402
 from sync_worker import make_trainer, rank_sequences  # noqa: E402
 
 MPIEXEC = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")

@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.numpy import load_file, save_file
 
-from conftest import rel_err
+from numerics import rel_err
 from lfm2jit.model import Lfm2Model
 from micro_model import make_data, micro, snap
 from trainer import SGD, AdamW, Batch, LinearWarmup, TrainError, Trainer

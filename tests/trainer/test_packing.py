@@ -14,7 +14,7 @@ import pytest
 from lfm2jit.ops.lmhead import lm_head_cross_entropy
 from lfm2jit.model import Lfm2Model
 from trainer import SGD, Trainer
-from conftest import rel_err
+from numerics import rel_err
 from micro_model import make_data, micro, snap
 
 BUCKET = 16

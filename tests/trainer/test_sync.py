@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from conftest import rel_err
+from numerics import rel_err
 import trainer.trainer as trainer_module
 from sync_worker import all_data, make_trainer, overflow_at_window, rank_sequences
 from trainer import FileGradSyncConfig, TrainError

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import trainer.trainer as trainer_module
-from conftest import rel_err
+from numerics import rel_err
 from sync_worker import overflow_at_window
 from lfm2jit.model import Lfm2Config, Lfm2Model
 from micro_model import make_data, micro, snap
