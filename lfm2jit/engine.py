@@ -83,7 +83,12 @@ class ComputeEngine(Recorder):
         be in ``out``) are added to instead of overwritten. ``f16`` names the tensors stored as f16
         (the kernel's dtype variant, computing in f32; ops/precision.py chooses them).
         """
-        kernel = kernel_named(kernel).with_f16(f16)
+        kernel = kernel_named(kernel)
+        halves = sorted(set(f16) | {n for n, v in args.items() if isinstance(v, Tensor) and v.dtype == "f16"})
+        if halves and not getattr(self.ctx, "has_f16", True):
+            raise ValueError(f"{kernel.ir.name}: {', '.join(halves)} stored as f16 need the shader-f16 feature that "
+                             f"adapter {self.ctx.name!r} lacks; pass f32 tensors (no f16=)")
+        kernel = kernel.with_f16(f16)
         kernel = kernel.without(n for n in kernel.ir.defaults if n not in args)
         ir = kernel.ir
         args, sizing = self._own_arguments(kernel, args)

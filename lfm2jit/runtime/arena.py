@@ -84,7 +84,8 @@ def _views(arena: Tensor, placed, shapes, dtype: str, out: list) -> None:
     carved = {}
     for i, at in placed:
         n = math.prod(shapes[i])
-        out[i] = Tensor(arena.ctx, arena.buffer, shapes[i], dtype, capacity=n, offset=at, base=arena)
+        out[i] = Tensor(arena.ctx, arena.buffer, shapes[i], dtype, capacity=n, offset=at, base=arena,
+                        parts=arena.parts)
         if n:
             carved[at] = n * ITEMSIZE[dtype]
     _SLOTS[arena] = carved
@@ -208,4 +209,4 @@ def _span(tensors: tuple[Tensor, ...]) -> Tensor:
         return first.view((first.size,))
     n = (last.offset + last.nbytes - first.offset) // ITEMSIZE[first.dtype]
     return Tensor(first.ctx, first.buffer, (n,), first.dtype, capacity=n, offset=first.offset,
-                  base=first._base or first)
+                  base=first._base or first, parts=first.parts)

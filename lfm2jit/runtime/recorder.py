@@ -152,6 +152,11 @@ class Recorder:
         """A pooled tensor (contents undefined); ``capacity`` elements reserved, at least its size;
         ``exact``: a buffer of just that size, not its pool size class (see BufferPool.acquire)."""
         n = max(math.prod(shape), capacity or 0)
+        largest = self.ctx.limits.get("max-buffer-size")
+        if largest is not None and buffer_bytes(n, dtype) > largest:
+            raise ValueError(f"a {dtype}{list(shape)} work tensor needs {buffer_bytes(n, dtype)} bytes; the device's "
+                             f"largest buffer is {largest} (max-buffer-size): use a shorter length bucket or a "
+                             "smaller model, or raise the limits (LFM2JIT_LIMITS=raised)")
         buf = self.pool.acquire(buffer_bytes(n, dtype), exact)
         return Tensor(self.ctx, buf, shape, dtype, capacity=buf.size // ITEMSIZE[dtype], on_free=self.pool.release)
 
@@ -233,11 +238,13 @@ class Recorder:
     def zero_(self, tensor: Tensor) -> Tensor:
         """Record clearing a tensor's elements to zero (in order with the recorded dispatches)."""
         nbytes = -(-tensor.size * ITEMSIZE[tensor.dtype] // 4) * 4
-        command = ("clear", tensor.buffer, tensor.offset, nbytes)
-        self._commands.append(command)
-        if self.capturing is not None:
-            self.capturing.add_transfer(command)
-        self._keepalive.append(tensor.buffer)
+        for at, size in tensor._spans(nbytes):         # a tensor in several buffers: a clear per part
+            piece = tensor.bytes_view(tensor.offset + at, size)
+            command = ("clear", piece.buffer, piece.offset, size)
+            self._commands.append(command)
+            if self.capturing is not None:
+                self.capturing.add_transfer(command)
+            self._keepalive.append(piece.buffer)
         return tensor
 
     def copy_rows(self, src: Tensor, dst: Tensor, n: int | None = None, src_start: int = 0,
@@ -254,6 +261,8 @@ class Recorder:
                          and dst_start + n <= dst.shape[0]):
             raise ValueError(f"copy_rows: {n} rows from row {src_start} of {src!r} to row {dst_start} of {dst!r} "
                              "are out of range")
+        src.whole_buffer("copy_rows")
+        dst.whole_buffer("copy_rows")
         item = ITEMSIZE[src.dtype]
         at_src, at_dst, nbytes = src.offset + src_start * row * item, dst.offset + dst_start * row * item, n * row * item
         if nbytes % 4 or at_src % 4 or at_dst % 4:
@@ -286,6 +295,7 @@ class Recorder:
         """Record a copy of all of ``tensor`` into (or from) a staging buffer at byte ``offset``:
         refused inside capture() unless ``replayed``, and unless it moves whole words within the buffer."""
         name, side = ("copy_into_buffer", "read") if into_buffer else ("copy_from_buffer", "written")
+        tensor.whole_buffer(name)
         if self.capturing is not None and not replayed:
             raise RuntimeError(f"{name} inside engine.capture(): its buffer is {side} on the host, which a "
                                "replayed program cannot repeat")

@@ -3,6 +3,12 @@
 The buffer may hold more elements than the shape needs (``capacity``): a sequence padded up to its
 length bucket keeps its real length in ``shape`` and its padded rows past the end of the buffer's
 used prefix, so ``numpy()`` reads exactly the real elements.
+
+A tensor larger than the device's largest buffer (``max-buffer-size``: 256 MiB by default; LFM2-1.2B's
+f32 embedding is 512 MiB) lives in several buffers, ``parts``, each one binding long (the pieces a
+kernel binds it in, schedule/pieces.py), one after another in the tensor's bytes. It is written,
+read, viewed and bound piece by piece; a view within one part (``rows``, ``bytes_view``) is an
+ordinary single-buffer tensor.
 """
 from __future__ import annotations
 
@@ -26,6 +32,14 @@ def infer_dtype(arr: np.ndarray) -> str:
     return dtype
 
 
+def part_bytes(limits) -> int:
+    """The bytes of each part of a tensor larger than one buffer: one binding, rounded down to the
+    binding offset alignment (the same size schedule/pieces.py cuts bindings at)."""
+    align = max(4, int(limits.get("min-storage-buffer-offset-alignment", 256)))
+    most = min(limits.get("max-storage-buffer-binding-size", 128 << 20), limits.get("max-buffer-size", 256 << 20))
+    return int(most) // align * align
+
+
 def buffer_bytes(elements: int, dtype: str) -> int:
     """Bytes for a buffer of that many elements: at least 16, a multiple of 16 (copy alignment)."""
     return max(16, -(-elements * ITEMSIZE[dtype] // 16) * 16)
@@ -33,7 +47,7 @@ def buffer_bytes(elements: int, dtype: str) -> int:
 
 class Tensor:
     def __init__(self, ctx, buffer, shape, dtype: str, capacity: int | None = None, on_free=None,
-                 offset: int = 0, base: "Tensor | None" = None):
+                 offset: int = 0, base: "Tensor | None" = None, parts: tuple | None = None):
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
         self.ctx = ctx
@@ -43,6 +57,7 @@ class Tensor:
         self.capacity = capacity if capacity is not None else self.size
         self.offset = offset          # bytes into the buffer where element 0 lives
         self._base = base             # a view keeps the tensor that owns its buffer alive
+        self.parts = parts            # a tensor larger than one buffer: its buffers, in order (buffer: the first)
         self.grad: Tensor | None = None
         if on_free is not None:
             # A finalizer (not __del__) holds the buffer strongly, so a tensor collected as part of
@@ -71,13 +86,32 @@ class Tensor:
         if math.prod(shape) != self.size:
             raise ValueError(f"cannot view {self!r} ({self.size} elements) as {list(shape)}")
         return Tensor(self.ctx, self.buffer, shape, self.dtype, capacity=self.capacity, offset=self.offset,
-                      base=self._base or self)
+                      base=self._base or self, parts=self.parts)
 
     def bytes_view(self, offset: int, nbytes: int) -> "Tensor":
         """A flat view of ``nbytes`` bytes of this tensor's buffer from byte ``offset`` (how a tensor
         larger than one binding is bound, piece by piece)."""
         n = nbytes // ITEMSIZE[self.dtype]
-        return Tensor(self.ctx, self.buffer, (n,), self.dtype, capacity=n, offset=offset, base=self._base or self)
+        buffer, offset = self._locate(offset, nbytes)
+        return Tensor(self.ctx, buffer, (n,), self.dtype, capacity=n, offset=offset, base=self._base or self)
+
+    def _locate(self, offset: int, nbytes: int) -> tuple:
+        """(buffer, offset in it) of ``nbytes`` bytes from byte ``offset`` of the tensor's bytes,
+        which must lie in one part."""
+        if self.parts is None:
+            return self.buffer, offset
+        step = part_bytes(self.ctx.limits)
+        i = offset // step
+        if i >= len(self.parts) or offset + nbytes > (i + 1) * step:
+            raise ValueError(f"bytes {offset}:{offset + nbytes} of {self!r} cross one of its {step}-byte buffers "
+                             f"(it is larger than the device's largest buffer): take a range within one")
+        return self.parts[i], offset - i * step
+
+    def whole_buffer(self, what: str) -> None:
+        """Refuse ``what`` (an operation on one buffer range) on a tensor held in several buffers."""
+        if self.parts is not None:
+            raise ValueError(f"{what}: {self!r} is held in {len(self.parts)} buffers (larger than the device's "
+                             "largest buffer); this operation takes a tensor in one")
 
     def rows(self, start: int, stop: int) -> "Tensor":
         """Rows start:stop of the leading axis, as a view (the offset must meet the adapter's alignment)."""
@@ -90,7 +124,8 @@ class Tensor:
             raise ValueError(f"rows {start}:{stop} of {self!r} start at byte {offset}, "
                              f"not a multiple of the adapter's {align}-byte binding alignment")
         n = (stop - start) * row
-        return Tensor(self.ctx, self.buffer, (stop - start,) + self.shape[1:], self.dtype, capacity=n,
+        buffer, offset = self._locate(offset, n * ITEMSIZE[self.dtype])
+        return Tensor(self.ctx, buffer, (stop - start,) + self.shape[1:], self.dtype, capacity=n,
                       offset=offset, base=self._base or self)
 
     @classmethod
@@ -103,9 +138,13 @@ class Tensor:
 
     @classmethod
     def empty(cls, ctx, shape, dtype: str = "f32") -> "Tensor":
-        n = math.prod(shape)
-        buf = ctx.device.create_buffer(size=buffer_bytes(n, dtype), usage=USAGE)
-        return cls(ctx, buf, shape, dtype)
+        nbytes = buffer_bytes(math.prod(shape), dtype)
+        largest = ctx.limits.get("max-buffer-size")
+        if largest is None or nbytes <= largest:
+            return cls(ctx, ctx.device.create_buffer(size=nbytes, usage=USAGE), shape, dtype)
+        step = part_bytes(ctx.limits)
+        parts = tuple(ctx.device.create_buffer(size=min(step, nbytes - at), usage=USAGE) for at in range(0, nbytes, step))
+        return cls(ctx, parts[0], shape, dtype, parts=parts)
 
     def write(self, array) -> None:
         """Overwrite the contents from a numpy array of the same number of elements."""
@@ -116,8 +155,9 @@ class Tensor:
         data = arr.tobytes()
         if len(data) % 4:
             data += b"\0" * (4 - len(data) % 4)
-        if data:
-            self.ctx.queue.write_buffer(self.buffer, self.offset, data)
+        for at, size in self._spans(len(data)):
+            buffer, offset = self._locate(self.offset + at, size)
+            self.ctx.queue.write_buffer(buffer, offset, data[at:at + size])
 
     def numpy(self) -> np.ndarray:
         """A copy of the contents (the real elements only), after all recorded work has run."""
@@ -125,5 +165,18 @@ class Tensor:
         nbytes = self.nbytes
         if nbytes == 0:
             return np.zeros(self.shape, DTYPES[self.dtype])
-        raw = self.ctx.queue.read_buffer(self.buffer, self.offset, -(-nbytes // 4) * 4)
+        raw = b"".join(self.ctx.queue.read_buffer(*self._locate(self.offset + at, size), size)
+                       for at, size in self._spans(-(-nbytes // 4) * 4))
         return np.frombuffer(raw, dtype=DTYPES[self.dtype], count=self.size).reshape(self.shape).copy()
+
+    def _spans(self, nbytes: int) -> list[tuple[int, int]]:
+        """(byte offset, bytes) of ``nbytes`` from the tensor's start, cut where its parts end."""
+        if self.parts is None:
+            return [(0, nbytes)] if nbytes else []
+        step = part_bytes(self.ctx.limits)
+        out, at = [], 0
+        while at < nbytes:
+            size = min(nbytes - at, step - (self.offset + at) % step)
+            out.append((at, size))
+            at += size
+        return out

@@ -5,8 +5,17 @@ from __future__ import annotations
 
 import pytest
 
+from lfm2jit import ComputeEngine
+
 
 @pytest.fixture(scope="session")
 def ctx(default_limits_ctx):
     assert default_limits_ctx.limits["max-storage-buffers-per-shader-stage"] == 8
     return default_limits_ctx
+
+
+@pytest.fixture(scope="session")
+def engine(ctx):
+    """Its own engine: a session fixture of the root conftest would be shared with the other
+    directories, whichever device it was made for first."""
+    return ComputeEngine(ctx)

@@ -154,3 +154,33 @@ def test_the_matrix_dkdv_needs_a_ninth_binding_and_falls_back_to_simt_under_defa
     assert spec.template == "attention_bwd" and sum(b.pieces for b in spec.bindings) <= 8
     with pytest.raises(IntrinsicError, match="need 9 storage bindings"):
         dkdv.specialize(dims, 64, frozenset(), MatrixAttentionTiles(32, 16), default)
+
+
+def test_a_tensor_larger_than_the_largest_buffer_lives_in_parts(ctx, engine, monkeypatch, rng):
+    """With the largest buffer lowered to 8 KiB, a 12 KiB table is three buffers of one binding
+    each: written, read, sliced by rows, cleared and bound (gathered from, scattered into) part by part."""
+    from lfm2jit import Tensor
+    V, D = 150, 20                                              # 12000 bytes
+    table = rng.standard_normal((V, D)).astype(np.float32)
+    ids = rng.integers(0, V, 30).astype(np.int32)
+    g = rng.standard_normal((30, D)).astype(np.float32)
+    whole = _embedding(engine, table, ids, g)
+    small = lowered(ctx, monkeypatch)
+    monkeypatch.setitem(ctx.limits, "max-buffer-size", 8192)
+    t = Tensor.from_numpy(ctx, table)
+    assert t.parts is not None and [p.size for p in t.parts] == [LIMIT, LIMIT, 12000 - 2 * LIMIT]
+    np.testing.assert_array_equal(t.numpy(), table)
+    np.testing.assert_array_equal(t.rows(112, 150).numpy(), table[112:150])     # within the last part
+    with pytest.raises(ValueError, match="cross one of its 4096-byte buffers"):
+        t.rows(48, 60)
+    y = small.run("embedding", table=t, ids=small.tensor(ids))["y"].numpy()
+    np.testing.assert_array_equal(y, whole[0])
+    d_table = Tensor.from_numpy(ctx, np.ones((V, D), np.float32))
+    order, bounds, rows = slots(ids)
+    small.run("embedding_backward", dims={"V": V}, g=small.tensor(g), order=small.tensor(order),
+              bounds=small.tensor(bounds), rows=small.tensor(rows), out={"d_table": d_table}, accumulate={"d_table"})
+    np.testing.assert_array_equal(d_table.numpy(), whole[1])
+    small.zero_(d_table)
+    assert not d_table.numpy().any()
+    with pytest.raises(ValueError, match="largest buffer is 8192"):
+        small.empty((V, D))

@@ -71,15 +71,14 @@ def test_an_f16_lora_base_is_refused_and_the_model_is_left_as_it_was(no_f16, tmp
     assert len(model.lora_parameters()) > 0
 
 
-def test_engine_run_with_f16_tensors_is_refused_before_its_shader_is_made(no_f16):
-    """engine.run(f16=...) makes a kernel that stores f16 values (WGSL `enable f16;`): refused in
-    one line instead of the shader compiler's multi-line validation error, before a shader is made
-    or anything recorded (the refusal is in the recorder, after the call's output came from the
-    pool: that buffer is all it leaves); f32 runs as usual."""
+def test_engine_run_with_f16_tensors_is_refused_before_any_gpu_work(no_f16):
+    """engine.run(f16=...) or f16 tensors make a kernel that stores f16 values (WGSL `enable f16;`):
+    refused in one line naming them, before a buffer, shader or dispatch is made (the recorder
+    refuses such a shader too, for kernels built some other way); f32 runs as usual."""
     ctx, engine, calls = no_f16
     x = np.arange(12, dtype=np.float32).reshape(3, 4)
     x16 = engine.tensor(x, "f16")            # storing f16 bytes needs no feature; computing on them does
-    msg = refused(calls, engine.run, "scale", x=x16, alpha=2.0, f16={"x", "y"}, allowed=("create_buffer",))
-    assert msg == (f"kernel 'scale_f16' stores or computes f16 values, which needs the shader-f16 feature that "
-                   f"adapter {ctx.name!r} lacks; run it on f32 tensors (no f16=)")
+    msg = refused(calls, engine.run, "scale", x=x16, alpha=2.0, f16={"x", "y"})
+    assert msg == (f"scale: x, y stored as f16 need the shader-f16 feature that adapter {ctx.name!r} lacks; "
+                   "pass f32 tensors (no f16=)")
     np.testing.assert_array_equal(engine.run("scale", x=engine.tensor(x), alpha=2.0)["y"].numpy(), 2 * x)
