@@ -17,6 +17,7 @@ from .dsl.errors import DslError
 from .ir.nodes import SEQ_AXIS
 from .ops import library
 from .schedule import PORTABLE, MatrixConfig, Target
+from .settings import SettingsError
 
 # A device like Dawn on an H200 lists: f16 x f16 -> f32 subgroup matrices of 16x16x16, subgroups of 32,
 # with 48 KiB of workgroup memory; lfm2jit raises its storage-buffer count and binding size past
@@ -242,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         args.run(args)
-    except UsageError as e:
+    except (UsageError, SettingsError) as e:
         print(f"python -m lfm2jit {args.command}: error: {e}", file=sys.stderr)
         return 2
     except BrokenPipeError:     # `dump ... | head`: the reader has all it wanted

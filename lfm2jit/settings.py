@@ -47,6 +47,10 @@ MATRIX_UNIT_MODES = ("auto", "off", "emulate")
 LIMIT_MODES = ("raised", "default")
 
 
+class SettingsError(ValueError):
+    """An LFM2JIT_ variable with a value it does not take (the message names both and the choices)."""
+
+
 @dataclass(frozen=True)
 class Settings:
     adapter: str | None
@@ -88,7 +92,7 @@ def _choice(name: str, choices: tuple[str, ...]) -> str:
     """The variable's value among ``choices`` (the first when unset)."""
     value = os.environ.get(name, "").strip().lower() or choices[0]
     if value not in choices:
-        raise ValueError(f"{name}={value!r}: expected one of {', '.join(choices)}")
+        raise SettingsError(f"{name}={value!r}: expected one of {', '.join(choices)}")
     return value
 
 
@@ -97,7 +101,7 @@ def _index(name: str, default: int = 0, least: int = 0) -> int:
     if not value:
         return default
     if not value.isdigit() or int(value) < least:
-        raise ValueError(f"{name}={value!r}: expected a whole number >= {least}")
+        raise SettingsError(f"{name}={value!r}: expected a whole number >= {least}")
     return int(value)
 
 
@@ -106,5 +110,5 @@ def _on_off(name: str, default: bool) -> bool:
     if not value:
         return default
     if value not in ("on", "off", "1", "0"):
-        raise ValueError(f"{name}={value!r}: expected on or off")
+        raise SettingsError(f"{name}={value!r}: expected on or off")
     return value in ("on", "1")

@@ -68,3 +68,20 @@ def test_weights_get_the_mode_of_the_other_files(tmp_path, ctx, umask):
     for f in [tmp_path / "m" / "model.safetensors", tmp_path / "m" / "config.json",
               tmp_path / "a" / "adapter_model.safetensors", tmp_path / "a" / "adapter_config.json"]:
         assert stat.S_IMODE(f.stat().st_mode) == want, (f.name, oct(f.stat().st_mode))
+
+
+@pytest.mark.parametrize("command", [[], ["generate", "--prompt", "hi"], ["eval"]])
+@pytest.mark.parametrize("variable,value", [("LFM2JIT_LIMITS", "lowest"), ("LFM2JIT_MATRIX_UNITS", "yes"),
+                                            ("LFM2JIT_ADAPTER_INDEX", "-1")])
+def test_a_bad_environment_variable_is_one_line_before_anything_runs(tmp_path, capsys, monkeypatch, command,
+                                                                      variable, value):
+    from lfm2jit.cli import main as lfm2jit_main
+    monkeypatch.setenv(variable, value)
+    out = tmp_path / "run"
+    assert main([*command, "--out", str(out)] if not command else command) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("python -m trainer: error: ") and "\n" not in err and f"{variable}={value!r}" in err
+    assert not out.exists()
+    assert lfm2jit_main(["info"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("python -m lfm2jit info: error: ") and "\n" not in err and f"{variable}={value!r}" in err

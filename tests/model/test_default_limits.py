@@ -54,51 +54,53 @@ def hf_loss_and_grads(hf, ids, targets, names) -> tuple[np.ndarray, float, dict[
     return logits.detach().numpy(), float(loss), grads
 
 
-def bound_in_pieces(model: Lfm2Model) -> bool:
-    """Whether the model's embedding is larger than one binding of its engine's device."""
-    return model.named_parameters()["model.embed_tokens.weight"].nbytes > piece_bytes(model.engine.target)
+def embedding(model: Lfm2Model):
+    return model.named_parameters()["model.embed_tokens.weight"]
 
 
-@pytest.mark.parametrize("activations", ["f32", "f16"])
-def test_350m_logits_and_a_full_training_step_under_default_limits(default_limits_ctx, raised_ctx, activations):
+def check_first_adamw_step(before, after, grads, lr: float) -> None:
+    """AdamW's first step moves each weight by lr * sign(its gradient), wherever the gradient is
+    well above eps: the step taken must follow transformers' gradients."""
+    for name, g in grads.items():
+        step = before[name] - after[name]
+        clear = np.abs(g) > 1e-3 * np.abs(g).max()
+        agree = np.mean(np.sign(step[clear]) == np.sign(g[clear]))
+        assert agree > 0.999, f"{name}: the step follows transformers' gradient sign on {agree:.4%} of weights"
+        np.testing.assert_allclose(np.abs(step[clear]), lr, rtol=2e-2, err_msg=name)
+
+
+def test_350m_logits_and_full_training_steps_under_default_limits(default_limits_ctx):
+    """LFM2-350M (its f32 embedding is two bindings) gives transformers' logits, and one full
+    training step, f32 and with f16 activations (--f16), moves every checked weight as
+    transformers' gradients say."""
     hf = hf_model("350M", seed=3)
     ids, targets = inputs(hf.config.vocab_size, seed=4)
-    names = ["model.embed_tokens.weight", "model.layers.0.conv.in_proj.weight", "model.layers.2.self_attn.q_proj.weight"]
+    names = ["model.embed_tokens.weight", "model.layers.0.conv.in_proj.weight",
+             "model.layers.2.self_attn.q_proj.weight", "model.layers.15.feed_forward.w2.weight"]
     want_logits, want_loss, want_grads = hf_loss_and_grads(hf, ids, targets, names)
     tensors = weights(hf)
     del hf
-    results = {}
-    for mode, ctx in (("default", default_limits_ctx), ("raised", raised_ctx)):
+    ctx, lr = default_limits_ctx, 1e-3
+    for activations, tol in (("f32", 1e-4), ("f16", 2e-2)):
         engine = ComputeEngine(ctx)
         model = Lfm2Model(Lfm2Config.preset("350M"), ctx, engine, tensors=tensors, activation_dtype=activations)
-        assert bound_in_pieces(model) == (mode == "default")
-        logits = model.logits(ids, bucket=16)
-        params = model.parameters()
+        assert embedding(model).nbytes > piece_bytes(engine.target)          # bound in pieces
+        if activations == "f32":
+            assert rel_err(model.logits(ids, bucket=16), want_logits) < tol
         before = {n: model.named_parameters()[n].numpy() for n in names}
-        trainer = Trainer(model, AdamW(lr=1e-3, weight_decay=0.0), ctx, engine).with_length_bucket(16)
-        stats = trainer.train_step(ids, targets, params)
-        after = {n: model.named_parameters()[n].numpy() for n in names}
-        results[mode] = logits, stats, before, after
-        del model, trainer, params, engine
+        trainer = Trainer(model, AdamW(lr=lr, weight_decay=0.0), ctx, engine).with_length_bucket(16)
+        stats = trainer.train_step(ids, targets, model.parameters())
+        assert stats.stepped and abs(stats.loss - want_loss) < tol * want_loss, (activations, stats.loss, want_loss)
+        check_first_adamw_step(before, {n: model.named_parameters()[n].numpy() for n in names}, want_grads, lr)
+        del model, trainer, engine
         gc.collect()
-    (logits, stats, before, after), (r_logits, r_stats, _, r_after) = results["default"], results["raised"]
-    tol = 1e-4 if activations == "f32" else 2e-2
-    assert rel_err(logits, r_logits) < 1e-5, "default and raised limits differ by more than f32 rounding"
-    assert rel_err(logits, want_logits) < tol
-    assert stats.stepped and abs(stats.loss - want_loss) < tol * want_loss
-    assert abs(stats.grad_norm - r_stats.grad_norm) < 1e-5 * r_stats.grad_norm
-    for n in names:
-        step = before[n] - after[n]
-        np.testing.assert_allclose(after[n], r_after[n], rtol=0, atol=2e-6)
-        # AdamW's first step moves each weight by lr * sign(gradient) (where the gradient is well above eps)
-        g = want_grads[n]
-        clear = np.abs(g) > 1e-3 * np.abs(g).max()
-        agree = np.mean(np.sign(step[clear]) == np.sign(g[clear]))
-        assert agree > 0.999, f"{n}: the step follows transformers' gradient sign on {agree:.4%} of weights"
-        np.testing.assert_allclose(np.abs(step[clear]), 1e-3, rtol=2e-2)
 
 
 def test_1_2b_logits_and_a_lora_step_on_an_f16_base_under_default_limits(default_limits_ctx, raised_ctx):
+    """LFM2-1.2B on an f16 base: its f32 embedding (512 MiB) is larger than WebGPU's default
+    largest buffer, so it lives in parts; the logits equal the raised-limits run's (one buffer,
+    which lavapipe allows) and transformers' on the same f16-rounded weights, and a LoRA step
+    trains from transformers' loss."""
     hf = hf_model("1.2B", seed=5)
     for p in hf.parameters():                    # the f16 base as the reference sees it: f16-rounded weights
         p.data = p.data.half().float()
@@ -110,23 +112,23 @@ def test_1_2b_logits_and_a_lora_step_on_an_f16_base_under_default_limits(default
     tensors = weights(hf, np.float16)
     del hf, logits
     gc.collect()
-    results = {}
-    for mode, ctx in (("default", default_limits_ctx), ("raised", raised_ctx)):
+    got = {}
+    for mode, ctx in (("raised", raised_ctx), ("default", default_limits_ctx)):
         engine = ComputeEngine(ctx)
         model = Lfm2Model(Lfm2Config.preset("1.2B"), ctx, engine, tensors=tensors)
         lora = model.add_lora(LoraConfig(r=4, alpha=8, target_modules=("q_proj", "v_proj", "w2")), seed=7,
                               base_dtype="f16")
-        assert bound_in_pieces(model) == (mode == "default")
-        got = model.logits(ids, bucket=16)
-        trainer = Trainer(model, AdamW(lr=1e-3), ctx, engine).with_length_bucket(16)
-        stats = trainer.train_step(ids, targets, lora)
-        results[mode] = got, stats, {n: t.numpy() for n, t in zip(range(len(lora)), lora)}
-        del model, trainer, lora, engine
+        assert (embedding(model).parts is not None) == (mode == "default")
+        got[mode] = model.logits(ids, bucket=16)
+        if mode == "default":
+            before = [t.numpy() for t in lora]
+            trainer = Trainer(model, AdamW(lr=1e-3), ctx, engine).with_length_bucket(16)
+            stats = trainer.train_step(ids, targets, lora)
+            assert stats.stepped and abs(stats.loss - want_loss) < 1e-3 * want_loss
+            moved = [np.abs(t.numpy() - b).max() for t, b in zip(lora, before)]
+            assert all(np.isfinite(moved)) and max(moved) > 0      # B leaves zero: the adapters train
+            del trainer
+        del model, lora, engine
         gc.collect()
-    (got, stats, after), (r_got, r_stats, r_after) = results["default"], results["raised"]
-    assert rel_err(got, r_got) < 1e-5
-    assert rel_err(got, want_logits) < 1e-3
-    assert stats.stepped and abs(stats.loss - want_loss) < 1e-3 * want_loss
-    assert abs(stats.grad_norm - r_stats.grad_norm) < 1e-4 * r_stats.grad_norm
-    for i in after:
-        np.testing.assert_allclose(after[i], r_after[i], rtol=0, atol=1e-6)
+    assert rel_err(got["default"], got["raised"]) < 1e-6
+    assert rel_err(got["default"], want_logits) < 1e-3

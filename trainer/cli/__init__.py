@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib
 import sys
 
+from lfm2jit.settings import SettingsError, settings
+
 # command word -> its module in this package; anything else is the train command's flags
 COMMANDS = {"generate": "generate", "eval": "eval"}
 
@@ -12,6 +14,11 @@ COMMANDS = {"generate": "generate", "eval": "eval"}
 def main(argv: list[str] | None = None) -> int:
     """Run the command ``argv`` names (``sys.argv[1:]`` by default); its exit status."""
     argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        settings()              # the LFM2JIT_ environment, checked before any flag, file or device
+    except SettingsError as e:
+        print(f"python -m trainer: error: {e}", file=sys.stderr)
+        return 2
     if argv[:1] and argv[0] in COMMANDS:
         return importlib.import_module(f".{COMMANDS[argv[0]]}", __name__).main(argv[1:])
     return importlib.import_module(".train", __name__).main(argv)
