@@ -65,8 +65,8 @@ from lfm2jit.tune.timing import warm_up
 # Datasheet ceilings per adapter-name substring: (fp32 FLOP/s without tensor cores, bytes/s)
 CEILINGS = {"H200": (67e12, 4.8e12), "H100": (67e12, 3.35e12)}
 GROUPS = ("ref", "matmul", "matrix", "tiles", "mtiles", "attention", "atiles", "conv", "rmsnorm", "pointwise", "xent", "adamw",
-          "lora", "train")
-QUICK_GROUPS = ("matmul", "attention", "conv", "rmsnorm", "pointwise", "xent", "adamw", "train")
+          "lora", "limits", "train")
+QUICK_GROUPS = ("matmul", "attention", "conv", "rmsnorm", "pointwise", "xent", "adamw", "limits", "train")
 GiB = float(1 << 30)
 
 
@@ -524,6 +524,49 @@ class Bench:
                               4.0 * (2 * v * d + 2 * t * d), wall_seconds=wall,
                               extra={"executed_flops": 8.0 * t * v * d, "per_kernel_s": by}))
             self.guarded("xent", "lm_head_xent", shape, one)
+
+    # ---- what WebGPU's default limits cost: pieces and parts (schedule/pieces.py) ----
+    def limits(self):
+        """The kernels that touch LFM2-1.2B's embedding (65536 x 2048 f32: four 128 MiB bindings,
+        held in two buffers or four), on this device's raised limits and on WebGPU's defaults
+        (LFM2JIT_LIMITS=default, a second device in this run), side by side."""
+        import os
+
+        from lfm2jit.ops.embedding import slots
+        v, d, t = (8192, 256, 64) if self.quick else (65536, 2048, 512)
+        saved = os.environ.get("LFM2JIT_LIMITS")
+        os.environ["LFM2JIT_LIMITS"] = "default"
+        try:
+            default = ComputeEngine(WgpuContext.create(), timing=True)
+        finally:
+            os.environ.pop("LFM2JIT_LIMITS") if saved is None else os.environ.__setitem__("LFM2JIT_LIMITS", saved)
+        table = _rand(self.rng, (v, d), 0.02)
+        ids = self.rng.integers(0, v, t).astype(np.int32)
+        g, h = _rand(self.rng, (t, d)), _rand(self.rng, (t, d))
+        order, bounds, rows = slots(ids)
+        linear = library.get("linear").without({"r"})
+
+        def kernels(e):
+            E, grads = e.tensor(table), e.empty((v, d))
+            args = dict(g=e.tensor(g), order=e.tensor(order), bounds=e.tensor(bounds), rows=e.tensor(rows))
+            x, ids_t = e.tensor(h), e.tensor(ids)
+            return {"embedding": (lambda: e.run("embedding", table=E, ids=ids_t), 0.0, 8.0 * t * d),
+                    "embedding_backward": (lambda: e.run("embedding_backward", dims={"V": v}, out={"d_table": grads},
+                                                         accumulate={"d_table"}, **args), 0.0, 12.0 * t * d),
+                    "lm_head_logits": (lambda: e.run(linear, x=x, w=E), 2.0 * t * v * d, 4.0 * v * d)}
+        shape = f"T{t} V{v} D{d}"
+        for name in ("embedding", "embedding_backward", "lm_head_logits"):
+            def one(name=name):
+                seconds = {}
+                for mode, e in (("raised", self.engine), ("default", default)):
+                    run, flops, nbytes = kernels(e)[name]
+                    seconds[mode], timer, wall, _ = time_engine(e, run, self.reps)
+                self.add(Line("limits", name, shape, seconds["default"], timer, flops, nbytes, wall_seconds=wall,
+                              bound="compute" if flops else "memory",
+                              extra={"raised_s": seconds["raised"], "default_vs_raised": seconds["default"] / seconds["raised"]}))
+                self.log(f"#   {name}: default limits {seconds['default'] * 1e3:.3f} ms, raised {seconds['raised'] * 1e3:.3f} ms "
+                         f"({seconds['default'] / seconds['raised']:.2f}x)")
+            self.guarded("limits", name, shape, one)
 
     # ---- AdamW over LFM2-350M's parameter tensors ----
     def adamw(self):
