@@ -135,6 +135,9 @@ class Lfm2Config:
             raise ConfigError(f"a config must be a JSON object of settings, got {_shown(d)}")
         d = dict(d)
         model_type = d.get("model_type", "lfm2")
+        if model_type == "lfm2_moe":
+            raise ConfigError("model_type is 'lfm2_moe', a mixture-of-experts model: read it with Lfm2MoeConfig "
+                              "(from lfm2jit.model import Lfm2MoeConfig); Lfm2Config reads dense 'lfm2' models")
         if model_type != "lfm2":
             raise ConfigError(f"model_type is {model_type!r}, expected 'lfm2'")
         out: dict = {}
