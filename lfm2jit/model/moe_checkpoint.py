@@ -1,0 +1,226 @@
+"""LFM2-MoE checkpoints (``lfm2_moe``): the tensor table, the two expert layouts, safetensors in and out.
+
+transformers keeps each sparse layer's experts fused in memory::
+
+    model.layers.{i}.feed_forward.experts.gate_up_proj   [E, 2I, D]   w1 (rows :I) then w3 (rows I:)
+    model.layers.{i}.feed_forward.experts.down_proj      [E, D, I]    w2
+
+and saves them per expert (its conversion mapping for ``lfm2_moe`` merges them on load)::
+
+    model.layers.{i}.feed_forward.experts.{e}.w1.weight  [I, D]
+    model.layers.{i}.feed_forward.experts.{e}.w3.weight  [I, D]
+    model.layers.{i}.feed_forward.experts.{e}.w2.weight  [D, I]
+
+beside the router ``feed_forward.gate.weight`` [E, D] and the f32 buffer ``feed_forward.expert_bias`` [E]
+(when ``use_expert_bias``). The first ``num_dense_layers`` layers have the dense MLP
+(``feed_forward.w1/w3/w2.weight``, width ``intermediate_size``). lfm2jit's form is the per-expert one:
+it reads both forms (a model directory, a state dict) and writes the per-expert form.
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+
+from ..safefiles import replace_with
+from .checkpoint import SAVE_DTYPES, CheckpointError, Tensors, _narrow, load_checkpoint, parameter_shapes
+from .moe_config import Lfm2MoeConfig
+from .shards import write_weights
+
+EXPERT_BIAS = "feed_forward.expert_bias"
+_PER_EXPERT = re.compile(r"model\.layers\.(\d+)\.feed_forward\.experts\.(\d+)\.(w[123])\.weight")
+_FUSED = re.compile(r"model\.layers\.(\d+)\.feed_forward\.experts\.(gate_up_proj|down_proj)")
+
+
+def moe_tensor_shapes(cfg: Lfm2MoeConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor of an lfm2_moe checkpoint in the per-expert form, by its transformers name, in the
+    model's order: parameters, and the ``expert_bias`` buffers (see ``is_buffer``)."""
+    dense = parameter_shapes(cfg)          # the backbone, with the dense MLP in every layer
+    d, i_moe, n_exp = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
+    moe = set(cfg.moe_layers)
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name, shape in dense.items():
+        m = re.fullmatch(r"model\.layers\.(\d+)\.feed_forward\.(w[123])\.weight", name)
+        if m is None or int(m.group(1)) not in moe:
+            shapes[name] = shape
+            continue
+        if m.group(2) != "w1":        # the whole sparse block is written where the dense w1 was
+            continue
+        p = f"model.layers.{m.group(1)}.feed_forward."
+        shapes[p + "gate.weight"] = (n_exp, d)
+        for e in range(n_exp):
+            shapes[p + f"experts.{e}.w1.weight"] = (i_moe, d)
+            shapes[p + f"experts.{e}.w3.weight"] = (i_moe, d)
+            shapes[p + f"experts.{e}.w2.weight"] = (d, i_moe)
+        if cfg.use_expert_bias:
+            shapes[p + "expert_bias"] = (n_exp,)
+    return shapes
+
+
+def moe_parameter_shapes(cfg: Lfm2MoeConfig) -> dict[str, tuple[int, ...]]:
+    """The trainable parameters only (``moe_tensor_shapes`` less the ``expert_bias`` buffers)."""
+    return {n: s for n, s in moe_tensor_shapes(cfg).items() if not is_buffer(n)}
+
+
+def is_buffer(name: str) -> bool:
+    """A tensor the checkpoint holds that is not trained: the router's ``expert_bias``."""
+    return name.endswith("." + EXPERT_BIAS)
+
+
+def _where(tensors) -> str:
+    src = getattr(tensors, "source", None)
+    return f"{src}: " if src is not None else ""
+
+
+def unfuse_experts(cfg: Lfm2MoeConfig, tensors: dict) -> dict[str, np.ndarray]:
+    """``tensors`` with every fused ``experts.gate_up_proj`` / ``experts.down_proj`` split into the
+    per-expert w1/w3/w2 tensors (numpy arrays, or anything ``np.asarray`` takes, e.g. CPU torch
+    tensors); other tensors pass through. A fused tensor whose expert count or sizes disagree with the
+    config, or a layer holding both forms, is a CheckpointError."""
+    out = Tensors()
+    out.source = getattr(tensors, "source", None)
+    fused_layers: set[int] = set()
+    n_exp, d, i_moe = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    for name, value in tensors.items():
+        m = _FUSED.fullmatch(name)
+        if m is None:
+            out[name] = value
+            continue
+        layer, kind = int(m.group(1)), m.group(2)
+        a = np.asarray(value.detach().cpu() if hasattr(value, "detach") else value)
+        want = (n_exp, 2 * i_moe, d) if kind == "gate_up_proj" else (n_exp, d, i_moe)
+        if a.shape != want:
+            what = (f"{a.shape[0]} experts but num_experts is {n_exp}" if a.ndim == 3 and a.shape[0] != n_exp
+                    else f"shape {list(a.shape)}, expected {list(want)} ([num_experts, "
+                         + ("2*moe_intermediate_size, hidden_size])" if kind == "gate_up_proj"
+                            else "hidden_size, moe_intermediate_size])"))
+            raise CheckpointError(f"{_where(tensors)}{name} has {what}")
+        fused_layers.add(layer)
+        p = f"model.layers.{layer}.feed_forward.experts."
+        for e in range(n_exp):
+            if kind == "gate_up_proj":
+                out[p + f"{e}.w1.weight"] = a[e, :i_moe]
+                out[p + f"{e}.w3.weight"] = a[e, i_moe:]
+            else:
+                out[p + f"{e}.w2.weight"] = a[e]
+    both = sorted({int(m.group(1)) for n in tensors if (m := _PER_EXPERT.fullmatch(n))} & fused_layers)
+    if both:
+        raise CheckpointError(f"{_where(tensors)}layers {both} hold their experts both fused (gate_up_proj/"
+                              "down_proj) and per expert (experts.{e}.w1/w3/w2); expected one form")
+    return out
+
+
+def fuse_experts(cfg: Lfm2MoeConfig, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The per-expert tensors of each sparse layer stacked into transformers' in-memory form
+    (``experts.gate_up_proj`` [E, 2I, D], ``experts.down_proj`` [E, D, I]); others pass through.
+    ``tensors`` must hold every expert (as ``check_moe_tensors`` leaves them)."""
+    out: dict[str, np.ndarray] = {}
+    for name, a in tensors.items():
+        m = _PER_EXPERT.fullmatch(name)
+        if m is None:
+            out[name] = a
+            continue
+        layer, e = int(m.group(1)), int(m.group(2))
+        if e != 0 or m.group(3) != "w1":
+            continue
+        p = f"model.layers.{layer}.feed_forward.experts."
+        ex = range(cfg.num_experts)
+        out[p + "gate_up_proj"] = np.stack([np.concatenate([tensors[p + f"{k}.w1.weight"],
+                                                            tensors[p + f"{k}.w3.weight"]]) for k in ex])
+        out[p + "down_proj"] = np.stack([tensors[p + f"{k}.w2.weight"] for k in ex])
+    return out
+
+
+def check_moe_tensors(cfg: Lfm2MoeConfig, tensors: dict) -> dict[str, np.ndarray]:
+    """The checkpoint's tensors in the per-expert form (fused experts split), checked against
+    ``moe_tensor_shapes``; a tied checkpoint's lm_head is dropped. Expert counts that disagree with
+    ``num_experts``, missing, unexpected or mis-shaped tensors are one CheckpointError listing them."""
+    tensors = unfuse_experts(cfg, tensors)
+    where = _where(tensors)
+    want = moe_tensor_shapes(cfg)
+    have = dict(tensors)
+    if cfg.tie_word_embeddings:
+        have.pop("lm_head.weight", None)     # some tied checkpoints store it anyway
+    per_layer: dict[int, set[int]] = {}
+    for n in have:
+        if (m := _PER_EXPERT.fullmatch(n)):
+            per_layer.setdefault(int(m.group(1)), set()).add(int(m.group(2)))
+    counts = [f"layer {i} has {max(es) + 1} experts" for i, es in sorted(per_layer.items())
+              if max(es) + 1 != cfg.num_experts]
+    if counts:
+        raise CheckpointError(f"{where}checkpoint does not match the config: " + ", ".join(counts)
+                              + f" but num_experts is {cfg.num_experts}")
+    missing = [n for n in want if n not in have]
+    unexpected = [n for n in have if n not in want]
+    misshaped = [f"{n}: {list(np.shape(have[n]))} (expected {list(want[n])})"
+                 for n in want if n in have and tuple(np.shape(have[n])) != want[n]]
+    if missing or unexpected or misshaped:
+        parts = []
+        if missing:
+            parts.append("missing: " + ", ".join(_compact(missing)))
+        if unexpected:
+            parts.append("unexpected: " + ", ".join(_compact(unexpected)))
+        if misshaped:
+            parts.append("wrong shape: " + "; ".join(misshaped[:8]) + (f"; ... {len(misshaped) - 8} more"
+                                                                       if len(misshaped) > 8 else ""))
+        raise CheckpointError(f"{where}checkpoint does not match the config: " + " | ".join(parts))
+    return {n: np.asarray(have[n].detach().cpu() if hasattr(have[n], "detach") else have[n], dtype=np.float32)
+            for n in want}
+
+
+def _compact(names: list[str], limit: int = 12) -> list[str]:
+    return names if len(names) <= limit else names[:limit] + [f"... {len(names) - limit} more"]
+
+
+def load_moe_pretrained(directory, cfg: Lfm2MoeConfig | None = None
+                        ) -> tuple[Lfm2MoeConfig, dict[str, np.ndarray]]:
+    """A model directory's config (config.json, unless ``cfg`` is given) and its tensors in the
+    per-expert form as float32, from ``model.safetensors`` or the shards that
+    ``model.safetensors.index.json`` names; experts stored fused or per expert."""
+    d = Path(directory)
+    cfg = Lfm2MoeConfig.from_json(d) if cfg is None else cfg
+    return cfg, check_moe_tensors(cfg, load_checkpoint(d))
+
+
+def save_moe_pretrained(directory, cfg: Lfm2MoeConfig, tensors: dict, dtype: str = "f32",
+                        max_shard_size=None) -> list[Path]:
+    """Writes config.json and the per-expert tensors (``tensors`` in either form) that transformers'
+    Lfm2MoeForCausalLM loads: one ``model.safetensors``, or shards of at most ``max_shard_size`` (bytes
+    or "5GB") with ``model.safetensors.index.json``. ``dtype``: f32, f16 or bf16 for the parameters;
+    the ``expert_bias`` buffers stay f32, as transformers keeps them. Returns the weight files."""
+    if dtype not in SAVE_DTYPES:
+        raise ValueError(f"save dtype must be one of {', '.join(SAVE_DTYPES)}, got {dtype!r}")
+    checked = check_moe_tensors(cfg, tensors)
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    config = cfg.to_dict()
+    config["torch_dtype"] = config["dtype"] = SAVE_DTYPES[dtype]
+    text = json.dumps(config, indent=2)
+    replace_with(d / "config.json", lambda tmp: Path(tmp).write_text(text))
+    arrays, dtypes = {}, {}
+    for name, a in checked.items():
+        keep_f32 = is_buffer(name)
+        arrays[name] = _narrow(a, "f32" if keep_f32 else dtype)
+        dtypes[name] = "float32" if keep_f32 else SAVE_DTYPES[dtype]
+    return write_weights(d, arrays, max_shard_size, dtypes)
+
+
+def init_moe_tensors(cfg: Lfm2MoeConfig, seed: int) -> dict[str, np.ndarray]:
+    """As transformers initialises LFM2-MoE: normal(0, initializer_range) for linear, conv, router,
+    expert and embedding weights, zeros for biases, the expert_bias buffers and the padding token's
+    embedding row, ones for norm weights."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, shape in moe_tensor_shapes(cfg).items():
+        if "norm" in name:
+            out[name] = np.ones(shape, np.float32)
+        elif name.endswith(".bias") or is_buffer(name):
+            out[name] = np.zeros(shape, np.float32)
+        else:
+            out[name] = (rng.standard_normal(shape) * cfg.initializer_range).astype(np.float32)
+    pad = cfg.pad_token_id
+    if pad is not None:
+        out["model.embed_tokens.weight"][pad] = 0.0
+    return out
