@@ -1,8 +1,8 @@
 """Hugging Face LFM2 checkpoints: the parameter table, and safetensors in and out.
 
 Reads f32, f16 and bf16 tensors (bf16 widened to f32 on load) from ``model.safetensors`` or a
-sharded ``model.safetensors.index.json``; writes ``model.safetensors`` (f32, or f16 / bf16 rounded to
-nearest even) that transformers' Lfm2ForCausalLM loads.
+sharded ``model.safetensors.index.json``; writes ``model.safetensors`` or shards with that index (f32, or
+f16 / bf16 rounded to nearest even) that transformers' Lfm2ForCausalLM loads.
 """
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import struct
 from pathlib import Path
 
 import numpy as np
-from safetensors import TensorSpec, serialize_file
 
 from ..safefiles import replace_with
 from .config import Lfm2Config
+from .shards import write_weights
 
 SAVE_DTYPES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}     # ours -> safetensors' names
 _STORED = {"F32": "f32", "F64": "f32", "F16": "f16", "BF16": "bf16"}
@@ -273,7 +273,10 @@ def _narrow(a: np.ndarray, dtype: str) -> np.ndarray:
     return a
 
 
-def save_checkpoint(directory: Path, cfg: Lfm2Config, tensors: dict[str, np.ndarray], dtype: str = "f32") -> None:
+def save_checkpoint(directory: Path, cfg: Lfm2Config, tensors: dict[str, np.ndarray], dtype: str = "f32",
+                    max_shard_size=None) -> list[Path]:
+    """config.json and the tensors as ``model.safetensors``, or as shards of at most ``max_shard_size``
+    (bytes, or "5GB") with ``model.safetensors.index.json`` (shards.write_weights). Returns the weight files."""
     if dtype not in SAVE_DTYPES:
         raise ValueError(f"save dtype must be one of {', '.join(SAVE_DTYPES)}, got {dtype!r}")
     d = Path(directory)
@@ -284,9 +287,7 @@ def save_checkpoint(directory: Path, cfg: Lfm2Config, tensors: dict[str, np.ndar
     text = json.dumps(config, indent=2)
     replace_with(d / "config.json", lambda tmp: Path(tmp).write_text(text))
     arrays = {n: _narrow(a, dtype) for n, a in tensors.items()}
-    specs = {n: TensorSpec(dtype=SAVE_DTYPES[dtype], shape=a.shape, data_ptr=a.ctypes.data, data_len=a.nbytes)
-             for n, a in arrays.items()}
-    replace_with(d / "model.safetensors", lambda tmp: serialize_file(specs, tmp, {"format": "pt"}))
+    return write_weights(d, arrays, max_shard_size, {n: SAVE_DTYPES[dtype] for n in arrays})
 
 
 def init_tensors(cfg: Lfm2Config, seed: int) -> dict[str, np.ndarray]:

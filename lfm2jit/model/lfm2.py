@@ -165,13 +165,14 @@ class Lfm2Model:
         """The base model's tensors, as f32 (without adapters: ``save_adapter`` writes those)."""
         return {n: t.numpy().astype(np.float32) for n, t in self._params.items()}
 
-    def save_pretrained(self, directory, dtype: str = "f32") -> None:
+    def save_pretrained(self, directory, dtype: str = "f32", max_shard_size=None) -> None:
         """config.json + model.safetensors that transformers' Lfm2ForCausalLM.from_pretrained loads,
-        stored as ``dtype`` ("f32", "bf16" or "f16": rounded to nearest even)."""
+        stored as ``dtype`` ("f32", "bf16" or "f16": rounded to nearest even); with ``max_shard_size``
+        (bytes, or "5GB"), shards of at most that size and model.safetensors.index.json."""
         tensors = self.state_dict()
         if self.cfg.tie_word_embeddings:
             tensors["lm_head.weight"] = tensors[EMBEDDING]   # transformers expects it
-        save_checkpoint(Path(directory), self.cfg, tensors, dtype)
+        save_checkpoint(Path(directory), self.cfg, tensors, dtype, max_shard_size)
 
     def load_state(self, tensors: dict[str, np.ndarray]) -> None:
         for name, arr in check_tensors(self.cfg, tensors).items():
