@@ -89,7 +89,7 @@ def unfuse_experts(cfg: Lfm2MoeConfig, tensors: dict) -> dict[str, np.ndarray]:
             out[name] = value
             continue
         layer, kind = int(m.group(1)), m.group(2)
-        a = np.asarray(value.detach().cpu() if hasattr(value, "detach") else value)
+        a = _numpy(value)
         want = (n_exp, 2 * i_moe, d) if kind == "gate_up_proj" else (n_exp, d, i_moe)
         if a.shape != want:
             what = (f"{a.shape[0]} experts but num_experts is {n_exp}" if a.ndim == 3 and a.shape[0] != n_exp
@@ -166,8 +166,15 @@ def check_moe_tensors(cfg: Lfm2MoeConfig, tensors: dict) -> dict[str, np.ndarray
             parts.append("wrong shape: " + "; ".join(misshaped[:8]) + (f"; ... {len(misshaped) - 8} more"
                                                                        if len(misshaped) > 8 else ""))
         raise CheckpointError(f"{where}checkpoint does not match the config: " + " | ".join(parts))
-    return {n: np.asarray(have[n].detach().cpu() if hasattr(have[n], "detach") else have[n], dtype=np.float32)
-            for n in want}
+    return {n: _numpy(have[n]).astype(np.float32, copy=False) for n in want}
+
+
+def _numpy(value) -> np.ndarray:
+    """A numpy array of a tensor: numpy as is; torch (any float dtype, bf16 too) widened on the CPU."""
+    if hasattr(value, "detach"):
+        value = value.detach().cpu()
+        return value.float().numpy() if value.is_floating_point() else value.numpy()
+    return np.asarray(value)
 
 
 def _compact(names: list[str], limit: int = 12) -> list[str]:

@@ -101,10 +101,13 @@ def test_fused_state_dict_reads_to_the_same_tensors(tmp_path, name):
     model.save_pretrained(tmp_path)
     _, from_disk = load_moe_pretrained(tmp_path)
     assert_same(from_memory, from_disk)
+    half = check_moe_tensors(cfg, model.to(torch.bfloat16).state_dict())      # a bf16 model in memory
+    want = {n: torch.from_numpy(a).bfloat16().float().numpy() for n, a in from_memory.items()}
+    assert_same(half, want)
     fused = fuse_experts(cfg, from_memory)           # and back to transformers' in-memory form
     for n, t in sd.items():
         if n in fused:
-            assert np.array_equal(fused[n], t.numpy()), n
+            assert np.array_equal(fused[n], t.float().numpy()), n
 
 
 @pytest.mark.parametrize("name, dtype, shard", [("tiny-moe", "f32", None), ("tiny-moe-untied", "f32", 30_000),
