@@ -55,6 +55,8 @@ def test_published_sizes():
     assert sum(s[0] for s in buffers.values()) == 704
     big = Lfm2MoeConfig.preset("24B-A2B")
     assert (big.num_hidden_layers, big.num_experts, len(big.attention_layers)) == (40, 64, 10)
+    big_total = sum(int(__import__("math").prod(s)) for s in moe_parameter_shapes(big).values())
+    assert round(big_total / 1e8) == 238          # "23.8B" as Liquid reports it
 
 
 @pytest.mark.parametrize("change, words", [
