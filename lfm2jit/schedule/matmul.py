@@ -285,13 +285,20 @@ def plan(ir: KernelIR, sizes: dict[str, int], accumulate: frozenset[str], tiles=
     products = (sizes[bt] if bt else 1) * sizes[m_axis] * sizes[n_axis]
     binding = target.binding_bytes if target is not None else PORTABLE.binding_bytes
 
+    budget = target.storage_buffers if target is not None else PORTABLE.storage_buffers
+    tensors = sum(t.name not in ir.inouts for t in ir.inputs) + len(ir.outputs)
+
     def workspace_problem(t) -> str | None:
-        """A split-K workspace is one binding: at most the device's binding size (at most: the
-        matrix template leaves out the columns its tail covers whole)."""
+        """A split-K workspace is one more binding, of at most the device's binding size (at most:
+        the matrix template leaves out the columns its tail covers whole)."""
+        if t.split == 1:
+            return None
+        if tensors + 1 > budget:
+            return (f"its split-K workspace would be binding {tensors + 1}; the device allows {budget} "
+                    "(max-storage-buffers-per-shader-stage)")
         cols = min(sizes[n_axis], t.tail * t.wn) if getattr(t, "tail", 0) else sizes[n_axis]
         nbytes = t.split * products // sizes[n_axis] * cols * 4
-        return (f"its split-K workspace of {nbytes} bytes exceeds the device's {binding}-byte binding"
-                if t.split > 1 and nbytes > binding else None)
+        return f"its split-K workspace of {nbytes} bytes exceeds the device's {binding}-byte binding" if nbytes > binding else None
     if matrix:
         k_contiguous = sum(strides(x.shape, sizes)[k] == 1 for x in (a, b))
         def problem(t: MatrixTiles) -> str | None:

@@ -2,9 +2,8 @@
 128 MiB bindings, 256 MiB buffers, 8 storage buffers a kernel), where LFM2-350M's f32 embedding
 (256 MiB) and LFM2-1.2B's f16 one already need several bindings (schedule/pieces.py).
 
-Each model is run twice on this adapter, with default and with raised limits, and against
-transformers on a random-init checkpoint of the same shapes. Large: each runs once in CI, at a
-short length.
+Each model is run against transformers on a random-init checkpoint of the same shapes. Large: each
+runs once in CI, at a short length.
 """
 from __future__ import annotations
 
@@ -59,11 +58,11 @@ def embedding(model: Lfm2Model):
 
 
 def check_first_adamw_step(before, after, grads, lr: float) -> None:
-    """AdamW's first step moves each weight by lr * sign(its gradient), wherever the gradient is
-    well above eps: the step taken must follow transformers' gradients."""
+    """AdamW's first step moves each weight by lr * |g| / (|g| + eps) in the direction of -g: lr
+    within 1% wherever |g| > 2e-6. The step taken must follow transformers' gradients."""
     for name, g in grads.items():
         step = before[name] - after[name]
-        clear = np.abs(g) > 1e-3 * np.abs(g).max()
+        clear = np.abs(g) > max(1e-3 * np.abs(g).max(), 2e-6)      # |step| = lr |g| / (|g| + 1e-8)
         agree = np.mean(np.sign(step[clear]) == np.sign(g[clear]))
         assert agree > 0.999, f"{name}: the step follows transformers' gradient sign on {agree:.4%} of weights"
         np.testing.assert_allclose(np.abs(step[clear]), lr, rtol=2e-2, err_msg=name)
@@ -96,11 +95,13 @@ def test_350m_logits_and_full_training_steps_under_default_limits(default_limits
         gc.collect()
 
 
-def test_1_2b_logits_and_a_lora_step_on_an_f16_base_under_default_limits(default_limits_ctx, raised_ctx):
-    """LFM2-1.2B on an f16 base: its f32 embedding (512 MiB) is larger than WebGPU's default
-    largest buffer, so it lives in parts; the logits equal the raised-limits run's (one buffer,
-    which lavapipe allows) and transformers' on the same f16-rounded weights, and a LoRA step
-    trains from transformers' loss."""
+def test_1_2b_logits_and_a_lora_step_on_an_f16_base_under_default_limits(default_limits_ctx):
+    """LFM2-1.2B on an f16 base: its f32 embedding (512 MiB) is larger than WebGPU's default largest
+    buffer, so it lives in parts (one binding each); the logits equal transformers' on the same
+    f16-rounded weights, and a LoRA step (on attention and the MLP's down-projection, whose fused
+    backward binds all 8 storage buffers) trains from transformers' loss. (A raised-limits run on
+    lavapipe binds the same pieces of one buffer instead of parts: test_binding_limits.py compares
+    parts with one buffer bit for bit.)"""
     hf = hf_model("1.2B", seed=5)
     for p in hf.parameters():                    # the f16 base as the reference sees it: f16-rounded weights
         p.data = p.data.half().float()
@@ -112,23 +113,22 @@ def test_1_2b_logits_and_a_lora_step_on_an_f16_base_under_default_limits(default
     tensors = weights(hf, np.float16)
     del hf, logits
     gc.collect()
-    got = {}
-    for mode, ctx in (("raised", raised_ctx), ("default", default_limits_ctx)):
-        engine = ComputeEngine(ctx)
-        model = Lfm2Model(Lfm2Config.preset("1.2B"), ctx, engine, tensors=tensors)
-        lora = model.add_lora(LoraConfig(r=4, alpha=8, target_modules=("q_proj", "v_proj", "w2")), seed=7,
-                              base_dtype="f16")
-        assert (embedding(model).parts is not None) == (mode == "default")
-        got[mode] = model.logits(ids, bucket=16)
-        if mode == "default":
-            before = [t.numpy() for t in lora]
-            trainer = Trainer(model, AdamW(lr=1e-3), ctx, engine).with_length_bucket(16)
-            stats = trainer.train_step(ids, targets, lora)
-            assert stats.stepped and abs(stats.loss - want_loss) < 1e-3 * want_loss
-            moved = [np.abs(t.numpy() - b).max() for t, b in zip(lora, before)]
-            assert all(np.isfinite(moved)) and max(moved) > 0      # B leaves zero: the adapters train
-            del trainer
-        del model, lora, engine
-        gc.collect()
-    assert rel_err(got["default"], got["raised"]) < 1e-6
-    assert rel_err(got["default"], want_logits) < 1e-3
+    ctx = default_limits_ctx
+    engine = ComputeEngine(ctx)
+    model = Lfm2Model(Lfm2Config.preset("1.2B"), ctx, engine, tensors=tensors)
+    lora = model.add_lora(LoraConfig(r=4, alpha=8, target_modules=("q_proj", "v_proj", "w2")), seed=7,
+                          base_dtype="f16")
+    assert embedding(model).parts is not None and len(embedding(model).parts) == 4
+    assert rel_err(model.logits(ids, bucket=16), want_logits) < 1e-3
+    named = model.lora.named
+    assert sorted(map(id, named.values())) == sorted(map(id, lora))
+    before = {n: t.numpy() for n, t in named.items()}
+    trainer = Trainer(model, AdamW(lr=1e-3, weight_decay=0.0), ctx, engine).with_length_bucket(16)
+    stats = trainer.train_step(ids, targets, lora)
+    assert stats.stepped and abs(stats.loss - want_loss) < 1e-3 * want_loss
+    for n, t in named.items():
+        after = t.numpy()
+        if "lora_B" in n:       # B starts at zero and takes AdamW's first step: lr in size where it moves
+            assert np.isfinite(after).all() and 0.9e-3 < np.abs(after).max() <= 1e-3, n
+        else:                   # with B zero, A's gradient is exactly zero: it stays
+            np.testing.assert_array_equal(after, before[n], err_msg=n)
