@@ -190,7 +190,10 @@ def cmd_dump(args) -> None:
         except DslError as e:
             raise UsageError(f"{kernel.name} has no backward:\n{e}") from None
     wanted = [s for s in STAGES if s == "wgsl" or getattr(args, s)]
-    text = stages(kernel, sizes, args.bucket, MATRIX_UNITS if args.matrix_units else PORTABLE)
+    try:
+        text = stages(kernel, sizes, args.bucket, MATRIX_UNITS if args.matrix_units else PORTABLE)
+    except DslError as e:      # a part the target cannot run (e.g. more storage bindings than WebGPU's default 8)
+        raise UsageError(f"{kernel.name} cannot be planned at {describe_sizes(sizes)}:\n{e}") from None
     for stage in wanted:
         if args.out is not None:
             path = args.out / f"{kernel.name}.{stage}"

@@ -101,6 +101,9 @@ def test_dump_backward_of_a_kernel_without_one_is_a_clear_error():
 
 
 NOT_DIFFERENTIABLE = {"in place", "no gradient through gather()", "has no gradient rule"}
+# dump plans for WebGPU's default limits: attention_decode's backward fuses a column reduction over
+# 10 tensors, more than the default 8 storage buffers a kernel may bind (decoding needs no backward)
+OVER_THE_LIMITS = {"attention_decode"}
 
 
 def test_dump_backward_of_every_shipped_kernel(capsys):
@@ -114,6 +117,9 @@ def test_dump_backward_of_every_shipped_kernel(capsys):
         if status == 0:
             assert out.count("@compute") >= len(grad(kernel, cotangents=[kernel.outputs[0]]).kernels), kernel.name
             dumped += 1
+        elif kernel.name in OVER_THE_LIMITS:
+            assert status == 2 and "the device allows 8 (max-storage-buffers-per-shader-stage)" in err, err
+            assert "Traceback" not in err
         else:
             assert status == 2 and any(reason in err for reason in NOT_DIFFERENTIABLE), (kernel.name, err)
     assert dumped >= 20
