@@ -15,6 +15,13 @@ from .run_dir import RunFiles, clean
 from .state import History, Session
 
 
+def per_second(rate: float | None) -> str:
+    """A rate as a person reads it: whole numbers from 10 up, two significant digits below
+    (0.31 tokens/s on a CPU is not 0)."""
+    if rate is None:
+        return "-"
+    return f"{rate:.0f}" if rate >= 10 else f"{rate:.2g}"
+
 def fmt_count(n: int) -> str:
     """A parameter count as 950, 163.2k or 1.20M."""
     return f"{n / 1e6:.2f}M" if n >= 1e6 else (f"{n / 1e3:.1f}k" if n >= 1e3 else str(n))
@@ -126,7 +133,7 @@ def conclude(s: Session, h: History, final_eval: dict, final_samples: list[dict]
     reporters.finish("finished")
     print()
     print(f"done: {len(new)} optimizer steps (to step {steps}) on {toks} tokens in "
-          f"{train_seconds:.1f}s: {tps:.0f} tokens/s")
+          f"{train_seconds:.1f}s: {per_second(tps)} tokens/s")
     if losses:
         print(f"  train loss: step {loss_steps[0]} {first:.4f} -> step {loss_steps[-1]} {last:.4f}"
               + (f"  (mean of the first {k} steps {first_avg:.4f} -> of the last {k} {last_avg:.4f})" if k > 1 else ""))

@@ -50,7 +50,7 @@ from .run_dir import RunFiles, clean, write_final_model
 from .signals import Interrupted, StopSignals
 from .splits import Cursor
 from .state import History, Session
-from .summary import conclude, print_banner, print_eval_before, print_eval_during
+from .summary import conclude, per_second, print_banner, print_eval_before, print_eval_during
 from .usage import UsageError, report
 
 MAX_SKIPPED_IN_A_ROW = 50
@@ -177,7 +177,7 @@ class Training:
         self.check_stepping(last)
         if not last.skipped:
             self.bar.set_postfix_str(f"loss={rec['loss'] if rec['loss'] is None else round(rec['loss'], 3)} "
-                                     f"tok/s={rec['tokens_per_s'] or 0:.0f} lr={last.lr:.2e}", refresh=False)
+                                     f"tok/s={per_second(rec['tokens_per_s'])} lr={last.lr:.2e}", refresh=False)
             self.bar.update(1)
 
     def check_stepping(self, last) -> None:
