@@ -85,3 +85,8 @@ def test_a_bad_environment_variable_is_one_line_before_anything_runs(tmp_path, c
     assert lfm2jit_main(["info"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("python -m lfm2jit info: error: ") and "\n" not in err and f"{variable}={value!r}" in err
+
+
+def test_a_slow_device_s_rate_is_not_printed_as_zero():
+    from trainer.cli.summary import per_second
+    assert [per_second(r) for r in (0.2807, 9.87, 10.2, 15234.5, None)] == ["0.28", "9.9", "10", "15234", "-"]
