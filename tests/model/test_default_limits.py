@@ -57,15 +57,19 @@ def embedding(model: Lfm2Model):
     return model.named_parameters()["model.embed_tokens.weight"]
 
 
-def check_first_adamw_step(before, after, grads, lr: float) -> None:
-    """AdamW's first step moves each weight by lr * |g| / (|g| + eps) in the direction of -g: lr
-    within 1% wherever |g| > 2e-6. The step taken must follow transformers' gradients."""
+def check_first_adamw_step(before, after, grads, lr: float, scale: float) -> None:
+    """AdamW's first step moves each weight by lr * g / (|g| + eps) against its (clipped: times
+    ``scale``) gradient g; the step taken must be that of transformers' gradients."""
     for name, g in grads.items():
         step = before[name] - after[name]
-        clear = np.abs(g) > max(1e-3 * np.abs(g).max(), 2e-6)      # |step| = lr |g| / (|g| + 1e-8)
+        g = g.astype(np.float64) * scale
+        # where eps cannot matter, even with f16 activations' gradients a few times off a tiny true one
+        clear = np.abs(g) > max(1e-3 * np.abs(g).max(), 1e-5)
+        assert clear.sum() > 100, name
         agree = np.mean(np.sign(step[clear]) == np.sign(g[clear]))
         assert agree > 0.999, f"{name}: the step follows transformers' gradient sign on {agree:.4%} of weights"
-        np.testing.assert_allclose(np.abs(step[clear]), lr, rtol=2e-2, err_msg=name)
+        np.testing.assert_allclose(np.abs(step[clear]), lr * np.abs(g[clear]) / (np.abs(g[clear]) + 1e-8),
+                                   rtol=2e-2, err_msg=name)
 
 
 def test_350m_logits_and_full_training_steps_under_default_limits(default_limits_ctx):
@@ -90,7 +94,9 @@ def test_350m_logits_and_full_training_steps_under_default_limits(default_limits
         trainer = Trainer(model, AdamW(lr=lr, weight_decay=0.0), ctx, engine).with_length_bucket(16)
         stats = trainer.train_step(ids, targets, model.parameters())
         assert stats.stepped and abs(stats.loss - want_loss) < tol * want_loss, (activations, stats.loss, want_loss)
-        check_first_adamw_step(before, {n: model.named_parameters()[n].numpy() for n in names}, want_grads, lr)
+        clip = trainer.clip_grad_norm
+        scale = min(1.0, clip / (stats.grad_norm + 1e-6)) if clip else 1.0     # torch's clip_grad_norm_
+        check_first_adamw_step(before, {n: model.named_parameters()[n].numpy() for n in names}, want_grads, lr, scale)
         del model, trainer, engine
         gc.collect()
 
