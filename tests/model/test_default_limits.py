@@ -57,19 +57,23 @@ def embedding(model: Lfm2Model):
     return model.named_parameters()["model.embed_tokens.weight"]
 
 
-def check_first_adamw_step(before, after, grads, lr: float, scale: float) -> None:
+def check_first_adamw_step(before, after, grads, lr: float, scale: float, exact: bool) -> None:
     """AdamW's first step moves each weight by lr * g / (|g| + eps) against its (clipped: times
-    ``scale``) gradient g; the step taken must be that of transformers' gradients."""
+    ``scale``) gradient g; the step taken must be that of transformers' gradients: in size too
+    where ``exact`` (f32), in sign where not (f16 activations: without loss scaling a few tiny
+    gradients lose their size to f16 underflow)."""
     for name, g in grads.items():
         step = before[name] - after[name]
         g = g.astype(np.float64) * scale
-        # where eps cannot matter, even with f16 activations' gradients a few times off a tiny true one
-        clear = np.abs(g) > max(1e-3 * np.abs(g).max(), 1e-5)
+        clear = np.abs(g) > max(1e-3 * np.abs(g).max(), 1e-5)      # where eps cannot matter
         assert clear.sum() > 100, name
         agree = np.mean(np.sign(step[clear]) == np.sign(g[clear]))
         assert agree > 0.999, f"{name}: the step follows transformers' gradient sign on {agree:.4%} of weights"
-        np.testing.assert_allclose(np.abs(step[clear]), lr * np.abs(g[clear]) / (np.abs(g[clear]) + 1e-8),
-                                   rtol=2e-2, err_msg=name)
+        if exact:
+            np.testing.assert_allclose(np.abs(step[clear]), lr * np.abs(g[clear]) / (np.abs(g[clear]) + 1e-8),
+                                       rtol=2e-2, err_msg=name)
+        else:
+            assert np.mean(np.abs(np.abs(step[clear]) / lr - 1) < 2e-2) > 0.999, name
 
 
 def test_350m_logits_and_full_training_steps_under_default_limits(default_limits_ctx):
@@ -96,7 +100,8 @@ def test_350m_logits_and_full_training_steps_under_default_limits(default_limits
         assert stats.stepped and abs(stats.loss - want_loss) < tol * want_loss, (activations, stats.loss, want_loss)
         clip = trainer.clip_grad_norm
         scale = min(1.0, clip / (stats.grad_norm + 1e-6)) if clip else 1.0     # torch's clip_grad_norm_
-        check_first_adamw_step(before, {n: model.named_parameters()[n].numpy() for n in names}, want_grads, lr, scale)
+        check_first_adamw_step(before, {n: model.named_parameters()[n].numpy() for n in names}, want_grads, lr, scale,
+                               exact=activations == "f32")
         del model, trainer, engine
         gc.collect()
 
