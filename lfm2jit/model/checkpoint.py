@@ -273,19 +273,26 @@ def _narrow(a: np.ndarray, dtype: str) -> np.ndarray:
     return a
 
 
-def save_checkpoint(directory: Path, cfg: Lfm2Config, tensors: dict[str, np.ndarray], dtype: str = "f32",
-                    max_shard_size=None) -> list[Path]:
-    """config.json and the tensors as ``model.safetensors``, or as shards of at most ``max_shard_size``
-    (bytes, or "5GB") with ``model.safetensors.index.json`` (shards.write_weights). Returns the weight files."""
+def write_config(directory, cfg, dtype: str) -> Path:
+    """Check the save dtype, make the directory and write config.json naming it (dense or MoE
+    config); each file is written beside itself and renamed into place: a kill or a full disk
+    leaves the old one. Returns the directory."""
     if dtype not in SAVE_DTYPES:
         raise ValueError(f"save dtype must be one of {', '.join(SAVE_DTYPES)}, got {dtype!r}")
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     config = cfg.to_dict()
     config["torch_dtype"] = config["dtype"] = SAVE_DTYPES[dtype]
-    # each file is written beside itself and renamed into place: a kill or a full disk leaves the old one
     text = json.dumps(config, indent=2)
     replace_with(d / "config.json", lambda tmp: Path(tmp).write_text(text))
+    return d
+
+
+def save_checkpoint(directory: Path, cfg: Lfm2Config, tensors: dict[str, np.ndarray], dtype: str = "f32",
+                    max_shard_size=None) -> list[Path]:
+    """config.json and the tensors as ``model.safetensors``, or as shards of at most ``max_shard_size``
+    (bytes, or "5GB") with ``model.safetensors.index.json`` (shards.write_weights). Returns the weight files."""
+    d = write_config(directory, cfg, dtype)
     arrays = {n: _narrow(a, dtype) for n, a in tensors.items()}
     return write_weights(d, arrays, max_shard_size, {n: SAVE_DTYPES[dtype] for n in arrays})
 

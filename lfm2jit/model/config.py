@@ -29,6 +29,37 @@ def _shown(v) -> str:
     return f"{text} ({kind})" if kind else text
 
 
+def check_backbone(cfg) -> None:
+    """The checks every LFM2 config shares (dense and MoE): layer types, token ids against the
+    vocabulary, heads dividing the width, an even head dimension."""
+    if not isinstance(cfg.layer_types, list) or not all(isinstance(t, str) for t in cfg.layer_types):
+        raise ConfigError(f"layer_types must be a list of layer names ({', '.join(LAYER_TYPES)}), "
+                          f"got {_shown(cfg.layer_types)}")
+    for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        value = getattr(cfg, key)
+        if value is None:
+            continue
+        ids = value if key == "eos_token_id" and isinstance(value, list) else [value]
+        if not ids or not all(_is_int(i) and 0 <= i < cfg.vocab_size for i in ids):
+            expected = "an id or a non-empty list of ids" if key == "eos_token_id" else "an id"
+            raise ConfigError(f"{key} must be {expected} in 0..{cfg.vocab_size - 1} (vocab_size "
+                              f"{cfg.vocab_size}) or null, got {_shown(value)}")
+    if cfg.hidden_size % cfg.num_attention_heads:
+        raise ConfigError(f"hidden_size {cfg.hidden_size} is not divisible by num_attention_heads "
+                          f"{cfg.num_attention_heads}")
+    if cfg.num_attention_heads % cfg.num_key_value_heads:
+        raise ConfigError(f"num_attention_heads {cfg.num_attention_heads} is not a multiple of "
+                          f"num_key_value_heads {cfg.num_key_value_heads}")
+    if cfg.head_dim % 2:
+        raise ConfigError(f"head_dim {cfg.head_dim} (hidden_size / num_attention_heads) must be even for RoPE")
+    if len(cfg.layer_types) != cfg.num_hidden_layers:
+        raise ConfigError(f"layer_types has {len(cfg.layer_types)} entries but num_hidden_layers is "
+                          f"{cfg.num_hidden_layers}")
+    bad = [t for t in cfg.layer_types if t not in LAYER_TYPES]
+    if bad:
+        raise ConfigError(f"layer_types has unknown values {sorted(set(bad))}; expected {', '.join(LAYER_TYPES)}")
+
+
 @dataclass
 class Lfm2Config:
     # defaults are transformers' Lfm2Config defaults, so a config.json missing a key means the same
@@ -98,32 +129,7 @@ class Lfm2Config:
             if not _is_real(value) or not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
                 raise ConfigError(f"{key} must be a {'non-negative' if allow_zero else 'positive'} finite number"
                                   f"{' or null' if allow_none else ''}, got {_shown(value)}")
-        if not isinstance(self.layer_types, list) or not all(isinstance(t, str) for t in self.layer_types):
-            raise ConfigError(f"layer_types must be a list of layer names ({', '.join(LAYER_TYPES)}), "
-                              f"got {_shown(self.layer_types)}")
-        for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
-            value = getattr(self, key)
-            if value is None:
-                continue
-            ids = value if key == "eos_token_id" and isinstance(value, list) else [value]
-            if not ids or not all(_is_int(i) and 0 <= i < self.vocab_size for i in ids):
-                expected = "an id or a non-empty list of ids" if key == "eos_token_id" else "an id"
-                raise ConfigError(f"{key} must be {expected} in 0..{self.vocab_size - 1} (vocab_size "
-                                  f"{self.vocab_size}) or null, got {_shown(value)}")
-        if self.hidden_size % self.num_attention_heads:
-            raise ConfigError(f"hidden_size {self.hidden_size} is not divisible by num_attention_heads "
-                              f"{self.num_attention_heads}")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ConfigError(f"num_attention_heads {self.num_attention_heads} is not a multiple of "
-                              f"num_key_value_heads {self.num_key_value_heads}")
-        if self.head_dim % 2:
-            raise ConfigError(f"head_dim {self.head_dim} (hidden_size / num_attention_heads) must be even for RoPE")
-        if len(self.layer_types) != self.num_hidden_layers:
-            raise ConfigError(f"layer_types has {len(self.layer_types)} entries but num_hidden_layers is "
-                              f"{self.num_hidden_layers}")
-        bad = [t for t in self.layer_types if t not in LAYER_TYPES]
-        if bad:
-            raise ConfigError(f"layer_types has unknown values {sorted(set(bad))}; expected {', '.join(LAYER_TYPES)}")
+        check_backbone(self)
         if self.ff_dim < 1:
             raise ConfigError(f"the MLP width from intermediate_size {self.intermediate_size} and "
                               f"block_ffn_dim_multiplier {self.block_ffn_dim_multiplier} is {self.ff_dim}; expected >= 1")

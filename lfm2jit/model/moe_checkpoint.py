@@ -18,14 +18,12 @@ it reads both forms (a model directory, a state dict) and writes the per-expert 
 """
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
 import numpy as np
 
-from ..safefiles import replace_with
-from .checkpoint import SAVE_DTYPES, CheckpointError, Tensors, _narrow, load_checkpoint, parameter_shapes
+from .checkpoint import SAVE_DTYPES, CheckpointError, Tensors, _narrow, load_checkpoint, parameter_shapes, write_config
 from .moe_config import Lfm2MoeConfig
 from .shards import write_weights
 
@@ -200,12 +198,7 @@ def save_moe_pretrained(directory, cfg: Lfm2MoeConfig, tensors: dict, dtype: str
     if dtype not in SAVE_DTYPES:
         raise ValueError(f"save dtype must be one of {', '.join(SAVE_DTYPES)}, got {dtype!r}")
     checked = check_moe_tensors(cfg, tensors)
-    d = Path(directory)
-    d.mkdir(parents=True, exist_ok=True)
-    config = cfg.to_dict()
-    config["torch_dtype"] = config["dtype"] = SAVE_DTYPES[dtype]
-    text = json.dumps(config, indent=2)
-    replace_with(d / "config.json", lambda tmp: Path(tmp).write_text(text))
+    d = write_config(directory, cfg, dtype)
     arrays, dtypes = {}, {}
     for name, a in checked.items():
         keep_f32 = is_buffer(name)

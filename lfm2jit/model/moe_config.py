@@ -13,7 +13,7 @@ import math
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-from .config import LAYER_TYPES, ConfigError, _is_int, _is_real, _shown
+from .config import ConfigError, _is_int, _is_real, _shown, check_backbone
 
 MODEL_TYPE = "lfm2_moe"
 
@@ -90,32 +90,7 @@ class Lfm2MoeConfig:
             if not _is_real(value) or not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
                 raise ConfigError(f"{key} must be a {'non-negative' if allow_zero else 'positive'} finite number, "
                                   f"got {_shown(value)}")
-        if not isinstance(self.layer_types, list) or not all(isinstance(t, str) for t in self.layer_types):
-            raise ConfigError(f"layer_types must be a list of layer names ({', '.join(LAYER_TYPES)}), "
-                              f"got {_shown(self.layer_types)}")
-        for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
-            value = getattr(self, key)
-            if value is None:
-                continue
-            ids = value if key == "eos_token_id" and isinstance(value, list) else [value]
-            if not ids or not all(_is_int(i) and 0 <= i < self.vocab_size for i in ids):
-                expected = "an id or a non-empty list of ids" if key == "eos_token_id" else "an id"
-                raise ConfigError(f"{key} must be {expected} in 0..{self.vocab_size - 1} (vocab_size "
-                                  f"{self.vocab_size}) or null, got {_shown(value)}")
-        if self.hidden_size % self.num_attention_heads:
-            raise ConfigError(f"hidden_size {self.hidden_size} is not divisible by num_attention_heads "
-                              f"{self.num_attention_heads}")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ConfigError(f"num_attention_heads {self.num_attention_heads} is not a multiple of "
-                              f"num_key_value_heads {self.num_key_value_heads}")
-        if self.head_dim % 2:
-            raise ConfigError(f"head_dim {self.head_dim} (hidden_size / num_attention_heads) must be even for RoPE")
-        if len(self.layer_types) != self.num_hidden_layers:
-            raise ConfigError(f"layer_types has {len(self.layer_types)} entries but num_hidden_layers is "
-                              f"{self.num_hidden_layers}")
-        bad = [t for t in self.layer_types if t not in LAYER_TYPES]
-        if bad:
-            raise ConfigError(f"layer_types has unknown values {sorted(set(bad))}; expected {', '.join(LAYER_TYPES)}")
+        check_backbone(self)
         if self.num_experts_per_tok > self.num_experts:
             raise ConfigError(f"num_experts_per_tok {self.num_experts_per_tok} is more than num_experts "
                               f"{self.num_experts}; expected 1..{self.num_experts}")
