@@ -26,6 +26,9 @@
 #                                         one GPU: benches/grad_sync.py at LFM2-350M, 1x512 per rank, LoRA r = 8 (3 timed
 #                                         steps) and full fine-tuning (2), each with the gradients staged in the backward and
 #                                         after the pass -> $OUT/h200_grad_sync_lora.json, h200_grad_sync_full.json
+#   bash benches/h200.sh limits           what WebGPU's default limits cost: the limits group (kernels on LFM2-1.2B's
+#                                         embedding, in pieces and parts, beside the raised limits) on Dawn and on
+#                                         wgpu-native, then the default-limits model tests -> $OUT/h200_limits{,_wgpu_native}.json
 #   bash benches/h200.sh mpi              the host side of the gradient exchange: benches/readback.py (1 and 4 copy threads),
 #                                         then benches/mpi_exchange.py (no GPU) with 2 ranks under MPICH's transports and
 #                                         settings, and with 4 -> $OUT/h200_readback.json, $OUT/h200_mpi_exchange.log
@@ -104,6 +107,14 @@ gradsync)
             --json "$OUT/h200_grad_sync_${name}.json" 2>&1 | tail -4
     done
     ;;
+limits)
+    for impl in dawn wgpu-native; do
+        suffix=$([ "$impl" = dawn ] || echo _wgpu_native)
+        LFM2JIT_WEBGPU=$impl python3 -m lfm2jit.bench --only limits --json "$OUT/h200_limits$suffix.json" 2>&1 | grep "^#   \|limits" | tail -8
+    done
+    LFM2JIT_WEBGPU=dawn python3 -m pytest -q -p no:cacheprovider -rs tests/model/test_default_limits.py tests/compiler/test_binding_limits.py 2>&1 \
+        | tee "$OUT/h200_default_limits_tests_dawn.log" | tail -3
+    ;;
 mpi)
     export LFM2JIT_WEBGPU=dawn
     install_mpi
@@ -119,6 +130,6 @@ mpi)
     } | tee "$OUT/h200_mpi_exchange.log"
     ;;
 *)
-    echo "usage: bash benches/h200.sh tests | matrix | speed [BASE] | lora | attention | decode | gradsync | mpi" >&2; exit 2 ;;
+    echo "usage: bash benches/h200.sh tests | matrix | speed [BASE] | lora | attention | decode | gradsync | limits | mpi" >&2; exit 2 ;;
 esac
 echo "took $(( $(date +%s) - start )) s"

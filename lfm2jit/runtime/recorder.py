@@ -150,9 +150,13 @@ class Recorder:
     # ---- tensors ----
     def empty(self, shape, dtype: str = "f32", capacity: int | None = None, exact: bool = False) -> Tensor:
         """A pooled tensor (contents undefined); ``capacity`` elements reserved, at least its size;
-        ``exact``: a buffer of just that size, not its pool size class (see BufferPool.acquire)."""
+        ``exact``: a buffer of just that size, not its pool size class (see BufferPool.acquire). One
+        larger than the device's largest buffer is held, unpooled, in parts (Tensor.empty); a reserved
+        capacity that large is refused, as parts cannot grow into a bucket."""
         n = max(math.prod(shape), capacity or 0)
         largest = self.ctx.limits.get("max-buffer-size")
+        if largest is not None and buffer_bytes(n, dtype) > largest and n == math.prod(shape):
+            return Tensor.empty(self.ctx, shape, dtype)
         if largest is not None and buffer_bytes(n, dtype) > largest:
             raise ValueError(f"a {dtype}{list(shape)} work tensor needs {buffer_bytes(n, dtype)} bytes; the device's "
                              f"largest buffer is {largest} (max-buffer-size): use a shorter length bucket or a "

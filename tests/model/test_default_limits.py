@@ -130,7 +130,9 @@ def test_1_2b_logits_and_a_lora_step_on_an_f16_base_under_default_limits(default
     lora = model.add_lora(LoraConfig(r=4, alpha=8, target_modules=("q_proj", "v_proj", "w2")), seed=7,
                           base_dtype="f16")
     assert embedding(model).parts is not None and len(embedding(model).parts) == 4
-    assert rel_err(model.logits(ids, bucket=16), want_logits) < 1e-3
+    # on the matrix units a product with the f16 base rounds its f32 input to f16 as it is staged
+    matrix = bool(engine.target.matrix_configs)
+    assert rel_err(model.logits(ids, bucket=16), want_logits) < (3e-3 if matrix else 1e-3)
     named = model.lora.named
     assert sorted(map(id, named.values())) == sorted(map(id, lora))
     before = {n: t.numpy() for n, t in named.items()}
