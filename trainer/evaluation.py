@@ -22,12 +22,12 @@ GENERATE_BATCH = 16       # prompts decoded together
 EVAL_PACK_ROWS = 4096     # rows of one packed evaluation pass (its activations grow with them)
 
 
-def held_out_loss(model, engine, items, bucket: int) -> tuple[float, float]:
+def held_out_loss(model, engine, items, bucket: int, progress=None) -> tuple[float, float]:
     """Mean cross-entropy per supervised token over ``items`` (forward only: no weight or gradient
     of the model is touched), and the same over the answer tokens of items that carry an answer
     mask (NaN when none does). Consecutive items run packed, as training packs them (up to
     EVAL_PACK_ROWS rows a pass, see packing.py): one pass for many short records instead of one
-    each."""
+    each. ``progress(n)`` is told of every n items scored."""
     from lfm2jit.ops.lmhead import lm_head_cross_entropy
     unit = lcm(model.pack_multiple(), bucket)
     lengths = [len(it[0]) for it in items]
@@ -51,6 +51,8 @@ def held_out_loss(model, engine, items, bucket: int) -> tuple[float, float]:
                                         grads=False)
             sums[j] += res.loss_value()
             counts[j] += int(m.sum())
+        if progress is not None:
+            progress(len(group))
     return tuple(s / c if c else float("nan") for s, c in zip(sums, counts))
 
 
@@ -80,8 +82,9 @@ def answer_cases(items, answers_are_the_loss: bool) -> list[AnswerCase]:
     return cases
 
 
-def greedy_answers(model, tok, cases: list[AnswerCase], eos_ids) -> list[dict]:
-    """Each case's greedy answer beside the expected one: {"prompt", "expected", "answer", "correct"}."""
+def greedy_answers(model, tok, cases: list[AnswerCase], eos_ids, progress=None) -> list[dict]:
+    """Each case's greedy answer beside the expected one: {"prompt", "expected", "answer", "correct"};
+    ``progress(n)`` is told of every n answers."""
     eos = sorted(set(int(i) for i in eos_ids))
     out = []
     for at in range(0, len(cases), GENERATE_BATCH):
@@ -93,6 +96,8 @@ def greedy_answers(model, tok, cases: list[AnswerCase], eos_ids) -> list[dict]:
             answer = _text(tok, got, eos)
             out.append({"prompt": tok.decode(case.prompt.tolist(), skip_special_tokens=False),
                         "expected": expected, "answer": answer, "correct": answer == expected})
+        if progress is not None:
+            progress(len(chunk))
     return out
 
 

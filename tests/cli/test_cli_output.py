@@ -1,7 +1,7 @@
 """What `python -m trainer` prints says what it does: notes on cut records and the held-out split,
 the loss verdict at the rounding it is shown with, and progress that does not fill a log with
 redrawn bars (plain lines every N steps when stderr is not a terminal, the time left estimated
-after the compiling steps)."""
+after the compiling steps), the held-out evaluation's included."""
 from __future__ import annotations
 
 import io
@@ -29,6 +29,10 @@ def test_max_len_eval_max_and_progress_lines(tmp_path, capsys):
     # the first two steps compile kernels: no estimate from them
     assert "time left estimated from step 3" in lines[0] and "time left estimated from step 3" in lines[1]
     assert re.search(r"\d+:\d\d remaining", lines[2]) and "done" in lines[3]
+    # the held-out evaluations before and after show their own progress, counted in sequences
+    evals = [line for line in cap.err.splitlines() if line.startswith("held-out loss: sequence ")]
+    assert len(evals) >= 2 and all(re.match(r"held-out loss: sequence \d+/20 ", x) for x in evals), cap.err
+    assert sum(x.startswith("held-out loss: sequence 20/20 ") and "done" in x for x in evals) == 2, cap.err
     m = re.search(r"held-out loss \(all tokens\): (\d\.\d{4}) before -> (\d\.\d{4}) after  \((x[\d.]+),", cap.out)
     verdict = "fell" if float(m.group(2)) < float(m.group(1)) else "DID NOT FALL"
     assert f"the held-out loss {verdict} ({m.group(3)})" in cap.out
@@ -41,7 +45,7 @@ def test_a_loss_shown_as_x1_00_did_not_fall(tmp_path, capsys):
     assert rc == 0, cap.err
     assert "(x1.00, 4 sequences)" in cap.out
     assert "the held-out loss DID NOT FALL (x1.00)" in cap.out and "loss fell" not in cap.out
-    assert "train: step" not in cap.err                    # --no-progress
+    assert "train: step" not in cap.err and "held-out loss: sequence" not in cap.err    # --no-progress
 
 
 def test_the_verdict_agrees_with_the_losses_shown():

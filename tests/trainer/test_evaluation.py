@@ -121,9 +121,12 @@ def test_a_run_reports_exact_match_and_samples(data_files, tmp_path, capsys):
     out = tmp_path / "run"
     rc = main(["--preset", "tiny", "--data", str(data_files / "train.jsonl"), "--eval-data",
                str(data_files / "held.jsonl"), "--steps", "4", "--eval-every", "2", "--samples", "3",
-               "--out", str(out), "--no-progress"])
+               "--out", str(out)])
     printed = capsys.readouterr()
     assert rc == 0
+    # greedy answering shows its progress, counted in answers, at step 2 and at the end
+    done = [x for x in printed.err.splitlines() if x.startswith("held-out answers: answer 12/12 ") and "done" in x]
+    assert len(done) == 2, printed.err
     evals = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()]
     assert [e["step"] for e in evals] == [2]
     assert evals[0]["answers_scored"] == 12 and 0 <= evals[0]["exact_match"] <= 1

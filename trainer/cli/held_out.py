@@ -3,8 +3,11 @@ added up over the ranks, recorded in eval.jsonl and samples.jsonl, printed with 
 from __future__ import annotations
 
 import json
+import sys
+from contextlib import contextmanager
 from pathlib import Path
 
+from .progress import Progress
 from .run_dir import clean
 from .state import Session
 
@@ -15,7 +18,8 @@ def evaluate(s: Session, items, answers: bool) -> dict:
     records) with every scored sample (see trainer/evaluation.py)."""
     from ..evaluation import answer_cases, exact_match, greedy_answers, held_out_loss, perplexity
     run, data, model = s.run, s.data, s.model
-    loss, answer_loss = held_out_loss(model, s.engine, items, run.bucket)
+    with _bar(run, len(items), "held-out loss", "sequence") as bar:
+        loss, answer_loss = held_out_loss(model, s.engine, items, run.bucket, progress=bar.update)
     out = {"loss": loss, "perplexity": perplexity(loss), "answer_loss": answer_loss,
            "answer_perplexity": perplexity(answer_loss), "exact_match": None, "answers_scored": 0}
     if answers and run.eval_answers != 0:
@@ -24,9 +28,22 @@ def evaluate(s: Session, items, answers: bool) -> dict:
         cases = answer_cases(source, data.label == "assistant tokens")[:run.eval_answers][run.rank::run.world_size]
         if cases:
             end = s.tok.token_to_id("<|im_end|>")
-            samples = greedy_answers(model, s.tok, cases, set(model.generation_eos) | ({end} - {None}))
+            with _bar(run, len(cases), "held-out answers", "answer") as bar:
+                samples = greedy_answers(model, s.tok, cases, set(model.generation_eos) | ({end} - {None}),
+                                         progress=bar.update)
             out.update(exact_match=exact_match(samples), answers_scored=len(samples), samples=samples)
     return _combine(s, out, items) if run.world_size > 1 else out
+
+
+@contextmanager
+def _bar(run, total: int, desc: str, unit: str):
+    """A progress bar on stderr over one part of the evaluation (long on a slow device: --eval-max and
+    --eval-answers shorten it); its first pass compiles, so the pace counts from the second."""
+    bar = Progress(total=total, enabled=run.progress, file=sys.stderr, desc=desc, unit=unit, warmup=1)
+    try:
+        yield bar
+    finally:
+        bar.close()
 
 
 def _combine(s: Session, out: dict, items) -> dict:

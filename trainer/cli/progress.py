@@ -8,7 +8,8 @@ last step.
 
 The estimate of the time remaining starts after the first ``warmup`` steps of this run: those
 compile and specialize the kernels, the steps after them are the run's pace. Until then it reads
-"time left estimated from step N".
+"time left estimated from step N". Other long work (the held-out evaluation) counts its own
+``unit`` (sequences, answers) the same way.
 """
 from __future__ import annotations
 
@@ -29,10 +30,11 @@ class Progress:
     """``update(n)``, ``set_postfix_str(text)``, ``write(line)`` and ``close()``, as the CLI uses a bar."""
 
     def __init__(self, total: int, initial: int = 0, enabled: bool = True, file=None, desc: str = "train",
-                 every: int | None = None, warmup: int = WARMUP_STEPS, redraw_s: float = 0.1):
+                 every: int | None = None, warmup: int = WARMUP_STEPS, redraw_s: float = 0.1, unit: str = "step"):
         self.file = sys.stderr if file is None else file
         self.total, self.n, self.initial = int(total), int(initial), int(initial)
         self.enabled, self.desc, self.warmup, self.redraw_s = enabled, desc, max(0, int(warmup)), redraw_s
+        self.unit = unit
         try:
             self.tty = bool(self.file.isatty())
         except (AttributeError, ValueError):
@@ -84,13 +86,13 @@ class Progress:
         if self.n >= self.total:
             return "done"
         if self.t_warm is None or self.n <= self.n_warm:
-            return f"time left estimated from step {self.initial + self.warmup + 1}"
+            return f"time left estimated from {self.unit} {self.initial + self.warmup + 1}"
         pace = (time.perf_counter() - self.t_warm) / (self.n - self.n_warm)
         return f"{_clock(pace * (self.total - self.n))} remaining"
 
     def line(self) -> str:
         pct = 100 * self.n / self.total if self.total else 100.0
-        return (f"{self.desc}: step {self.n}/{self.total} ({pct:.0f}%), {_clock(time.perf_counter() - self.t0)} "
+        return (f"{self.desc}: {self.unit} {self.n}/{self.total} ({pct:.0f}%), {_clock(time.perf_counter() - self.t0)} "
                 f"elapsed, {self.remaining()}" + (f", {self.postfix}" if self.postfix else ""))
 
     def _draw(self, force: bool = False) -> None:
