@@ -42,6 +42,8 @@ from .generate import Sampling, check_request, eos_ids, generate
 from .ids import DeviceIds, check_ids
 from .layers import Kernels, ResidualSaved, Rope, Rows, decoder_block
 from .lora import AdapterError, LoraConfig, check_weights, init_weights, read_adapter, write_adapter
+from .moe_checkpoint import init_moe_tensors, moe_model_tensors, save_moe_pretrained
+from .moe_config import Lfm2MoeConfig, read_model_config
 
 
 @dataclass
@@ -61,7 +63,7 @@ class Lfm2Model:
     """An LFM2 decoder: its parameters, adapters and checkpoints, and its forward and backward as
     lists of layers (``blocks``: per decoder layer, the layers/ classes its forward runs)."""
 
-    def __init__(self, cfg: Lfm2Config, ctx, engine, seed: int = 0, tensors: dict[str, np.ndarray] | None = None,
+    def __init__(self, cfg: Lfm2Config | Lfm2MoeConfig, ctx, engine, seed: int = 0, tensors: dict[str, np.ndarray] | None = None,
                  activation_dtype: str = "f32", recompute_mlp: bool = False):
         self.cfg = cfg
         self.ctx = ctx
@@ -70,9 +72,11 @@ class Lfm2Model:
         if not isinstance(recompute_mlp, bool):
             raise TypeError(f"recompute_mlp must be True or False, got {recompute_mlp!r}")
         self.recompute_mlp = recompute_mlp     # backward recomputes the MLP's a and b too (layers/mlp.py)
-        tensors = check_tensors(cfg, init_tensors(cfg, seed) if tensors is None else tensors)
+        tensors, buffers = _model_tensors(cfg, seed, tensors)
         # carved side by side (runtime/arena.py): the optimizer steps a run of them in one dispatch
         self._params: dict[str, Tensor] = dict(zip(tensors, arena.upload(ctx, [a.astype(np.float32) for a in tensors.values()])))
+        # tensors the checkpoint holds that are never trained (an MoE router's expert_bias)
+        self._buffers: dict[str, Tensor] = {n: Tensor.from_numpy(ctx, a.astype(np.float32)) for n, a in buffers.items()}
         self.lora: LoraAdapters | None = None
         self.kernels = Kernels(self)
         self.rope = Rope(cfg, ctx)
@@ -153,7 +157,7 @@ class Lfm2Model:
                         recompute_mlp: bool = False) -> "Lfm2Model":
         directory = Path(directory)
         precision.check_activation_dtype(activation_dtype, ctx)    # before the checkpoint is read
-        cfg = Lfm2Config.from_json(directory / "config.json")
+        cfg = read_model_config(directory / "config.json")          # lfm2 or lfm2_moe
         model = cls(cfg, ctx, engine, tensors=load_checkpoint(directory), activation_dtype=activation_dtype,
                     recompute_mlp=recompute_mlp)
         eos = read_generation_eos(directory)
@@ -162,21 +166,28 @@ class Lfm2Model:
         return model
 
     def state_dict(self) -> dict[str, np.ndarray]:
-        """The base model's tensors, as f32 (without adapters: ``save_adapter`` writes those)."""
-        return {n: t.numpy().astype(np.float32) for n, t in self._params.items()}
+        """The base model's tensors, as f32, by transformers' in-memory names (an MoE model's experts
+        fused), buffers included as torch's state_dict has them (without adapters: ``save_adapter``
+        writes those)."""
+        return {n: t.numpy().astype(np.float32) for n, t in {**self._params, **self._buffers}.items()}
 
     def save_pretrained(self, directory, dtype: str = "f32", max_shard_size=None) -> None:
         """config.json + model.safetensors that transformers' Lfm2ForCausalLM.from_pretrained loads,
         stored as ``dtype`` ("f32", "bf16" or "f16": rounded to nearest even); with ``max_shard_size``
         (bytes, or "5GB"), shards of at most that size and model.safetensors.index.json."""
         tensors = self.state_dict()
+        if isinstance(self.cfg, Lfm2MoeConfig):         # per expert, as transformers saves them
+            save_moe_pretrained(Path(directory), self.cfg, tensors, dtype, max_shard_size)
+            return
         if self.cfg.tie_word_embeddings:
             tensors["lm_head.weight"] = tensors[EMBEDDING]   # transformers expects it
         save_checkpoint(Path(directory), self.cfg, tensors, dtype, max_shard_size)
 
     def load_state(self, tensors: dict[str, np.ndarray]) -> None:
-        for name, arr in check_tensors(self.cfg, tensors).items():
-            self._params[name].write(arr.astype(DTYPES[self._params[name].dtype]))
+        params, buffers = _model_tensors(self.cfg, 0, tensors)         # all checked before any is written
+        for name, arr in {**params, **buffers}.items():
+            t = self._params[name] if name in self._params else self._buffers[name]
+            t.write(arr.astype(DTYPES[t.dtype]))
 
     # ---- input ----
     def check_ids(self, ids, what: str = "input_ids") -> np.ndarray:
@@ -334,3 +345,11 @@ class Lfm2Model:
             ids = trace.ids                      # slots skip the padding token: torch's padding_idx
             k.run("embedding_backward", bucket=rows.bucket, dims={"V": self.cfg.vocab_size}, g=dh,
                   order=ids.order, bounds=ids.bounds, rows=ids.rows, out={"d_table": emb.grad}, accumulate={"d_table"})
+
+
+def _model_tensors(cfg, seed: int, tensors) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """(parameters, buffers) of a model of ``cfg``: ``tensors`` checked (and an MoE checkpoint's
+    experts fused), or a fresh initialisation from ``seed``."""
+    if isinstance(cfg, Lfm2MoeConfig):
+        return moe_model_tensors(cfg, init_moe_tensors(cfg, seed) if tensors is None else tensors)
+    return check_tensors(cfg, init_tensors(cfg, seed) if tensors is None else tensors), {}

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .checkpoint import parameter_shapes
+from .moe_checkpoint import model_parameter_shapes
 from .config import Lfm2Config
 
 LFM2_LINEARS = ("q_proj", "k_proj", "v_proj", "out_proj", "in_proj", "w1", "w2", "w3")
@@ -63,7 +63,7 @@ class LoraConfig:
         """The targeted linear modules of a model of ``cfg``, by name, with their (out, in) sizes.
         A target that matches no linear layer is an error: tools written for Llama's names
         (o_proj, gate_proj, ...) would otherwise train nothing there without a word."""
-        linears = {name[:-len(".weight")]: shape for name, shape in parameter_shapes(cfg).items()
+        linears = {name[:-len(".weight")]: shape for name, shape in model_parameter_shapes(cfg).items()
                    if name.startswith("model.layers.") and name.endswith(".weight") and len(shape) == 2}
         found = {}
         for target in self.target_modules:

@@ -7,7 +7,7 @@ import numpy as np
 from ..runtime import Tensor, arena
 from ..runtime.tensor import DTYPES
 from .adapters import LoraAdapters
-from .checkpoint import parameter_shapes
+from .moe_checkpoint import model_parameter_shapes
 from .config import Lfm2Config
 from .lora import LoraConfig
 
@@ -34,7 +34,7 @@ def upload_adapters(ctx, config: LoraConfig, modules, weights: dict[str, np.ndar
 
 def base_linears(cfg: Lfm2Config) -> list[str]:
     """The decoder's linear weights: what base_dtype="f16" narrows."""
-    return [n for n, shape in parameter_shapes(cfg).items()
+    return [n for n, shape in model_parameter_shapes(cfg).items()
             if n.startswith("model.layers.") and n.endswith(".weight") and len(shape) == 2]
 
 

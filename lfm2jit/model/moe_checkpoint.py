@@ -57,6 +57,35 @@ def moe_tensor_shapes(cfg: Lfm2MoeConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def moe_model_shapes(cfg: Lfm2MoeConfig) -> dict[str, tuple[int, ...]]:
+    """The model's parameters as it holds them, by transformers' in-memory names, in the model's
+    order: each sparse layer's experts fused (``experts.gate_up_proj`` [E, 2I, D] and
+    ``experts.down_proj`` [E, D, I], as ``fuse_experts`` stacks them), no buffers."""
+    out: dict[str, tuple[int, ...]] = {}
+    e, d, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    for name, shape in moe_parameter_shapes(cfg).items():
+        m = _PER_EXPERT.fullmatch(name)
+        if m is None:
+            out[name] = shape
+        elif m.group(2) == "0" and m.group(3) == "w1":
+            p = f"model.layers.{m.group(1)}.feed_forward.experts."
+            out[p + "gate_up_proj"], out[p + "down_proj"] = (e, 2 * i, d), (e, d, i)
+    return out
+
+
+def model_parameter_shapes(cfg) -> dict[str, tuple[int, ...]]:
+    """The parameters a model of ``cfg`` holds, dense (``parameter_shapes``) or MoE (``moe_model_shapes``)."""
+    return moe_model_shapes(cfg) if isinstance(cfg, Lfm2MoeConfig) else parameter_shapes(cfg)
+
+
+def moe_model_tensors(cfg: Lfm2MoeConfig, tensors: dict) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """A checkpoint's tensors (either expert form) as the model holds them: its parameters in
+    ``moe_model_shapes``' order and form, and its ``expert_bias`` buffers; checked first."""
+    fused = fuse_experts(cfg, check_moe_tensors(cfg, tensors))
+    params = {n: fused[n] for n in moe_model_shapes(cfg)}
+    return params, {n: a for n, a in fused.items() if is_buffer(n)}
+
+
 def moe_parameter_shapes(cfg: Lfm2MoeConfig) -> dict[str, tuple[int, ...]]:
     """The trainable parameters only (``moe_tensor_shapes`` less the ``expert_bias`` buffers)."""
     return {n: s for n, s in moe_tensor_shapes(cfg).items() if not is_buffer(n)}

@@ -217,3 +217,16 @@ MOE_PRESETS: dict[str, dict] = {
                           layer_types=["conv", "conv", "full_attention"], num_dense_layers=0, num_experts=4,
                           num_experts_per_tok=1, use_expert_bias=False),
 }
+
+
+def read_model_config(path) -> "Lfm2MoeConfig | object":
+    """A config.json (or a model directory holding one) as the config its ``model_type`` names:
+    Lfm2MoeConfig for ``lfm2_moe``, Lfm2Config for ``lfm2`` (and for a file without the key)."""
+    from .config import Lfm2Config
+    p = Path(path)
+    p = p / "config.json" if p.is_dir() else p
+    try:
+        kind = json.loads(p.read_text()).get("model_type") if p.exists() else None
+    except (json.JSONDecodeError, UnicodeDecodeError, OSError, AttributeError):
+        kind = None                                   # the dense reader says what is wrong with the file
+    return Lfm2MoeConfig.from_json(p) if kind == MODEL_TYPE else Lfm2Config.from_json(p)

@@ -83,6 +83,14 @@ def test_progress_redraws_only_on_a_terminal():
     assert text.count("\r") >= 5 and "[" + "#" * 24 + "]" in text and "  step 5: held-out loss 1.0\n" in text
     assert text.endswith("\n") and "train: step" not in text
 
+    log = io.StringIO()                 # updates of several units at once still print each tenth crossed
+    p = Progress(total=150, initial=0, file=log, desc="held-out loss", unit="sequence")
+    for _ in range(9):
+        p.update(16)
+    p.update(6)
+    shown = [int(re.match(r"held-out loss: sequence (\d+)/150", x).group(1)) for x in log.getvalue().splitlines()]
+    assert shown == [16, 32, 48, 64, 80, 96, 112, 128, 144, 150], log.getvalue()
+
     off = io.StringIO()
     p = Progress(total=5, enabled=False, file=off)
     p.update(5)

@@ -62,8 +62,8 @@ class Progress:
             return
         if self.tty:
             self._draw(force=self.n >= self.total)
-        elif (self.n - self.initial) % self.every == 0 or self.n >= self.total:
-            print(self.line(), file=self.file, flush=True)
+        elif (self.n - self.initial) // self.every > (self.n - n - self.initial) // self.every or self.n >= self.total:
+            print(self.line(), file=self.file, flush=True)          # crossed a multiple of every (n may be > 1)
 
     def write(self, text: str, file=None) -> None:
         """Print a line between the redraws (on a terminal, above the bar)."""
