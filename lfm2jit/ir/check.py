@@ -335,7 +335,7 @@ class _Builder:
             self.fixed_dims.update((a, int(a)) for p in outs for a in p.shape if a.isdigit())
             return outs
         except intrinsics.IntrinsicError as err:
-            raise self.error(e.loc, f"{intr.name}(): {err}", ", ".join(intr.params)) from None
+            raise self.error(e.loc, f"{intr.name}(): {err}", ", ".join(intr.params + intr.axes)) from None
 
     def intrinsic_axis(self, intr, name: str, arg: ast.Expr) -> str:
         """An intrinsic's axis argument: a name that is not a value (its size comes from the call), or

@@ -10,7 +10,7 @@ few hundred). Entries rank by a key of their bits, descending, then by index, as
              bits(v) | 0x80000000            v > 0
              ~bits(v)                        v < 0
 
-f16 values are keyed on their own 16 bits the same way (their sign bit is 0x8000). Padded rows
+f16 values are keyed as the f32 they widen to (exactly, NaN staying NaN). Padded rows
 (past the real length) are neither read nor written.
 """
 from __future__ import annotations
