@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from .driver import Backward, CacheStats, Kernel, Timer, WgslDiskCache, generate_wgsl, kernel_named
 from .ir.nodes import SEQ_AXIS
+from .ir.shapes import derived_size
 from .runtime.recorder import Compiled, Recorder, Shader
 from .runtime.tensor import Tensor
 from .safefiles import write_atomic
@@ -244,6 +245,10 @@ class ComputeEngine(Recorder):
                                      f"says {axis}={sizes[axis]}")
                 sizes.setdefault(axis, size)
                 source.setdefault(axis, f"forward argument {t.name!r}")
+        for axis in ir.axes:          # integer axes, and "V+1" from V
+            size = derived_size(axis, sizes)
+            if size is not None and sizes.setdefault(axis, size) != size:
+                raise ValueError(f"{ir.name}: {source[axis]} has {axis}={sizes[axis]}, expected {size}")
         missing_axes = [a for a in ir.axes if a not in sizes]
         if missing_axes:
             raise ValueError(f"kernel {ir.name!r} needs sizes for axes {', '.join(missing_axes)} "

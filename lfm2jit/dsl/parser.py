@@ -93,6 +93,14 @@ class _ToAst(Transformer_NonRecursive):
     def dim_optional(self, meta, children):
         return str(children[0]), _loc(children[0]), True
 
+    def dim_plus_one(self, meta, children):
+        name, tok = children[0], children[-1]
+        if str(tok).lstrip("0") != "1":
+            raise DslError(f"axis {name} + {str(tok)[:20]}: only one past an axis can be named",
+                           filename=self.filename, line=tok.line, column=tok.column, source=self.text,
+                           expected=f"{name} + 1 (a bucket sort's offsets) or an axis name")
+        return f"{name}+1", _loc(children[0]), False
+
     def dim_size(self, meta, children):
         tok = children[0]
         digits = str(tok).lstrip("0")

@@ -317,20 +317,37 @@ class _Builder:
         raise self.error(arg.loc, "expected an axis name here", "an axis name such as T or D")
 
     def intrinsic(self, e: ast.Call, intr) -> list[Node]:
+        wanted = intr.params + intr.axes
+        if len(e.args) != len(wanted):
+            what = f"{len(intr.params)} operands" + (f" and {len(intr.axes)} axis" if intr.axes else "")
+            raise self.error(e.loc, f"{intr.name}() takes {what} ({', '.join(wanted)}), got {len(e.args)} arguments",
+                             ", ".join(wanted))
         operands = []
-        for a in e.args:
+        for a in e.args[:len(intr.params)]:
             x = self.expr(a)
             if x.op != Op.INPUT:
                 raise self.error(a.loc, f"{intr.name}() takes kernel inputs as operands",
                                  "a tensor parameter (compute other values in another kernel)")
             operands.append(x)
-        if len(operands) != len(intr.params):
-            raise self.error(e.loc, f"{intr.name}() takes {len(intr.params)} operands ({', '.join(intr.params)}), "
-                             f"got {len(operands)}", ", ".join(intr.params))
+        axes = tuple(self.intrinsic_axis(intr, name, a) for name, a in zip(intr.axes, e.args[len(intr.params):]))
         try:
-            return intrinsics.call_nodes(intr, operands)
+            outs = intrinsics.call_nodes(intr, operands, axes)
+            self.fixed_dims.update((a, int(a)) for p in outs for a in p.shape if a.isdigit())
+            return outs
         except intrinsics.IntrinsicError as err:
-            raise self.error(e.loc, f"{intr.name}(): {err}", ", ".join(intr.params)) from None
+            raise self.error(e.loc, f"{intr.name}(): {err}", ", ".join(intr.params + intr.axes)) from None
+
+    def intrinsic_axis(self, intr, name: str, arg: ast.Expr) -> str:
+        """An intrinsic's axis argument: a name that is not a value (its size comes from the call), or
+        a positive integer (a fixed-size axis)."""
+        if isinstance(arg, ast.Var) and arg.name not in self.env:
+            return arg.name
+        if _is_int(arg) and int(arg.value) >= 1:
+            size = int(arg.value)
+            self.fixed_dims[str(size)] = size
+            return str(size)
+        raise self.error(arg.loc, f"{intr.name}() takes its {name} as an axis name or a positive integer",
+                         f"an axis name such as {name}, or an integer such as 2")
 
     def reduce(self, e: ast.Call) -> Node:
         x = self.expr(e.args[0])

@@ -15,6 +15,7 @@ from . import intrinsics
 from .graph import GraphBuilder
 from .nodes import ABSTRACT, KernelIR, Node, TensorArg, substitute, toposort
 from .ops import FLOAT_DTYPES, REDUCE, Op
+from .shapes import plus_one
 
 
 Rule = Callable[[GraphBuilder, Node, Node], list]
@@ -57,8 +58,8 @@ RULES: dict[Op, Rule] = {
     Op.SIN: lambda b, n, g: [b.mul(g, b.unary(Op.COS, n.srcs[0]))],
     Op.EQ: lambda b, n, g: [None, None],
     Op.INDEX: lambda b, n, g: [],
-    # ids are integers; a table's gradient is a scatter-add, which grad_ir refuses up front
-    Op.GATHER: lambda b, n, g: [None, None],
+    # ids are integers; the table's adjoint is a deterministic scatter-add of g's rows by id
+    Op.GATHER: lambda b, n, g: [_gather_back(b, n, g), None],
     # reading at t + k sends the adjoint back to t - k (zero past either end); an adjoint that does
     # not vary along the axis is first repeated over it, so the shift sees where the axis ends
     Op.SHIFT: lambda b, n, g: [_shift(b, g, n.srcs[0].shape, n.arg[0], -n.arg[1])],
@@ -108,6 +109,20 @@ def _max_back(b: GraphBuilder, n: Node, g: Node) -> Node:
     return b.mul(g, b.sub(b.const(1), b.binary(Op.LT, src, n)))
 
 
+def _gather_back(b: GraphBuilder, n: Node, g: Node) -> Node:
+    """gather(table, ids)[i..., d...] = table[ids[i...], d...]: row v of the table's adjoint sums g's
+    rows at the positions holding id v. bucket_sort groups the positions by id (stable) and
+    segment_sum adds each group in that order, so the sum's order is fixed: bit-identical runs."""
+    table, ids = n.srcs
+    rows = table.shape[0]
+    g = b.broadcast(g, n.shape)              # every row of g, also where the adjoint is the same along an axis
+    sort = b.node(Op.INTRINSIC, (ids,), (rows,), "tuple", intrinsics.BUCKET_SORT)
+    order = b.node(Op.PROJ, (sort,), ids.shape, "i32", 0)
+    offsets = b.node(Op.PROJ, (sort,), (plus_one(rows),), "i32", 1)
+    segments = b.node(Op.INTRINSIC, (g, order, offsets), (), "tuple", intrinsics.SEGMENT_SUM)
+    return b.node(Op.PROJ, (segments,), table.shape, g.dtype, 0)
+
+
 def _flip(b: GraphBuilder, g: Node, axis: str) -> Node:
     """flip(g) along ``axis``; through a sum over another axis, flip(sum(x, T)) = sum(flip(x), T), so
     the flip is read inside the sum's loop rather than needing the sum materialised first."""
@@ -154,11 +169,6 @@ def grad_ir(ir: KernelIR, wrt: list[str] | None = None, cotangents: list[str] | 
         if name not in outputs:
             raise AutodiffError(ir, f"{ir.name}: no output {name!r} to take a cotangent for",
                                 f"one of the outputs: {', '.join(outputs)}")
-
-    tables = {n.srcs[0].arg for n in toposort(ir.results.values()) if n.op == Op.GATHER}
-    if tables & set(wrt):
-        raise AutodiffError(ir, f"{ir.name}: no gradient through gather() for {sorted(tables & set(wrt))}",
-                            "an embedding table's gradient as a scatter-add (the embedding_grad kernel)")
 
     b = GraphBuilder()
     adjoints: dict[int, list[Node]] = {}

@@ -14,6 +14,22 @@ intrinsics, so backward kernels still come from differentiating the IR. How each
     y = dropout(x, key)     x: float [T, D]   key: i32[4]
         x with elements zeroed or scaled by a mask drawn from key, the same mask for every call with
         that key (so the gradient is dropout(dy, key)); schedule/dropout.py states the generator
+    values, indices = topk(x, K)     x: float [T, E]   K: an axis name or an integer, K <= E
+        values [T, K] (x's dtype) in descending order, indices i32[T, K]; equal values: lower index
+        first; NaN ranks above +inf, -0 equals +0 (schedule/topk.py). The gradient flows through the
+        picked values only: dx[t, e] = sum over j of dvalues[t, j] where indices[t, j] == e
+    order, offsets = bucket_sort(ids, V)     ids: i32 or u32 [N...]   V: an axis name or an integer
+        order [N...] i32: the flat positions grouped by key, stable (by position within a key);
+        offsets i32[V + 1]: exclusive prefix sums of the per-key counts, so key v's positions are
+        order[offsets[v] : offsets[v + 1]]. A key outside [0, V) goes after every key in range, in
+        position order (order[offsets[V]:] holds them); deterministic (schedule/sort.py)
+    rows = segment_sum(g, order, offsets)     g: float [N..., D...]   order: i32[N...]   offsets: i32[V + 1]
+        rows [V, D...]: row v sums g's rows at order[offsets[v] : offsets[v + 1]] in that order (zero
+        for an empty key), so repeated runs are bit-identical; gather's adjoint in its table is
+        segment_sum(dy, bucket_sort(ids, V)) (ir/grad.py)
+
+An intrinsic with axis arguments (topk's K, bucket_sort's V) carries them as its INTRINSIC node's
+shape, so the kernel sizes them like any axis and the planner finds them without its outputs.
 """
 from __future__ import annotations
 
@@ -21,8 +37,9 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from .graph import GraphBuilder
-from .nodes import KernelIR, Node, TensorArg
+from .nodes import SEQ_AXIS, KernelIR, Node, TensorArg
 from .ops import FLOAT_DTYPES, Op
+from .shapes import minus_one, plus_one
 
 
 class IntrinsicError(ValueError):
@@ -42,6 +59,8 @@ class Intrinsic:
     differentiable_outputs: tuple[str, ...] = field(default=())
     # outputs the template only adds into (a scatter): callers must pass them and accumulate
     adds_only: bool = False
+    # trailing arguments that name or size an axis (topk's K); infer then takes them as a second argument
+    axes: tuple[str, ...] = ()
 
 
 REGISTRY: dict[str, Intrinsic] = {}
@@ -62,26 +81,30 @@ def names() -> list[str]:
     return sorted(REGISTRY)
 
 
-def call_nodes(intrinsic: Intrinsic, operands: list[Node]) -> list[Node]:
-    """The IR of one call: an INTRINSIC node over the operands and one PROJ node per output."""
-    results = intrinsic.infer([(n.dtype, n.shape) for n in operands])
-    call = Node(Op.INTRINSIC, tuple(operands), (), "tuple", intrinsic.name)
+def call_nodes(intrinsic: Intrinsic, operands: list[Node], axes: tuple[str, ...] = ()) -> list[Node]:
+    """The IR of one call: an INTRINSIC node over the operands (its shape: the axis arguments) and
+    one PROJ node per output."""
+    types = [(n.dtype, n.shape) for n in operands]
+    results = intrinsic.infer(types, tuple(axes)) if intrinsic.axes else intrinsic.infer(types)
+    call = Node(Op.INTRINSIC, tuple(operands), tuple(axes), "tuple", intrinsic.name)
     return [Node(Op.PROJ, (call,), shape, dtype, i) for i, (dtype, shape) in enumerate(results)]
 
 
-def kernel_ir(name: str, intrinsic: str, inputs: list[TensorArg], outputs: list[str]) -> KernelIR:
-    """A kernel whose body is ``outputs... = intrinsic(inputs...)``, built without DSL source."""
+def kernel_ir(name: str, intrinsic: str, inputs: list[TensorArg], outputs: list[str],
+              axes: tuple[str, ...] = ()) -> KernelIR:
+    """A kernel whose body is ``outputs... = intrinsic(inputs..., axes...)``, built without DSL source."""
     intr = get(intrinsic)
     if intr is None:
         raise IntrinsicError(f"no intrinsic named {intrinsic!r}; known: {', '.join(names())}")
     operands = [Node(Op.INPUT, (), t.shape, t.dtype, t.name) for t in inputs]
-    projs = call_nodes(intr, operands)
+    projs = call_nodes(intr, operands, axes)
     if len(outputs) != len(projs):
         raise IntrinsicError(f"{intrinsic} returns {len(projs)} values ({', '.join(intr.outputs)}), "
                              f"got {len(outputs)} names")
     results = dict(zip(outputs, projs))
+    fixed = {a: int(a) for p in projs for a in p.shape if a.isdigit()}
     return KernelIR(name, tuple(inputs), (), tuple(TensorArg(n, p.dtype, p.shape) for n, p in results.items()),
-                    results)
+                    results, fixed_dims=fixed)
 
 
 # ---- causal_attention and its backward kernels ----
@@ -207,3 +230,86 @@ def _grad_dropout(b: GraphBuilder, call: Node, projs: dict[int, Node], outs: lis
 
 
 register(Intrinsic(DROPOUT, ("x", "key"), ("y",), _infer_dropout, grad=_grad_dropout, differentiable_outputs=("y",)))
+
+
+# ---- topk ----
+
+TOPK = "topk"
+
+
+def _infer_topk(operands, axes):
+    if len(operands) != 1 or len(axes) != 1:
+        raise IntrinsicError(f"{TOPK} takes a tensor and an axis (x, K), got {len(operands)} tensors and "
+                             f"{len(axes)} axes")
+    ((xd, x),), (k,) = operands, axes
+    if xd not in FLOAT_DTYPES:
+        raise IntrinsicError(f"{TOPK}: x must be a float tensor [T, E], got {xd}[{', '.join(x)}]")
+    if len(x) != 2:
+        raise IntrinsicError(f"{TOPK}: x must be [T, E] (rows, then the axis to pick from), got "
+                             f"{xd}[{', '.join(x)}] with {len(x)} axes")
+    if k in x:
+        raise IntrinsicError(f"{TOPK}: K = {k} is already an axis of x [{', '.join(x)}]; name a new axis for the "
+                             "k picked per row")
+    if k.isdigit() and x[1].isdigit() and int(k) > int(x[1]):
+        raise IntrinsicError(f"{TOPK}: K = {k} is larger than x's last axis E = {x[1]}; expected K <= E")
+    return [(xd, (x[0], k)), ("i32", (x[0], k))]
+
+
+def _grad_topk(b: GraphBuilder, call: Node, projs: dict[int, Node], outs: list) -> list:
+    """values[t, j] = x[t, indices[t, j]], so dx[t, e] = sum over j of dvalues[t, j] where indices[t, j] == e:
+    an equality with index(E), a where and a sum over K, differentiated and scheduled as any IR."""
+    d_values, d_indices = outs
+    if d_indices is not None:
+        raise IntrinsicError(f"{TOPK}: indices are integers and take no cotangent; take one for values only")
+    (x,) = call.srcs
+    (k,) = call.shape
+    rows, e = x.shape
+    indices = projs.get(1) or b.node(Op.PROJ, (call,), (rows, k), "i32", 1)
+    hit = b.node(Op.EQ, (indices, b.node(Op.INDEX, (), (e,), "i32", e)), (rows, k, e), "i32")
+    picked = b.node(Op.WHERE, (hit, d_values, b.const(0)), (rows, k, e), d_values.dtype)
+    return [b.node(Op.SUM, (picked,), (rows, e), d_values.dtype, k)]
+
+
+register(Intrinsic(TOPK, ("x",), ("values", "indices"), _infer_topk, grad=_grad_topk,
+                   differentiable_outputs=("values",), axes=("K",)))
+
+
+# ---- bucket_sort and segment_sum (gather's adjoint) ----
+
+BUCKET_SORT = "bucket_sort"
+SEGMENT_SUM = "segment_sum"
+
+
+def _infer_bucket_sort(operands, axes):
+    if len(operands) != 1 or len(axes) != 1:
+        raise IntrinsicError(f"{BUCKET_SORT} takes integer keys and an axis (ids, V), got {len(operands)} tensors "
+                             f"and {len(axes)} axes")
+    ((idd, ids),), (v,) = operands, axes
+    if idd not in ("i32", "u32") or not ids:
+        raise IntrinsicError(f"{BUCKET_SORT}: ids must be an i32 or u32 tensor, got {idd}[{', '.join(ids)}]")
+    if v == SEQ_AXIS:
+        raise IntrinsicError(f"{BUCKET_SORT}: V = {v} is the sequence axis, whose size is bucketed; expected an axis "
+                             "of fixed meaning (the number of keys)")
+    if v in ids:
+        raise IntrinsicError(f"{BUCKET_SORT}: V = {v} is an axis of ids [{', '.join(ids)}]; expected the number of "
+                             "keys as an axis of its own")
+    return [("i32", ids), ("i32", (plus_one(v),))]
+
+
+def _infer_segment_sum(operands):
+    if len(operands) != 3:
+        raise IntrinsicError(f"{SEGMENT_SUM} takes 3 operands (g, order, offsets), got {len(operands)}")
+    (gd, g), (od, order), (fd, offsets) = operands
+    if gd not in FLOAT_DTYPES:
+        raise IntrinsicError(f"{SEGMENT_SUM}: g must be a float tensor, got {gd}[{', '.join(g)}]")
+    if od != "i32" or not order or g[:len(order)] != order:
+        raise IntrinsicError(f"{SEGMENT_SUM}: order must be i32 over g's leading axes, got {od}[{', '.join(order)}] "
+                             f"for g [{', '.join(g)}]")
+    v = minus_one(offsets[0]) if fd == "i32" and len(offsets) == 1 else None
+    if v is None:
+        raise IntrinsicError(f"{SEGMENT_SUM}: offsets must be i32[V + 1] (bucket_sort's), got {fd}[{', '.join(offsets)}]")
+    return [(gd, (v,) + g[len(order):])]
+
+
+register(Intrinsic(BUCKET_SORT, ("ids",), ("order", "offsets"), _infer_bucket_sort, axes=("V",)))
+register(Intrinsic(SEGMENT_SUM, ("g", "order", "offsets"), ("rows",), _infer_segment_sum))

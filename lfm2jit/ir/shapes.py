@@ -31,3 +31,24 @@ def merge(a: tuple[str, ...], b: tuple[str, ...]) -> tuple[str, ...] | None:
         out.append(x)
     out.extend(pending)
     return tuple(out)
+
+
+def plus_one(axis: str) -> str:
+    """The axis one longer than ``axis`` (a bucket sort's offsets [V + 1]): "V+1", or "9" for "8"."""
+    return str(int(axis) + 1) if axis.isdigit() else f"{axis}+1"
+
+
+def minus_one(axis: str) -> str | None:
+    """The axis ``plus_one`` made this one from, or None when it is not one."""
+    if axis.isdigit():
+        return str(int(axis) - 1) if int(axis) > 1 else None
+    return axis[:-2] if axis.endswith("+1") else None
+
+
+def derived_size(axis: str, sizes: dict[str, int]) -> int | None:
+    """The size of an axis that its name fixes: an integer axis ("3"), or "V+1" once V has a size."""
+    if axis.isdigit():
+        return int(axis)
+    if axis.endswith("+1") and axis[:-2] in sizes:
+        return sizes[axis[:-2]] + 1
+    return None

@@ -11,7 +11,7 @@ from typing import Callable
 from ..ir import intrinsics
 from ..ir.nodes import KernelIR, TensorArg
 from ..tune.tiles import AttentionTiles, MatrixAttentionTiles
-from . import attention, dropout, scatter
+from . import attention, dropout, scatter, sort, topk
 from .spec import IntrinsicCall, Plan
 
 
@@ -28,6 +28,9 @@ PLANNERS: dict[str, IntrinsicPlanner] = {
     intrinsics.ATTENTION_DKDV: IntrinsicPlanner(attention.plan_dkdv, ATTENTION_TILES),
     intrinsics.EMBEDDING_GRAD: IntrinsicPlanner(scatter.plan),
     intrinsics.DROPOUT: IntrinsicPlanner(dropout.plan),
+    intrinsics.TOPK: IntrinsicPlanner(topk.plan),
+    intrinsics.BUCKET_SORT: IntrinsicPlanner(sort.plan),
+    intrinsics.SEGMENT_SUM: IntrinsicPlanner(scatter.plan_segments),
 }
 
 
@@ -41,4 +44,5 @@ def plan(ir: KernelIR, sizes: dict[str, int], accumulate: frozenset[str], tiles=
     operands = tuple(TensorArg(src.arg, src.dtype, src.shape) for src in call.srcs)
     by_index = {ir.results[o.name].arg: o for o in ir.outputs}
     outputs = tuple(by_index.get(i) for i in range(len(intrinsics.get(call.arg).outputs)))
-    return PLANNERS[call.arg].plan(IntrinsicCall(call.arg, operands, outputs, sizes, accumulate, tiles), target)
+    return PLANNERS[call.arg].plan(IntrinsicCall(call.arg, operands, outputs, sizes, accumulate, tiles, call.shape),
+                                   target)

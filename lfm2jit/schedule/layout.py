@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 
 from ..ir.nodes import SEQ_AXIS, KernelIR
+from ..ir.shapes import derived_size
 from .code import Bin, Const, Index, IndexLet, SeqLen, Var, add, mul
 
 
@@ -29,17 +30,24 @@ def bind_dims(ir: KernelIR, dims: dict[str, int], bucket: int) -> dict[str, int]
         if name in ir.fixed_dims and ir.fixed_dims[name] != value:
             raise ValueError(f"axis {name} of kernel {ir.name!r} is fixed to {ir.fixed_dims[name]}, got {value}")
         sizes[name] = value
+    for a in ir.axes:
+        if a not in sizes and derived_size(a, sizes) is not None:
+            sizes[a] = derived_size(a, sizes)
     missing = [a for a in ir.axes if a not in sizes]
     if missing:
         raise ValueError(f"kernel {ir.name!r} needs sizes for axes {', '.join(missing)} "
                          f"(e.g. --dim {missing[0]}=64)")
+    for a in ir.axes:
+        if derived_size(a, sizes) not in (None, sizes[a]):
+            raise ValueError(f"axis {a} of kernel {ir.name!r} has size {sizes[a]}, expected {derived_size(a, sizes)}")
     if SEQ_AXIS in sizes:
         sizes[SEQ_AXIS] = bucketed(sizes[SEQ_AXIS], bucket)
     return {a: sizes[a] for a in ir.axes}
 
 
 def ident(axis: str) -> str:
-    """An identifier for an axis; integer axes ("3") become "AX3"."""
+    """An identifier for an axis; integer axes ("3") become "AX3", one past an axis ("V+1") "V_p1"."""
+    axis = axis.replace("+", "_p")
     return axis if axis[0].isalpha() or axis[0] == "_" else f"AX{axis}"
 
 

@@ -135,3 +135,4 @@ class IntrinsicCall:
     sizes: dict[str, int]
     accumulate: frozenset[str] = frozenset()
     tiles: object = None                     # the caller's tiles override (of the planner's tiles class)
+    axes: tuple[str, ...] = ()               # the call's axis arguments (topk's K, bucket_sort's V)

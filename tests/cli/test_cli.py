@@ -95,12 +95,19 @@ def test_dump_backward_prints_every_backward_kernel():
 
 
 def test_dump_backward_of_a_kernel_without_one_is_a_clear_error():
-    out = cli("dump", "embedding", "--backward")
+    out = cli("dump", "sgd", "--backward")
     assert out.returncode == 2
-    assert "scatter-add" in out.stderr and "Traceback" not in out.stderr
+    assert "in-place outputs" in out.stderr and "Traceback" not in out.stderr
 
 
-NOT_DIFFERENTIABLE = {"in place", "no gradient through gather()", "has no gradient rule"}
+def test_dump_backward_of_the_embedding_is_a_sort_and_a_scatter():
+    """gather's adjoint in its table: bucket_sort of the ids, then segment_sum's deterministic scatter-add."""
+    out = cli("dump", "embedding", "--backward", "--bucket", "8")
+    assert out.returncode == 0, out.stderr
+    assert "template bucket_sort" in out.stdout and "template embedding_grad" in out.stdout
+
+
+NOT_DIFFERENTIABLE = {"in place", "has no gradient rule"}
 # dump plans for WebGPU's default limits: attention_decode's backward fuses a column reduction over
 # 10 tensors, more than the default 8 storage buffers a kernel may bind (decoding needs no backward)
 OVER_THE_LIMITS = {"attention_decode"}
@@ -108,7 +115,7 @@ OVER_THE_LIMITS = {"attention_decode"}
 
 def test_dump_backward_of_every_shipped_kernel(capsys):
     """Every differentiable shipped kernel dumps its backward WGSL (one shader per part); the others
-    (in-place optimizer kernels, the embedding and its scatter) say why, never with a traceback."""
+    (in-place optimizer kernels) say why, never with a traceback."""
     from lfm2jit.cli import main
     dumped = 0
     for kernel in library.kernels().values():
