@@ -10,8 +10,8 @@ from typing import Callable
 
 from ..ir import intrinsics
 from ..ir.nodes import KernelIR, TensorArg
-from ..tune.tiles import AttentionTiles, MatrixAttentionTiles
-from . import attention, dropout, scatter
+from ..tune.tiles import AttentionTiles, MatrixAttentionTiles, TileConfig
+from . import attention, dropout, grouped, scatter
 from .spec import IntrinsicCall, Plan
 
 
@@ -28,6 +28,10 @@ PLANNERS: dict[str, IntrinsicPlanner] = {
     intrinsics.ATTENTION_DKDV: IntrinsicPlanner(attention.plan_dkdv, ATTENTION_TILES),
     intrinsics.EMBEDDING_GRAD: IntrinsicPlanner(scatter.plan),
     intrinsics.DROPOUT: IntrinsicPlanner(dropout.plan),
+    intrinsics.GROUPED_MATMUL: IntrinsicPlanner(grouped.plan, TileConfig),
+    intrinsics.GROUPED_MATMUL_SCALED: IntrinsicPlanner(grouped.plan, TileConfig),
+    intrinsics.GROUPED_MATMUL_DX: IntrinsicPlanner(grouped.plan, TileConfig),
+    intrinsics.GROUPED_MATMUL_DW: IntrinsicPlanner(grouped.plan, TileConfig),
 }
 
 
