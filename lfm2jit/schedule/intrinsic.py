@@ -10,7 +10,7 @@ from typing import Callable
 
 from ..ir import intrinsics
 from ..ir.nodes import KernelIR, TensorArg
-from ..tune.tiles import AttentionTiles, MatrixAttentionTiles, TileConfig
+from ..tune.tiles import AttentionTiles, MatrixAttentionTiles, MatrixTiles, TileConfig
 from . import attention, dropout, grouped, scatter
 from .spec import IntrinsicCall, Plan
 
@@ -22,16 +22,17 @@ class IntrinsicPlanner:
 
 
 ATTENTION_TILES = (AttentionTiles, MatrixAttentionTiles)
+GEMM_TILES = (TileConfig, MatrixTiles)
 PLANNERS: dict[str, IntrinsicPlanner] = {
     intrinsics.ATTENTION: IntrinsicPlanner(attention.plan_forward, ATTENTION_TILES),
     intrinsics.ATTENTION_DQ: IntrinsicPlanner(attention.plan_dq, ATTENTION_TILES),
     intrinsics.ATTENTION_DKDV: IntrinsicPlanner(attention.plan_dkdv, ATTENTION_TILES),
     intrinsics.EMBEDDING_GRAD: IntrinsicPlanner(scatter.plan),
     intrinsics.DROPOUT: IntrinsicPlanner(dropout.plan),
-    intrinsics.GROUPED_MATMUL: IntrinsicPlanner(grouped.plan, TileConfig),
-    intrinsics.GROUPED_MATMUL_SCALED: IntrinsicPlanner(grouped.plan, TileConfig),
-    intrinsics.GROUPED_MATMUL_DX: IntrinsicPlanner(grouped.plan, TileConfig),
-    intrinsics.GROUPED_MATMUL_DW: IntrinsicPlanner(grouped.plan, TileConfig),
+    intrinsics.GROUPED_MATMUL: IntrinsicPlanner(grouped.plan, GEMM_TILES),
+    intrinsics.GROUPED_MATMUL_SCALED: IntrinsicPlanner(grouped.plan, GEMM_TILES),
+    intrinsics.GROUPED_MATMUL_DX: IntrinsicPlanner(grouped.plan, GEMM_TILES),
+    intrinsics.GROUPED_MATMUL_DW: IntrinsicPlanner(grouped.plan, GEMM_TILES),
 }
 
 
