@@ -108,7 +108,8 @@ def plan(call: IntrinsicCall, target=None) -> Plan:
     experts = sizes[e_axis]
     frag = _matrix(target, x.dtype, w.dtype, y.dtype)
     k_contiguous = 1 + (not transposed)
-    tiles = _tiles(call, max(1, sizes[s_axis] // experts), sizes[n_axis], sizes[k_axis], k_contiguous, frag, target)
+    # the grid the tiles fill is every expert's rows together (untuned for grouping: the dense GEMM's rules)
+    tiles = _tiles(call, sizes[s_axis], sizes[n_axis], sizes[k_axis], k_contiguous, frag, target)
     tile_m, tile_n = _rows(tiles)
     a = _operand(x, s_axis, k_axis, None, sizes, tiles, tile_m, split="m")
     b = _operand(w, n_axis, k_axis, e_axis, sizes, tiles, tile_n, split=None)
