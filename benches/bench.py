@@ -65,8 +65,8 @@ from lfm2jit.tune.timing import warm_up
 # Datasheet ceilings per adapter-name substring: (fp32 FLOP/s without tensor cores, bytes/s)
 CEILINGS = {"H200": (67e12, 4.8e12), "H100": (67e12, 3.35e12)}
 GROUPS = ("ref", "matmul", "matrix", "tiles", "mtiles", "attention", "atiles", "conv", "rmsnorm", "pointwise", "xent", "adamw",
-          "lora", "limits", "train")
-QUICK_GROUPS = ("matmul", "attention", "conv", "rmsnorm", "pointwise", "xent", "adamw", "limits", "train")
+          "lora", "grouped", "limits", "train")
+QUICK_GROUPS = ("matmul", "attention", "conv", "rmsnorm", "pointwise", "xent", "adamw", "grouped", "limits", "train")
 GiB = float(1 << 30)
 
 
@@ -614,6 +614,60 @@ class Bench:
                           wall_seconds=statistics.median(walls), extra={"dispatches": len(shapes) + 2}))
         self.guarded("adamw", "adamw_step", shape, one)
 
+
+    # ---- the MoE experts' grouped GEMM beside a dense GEMM of the same FLOPs ----
+    def grouped(self):
+        """The experts' two projections at LFM2-8B-A1B's shapes (32 experts, top-4, D 2048, expert
+        width 1792; T = 2048 tokens, so 8192 slots, routed at random): forward, dX and dW of the
+        grouped GEMM, each beside the dense GEMM [slots, K] x [N, K]^T of the same FLOPs in this
+        run (issue 47's target: within 1.5x). f32, and f16 operands (the matrix units, where the
+        device has them; the frozen f16 base)."""
+        from lfm2jit.model.moe_config import Lfm2MoeConfig
+        cfg = Lfm2MoeConfig.preset("8B-A1B")
+        experts, top_k, d, width, t = ((4, 2, 64, 48, 64) if self.quick else
+                                       (cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size,
+                                        cfg.moe_intermediate_size, 2048))
+        slots = t * top_k
+        picks = np.argsort(self.rng.random((t, experts)), axis=1)[:, :top_k]      # top-k distinct experts a token
+        ends = np.cumsum(np.bincount(picks.ravel(), minlength=experts)).astype(np.int32)
+        gmm = library.get("expert_gate_up")                 # h = x gate_up[e]^T over each expert's slots
+        lin = library.get("linear").without({"r"})
+        # per kind: (forward, dX, dW) kernels, the weight's and the cotangent's names
+        kinds = {"grouped": ((gmm, grad(gmm, ["x"]), grad(gmm, ["gate_up"])), "gate_up", "d_h"),
+                 "dense": ((lin, grad(lin, ["x"]), grad(lin, ["w"])), "w", "d_y")}
+        for proj, n, k in (("gate_up", 2 * width, d), ("down", d, width)):
+            for dtype in ("f32", "f16"):
+                shape = f"S{slots} E{experts} {n}x{k}"
+
+                def one(proj=proj, n=n, k=k, dtype=dtype, shape=shape):
+                    e = self.engine
+                    x, dy = e.tensor(_rand(self.rng, (slots, k)), dtype), e.tensor(_rand(self.rng, (slots, n)), dtype)
+                    ends_t = e.tensor(ends)
+                    timed = {}
+                    for kind, ((fwd, dx_k, dw_k), w_name, dy_name) in kinds.items():
+                        w = e.tensor(_rand(self.rng, (experts, n, k) if kind == "grouped" else (n, k), 0.02), dtype)
+                        routing = {"ends": ends_t} if kind == "grouped" else {}
+                        y, dx, dw = e.empty((slots, n)), e.empty((slots, k)), e.empty(w.shape)
+                        # f16 runs: the operands read are f16, the products are stored as f32
+                        calls = {"fwd": (fwd, {"x": x, w_name: w}, {fwd.outputs[0]: y}),
+                                 "dx": (dx_k, {w_name: w, dy_name: dy}, {"d_x": dx}),
+                                 "dw": (dw_k, {"x": x, dy_name: dy}, {f"d_{w_name}": dw})}
+                        for product, (kernel, operands, out) in calls.items():
+                            f16 = tuple(operands) if dtype == "f16" else ()
+                            timed[kind, product] = time_engine(
+                                e, lambda: e.run(kernel, f16=f16, out=out, **operands, **routing), self.reps)
+                    for product in ("fwd", "dx", "dw"):
+                        dense = timed["dense", product][0]
+                        for kind in ("grouped", "dense"):
+                            s, timer, wall, _ = timed[kind, product]
+                            extra = {"dtype": dtype, "projection": proj}
+                            if kind == "grouped":
+                                extra["over_dense"] = s / dense
+                            self.add(Line("grouped", f"{kind}_{proj}_{product}[{dtype}]", shape, s, timer,
+                                          2.0 * slots * n * k, wall_seconds=wall, extra=extra))
+                    self.log(f"# {proj}[{dtype}] grouped over dense: " + ", ".join(
+                        f"{p} {timed['grouped', p][0] / timed['dense', p][0]:.2f}x" for p in ("fwd", "dx", "dw")))
+                self.guarded("grouped", f"{proj}[{dtype}]", shape, one)
 
     # ---- LoRA adapters at LFM2-1.2B's linear shapes ----
     def lora(self):

@@ -313,3 +313,110 @@ def _infer_segment_sum(operands):
 
 register(Intrinsic(BUCKET_SORT, ("ids",), ("order", "offsets"), _infer_bucket_sort, axes=("V",)))
 register(Intrinsic(SEGMENT_SUM, ("g", "order", "offsets"), ("rows",), _infer_segment_sum))
+# ---- grouped_matmul: the experts of a mixture of experts, over each expert's rows ----
+
+GROUPED_MATMUL = "grouped_matmul"
+GROUPED_MATMUL_SCALED = "grouped_matmul_scaled"
+GROUPED_MATMUL_DX = "grouped_matmul_dx"
+GROUPED_MATMUL_DW = "grouped_matmul_dw"
+
+
+def _shape(dtype: str, shape) -> str:
+    return f"{dtype}[{', '.join(shape)}]"
+
+
+def _check_rows(name: str, operand: str, value, ndim: int, want: str):
+    """A float tensor of ``ndim`` axes (the rows first), else an IntrinsicError naming it."""
+    dtype, shape = value
+    if dtype not in FLOAT_DTYPES or len(shape) != ndim:
+        raise IntrinsicError(f"{name}: {operand} must be a float {want}, got {_shape(dtype, shape)}")
+    return shape
+
+
+def _check_ends(name: str, ends, experts: str):
+    dtype, shape = ends
+    if dtype != "i32" or shape != (experts,):
+        raise IntrinsicError(f"{name}: ends must be i32[{experts}] (where each expert's rows end: the running sum "
+                             f"of the experts' row counts), got {_shape(dtype, shape)}")
+
+
+def _wider(*dtypes: str) -> str:
+    """f32 where any operand is f32 (a frozen f16 weight keeps f32 activations f32), else f16."""
+    return "f32" if "f32" in dtypes else dtypes[0]
+
+
+def _infer_grouped(name: str, operands, scaled: bool = False, transposed: bool = False):
+    """y = x w[e]^T (or x w[e], ``transposed``) for the rows s of each expert e: ends[e-1] <= s < ends[e]."""
+    params = GROUPED_DX_PARAMS if transposed else GROUPED_SCALED_PARAMS if scaled else GROUPED_PARAMS
+    if len(operands) != len(params):
+        raise IntrinsicError(f"{name} takes {len(params)} operands ({', '.join(params)}), got {len(operands)}")
+    x_name = params[0]
+    s, k = _check_rows(name, x_name, operands[0], 2, "[S, K] (one row per token slot, sorted by expert)")
+    e, n, wk = _check_rows(name, "w", operands[1], 3, "[E, N, K] (one [N, K] matrix per expert, as nn.Linear keeps it)")
+    contracted = n if transposed else wk
+    if contracted != k:
+        which = "N (its middle axis)" if transposed else "K (its last axis)"
+        raise IntrinsicError(f"{name}: {x_name} [{s}, {k}] and w [{e}, {n}, {wk}] must share the contracted axis: "
+                             f"{x_name}'s last axis is {k}, w's {which} is {contracted}")
+    _check_ends(name, operands[2], e)
+    if scaled:
+        sd, sshape = operands[3]
+        if sd not in FLOAT_DTYPES or sshape != (s,):
+            raise IntrinsicError(f"{name}: scale must be a float [{s}] (each row's combine weight), "
+                                 f"got {_shape(sd, sshape)}")
+    return [(_wider(operands[0][0], operands[1][0]), (s, wk if transposed else n))]
+
+
+def _infer_grouped_dw(operands):
+    name = GROUPED_MATMUL_DW
+    if len(operands) != len(GROUPED_DW_PARAMS):
+        raise IntrinsicError(f"{name} takes 3 operands ({', '.join(GROUPED_DW_PARAMS)}), got {len(operands)}")
+    s, n = _check_rows(name, "dy", operands[0], 2, "[S, N] (the output's gradient, rows sorted by expert)")
+    xs, k = _check_rows(name, "x", operands[1], 2, "[S, K] (the layer's input, rows sorted by expert)")
+    if xs != s:
+        raise IntrinsicError(f"{name}: dy [{s}, {n}] and x [{xs}, {k}] must share the row axis, got {s} and {xs}")
+    dtype, ends = operands[2]
+    if dtype != "i32" or len(ends) != 1:
+        raise IntrinsicError(f"{name}: ends must be i32[E] (where each expert's rows end), got {_shape(dtype, ends)}")
+    return [(_wider(operands[0][0], operands[1][0]), (ends[0], n, k))]
+
+
+def _grad_grouped(b: GraphBuilder, call: Node, projs: dict[int, Node], outs: list) -> list:
+    """y[s] = x[s] w[e]^T (times scale[s]): dx[s] = dy[s] w[e] and dw[e] = sum over e's rows of
+    dy[s]^T x[s], each a grouped call; with the scale, g = dy w[e] unscaled gives both dx = g * scale
+    and d scale[s] = sum_k g[s, k] x[s, k] (= sum_n dy[s, n] y_unscaled[s, n]), and dw takes dy * scale."""
+    (dy,) = outs
+    x, w, ends = call.srcs[:3]
+    scale = call.srcs[3] if len(call.srcs) > 3 else None
+
+    def dx_call(g):
+        node = b.node(Op.INTRINSIC, (g, w, ends), (), "tuple", GROUPED_MATMUL_DX)
+        (dtype, shape), = _infer_grouped(GROUPED_MATMUL_DX, [(g.dtype, g.shape), (w.dtype, w.shape),
+                                                            (ends.dtype, ends.shape)], transposed=True)
+        return b.node(Op.PROJ, (node,), shape, dtype, 0)
+
+    def dw_call(g):
+        node = b.node(Op.INTRINSIC, (g, x, ends), (), "tuple", GROUPED_MATMUL_DW)
+        (dtype, shape), = _infer_grouped_dw([(g.dtype, g.shape), (x.dtype, x.shape), (ends.dtype, ends.shape)])
+        return b.node(Op.PROJ, (node,), shape, dtype, 0)
+    if scale is None:
+        return [dx_call(dy), dw_call(dy), None]
+    g = dx_call(dy)
+    d_x = b.mul(g, scale)
+    d_scale = b.sum(b.mul(g, x), x.shape[1])
+    return [d_x, dw_call(b.mul(dy, scale)), None, d_scale]
+
+
+GROUPED_PARAMS = ("x", "w", "ends")
+GROUPED_SCALED_PARAMS = ("x", "w", "ends", "scale")
+GROUPED_DX_PARAMS = ("dy", "w", "ends")
+GROUPED_DW_PARAMS = ("dy", "x", "ends")
+
+register(Intrinsic(GROUPED_MATMUL, GROUPED_PARAMS, ("y",), lambda ops: _infer_grouped(GROUPED_MATMUL, ops),
+                   grad=_grad_grouped, differentiable_outputs=("y",)))
+register(Intrinsic(GROUPED_MATMUL_SCALED, GROUPED_SCALED_PARAMS, ("y",),
+                   lambda ops: _infer_grouped(GROUPED_MATMUL_SCALED, ops, scaled=True),
+                   grad=_grad_grouped, differentiable_outputs=("y",)))
+register(Intrinsic(GROUPED_MATMUL_DX, GROUPED_DX_PARAMS, ("dx",),
+                   lambda ops: _infer_grouped(GROUPED_MATMUL_DX, ops, transposed=True)))
+register(Intrinsic(GROUPED_MATMUL_DW, GROUPED_DW_PARAMS, ("dw",), _infer_grouped_dw))

@@ -10,8 +10,8 @@ from typing import Callable
 
 from ..ir import intrinsics
 from ..ir.nodes import KernelIR, TensorArg
-from ..tune.tiles import AttentionTiles, MatrixAttentionTiles
-from . import attention, dropout, scatter, sort, topk
+from ..tune.tiles import AttentionTiles, MatrixAttentionTiles, MatrixTiles, TileConfig
+from . import attention, dropout, grouped, scatter, sort, topk
 from .spec import IntrinsicCall, Plan
 
 
@@ -22,6 +22,7 @@ class IntrinsicPlanner:
 
 
 ATTENTION_TILES = (AttentionTiles, MatrixAttentionTiles)
+GEMM_TILES = (TileConfig, MatrixTiles)
 PLANNERS: dict[str, IntrinsicPlanner] = {
     intrinsics.ATTENTION: IntrinsicPlanner(attention.plan_forward, ATTENTION_TILES),
     intrinsics.ATTENTION_DQ: IntrinsicPlanner(attention.plan_dq, ATTENTION_TILES),
@@ -31,6 +32,10 @@ PLANNERS: dict[str, IntrinsicPlanner] = {
     intrinsics.TOPK: IntrinsicPlanner(topk.plan),
     intrinsics.BUCKET_SORT: IntrinsicPlanner(sort.plan),
     intrinsics.SEGMENT_SUM: IntrinsicPlanner(scatter.plan_segments),
+    intrinsics.GROUPED_MATMUL: IntrinsicPlanner(grouped.plan, GEMM_TILES),
+    intrinsics.GROUPED_MATMUL_SCALED: IntrinsicPlanner(grouped.plan, GEMM_TILES),
+    intrinsics.GROUPED_MATMUL_DX: IntrinsicPlanner(grouped.plan, GEMM_TILES),
+    intrinsics.GROUPED_MATMUL_DW: IntrinsicPlanner(grouped.plan, GEMM_TILES),
 }
 
 

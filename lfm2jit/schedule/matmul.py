@@ -79,6 +79,18 @@ class Term:
 
 
 @dataclass(frozen=True)
+class Grouping:
+    """A grouped GEMM (schedule/grouped.py): each of ``experts`` owns the rows from where the one
+    before it ends to ``ends[e]`` (an i32[E] tensor read on the device). ``over`` "m": those are
+    output rows, B is the expert's matrix (the batch axis) and the grid's tile rows are the
+    experts' tile rows laid end to end; "k": they are the sum's range, and batch e is expert e's
+    output matrix."""
+    ends: str
+    experts: int
+    over: str
+
+
+@dataclass(frozen=True)
 class GemmParams:
     """What both GEMM templates are given besides their tiles: extents, operands, output, split-K
     layout, the further terms of the sum, and the epilogue: ``lets`` computing the stored value
@@ -100,6 +112,7 @@ class GemmParams:
     epilogue: tuple[Let, ...] = field(default=(), kw_only=True)
     result: Value | None = field(default=None, kw_only=True)
     also: tuple[tuple[Output, Value | None], ...] = field(default=(), kw_only=True)
+    group: Grouping | None = field(default=None, kw_only=True)
 
     @property
     def split_n0(self) -> int:      # split-K's workspace holds every column (see MatrixParams)

@@ -1,0 +1,300 @@
+"""The grouped expert GEMM (schedule/grouped.py): grouped_matmul, its scale epilogue, and the dx / dw
+intrinsics its gradient rule builds, against numpy float64 on random expert splits (empty experts,
+one expert holding every row, rows past the last expert, lengths inside a bucket), with f16
+weights, accumulation, weights bound in pieces, and on the matrix templates."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from lfm2jit import compile_source, grad
+from lfm2jit.dsl.errors import DslError
+
+from test_binding_limits import lowered
+
+SOURCE = """
+kernel gmm(x: f32[S, K], w: f32[E, N, K], ends: i32[E]) -> (y: f32[S, N]) {
+    y = grouped_matmul(x, w, ends)
+}
+kernel gmm_scaled(x: f32[S, K], w: f32[E, N, K], ends: i32[E], scale: f32[S]) -> (y: f32[S, N]) {
+    y = grouped_matmul_scaled(x, w, ends, scale)
+}
+kernel gmm_bucketed(x: f32[T, K], w: f32[E, N, K], ends: i32[E], scale: f32[T]) -> (y: f32[T, N]) {
+    y = grouped_matmul_scaled(x, w, ends, scale)
+}
+kernel gmm_dx(dy: f32[S, N], w: f32[E, N, K], ends: i32[E]) -> (dx: f32[S, K]) {
+    dx = grouped_matmul_dx(dy, w, ends)
+}
+kernel gmm_dw(dy: f32[S, N], x: f32[S, K], ends: i32[E]) -> (dw: f32[E, N, K]) {
+    dw = grouped_matmul_dw(dy, x, ends)
+}
+kernel gmm_half(x: f32[S, K], w: f16[E, N, K], ends: i32[E]) -> (y: f32[S, N]) {
+    y = grouped_matmul(x, w, ends)
+}
+kernel gmm_dw_half(dy: f16[S, N], x: f16[S, K], ends: i32[E]) -> (dw: f16[E, N, K]) {
+    dw = grouped_matmul_dw(dy, x, ends)
+}
+"""
+K_ = compile_source(SOURCE, "grouped.lk")
+SENTINEL = 7.25     # what rows no expert owns hold before the call, and still hold after it
+
+
+def _ends(rng, rows: int, experts: int, kind: str = "random") -> np.ndarray:
+    """Where each expert's rows end: a random split of up to ``rows`` rows (the rows of experts
+    made empty go unowned), or every row in one expert."""
+    if kind == "one":
+        counts = np.zeros(experts, np.int64)
+        counts[rng.integers(experts)] = rows
+    else:
+        counts = rng.multinomial(rows, rng.dirichlet(np.ones(experts)))
+        counts[rng.random(experts) < 0.3] = 0
+    return np.cumsum(counts).astype(np.int32)
+
+
+def _ranges(ends):
+    starts = np.concatenate([[0], ends[:-1]])
+    return [slice(int(a), int(b)) for a, b in zip(starts, ends)]
+
+
+def _reference(x, w, ends, scale=None):
+    """y[s] = x[s] w[e]^T (times scale[s]) in float64 on every expert's rows; NaN elsewhere."""
+    y = np.full((x.shape[0], w.shape[1]), np.nan)
+    for e, r in enumerate(_ranges(ends)):
+        y[r] = x[r].astype(np.float64) @ w[e].astype(np.float64).T
+        if scale is not None:
+            y[r] *= scale[r, None]
+    return y
+
+
+def _close(got, want, tol=2e-5):
+    """Within ``tol`` of the largest reference value, where the reference is defined."""
+    keep = ~np.isnan(want)
+    err = np.abs(got[keep] - want[keep]).max(initial=0.0)
+    assert err <= tol * max(1.0, np.abs(want[keep]).max(initial=0.0)), err
+
+
+def _sized(rng):
+    return (int(rng.integers(1, 9)), int(rng.integers(1, 150)), int(rng.choice([4, 12, 33, 64])),
+            int(rng.choice([8, 20, 40, 67])))
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_forward_matches_numpy_and_leaves_unowned_rows_alone(engine, seed):
+    rng = np.random.default_rng(seed)
+    E, S, K, N = _sized(rng)
+    owned = int(rng.integers(0, S + 1)) if seed % 3 else S        # rows past ends[-1]: padding no expert owns
+    ends = _ends(rng, owned, E, "one" if seed in (4, 7) else "random")
+    x = rng.standard_normal((S, K)).astype(np.float32)
+    w = rng.standard_normal((E, N, K)).astype(np.float32)
+    scaled = seed % 2 == 1
+    scale = rng.random(S).astype(np.float32) if scaled else None
+    y = engine.tensor(np.full((S, N), SENTINEL, np.float32))
+    args = dict(x=engine.tensor(x), w=engine.tensor(w), ends=engine.tensor(ends))
+    if scaled:
+        args["scale"] = engine.tensor(scale)
+    got = engine.run(K_.gmm_scaled if scaled else K_.gmm, out={"y": y}, **args)["y"].numpy()
+    want = _reference(x, w, ends, scale)
+    _close(got, want)
+    assert (got[int(ends[-1]):] == SENTINEL).all()
+
+
+def test_accumulate_adds_on_owned_rows_only(engine):
+    rng = np.random.default_rng(10)
+    E, S, K, N = 5, 77, 24, 36
+    ends = _ends(rng, 70, E)
+    x = rng.standard_normal((S, K)).astype(np.float32)
+    w = rng.standard_normal((E, N, K)).astype(np.float32)
+    scale = rng.random(S).astype(np.float32)
+    old = rng.standard_normal((S, N)).astype(np.float32)
+    y = engine.tensor(old)
+    engine.run(K_.gmm_scaled, x=engine.tensor(x), w=engine.tensor(w), ends=engine.tensor(ends),
+               scale=engine.tensor(scale), out={"y": y}, accumulate={"y"})
+    got = y.numpy()
+    want = _reference(x, w, ends, scale) + old
+    _close(got, want)
+    assert (got[70:] == old[70:]).all()
+
+
+def test_a_bucketed_length_runs_the_real_rows_and_one_pipeline_serves_the_bucket(engine):
+    rng = np.random.default_rng(11)
+    E, K, N = 3, 16, 24
+    w = rng.standard_normal((E, N, K)).astype(np.float32)
+    for T in (37, 50):                       # both in the 64 bucket: the second compiles nothing
+        ends = _ends(rng, T - 3, E)
+        x = rng.standard_normal((T, K)).astype(np.float32)
+        scale = rng.random(T).astype(np.float32)
+        misses = engine.stats.misses
+        got = engine.run(K_.gmm_bucketed, bucket=64, x=engine.tensor(x), w=engine.tensor(w),
+                         ends=engine.tensor(ends), scale=engine.tensor(scale))["y"].numpy()
+        assert got.shape == (T, N)
+        _close(got, _reference(x, w, ends, scale))
+    assert engine.stats.misses == misses
+
+
+def test_ends_past_the_rows_or_going_back_are_clamped(engine):
+    """Bad routing data cannot reach outside the tensors: ends are clamped to the rows there are,
+    and an end below the one before leaves that expert empty."""
+    rng = np.random.default_rng(12)
+    E, S, K, N = 4, 40, 8, 12
+    x = rng.standard_normal((S, K)).astype(np.float32)
+    w = rng.standard_normal((E, N, K)).astype(np.float32)
+    ends = np.array([10, 5, 30, 99], np.int32)          # expert 1 empty, expert 3 up to S
+    got = engine.run(K_.gmm, x=engine.tensor(x), w=engine.tensor(w), ends=engine.tensor(ends))["y"].numpy()
+    _close(got, _reference(x, w, np.array([10, 10, 30, 40], np.int32)))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_f16_weights_match_numpy_on_their_f16_values(engine, seed):
+    rng = np.random.default_rng(20 + seed)
+    E, S, K, N = _sized(rng)
+    ends = _ends(rng, S, E)
+    x = rng.standard_normal((S, K)).astype(np.float32)
+    w = rng.standard_normal((E, N, K)).astype(np.float16)
+    got = engine.run(K_.gmm_half, x=engine.tensor(x), w=engine.tensor(w), ends=engine.tensor(ends))["y"].numpy()
+    _close(got, _reference(x, w, ends))
+
+
+def _grads(x, w, ends, dy, scale=None):
+    """dx, dw and (scaled) d scale in float64, expert by expert."""
+    x64, w64, dy64 = (a.astype(np.float64) for a in (x, w, dy))
+    dx = np.full(x.shape, np.nan)
+    ds = np.full(x.shape[0], np.nan)
+    dw = np.zeros(w.shape)
+    for e, r in enumerate(_ranges(ends)):
+        g = dy64[r] @ w64[e]
+        s = scale[r, None].astype(np.float64) if scale is not None else 1.0
+        dx[r] = g * s
+        dw[e] = (dy64[r] * s).T @ x64[r]
+        ds[r] = (g * x64[r]).sum(1)
+    return dx, dw, ds
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_gradients_match_numpy(engine, seed):
+    """The backward that grad() builds from the rule: dx and dw as grouped calls, d scale from the
+    unscaled dx; an empty expert's dw is zero."""
+    rng = np.random.default_rng(30 + seed)
+    E, S, K, N = _sized(rng)
+    scaled = seed % 2 == 0
+    ends = _ends(rng, S if seed < 4 else int(rng.integers(0, S + 1)), E, "one" if seed in (3, 6) else "random")
+    x = rng.standard_normal((S, K)).astype(np.float32)
+    w = rng.standard_normal((E, N, K)).astype(np.float32)
+    dy = rng.standard_normal((S, N)).astype(np.float32)
+    scale = rng.random(S).astype(np.float32) if scaled else None
+    kernel = K_.gmm_scaled if scaled else K_.gmm
+    bwd = grad(kernel)
+    args = dict(x=engine.tensor(x), w=engine.tensor(w), ends=engine.tensor(ends), d_y=engine.tensor(dy))
+    if scaled:
+        args["scale"] = engine.tensor(scale)
+    got = engine.run(bwd, **{k: v for k, v in args.items() if k in bwd.inputs})
+    dx, dw, ds = _grads(x, w, ends, dy, scale)
+    _close(got["d_x"].numpy(), dx)
+    _close(got["d_w"].numpy(), dw)
+    assert "d_ends" not in got
+    if scaled:
+        _close(got["d_scale"].numpy(), ds)
+    else:
+        assert "d_scale" not in got
+    for e, r in enumerate(_ranges(ends)):
+        if r.start == r.stop:
+            assert (got["d_w"].numpy()[e] == 0).all()
+
+
+def test_dw_accumulates_in_a_fixed_order(engine):
+    """dw adds into what is there (an empty expert's stays as it was), and two runs agree bit for bit."""
+    rng = np.random.default_rng(40)
+    E, S, K, N = 6, 300, 20, 28
+    ends = _ends(rng, S, E)
+    ends[1] = ends[0]                                   # an empty expert
+    ends = np.maximum.accumulate(ends).astype(np.int32)
+    dy = rng.standard_normal((S, N)).astype(np.float32)
+    x = rng.standard_normal((S, K)).astype(np.float32)
+    old = rng.standard_normal((E, N, K)).astype(np.float32)
+    runs = []
+    for _ in range(2):
+        dw = engine.tensor(old)
+        engine.run(K_.gmm_dw, dy=engine.tensor(dy), x=engine.tensor(x), ends=engine.tensor(ends),
+                   out={"dw": dw}, accumulate={"dw"})
+        runs.append(dw.numpy())
+    _, want, _ = _grads(x, np.zeros((E, N, K), np.float32), ends, dy)
+    _close(runs[0], want + old)
+    assert (runs[0][1] == old[1]).all()
+    assert np.array_equal(runs[0], runs[1])
+
+
+def test_no_dense_compute_the_grid_covers_each_experts_rows_once(engine):
+    """The forward's grid has ceil(S / BM) + E tile rows (any split fits), not E * ceil(S / BM)."""
+    (part,) = K_.gmm.kernels
+    spec = part.specialize({"S": 1000, "K": 64, "N": 64, "E": 8}, target=engine.target)
+    (entry,) = spec.entry_points
+    tiles = spec.params.tiles
+    assert entry.grid[1] == -(-1000 // tiles.bm) + 8
+    assert spec.params.group.ends == "ends" and spec.params.group.over == "m"
+
+
+@pytest.mark.parametrize("source, message", [
+    ("kernel k(x: f32[S, K], w: f32[E, N, D], e: i32[E]) -> (y: f32[S, N]) {\n    y = grouped_matmul(x, w, e)\n}",
+     "must share the contracted axis: x's last axis is K, w's K (its last axis) is D"),
+    ("kernel k(x: f32[S, K], w: f32[N, K], e: i32[E]) -> (y: f32[S, N]) {\n    y = grouped_matmul(x, w, e)\n}",
+     "w must be a float [E, N, K]"),
+    ("kernel k(x: f32[S, K], w: f32[E, N, K], e: i32[F]) -> (y: f32[S, N]) {\n    y = grouped_matmul(x, w, e)\n}",
+     "ends must be i32[E]"),
+    ("kernel k(x: f32[S, K], w: f32[E, N, K], e: f32[E]) -> (y: f32[S, N]) {\n    y = grouped_matmul(x, w, e)\n}",
+     "got f32[E]"),
+    ("kernel k(x: f32[S, K], w: f32[E, N, K], e: i32[E], s: f32[T]) -> (y: f32[S, N]) {\n"
+     "    y = grouped_matmul_scaled(x, w, e, s)\n}", "scale must be a float [S]"),
+    ("kernel k(d: f32[S, N], x: f32[R, K], e: i32[E]) -> (w: f32[E, N, K]) {\n    w = grouped_matmul_dw(d, x, e)\n}",
+     "must share the row axis"),
+    ("kernel k(x: f32[S, K], w: f32[E, N, K]) -> (y: f32[S, N]) {\n    y = grouped_matmul(x, w)\n}",
+     "takes 3 operands (x, w, ends), got 2"),
+])
+def test_bad_operands_are_refused_with_what_was_expected(source, message):
+    with pytest.raises(DslError) as err:
+        compile_source(source, "bad.lk")
+    assert message in str(err.value) and "bad.lk:2:" in str(err.value)
+
+
+def test_weights_larger_than_a_binding_are_bound_in_pieces(ctx, engine, monkeypatch):
+    """w [E, N, K] of 4 experts over a 4 KiB binding: pieces, and the same numbers (bit for bit) as
+    bound whole, forward and dw (whose output is then pieced too)."""
+    rng = np.random.default_rng(50)
+    E, S, K, N = 4, 60, 24, 20          # w: 7680 bytes, two pieces
+    ends = _ends(rng, 55, E)
+    x = rng.standard_normal((S, K)).astype(np.float32)
+    w = rng.standard_normal((E, N, K)).astype(np.float32)
+    dy = rng.standard_normal((S, N)).astype(np.float32)
+
+    def run(eng):
+        y = eng.run(K_.gmm, x=eng.tensor(x), w=eng.tensor(w), ends=eng.tensor(ends))["y"].numpy()
+        dw = eng.run(K_.gmm_dw, dy=eng.tensor(dy), x=eng.tensor(x), ends=eng.tensor(ends))["dw"].numpy()
+        return y, dw
+    whole = run(engine)
+    small = lowered(ctx, monkeypatch)
+    (part,) = K_.gmm.kernels
+    spec = part.specialize({"S": S, "K": K, "N": N, "E": E}, target=small.target)
+    assert {b.tensor: b.pieces for b in spec.bindings}["w"] == 2
+    pieced = run(small)
+    _close(pieced[0], _reference(x, w, ends))
+    v = int(ends[-1])
+    assert np.array_equal(pieced[0][:v], whole[0][:v]) and np.array_equal(pieced[1], whole[1])
+
+
+def test_the_matrix_template_runs_forward_dx_and_dw(matrix_engine):
+    eng = matrix_engine
+    rng = np.random.default_rng(60)
+    E, S, K, N = 5, 150, 64, 96
+    ends = _ends(rng, 140, E)
+    x = rng.standard_normal((S, K)).astype(np.float16)
+    w = rng.standard_normal((E, N, K)).astype(np.float16)
+    dy = rng.standard_normal((S, N)).astype(np.float16)
+    sizes = {"S": S, "K": K, "N": N, "E": E}
+    for kernel in (K_.gmm_half, K_.gmm_dw_half):
+        assert kernel.kernels[0].specialize(sizes, target=eng.target).template == "matmul_matrix"
+    y = eng.run(K_.gmm_half, x=eng.tensor(x.astype(np.float32)), w=eng.tensor(w), ends=eng.tensor(ends))["y"]
+    _close(y.numpy(), _reference(x, w, ends), 1e-5)
+    dx = eng.run(K_.gmm_dx, f16=("w",), dy=eng.tensor(dy.astype(np.float32)), w=eng.tensor(w),
+                 ends=eng.tensor(ends))["dx"].numpy()
+    dw = eng.run(K_.gmm_dw_half, dy=eng.tensor(dy), x=eng.tensor(x), ends=eng.tensor(ends))["dw"].numpy()
+    want_dx, want_dw, _ = _grads(x, w, ends, dy)
+    _close(dx, want_dx, 1e-5)
+    _close(dw, want_dw, 2e-3)           # stored as f16

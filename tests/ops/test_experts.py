@@ -1,0 +1,85 @@
+"""The MoE experts' SwiGLU MLPs (ops/experts.py over kernels/experts.lk) against torch autograd on a
+per-expert loop in float64: y, and the gradients of x, the combine weights and both fused weights,
+with empty experts and slots no expert owns; the frozen f16 base (no weight gradients)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from lfm2jit.ops.experts import experts_backward, experts_forward
+
+
+def _case(rng, E, S, D, I, owned, weights_dtype=np.float32):
+    counts = rng.multinomial(owned, rng.dirichlet(np.ones(E)))
+    counts[rng.random(E) < 0.25] = 0
+    return dict(x=rng.standard_normal((S, D)).astype(np.float32),
+                gate_up=(rng.standard_normal((E, 2 * I, D)) / np.sqrt(D)).astype(weights_dtype),
+                down=(rng.standard_normal((E, D, I)) / np.sqrt(I)).astype(weights_dtype),
+                ends=np.cumsum(counts).astype(np.int32),
+                scale=rng.random(S).astype(np.float32),
+                d_y=rng.standard_normal((S, D)).astype(np.float32))
+
+
+def _torch(case):
+    """y and the gradients of sum(y * d_y) over the owned slots, one expert at a time (as
+    transformers' Lfm2MoeExperts loops), in float64."""
+    t = {k: torch.tensor(case[k].astype(np.float64), requires_grad=True)
+         for k in ("x", "gate_up", "down", "scale")}
+    ends = case["ends"]
+    I = case["down"].shape[2]
+    outs = []
+    start = 0
+    for e, end in enumerate(ends):
+        x = t["x"][start:end]
+        h1 = x @ t["gate_up"][e, :I].T
+        h3 = x @ t["gate_up"][e, I:].T
+        outs.append(t["scale"][start:end, None] * ((torch.nn.functional.silu(h1) * h3) @ t["down"][e].T))
+        start = end
+    y = torch.cat(outs)
+    (y * torch.tensor(case["d_y"][:int(ends[-1])].astype(np.float64))).sum().backward()
+    return y.detach().numpy(), {k: v.grad.numpy() for k, v in t.items()}
+
+
+def _close(got, want, tol):
+    err = np.abs(got - want).max(initial=0.0)
+    assert err <= tol * max(1.0, np.abs(want).max(initial=0.0)), err
+
+
+def _run(engine, case, weights=True, bucket=1):
+    tensors = {k: engine.tensor(v) for k, v in case.items() if k != "d_y"}
+    y, saved = experts_forward(engine, tensors["x"], tensors["gate_up"], tensors["down"], tensors["ends"],
+                               tensors["scale"], bucket=bucket)
+    grads = experts_backward(engine, tensors["x"], tensors["gate_up"], tensors["down"], tensors["ends"],
+                             tensors["scale"], saved, engine.tensor(case["d_y"]), bucket=bucket, weights=weights)
+    return y.numpy(), {k: v.numpy() for k, v in grads.items()}
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_expert_mlps_and_their_gradients_match_torch(engine, seed):
+    rng = np.random.default_rng(seed)
+    E = int(rng.integers(1, 9))
+    D, I = int(rng.choice([8, 24, 36])), int(rng.choice([4, 16, 20]))
+    S = int(rng.integers(5, 120))
+    owned = S if seed % 2 else int(rng.integers(1, S + 1))
+    case = _case(rng, E, S, D, I, owned)
+    y, grads = _run(engine, case, bucket=16 if seed == 3 else 1)
+    want_y, want = _torch(case)
+    v = int(case["ends"][-1])
+    _close(y[:v], want_y, 1e-5)
+    _close(grads["d_x"][:v], want["x"][:v], 1e-5)
+    _close(grads["d_scale"][:v], want["scale"][:v], 1e-5)
+    _close(grads["d_gate_up"], want["gate_up"], 1e-5)
+    _close(grads["d_down"], want["down"], 1e-5)
+
+
+def test_a_frozen_f16_base_gives_input_and_combine_gradients_only(engine):
+    rng = np.random.default_rng(7)
+    case = _case(rng, 6, 90, 32, 16, 85, np.float16)
+    y, grads = _run(engine, case, weights=False)
+    want_y, want = _torch(case)          # on the f16 weights' own values
+    v = int(case["ends"][-1])
+    assert set(grads) == {"d_x", "d_scale"}
+    _close(y[:v], want_y, 1e-5)
+    _close(grads["d_x"][:v], want["x"][:v], 1e-5)
+    _close(grads["d_scale"][:v], want["scale"][:v], 1e-5)
