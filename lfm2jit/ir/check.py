@@ -355,6 +355,8 @@ class _Builder:
         if axis not in x.shape:
             raise self.error(e.args[1].loc, f"{e.func}() over axis {axis}, which {_fmt(x.dtype, x.shape)} does not have",
                              "an axis of the value: " + (", ".join(x.shape) or "none (it is a scalar)"))
+        if x.dtype == ABSTRACT:        # literals only (where(c, 1.0, 0.0)): summed in f32, the compute type
+            x = self.node(Op.CAST, (x,), x.shape, "f32", "f32")
         if x.dtype not in FLOAT_DTYPES:
             raise self.error(e.loc, f"{e.func}() needs a float value, got {x.dtype}", "an f32 or f16 value")
         shape = tuple(a for a in x.shape if a != axis)

@@ -149,3 +149,13 @@ def test_an_identity_on_a_lower_rank_operand_repeats_it():
     k = one("kernel k(x: f32[T], b: f32[T, D] = 0) -> (y: f32[T, D]) { y = x + b }")
     (y,) = k.without({"b"}).ir.results.values()
     assert y.op.name == "BROADCAST" and y.shape == ("T", "D") and y.srcs[0].op.name == "INPUT"
+
+
+def test_a_sum_of_literals_chosen_by_where_counts_in_f32(engine, rng):
+    """where(c, 1.0, 0.0) has no dtype of its own (both branches are literals); summed, it counts in
+    f32, here the ids at or below each e over the real rows only (the MoE experts' slot ends)."""
+    k = one("kernel k(idx: i32[T, K]) -> (ends: i32[E]) { ends = i32(sum(sum(where(idx < index(E) + 1, 1.0, 0.0), K), T)) }")
+    for t in (1, 7, 21):
+        idx = rng.integers(0, 5, (t, 3)).astype(np.int32)
+        got = engine.run(k, bucket=8, dims={"E": 5}, idx=engine.tensor(idx))["ends"].numpy()
+        np.testing.assert_array_equal(got, np.cumsum(np.bincount(idx.ravel(), minlength=5)))

@@ -21,7 +21,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from numerics import rel_err
+from model_passes import run_loss_and_grads
+from numerics import rel_err, worst
 from lfm2jit.ops.lmhead import lm_head_cross_entropy
 from lfm2jit.model import CheckpointError, ConfigError, Lfm2Config, Lfm2Model
 from lfm2jit.model.checkpoint import parameter_shapes
@@ -45,33 +46,6 @@ LOGITS_TOL, GRAD_TOL, LOSS_TOL = 1e-4, 1e-3, 1e-5
 # ---------------------------------------------------------------------------------------------------
 # helpers
 # ---------------------------------------------------------------------------------------------------
-
-def run_loss_and_grads(model: Lfm2Model, ids, targets, mask, bucket: int = BUCKET, params=None):
-    """The trainer's path: forward, fused LM-head cross-entropy on trace.hn (loss, d_hn and the LM head's
-    gradient, added into its .grad), backward. Returns (loss, {name: grad}) for the given params."""
-    engine = model.engine
-    named = model.named_parameters()
-    params = list(named.values()) if params is None else params
-    model.zero_grad()
-    trace = model.forward(ids, bucket)
-    head = model.lm_head
-    n = float(np.count_nonzero(mask))
-    res = lm_head_cross_entropy(engine, trace.hn, head, targets, mask, normalizer=n, bucket=bucket,
-                                dE=head.grad, accumulate_dE=True)
-    model.backward(trace, res.dh, params)
-    loss = res.loss_value()
-    return loss, {name: t.grad.numpy() for name, t in named.items()}
-
-
-def worst(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> tuple[float, str]:
-    """The largest per-parameter relative error. A gradient that is exactly zero in the reference (e.g.
-    q/k projections at T=1: softmax over one key has no derivative) has no scale of its own; its f32
-    rounding noise is measured against the largest gradient of the model instead."""
-    assert set(got) == set(want), f"parameter names differ: {sorted(set(got) ^ set(want))}"
-    scale = max(float(np.abs(w).max(initial=0.0)) for w in want.values())
-    return max((rel_err(got[n], want[n]) if want[n].any() else
-                float(np.abs(got[n]).max(initial=0.0)) / scale, n) for n in want)
-
 
 def safetensors_dtypes(path: Path) -> set[str]:
     raw = path.read_bytes()

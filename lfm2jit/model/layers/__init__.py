@@ -5,14 +5,17 @@ from .base import Residual, ResidualSaved, Rows
 from .conv import Conv, ConvSaved
 from .kernels import Kernels, LoraSaved, backward_of
 from .mlp import Mlp, MlpSaved
+from .moe import Moe, MoeSaved
 
-__all__ = ["Attention", "AttentionSaved", "Conv", "ConvSaved", "Kernels", "LoraSaved", "Mlp", "MlpSaved", "Residual",
+__all__ = ["Attention", "AttentionSaved", "Conv", "ConvSaved", "Kernels", "LoraSaved", "Mlp", "MlpSaved", "Moe", "MoeSaved", "Residual",
            "ResidualSaved", "Rope", "Rows", "backward_of", "decoder_block"]
 
 
 def decoder_block(kernels: Kernels, cfg, index: int, rope: Rope, keep_ab: bool = True) -> list[Residual]:
     """Decoder layer ``index`` as the list its forward runs in order (backward: reversed): its
-    mixer (the conv or the attention, by ``cfg.layer_types``), then the MLP."""
+    mixer (the conv or the attention, by ``cfg.layer_types``), then the MLP, or an MoE model's
+    sparse block in its ``moe_layers``."""
     kind = cfg.layer_types[index]
     mixer = Conv(kernels, cfg, index) if kind == "conv" else Attention(kernels, cfg, index, rope)
-    return [mixer, Mlp(kernels, cfg, index, keep_ab)]
+    sparse = index in getattr(cfg, "moe_layers", ())
+    return [mixer, Moe(kernels, cfg, index) if sparse else Mlp(kernels, cfg, index, keep_ab)]

@@ -41,6 +41,10 @@ class Kernels:
     def p(self, name: str) -> Tensor:
         return self.model._params[name]
 
+    def buffer(self, name: str) -> Tensor:
+        """A tensor of the checkpoint that is never trained (an MoE router's expert_bias)."""
+        return self.model._buffers[name]
+
     def has(self, name: str) -> bool:
         return name in self.model._params
 

@@ -1,0 +1,97 @@
+"""LFM2-MoE's sparse block: h + the weighted sum of the SwiGLU experts a router picks for each token,
+applied to xf = rmsnorm(h).
+
+The router scores every expert (sigmoid of xf W_r^T), picks the K of highest score + expert_bias,
+and weighs each pick by its score (normalised over the K, scaled). A token's j-th pick is slot
+t * K + j; slots are sorted by expert so that each expert's MLP runs over its own slots only (a
+grouped GEMM, ops/experts.py), the weight applied in its down GEMM's epilogue, and each token's
+slot outputs are summed back in expert order, as transformers adds them. The routing stays on the
+GPU (ops/kernels/moe.lk): nothing is read back. Shapes: T tokens, E experts, K picks, S = T K slots.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ...ops.experts import ExpertActivations, experts_backward, experts_forward
+from ...runtime import Tensor
+from .base import Residual, ResidualSaved, Rows
+from .kernels import LoraSaved, backward_of
+
+
+@dataclass
+class MoeSaved(ResidualSaved):
+    xf: Tensor                      # (T, D) rmsnorm(h)
+    logits: Tensor                  # (T, E) the router's
+    idx: Tensor                     # (T, K) i32 each token's picks
+    w: Tensor                       # (T, K) their weights
+    ends: Tensor                    # (E,) i32 where each expert's slots end
+    order: Tensor                   # (S,) i32 the picks (t * K + j) in expert order
+    tok: Tensor                     # (S,) i32 each sorted slot's token
+    ws: Tensor                      # (S,) each sorted slot's weight
+    by_token: Tensor                # (S,) i32 the sorted slots grouped by token
+    token_offsets: Tensor           # (T + 1,) i32 where each token's run of by_token starts
+    xs: Tensor                      # (S, D) each sorted slot's xf row
+    experts: ExpertActivations      # what the experts' backward reuses
+
+
+class Moe(Residual):
+    norm, out = "ffn_norm.weight", "feed_forward.experts.down_proj"
+
+    @property
+    def gate_up(self) -> str:
+        return self.pre + "feed_forward.experts.gate_up_proj"
+
+    def forward(self, h: Tensor, rows: Rows, train: bool) -> tuple[Tensor, MoeSaved]:
+        k, cfg, bucket, pre = self.kernels, self.cfg, rows.bucket, self.pre
+        top_k, n_tokens = cfg.num_experts_per_tok, h.shape[0]
+        slots, slot_bucket = n_tokens * top_k, bucket * top_k     # slot kernels run over the flat (T K) picks
+        lora = LoraSaved(train)
+        xf, inv = self.normed(h, bucket)                                                        # (T, D), (T,)
+        logits = k.linear(xf, pre + "feed_forward.gate", bucket, lora)                          # (T, E)
+        bias = {"bias": k.buffer(pre + "feed_forward.expert_bias")} if cfg.use_expert_bias else {}
+        key = k.run("moe_key", bucket=bucket, logits=logits, **bias)["key"]                     # (T, E)
+        idx = k.run("moe_topk", bucket=bucket, dims={"K": top_k}, key=key)["idx"]               # (T, K)
+        w = k.run("moe_weights", bucket=bucket, logits=logits, idx=idx, **self._weighting())["w"]
+        ends = k.run("expert_ends", bucket=bucket, dims={"E": cfg.num_experts}, idx=idx)["ends"]
+        order = k.run("sort_keys", bucket=slot_bucket, dims={"V": cfg.num_experts}, keys=idx.view(slots))["order"]
+        tokens = k.run("slot_tokens", bucket=bucket, idx=idx)["tok"]                            # (T, K)
+        picked = k.run("moe_slots", bucket=slot_bucket, w=w.view(slots), tokens=tokens.view(slots), order=order)
+        grouped = k.run("sort_keys", bucket=slot_bucket, dims={"V": n_tokens}, keys=picked["tok"])
+        xs = k.run("embedding", bucket=slot_bucket, table=xf, ids=picked["tok"])["y"]          # (S, D)
+        ys, acts = experts_forward(k.model.engine, xs, k.p(self.gate_up), k.p(pre + self.out), ends,
+                                   picked["ws"], bucket=slot_bucket)                            # (S, D)
+        y = k.run("scatter_rows", bucket=slot_bucket, g=ys, order=grouped["order"], offsets=grouped["offsets"],
+                  r=h)["y"]                                                                     # (T, D)
+        return y, MoeSaved(h, inv, lora, xf, logits, idx, w, ends, order, picked["tok"], picked["ws"],
+                           grouped["order"], grouped["offsets"], xs, acts)
+
+    def _weighting(self) -> dict[str, float]:
+        return {"norm": 1.0 if self.cfg.norm_topk_prob else 0.0, "scaling": float(self.cfg.routed_scaling_factor)}
+
+    def recompute(self, s: MoeSaved, rows: Rows) -> None:
+        """Forward keeps everything its backward reads."""
+
+    def backward(self, s: MoeSaved, dh: Tensor, rows: Rows) -> None:
+        k, cfg, bucket, pre = self.kernels, self.cfg, rows.bucket, self.pre
+        top_k, n_tokens = cfg.num_experts_per_tok, dh.shape[0]
+        slots, slot_bucket = n_tokens * top_k, bucket * top_k
+        gate_up, down = k.p(self.gate_up), k.p(pre + self.out)
+        # y = h + sum of each token's slot outputs: a slot's gradient is its token's
+        d_ys = k.run("embedding", bucket=slot_bucket, table=dh, ids=s.tok)["y"]               # (S, D)
+        trained = {n: t for n, t in (("d_gate_up", gate_up), ("d_down", down)) if k.is_trained(t)}
+        grads = experts_backward(k.model.engine, s.xs, gate_up, down, s.ends, s.ws, s.experts, d_ys,
+                                 bucket=slot_bucket, weights=bool(trained),
+                                 out={n: t.grad for n, t in trained.items()}, accumulate=set(trained))
+        # xs = xf at each slot's token: the slots' gradients summed back to their tokens
+        dxf = k.run("scatter_rows", bucket=slot_bucket, dims={"V": n_tokens}, g=grads["d_x"], order=s.by_token,
+                    offsets=s.token_offsets)["y"]                                               # (T, D)
+        # ws = w at each sorted slot's pick: back to the picks (the sort's order is a permutation)
+        picks = k.run("sort_keys", bucket=slot_bucket, dims={"V": slots}, keys=s.order)
+        d_w = k.run("scatter_values", bucket=slot_bucket, dims={"V": slots}, g=grads["d_scale"], order=picks["order"],
+                    offsets=picks["offsets"])["y"]                                              # (S,) = (T, K)
+        # w = the picked scores, normalised and scaled: through the scores only (the picks are discrete)
+        d_logits = k.run(backward_of("moe_weights", ("logits",), ("w",)), bucket=bucket, logits=s.logits,
+                         idx=s.idx, w=s.w, d_w=d_w.view(n_tokens, top_k), **self._weighting())["d_logits"]
+        # logits = xf W_r^T
+        k.linear_backward(s.xf, pre + "feed_forward.gate", d_logits, bucket, s.lora, into=dxf)
+        self.norm_backward(s, dxf, dh, bucket)
