@@ -135,3 +135,22 @@ def test_a_repeated_step_is_bit_identical(ctx, engine):
     second = run_loss_and_grads(model, ids, targets, mask)[1]
     for n, g in first.items():
         np.testing.assert_array_equal(second[n], g, err_msg=n)
+
+
+def test_greedy_decoding_equals_transformers_uncached_forward(ctx, engine, tmp_path):
+    """Cached decoding routes one token per sequence each step (a batch of prompts of several
+    lengths); token for token against argmax over transformers' full forward, run again per token.
+    Weights drawn wider than the default init, so the logits are far apart and argmax is stable."""
+    cfg = dataclasses.replace(Lfm2MoeConfig.preset("tiny-moe-untied"), initializer_range=0.3)
+    hf = hf_model(cfg, seed=21)
+    hf.config._experts_implementation = "eager"
+    model = Lfm2Model(cfg, ctx, engine, tensors={n: t.detach().numpy() for n, t in hf.state_dict().items()})
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(3, cfg.vocab_size, n).tolist() for n in (1, 4, 11)]
+    got = model.generate(prompts, max_new_tokens=10, eos_token_id=[])
+    for prompt, ours in zip(prompts, got):
+        seq = list(prompt)
+        with torch.no_grad():
+            for _ in range(10):
+                seq.append(int(hf(torch.tensor([seq])).logits[0, -1].argmax()))
+        assert ours == seq[len(prompt):], prompt
