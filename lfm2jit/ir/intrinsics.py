@@ -14,6 +14,17 @@ intrinsics, so backward kernels still come from differentiating the IR. How each
     y = dropout(x, key)     x: float [T, D]   key: i32[4]
         x with elements zeroed or scaled by a mask drawn from key, the same mask for every call with
         that key (so the gradient is dropout(dy, key)); schedule/dropout.py states the generator
+    y = grouped_matmul(x, w, ends)     x: float [S, K]   w: float [E, N, K]   ends: i32[E]
+        a mixture of experts' products: y[s] = x[s] w[e]^T for the rows s of expert e, ends[e-1] <= s
+        < ends[e] (ends[-1] = 0: rows sorted by expert, ends the running sum of the experts' row
+        counts, on the device); y: [S, N], f32 if x or w is; rows past ends[E-1] are left as they were
+        (schedule/grouped.py). Its gradient is grouped_matmul_dx and grouped_matmul_dw
+    y = grouped_matmul_scaled(x, w, ends, scale)     scale: float [S]
+        the same with y[s] *= scale[s] in the epilogue (each slot's combine weight); its gradient
+        takes g = grouped_matmul_dx(dy, w, ends) once: dx = g * scale, d scale = sum(g * x, K)
+    dx = grouped_matmul_dx(dy, w, ends)     dy: [S, N] -> dx: [S, K], dx[s] = dy[s] w[e]
+    dw = grouped_matmul_dw(dy, x, ends)     dy: [S, N], x: [S, K] -> dw: [E, N, K], dw[e] the sum over
+        e's rows of dy[s]^T x[s], in row order (deterministic); an empty expert's is zero
 """
 from __future__ import annotations
 
