@@ -4,11 +4,15 @@ one expert holding every row, rows past the last expert, lengths inside a bucket
 weights, accumulation, weights bound in pieces, and on the matrix templates."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
 from lfm2jit import compile_source, grad
 from lfm2jit.dsl.errors import DslError
+from lfm2jit.tune import candidates
+from lfm2jit.tune.tiles import TileConfig
 
 from test_binding_limits import lowered
 
@@ -220,6 +224,25 @@ def test_dw_accumulates_in_a_fixed_order(engine):
     _close(runs[0], want + old)
     assert (runs[0][1] == old[1]).all()
     assert np.array_equal(runs[0], runs[1])
+
+
+@pytest.mark.parametrize("tiles", [TileConfig(32, 32, 16, 2, 2), TileConfig(64, 64, 16, 4, 4, vec=True),
+                                   TileConfig(128, 64, 8, 8, 8, vec=True, double=True)])
+def test_every_tile_shape_gives_the_same_products(engine, tiles):
+    """The caller's tiles (vec4 reads where they line up, two stages) give numpy's numbers; a split
+    of K is refused (each output is one sum), and the autotuner leaves the grouped GEMM alone."""
+    rng = np.random.default_rng(70)
+    E, S, K, N = 6, 190, 48, 72
+    ends = _ends(rng, S, E)
+    x, dy = rng.standard_normal((S, K)).astype(np.float32), rng.standard_normal((S, N)).astype(np.float32)
+    w = rng.standard_normal((E, N, K)).astype(np.float32)
+    y = engine.run(K_.gmm, tiles=tiles, x=engine.tensor(x), w=engine.tensor(w), ends=engine.tensor(ends))["y"]
+    dw = engine.run(K_.gmm_dw, tiles=tiles, dy=engine.tensor(dy), x=engine.tensor(x), ends=engine.tensor(ends))["dw"]
+    _close(y.numpy(), _reference(x, w, ends))
+    _close(dw.numpy(), _grads(x, w, ends, dy)[1])
+    with pytest.raises(ValueError, match="sums each output whole"):
+        K_.gmm.kernels[0].specialize({"S": S, "K": K, "N": N, "E": E}, tiles=replace(tiles, split=2))
+    assert candidates.for_spec(K_.gmm.kernels[0].specialize({"S": S, "K": K, "N": N, "E": E})) == ()
 
 
 def test_no_dense_compute_the_grid_covers_each_experts_rows_once(engine):
