@@ -50,10 +50,10 @@ def _tiles(call: IntrinsicCall, m: int, n: int, k: int, k_contiguous: int, frag,
     elif frag is None:
         return replace(heuristics.matmul_tiles(m, n, k), split=1)
     else:
-        def fits(t: MatrixTiles) -> bool:
-            return t.split == 1 and t.problem(frag, target.subgroup_size, target.workgroup_bytes, n) is None
-        tiles = heuristics.matrix_tiles(m, n, k, k_contiguous, lambda t: fits(replace(t, split=1, tail=0)))
-        tiles = replace(tiles, split=1, tail=0)
+        def whole(t: MatrixTiles) -> MatrixTiles:
+            return replace(t, split=1, tail=0)
+        tiles = whole(heuristics.matrix_tiles(m, n, k, k_contiguous, lambda t: whole(t).problem(
+            frag, target.subgroup_size, target.workgroup_bytes, n) is None))
     if isinstance(tiles, MatrixTiles):
         problem = tiles.problem(frag, target.subgroup_size, target.workgroup_bytes, n)
         if problem:
@@ -149,7 +149,10 @@ def _plan_dw(call: IntrinsicCall, target) -> Plan:
     if experts > MAX_WORKGROUPS:
         raise ValueError(f"{call.name}: {experts} experts exceed WebGPU's {MAX_WORKGROUPS} workgroups a grid dimension")
     frag = _matrix(target, dw, sizes, dy.dtype, x.dtype, dw.dtype)
-    tiles = _tiles(call, sizes[n_axis], sizes[k_axis], max(1, sizes[s_axis] // experts), 0, frag, target)
+    # the grid is E output matrices (as one tall one to the dense rules, unless thin: those have their
+    # own tiles); each sums an average expert's rows
+    m = sizes[n_axis] * (experts if min(sizes[n_axis], sizes[k_axis]) > heuristics.NARROW else 1)
+    tiles = _tiles(call, m, sizes[k_axis], max(1, sizes[s_axis] // experts), 0, frag, target)
     tile_m, tile_n = _rows(tiles)
     a = _operand(dy, n_axis, s_axis, None, sizes, tiles, tile_m, split="k")
     b = _operand(x, k_axis, s_axis, None, sizes, tiles, tile_n, split="k")
