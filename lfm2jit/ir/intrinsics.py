@@ -226,6 +226,10 @@ GROUPED_MATMUL = "grouped_matmul"
 GROUPED_MATMUL_SCALED = "grouped_matmul_scaled"
 GROUPED_MATMUL_DX = "grouped_matmul_dx"
 GROUPED_MATMUL_DW = "grouped_matmul_dw"
+GROUPED_PARAMS = ("x", "w", "ends")
+GROUPED_SCALED_PARAMS = ("x", "w", "ends", "scale")
+GROUPED_DX_PARAMS = ("dy", "w", "ends")
+GROUPED_DW_PARAMS = ("dy", "x", "ends")
 
 
 def _shape(dtype: str, shape) -> str:
@@ -313,11 +317,6 @@ def _grad_grouped(b: GraphBuilder, call: Node, projs: dict[int, Node], outs: lis
     d_scale = b.sum(b.mul(g, x), x.shape[1])
     return [d_x, dw_call(b.mul(dy, scale)), None, d_scale]
 
-
-GROUPED_PARAMS = ("x", "w", "ends")
-GROUPED_SCALED_PARAMS = ("x", "w", "ends", "scale")
-GROUPED_DX_PARAMS = ("dy", "w", "ends")
-GROUPED_DW_PARAMS = ("dy", "x", "ends")
 
 register(Intrinsic(GROUPED_MATMUL, GROUPED_PARAMS, ("y",), lambda ops: _infer_grouped(GROUPED_MATMUL, ops),
                    grad=_grad_grouped, differentiable_outputs=("y",)))
