@@ -27,6 +27,17 @@ intrinsics, so backward kernels still come from differentiating the IR. How each
         rows [V, D...]: row v sums g's rows at order[offsets[v] : offsets[v + 1]] in that order (zero
         for an empty key), so repeated runs are bit-identical; gather's adjoint in its table is
         segment_sum(dy, bucket_sort(ids, V)) (ir/grad.py)
+    y = grouped_matmul(x, w, ends)     x: float [S, K]   w: float [E, N, K]   ends: i32[E]
+        a mixture of experts' products: y[s] = x[s] w[e]^T for the rows s of expert e, ends[e-1] <= s
+        < ends[e] (ends[-1] = 0: rows sorted by expert, ends the running sum of the experts' row
+        counts, on the device); y: [S, N], f32 if x or w is; rows past ends[E-1] are left as they were
+        (schedule/grouped.py). Its gradient is grouped_matmul_dx and grouped_matmul_dw
+    y = grouped_matmul_scaled(x, w, ends, scale)     scale: float [S]
+        the same with y[s] *= scale[s] in the epilogue (each slot's combine weight); its gradient
+        takes g = grouped_matmul_dx(dy, w, ends) once: dx = g * scale, d scale = sum(g * x, K)
+    dx = grouped_matmul_dx(dy, w, ends)     dy: [S, N] -> dx: [S, K], dx[s] = dy[s] w[e]
+    dw = grouped_matmul_dw(dy, x, ends)     dy: [S, N], x: [S, K] -> dw: [E, N, K], dw[e] the sum over
+        e's rows of dy[s]^T x[s], in row order (deterministic); an empty expert's is zero
 
 An intrinsic with axis arguments (topk's K, bucket_sort's V) carries them as its INTRINSIC node's
 shape, so the kernel sizes them like any axis and the planner finds them without its outputs.
@@ -319,6 +330,10 @@ GROUPED_MATMUL = "grouped_matmul"
 GROUPED_MATMUL_SCALED = "grouped_matmul_scaled"
 GROUPED_MATMUL_DX = "grouped_matmul_dx"
 GROUPED_MATMUL_DW = "grouped_matmul_dw"
+GROUPED_PARAMS = ("x", "w", "ends")
+GROUPED_SCALED_PARAMS = ("x", "w", "ends", "scale")
+GROUPED_DX_PARAMS = ("dy", "w", "ends")
+GROUPED_DW_PARAMS = ("dy", "x", "ends")
 
 
 def _shape(dtype: str, shape) -> str:
@@ -406,11 +421,6 @@ def _grad_grouped(b: GraphBuilder, call: Node, projs: dict[int, Node], outs: lis
     d_scale = b.sum(b.mul(g, x), x.shape[1])
     return [d_x, dw_call(b.mul(dy, scale)), None, d_scale]
 
-
-GROUPED_PARAMS = ("x", "w", "ends")
-GROUPED_SCALED_PARAMS = ("x", "w", "ends", "scale")
-GROUPED_DX_PARAMS = ("dy", "w", "ends")
-GROUPED_DW_PARAMS = ("dy", "x", "ends")
 
 register(Intrinsic(GROUPED_MATMUL, GROUPED_PARAMS, ("y",), lambda ops: _infer_grouped(GROUPED_MATMUL, ops),
                    grad=_grad_grouped, differentiable_outputs=("y",)))

@@ -9,8 +9,9 @@ sorted by expert, forward and backward (kernels/experts.lk; the backward is grad
     scale    f32 [S]        each slot's combine weight, applied in the down GEMM's epilogue
     y        f32 [S, D]     scale[s] * (silu(x w1^T) * (x w3^T)) w2^T for slot s's expert
 
-Slots past ends[E-1] (a bucket's padding) belong to no expert: outputs there are left as they were,
-and nothing there reaches the owned slots, forward or backward. The routing (top-k, sorting the
+Slots past ends[E-1] (a bucket's padding) belong to no expert: y and d_x there are left as they
+were, the other per-slot values there (h, g, d_scale) are unspecified, and nothing there reaches the
+owned slots or the weight gradients. The routing (top-k, sorting the
 slots, gathering x and scattering y back to the tokens) is the layer's.
 """
 from __future__ import annotations

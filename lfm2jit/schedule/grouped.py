@@ -21,6 +21,7 @@ model's experts exceed a binding) as any SIMT GEMM operand.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 from ..ir import intrinsics
@@ -31,6 +32,7 @@ from .code import Apply, Const, Let, Load, Ref, Var
 from .layout import extent, strides
 from .matmul import (REDUCE_THREADS, Grouping, MatmulParams, MatrixParams, Operand, Output, contiguity, epilogue_frags,
                      vector_reads)
+from .pieces import binding_bytes
 from .spec import EntryPoint, IntrinsicCall, Plan
 
 MAX_WORKGROUPS = 65535    # WebGPU's maxComputeWorkgroupsPerDimension (its default limit)
@@ -48,10 +50,10 @@ def _tiles(call: IntrinsicCall, m: int, n: int, k: int, k_contiguous: int, frag,
     elif frag is None:
         return replace(heuristics.matmul_tiles(m, n, k), split=1)
     else:
-        def fits(t: MatrixTiles) -> bool:
-            return t.split == 1 and t.problem(frag, target.subgroup_size, target.workgroup_bytes, n) is None
-        tiles = heuristics.matrix_tiles(m, n, k, k_contiguous, lambda t: fits(replace(t, split=1, tail=0)))
-        tiles = replace(tiles, split=1, tail=0)
+        def whole(t: MatrixTiles) -> MatrixTiles:
+            return replace(t, split=1, tail=0)
+        tiles = whole(heuristics.matrix_tiles(m, n, k, k_contiguous, lambda t: whole(t).problem(
+            frag, target.subgroup_size, target.workgroup_bytes, n) is None))
     if isinstance(tiles, MatrixTiles):
         problem = tiles.problem(frag, target.subgroup_size, target.workgroup_bytes, n)
         if problem:
@@ -73,10 +75,14 @@ def _operand(x, row_axis: str, k_axis: str, batch_axis: str | None, sizes, tiles
     return replace(op, vec=vec, loads=rows * tiles.bk // (4 if vec else 1) // tiles.threads)
 
 
-def _matrix(target, *dtypes: str):
+def _matrix(target, out, sizes, *dtypes: str):
     """The f16 fragments of the matrix units where the device has them and an operand or the result
-    is f16 (as the dense GEMM decides: f32 products keep f32), else None."""
+    is f16 (as the dense GEMM decides: f32 products keep f32), else None; also None where the output
+    is larger than a binding, which the matrix template cannot store in pieces (an 8B model's dW
+    under WebGPU's default limits) and the SIMT one can."""
     if target is None or not target.subgroup_size or "f16" not in dtypes:
+        return None
+    if binding_bytes(math.prod(sizes[a] for a in out.shape), out.dtype) > target.binding_bytes:
         return None
     return target.matrix("f16", "f32")
 
@@ -106,7 +112,7 @@ def plan(call: IntrinsicCall, target=None) -> Plan:
     n_axis, k_axis = (w_k, w_rows) if transposed else (w_rows, w_k)
     sizes = call.sizes
     experts = sizes[e_axis]
-    frag = _matrix(target, x.dtype, w.dtype, y.dtype)
+    frag = _matrix(target, y, sizes, x.dtype, w.dtype, y.dtype)
     k_contiguous = 1 + (not transposed)
     # the grid the tiles fill is every expert's rows together (untuned for grouping: the dense GEMM's rules)
     tiles = _tiles(call, sizes[s_axis], sizes[n_axis], sizes[k_axis], k_contiguous, frag, target)
@@ -142,8 +148,11 @@ def _plan_dw(call: IntrinsicCall, target) -> Plan:
     experts = sizes[e_axis]
     if experts > MAX_WORKGROUPS:
         raise ValueError(f"{call.name}: {experts} experts exceed WebGPU's {MAX_WORKGROUPS} workgroups a grid dimension")
-    frag = _matrix(target, dy.dtype, x.dtype, dw.dtype)
-    tiles = _tiles(call, sizes[n_axis], sizes[k_axis], max(1, sizes[s_axis] // experts), 0, frag, target)
+    frag = _matrix(target, dw, sizes, dy.dtype, x.dtype, dw.dtype)
+    # the grid is E output matrices (as one tall one to the dense rules, unless thin: those have their
+    # own tiles); each sums an average expert's rows
+    m = sizes[n_axis] * (experts if min(sizes[n_axis], sizes[k_axis]) > heuristics.NARROW else 1)
+    tiles = _tiles(call, m, sizes[k_axis], max(1, sizes[s_axis] // experts), 0, frag, target)
     tile_m, tile_n = _rows(tiles)
     a = _operand(dy, n_axis, s_axis, None, sizes, tiles, tile_m, split="k")
     b = _operand(x, k_axis, s_axis, None, sizes, tiles, tile_n, split="k")

@@ -72,6 +72,8 @@ def matrix(params) -> tuple[MatrixTiles, ...]:
 
 def for_spec(spec) -> tuple:
     """The tiles worth trying for an (untuned) specialization; empty where its template has no knobs."""
+    if spec.template in ("matmul", "matmul_matrix") and spec.params.group is not None:
+        return ()        # a grouped GEMM's work is its routing, which the tuner's zero inputs leave empty
     if spec.template == "matmul":
         return MATMUL
     if spec.template == "matmul_matrix":

@@ -4,11 +4,16 @@ one expert holding every row, rows past the last expert, lengths inside a bucket
 weights, accumulation, weights bound in pieces, and on the matrix templates."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
 from lfm2jit import compile_source, grad
 from lfm2jit.dsl.errors import DslError
+from lfm2jit.schedule import EMULATED_MATRIX_CONFIGS, EMULATED_SUBGROUP, Target
+from lfm2jit.tune import candidates
+from lfm2jit.tune.tiles import TileConfig
 
 from test_binding_limits import lowered
 
@@ -154,6 +159,19 @@ def test_f16_weights_match_numpy_on_their_f16_values(engine, seed):
     _close(got, _reference(x, w, ends))
 
 
+def test_f16_activations_and_weights_on_the_portable_template(engine):
+    """x and w stored as f16 (the kernel's f16 variant), y kept f32, read and widened by the SIMT template."""
+    rng = np.random.default_rng(25)
+    E, S, K, N = 5, 99, 36, 44
+    ends = _ends(rng, S, E)
+    x = rng.standard_normal((S, K)).astype(np.float16)
+    w = rng.standard_normal((E, N, K)).astype(np.float16)
+    assert K_.gmm.kernels[0].specialize({"S": S, "K": K, "N": N, "E": E}, target=engine.target).template == "matmul"
+    got = engine.run(K_.gmm, f16=("x", "w"), x=engine.tensor(x), w=engine.tensor(w), ends=engine.tensor(ends))["y"]
+    assert got.dtype == "f32"
+    _close(got.numpy(), _reference(x, w, ends))
+
+
 def _grads(x, w, ends, dy, scale=None):
     """dx, dw and (scaled) d scale in float64, expert by expert."""
     x64, w64, dy64 = (a.astype(np.float64) for a in (x, w, dy))
@@ -222,6 +240,25 @@ def test_dw_accumulates_in_a_fixed_order(engine):
     assert np.array_equal(runs[0], runs[1])
 
 
+@pytest.mark.parametrize("tiles", [TileConfig(32, 32, 16, 2, 2), TileConfig(64, 64, 16, 4, 4, vec=True),
+                                   TileConfig(128, 64, 8, 8, 8, vec=True, double=True)])
+def test_every_tile_shape_gives_the_same_products(engine, tiles):
+    """The caller's tiles (vec4 reads where they line up, two stages) give numpy's numbers; a split
+    of K is refused (each output is one sum), and the autotuner leaves the grouped GEMM alone."""
+    rng = np.random.default_rng(70)
+    E, S, K, N = 6, 190, 48, 72
+    ends = _ends(rng, S, E)
+    x, dy = rng.standard_normal((S, K)).astype(np.float32), rng.standard_normal((S, N)).astype(np.float32)
+    w = rng.standard_normal((E, N, K)).astype(np.float32)
+    y = engine.run(K_.gmm, tiles=tiles, x=engine.tensor(x), w=engine.tensor(w), ends=engine.tensor(ends))["y"]
+    dw = engine.run(K_.gmm_dw, tiles=tiles, dy=engine.tensor(dy), x=engine.tensor(x), ends=engine.tensor(ends))["dw"]
+    _close(y.numpy(), _reference(x, w, ends))
+    _close(dw.numpy(), _grads(x, w, ends, dy)[1])
+    with pytest.raises(ValueError, match="sums each output whole"):
+        K_.gmm.kernels[0].specialize({"S": S, "K": K, "N": N, "E": E}, tiles=replace(tiles, split=2))
+    assert candidates.for_spec(K_.gmm.kernels[0].specialize({"S": S, "K": K, "N": N, "E": E})) == ()
+
+
 def test_no_dense_compute_the_grid_covers_each_experts_rows_once(engine):
     """The forward's grid has ceil(S / BM) + E tile rows (any split fits), not E * ceil(S / BM)."""
     (part,) = K_.gmm.kernels
@@ -277,6 +314,17 @@ def test_weights_larger_than_a_binding_are_bound_in_pieces(ctx, engine, monkeypa
     _close(pieced[0], _reference(x, w, ends))
     v = int(ends[-1])
     assert np.array_equal(pieced[0][:v], whole[0][:v]) and np.array_equal(pieced[1], whole[1])
+
+
+def test_an_output_larger_than_a_binding_takes_the_simt_template_which_stores_pieces():
+    """The matrix template stores its output whole: a dW past the binding limit (an 8B model's under
+    WebGPU's defaults) is planned on the SIMT template, in pieces, instead of refused."""
+    sizes = {"S": 64, "K": 32, "N": 48, "E": 4}                   # dw: 4 * 48 * 32 f16 = 12 KiB
+    units = Target(EMULATED_MATRIX_CONFIGS, EMULATED_SUBGROUP, 32768, emulated=True, storage_buffers=10)
+    (part,) = K_.gmm_dw_half.kernels
+    assert part.specialize(sizes, target=units).template == "matmul_matrix"
+    spec = part.specialize(sizes, target=replace(units, binding_bytes=4096))
+    assert spec.template == "matmul" and {b.tensor: b.pieces for b in spec.bindings}["dw"] == 3
 
 
 def test_the_matrix_template_runs_forward_dx_and_dw(matrix_engine):

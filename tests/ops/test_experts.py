@@ -83,3 +83,20 @@ def test_a_frozen_f16_base_gives_input_and_combine_gradients_only(engine):
     _close(y[:v], want_y, 1e-5)
     _close(grads["d_x"][:v], want["x"][:v], 1e-5)
     _close(grads["d_scale"][:v], want["scale"][:v], 1e-5)
+
+
+def test_weight_gradients_accumulate_into_the_tensors_given(engine):
+    """Gradient accumulation: d_gate_up and d_down added into what the caller's tensors hold."""
+    rng = np.random.default_rng(8)
+    case = _case(rng, 3, 40, 16, 8, 40)
+    _, want = _torch(case)
+    old = {"d_gate_up": rng.standard_normal(case["gate_up"].shape).astype(np.float32),
+           "d_down": rng.standard_normal(case["down"].shape).astype(np.float32)}
+    t = {k: engine.tensor(v) for k, v in case.items() if k != "d_y"}
+    out = {k: engine.tensor(v) for k, v in old.items()}
+    _, saved = experts_forward(engine, t["x"], t["gate_up"], t["down"], t["ends"], t["scale"])
+    grads = experts_backward(engine, t["x"], t["gate_up"], t["down"], t["ends"], t["scale"], saved,
+                             engine.tensor(case["d_y"]), out=out, accumulate={"d_gate_up", "d_down"})
+    assert grads["d_gate_up"] is out["d_gate_up"] and grads["d_down"] is out["d_down"]
+    _close(out["d_gate_up"].numpy(), old["d_gate_up"] + want["gate_up"], 1e-5)
+    _close(out["d_down"].numpy(), old["d_down"] + want["down"], 1e-5)
