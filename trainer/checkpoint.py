@@ -241,9 +241,10 @@ def _check_schedule(path: Path, desc, steps: int):
 
 
 def _check_config(src: Path, model_cfg) -> None:
-    from lfm2jit.model import ConfigError, Lfm2Config
+    from lfm2jit.model import ConfigError
+    from lfm2jit.model.moe_config import read_model_config
     try:
-        cfg = Lfm2Config.from_json(src / "model" / "config.json")
+        cfg = read_model_config(src / "model" / "config.json")
     except ConfigError as e:
         raise TrainError(str(e)) from None
     ours, theirs = model_cfg.to_dict(), cfg.to_dict()

@@ -87,13 +87,14 @@ def _model_config(run: Run, tok, ckpt: Path | None):
     """The config of the model to train (None for a checkpoint without model/), checked against the
     tokenizer's vocabulary."""
     from lfm2jit.model import ConfigError, Lfm2Config
+    from lfm2jit.model.moe_config import read_model_config
     from ..data import BOS_TOKEN, EOS_TOKEN, PAD_TOKEN
     tok_vocab = tok.get_vocab_size(with_added_tokens=True)
     try:
         if ckpt is not None:
-            cfg = Lfm2Config.from_json(ckpt / "model" / "config.json") if (ckpt / "model").is_dir() else None
-        elif run.source == "model":
-            cfg = Lfm2Config.from_json(Path(run.model) / "config.json")
+            cfg = read_model_config(ckpt / "model" / "config.json") if (ckpt / "model").is_dir() else None
+        elif run.source == "model":                   # a dense lfm2 or an lfm2_moe model
+            cfg = read_model_config(Path(run.model) / "config.json")
         else:
             from lfm2jit.model.config import PRESETS
             shape = dict(DEMO_SHAPE if run.preset == DEMO_PRESET else PRESETS[run.preset])

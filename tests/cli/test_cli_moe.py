@@ -1,0 +1,83 @@
+"""`python -m trainer` on an LFM2-MoE checkpoint as a user runs it (issue 47): a tiny random-init
+Lfm2MoeForCausalLM made by transformers is fine-tuned with LoRA, `generate` answers with the result,
+and PEFT loads the adapter onto transformers' model with logits equal to lfm2jit's."""
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+
+from lfm2jit import ComputeEngine
+from lfm2jit.model import Lfm2Model, Lfm2MoeConfig
+from numerics import rel_err
+from test_cli_trainer import ROOT, cli
+from trainer.cli import main
+from trainer.data import encode_chat, load_tokenizer
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+ASSETS = ROOT / "trainer" / "assets"
+
+
+@pytest.fixture(scope="module")
+def moe_run(tmp_path_factory):
+    """transformers' tiny MoE (the shipped tokenizer's vocabulary, expert_bias non-zero) and a LoRA
+    run on it."""
+    base = tmp_path_factory.mktemp("moe") / "base"
+    tok = load_tokenizer(ASSETS)
+    cfg = Lfm2MoeConfig.preset("tiny-moe")
+    hf_cfg = transformers.Lfm2MoeConfig(**{**cfg.to_dict(), "vocab_size": tok.get_vocab_size(with_added_tokens=True),
+                                            "eos_token_id": tok.token_to_id("<|im_end|>")})
+    torch.manual_seed(0)
+    hf = transformers.Lfm2MoeForCausalLM(hf_cfg)
+    with torch.no_grad():
+        for m in hf.modules():
+            if getattr(m, "expert_bias", None) is not None:
+                m.expert_bias.normal_(0.0, 0.1)
+    hf.save_pretrained(base)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(ASSETS / f, base / f)
+    out = base.parent / "run"
+    r = cli("--model", base, "--lora-r", 8, "--lora-alpha", 16, "--lr", "3e-3", "--steps", 6, "--max-len", 48,
+            "--eval-max", 4, "--eval-answers", 2, "--no-progress", "--out", out)
+    assert r.returncode == 0, r.stderr
+    return base, out, r
+
+
+def test_lora_fine_tunes_the_moe_checkpoint(moe_run):
+    base, out, r = moe_run
+    assert "LoRA r 8" in r.stdout and (out / "adapter" / "adapter_model.safetensors").is_file()
+    losses = [float(line.split("loss=")[1].split()[0]) for line in r.stderr.splitlines() if "loss=" in line]
+    assert all(np.isfinite(losses))
+
+
+def test_peft_loads_the_adapter_with_equal_logits(moe_run, ctx, engine):
+    base, out, _ = moe_run
+    hf = transformers.Lfm2MoeForCausalLM.from_pretrained(base).float().eval()
+    theirs = peft.PeftModel.from_pretrained(hf, out / "adapter").eval()
+    ours = Lfm2Model.from_pretrained(base, ctx, engine)
+    ours.load_adapter(out / "adapter")
+    ids = np.random.default_rng(0).integers(1, ours.cfg.vocab_size, 21)
+    with torch.no_grad():
+        want = theirs(input_ids=torch.as_tensor(ids)[None]).logits[0].numpy()
+    assert rel_err(ours.logits(ids, bucket=16), want) < 1e-4
+    plain = Lfm2Model.from_pretrained(base, ctx, engine).logits(ids, bucket=16)
+    assert rel_err(plain, want) > 1e-3             # the adapter trained: it changes the logits
+
+
+def test_generate_answers_with_the_fine_tuned_adapter(moe_run, ctx, capsys):
+    base, out, _ = moe_run
+    rc = main(["generate", "--model", str(base), "--adapter", str(out / "adapter"), "--prompt", "Capital of India?",
+               "--max-new-tokens", "8"])
+    printed = capsys.readouterr().out
+    assert rc == 0
+    tok = load_tokenizer(base)
+    model = Lfm2Model.from_pretrained(base, ctx, ComputeEngine(ctx))
+    model.load_adapter(out / "adapter")
+    ids, _ = encode_chat([{"role": "user", "content": "Capital of India?"}], tok, add_generation_prompt=True)
+    end = sorted(set(model.generation_eos) | {tok.token_to_id("<|im_end|>")})
+    want = tok.decode(model.generate(ids.tolist(), max_new_tokens=8, eos_token_id=end), skip_special_tokens=True)
+    assert printed == want + "\n"
