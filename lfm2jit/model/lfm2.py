@@ -78,6 +78,9 @@ class Lfm2Model:
         # tensors the checkpoint holds that are never trained (an MoE router's expert_bias)
         self._buffers: dict[str, Tensor] = {n: Tensor.from_numpy(ctx, a.astype(np.float32)) for n, a in buffers.items()}
         self.lora: LoraAdapters | None = None
+        # per sparse layer, the tokens its training passes routed to each expert since take_routed_tokens
+        self.routed_tokens: dict[int, Tensor] = {
+            i: Tensor.from_numpy(ctx, np.zeros(cfg.num_experts, np.float32)) for i in getattr(cfg, "moe_layers", ())}
         self.kernels = Kernels(self)
         self.rope = Rope(cfg, ctx)
         self.blocks = [decoder_block(self.kernels, cfg, i, self.rope, keep_ab=not recompute_mlp)
@@ -102,6 +105,15 @@ class Lfm2Model:
     @property
     def lm_head(self) -> Tensor:
         return self._params[EMBEDDING if self.cfg.tie_word_embeddings else "lm_head.weight"]
+
+    def take_routed_tokens(self) -> dict[int, np.ndarray]:
+        """Per sparse layer of an MoE model, how many tokens its training passes routed to each expert
+        since the last call (rows of the padding token left out: packing adds them), as int64
+        [num_experts]; the counts start again from zero. Empty for a dense model."""
+        counts = {i: np.rint(t.numpy()).astype(np.int64) for i, t in self.routed_tokens.items()}
+        for t in self.routed_tokens.values():
+            self.engine.zero_(t)
+        return counts
 
     # ---- LoRA ----
     def add_lora(self, config: LoraConfig = LoraConfig(), seed: int = 0, base_dtype: str = "f32") -> list[Tensor]:
@@ -227,7 +239,7 @@ class Lfm2Model:
             raise ValueError(f"input_ids: a batch of {batch} sequences of {seq} positions; packed sequences must be "
                              f"a multiple of {self.pack_multiple()} positions long (pad them)")
         ids = input_ids if uploaded else DeviceIds.upload(self.engine, host, self.cfg.pad_token_id)
-        k, rows = self.kernels, Rows(bucket, batch, seq)
+        k, rows = self.kernels, Rows(bucket, batch, seq, ids.ids)
         h = k.run("embedding", bucket=bucket, table=self.p(EMBEDDING), ids=ids.ids)["y"]              # (T, D)
         trace = Trace(ids, rows, h)
         for i, block in enumerate(self.blocks):

@@ -11,7 +11,7 @@ import pytest
 from lfm2jit import ComputeEngine
 from lfm2jit.model import Lfm2Model, Lfm2MoeConfig
 from numerics import rel_err
-from test_cli_trainer import ROOT, cli
+from test_cli_trainer import ROOT, cli, metrics
 from trainer.cli import main
 from trainer.data import encode_chat, load_tokenizer
 
@@ -52,6 +52,12 @@ def test_lora_fine_tunes_the_moe_checkpoint(moe_run):
     assert "LoRA r 8" in r.stdout and (out / "adapter" / "adapter_model.safetensors").is_file()
     losses = [float(line.split("loss=")[1].split()[0]) for line in r.stderr.splitlines() if "loss=" in line]
     assert all(np.isfinite(losses))
+    # each step's tokens per expert, per sparse layer: every token routed to top-k experts
+    top_k = Lfm2MoeConfig.from_json(base).num_experts_per_tok
+    for m in metrics(out):
+        assert sorted(m["expert_tokens"]) == ["1", "2", "3"]
+        sums = {sum(n) for n in m["expert_tokens"].values()}
+        assert len(sums) == 1 and sums.pop() == m["tokens"] * top_k, m
 
 
 def test_peft_loads_the_adapter_with_equal_logits(moe_run, ctx, engine):

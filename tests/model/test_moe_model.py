@@ -154,3 +154,33 @@ def test_greedy_decoding_equals_transformers_uncached_forward(ctx, engine, tmp_p
             for _ in range(10):
                 seq.append(int(hf(torch.tensor([seq])).logits[0, -1].argmax()))
         assert ours == seq[len(prompt):], prompt
+
+
+def test_training_passes_count_each_experts_tokens_as_transformers_routes_them(ctx, engine):
+    """The picks per expert of each sparse layer, added up over training passes (not evaluation),
+    equal transformers' top-k choices on the same tokens but the padding token's (packing's filler);
+    taking them starts the count again."""
+    cfg = dataclasses.replace(Lfm2MoeConfig.preset("tiny-moe-untied"), num_experts=8, num_experts_per_tok=3)
+    hf = hf_model(cfg, seed=2)
+    picked: dict[int, list] = {i: [] for i in cfg.moe_layers}
+    for i in cfg.moe_layers:
+        hf.model.layers[i].feed_forward.gate.register_forward_hook(
+            lambda mod, args, out, i=i: picked[i].append(out[2].numpy()))
+    model = Lfm2Model(cfg, ctx, engine, tensors={n: t.detach().numpy() for n, t in hf.state_dict().items()})
+    rng = np.random.default_rng(3)
+    batches = [rng.integers(1, cfg.vocab_size, n) for n in (11, 30)]
+    batches[1][[4, 9, 10]] = cfg.pad_token_id
+    for ids in batches:
+        with torch.no_grad():
+            hf(input_ids=torch.as_tensor(ids)[None])
+        model.forward(ids, BUCKET, train=True)
+    real = np.concatenate(batches) != cfg.pad_token_id
+    model.forward(batches[0], BUCKET)                          # evaluation: not counted
+    counts = model.take_routed_tokens()
+    assert sorted(counts) == cfg.moe_layers
+    for i, n in counts.items():
+        want = np.bincount(np.concatenate(picked[i])[real].ravel(), minlength=cfg.num_experts)
+        np.testing.assert_array_equal(n, want)
+        assert n.sum() == 38 * cfg.num_experts_per_tok
+    assert all(not n.any() for n in model.take_routed_tokens().values())
+    assert Lfm2Model(Lfm2MoeConfig.preset("tiny-moe"), ctx, engine).take_routed_tokens().keys() == {1, 2, 3}

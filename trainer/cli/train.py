@@ -9,7 +9,8 @@ order; rank r trains on sequences r, r + world_size, ... of that window (one mic
 sequence, as ``Trainer`` runs them), so N ranks with accumulation A see exactly the sequences that
 one process with accumulation N*A would. A run directory holds::
 
-    metrics.jsonl            one JSON line per optimizer step (see METRICS_KEYS)
+    metrics.jsonl            one JSON line per optimizer step (see METRICS_KEYS; an MoE model's also has
+                             expert_tokens: per sparse layer, the tokens routed to each expert)
     eval.jsonl               the held-out loss every --eval-every N steps: {"step", "loss", "answer_loss"}
     loss.png                 the loss curve (and the held-out loss before and after)
     summary.json             the numbers the summary prints
@@ -155,9 +156,11 @@ class Training:
         stats = tr.train_sequences([data.train[i] for i in window], self.s.params)
         last = stats[-1]
         seconds = time.perf_counter() - t_step
-        loss_sum, n_seq, toks, supervised, votes = self.s.sum_over_ranks(
+        routed = self.s.model.take_routed_tokens()           # an MoE model's tokens per expert, per layer
+        loss_sum, n_seq, toks, supervised, votes, *per_expert = self.s.sum_over_ranks(
             [sum(float(x.loss) for x in stats), len(stats), sum(len(data.train[i][0]) for i in window),
-             sum(x.tokens for x in stats), self.stop.vote()], "the step's loss and tokens")
+             sum(x.tokens for x in stats), self.stop.vote(), *(float(v) for n in routed.values() for v in n)],
+            "the step's loss and tokens")
         self.stop.agreed = votes > 0
         toks = int(toks)
         self.cursor.tokens += toks
@@ -165,7 +168,12 @@ class Training:
                "tokens": toks, "supervised": int(supervised), "tokens_per_s": toks / seconds if seconds > 0 else None,
                "lr": last.lr, "grad_norm": last.grad_norm, "loss_scale": last.loss_scale,
                "skipped": bool(last.skipped), "elapsed": round(self.elapsed(), 3), "epoch": self.cursor.epoch}
-        return StepResult(last, {k: clean(v) for k, v in rec.items()}, seconds)
+        rec = {k: clean(v) for k, v in rec.items()}
+        if routed:
+            width = len(per_expert) // len(routed)
+            rec["expert_tokens"] = {str(i): [round(v) for v in per_expert[j * width:(j + 1) * width]]
+                                    for j, i in enumerate(routed)}
+        return StepResult(last, rec, seconds)
 
     def log(self, result: StepResult) -> None:
         """The step into metrics.jsonl and the reporters; a run that no longer steps fails; the bar moves."""

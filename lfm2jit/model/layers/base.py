@@ -2,7 +2,7 @@
 h + out(body(rmsnorm(h))) with what it saves for backward."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ...runtime import Tensor
 from .kernels import Kernels, LoraSaved
@@ -15,6 +15,7 @@ class Rows:
     bucket: int
     batch: int = 1
     seq: int = 0
+    ids: Tensor | None = field(default=None, compare=False)   # (T,) i32 the rows' tokens, where known
 
     @property
     def seq_bucket(self) -> int:

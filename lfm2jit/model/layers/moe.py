@@ -37,6 +37,10 @@ class MoeSaved(ResidualSaved):
 class Moe(Residual):
     norm, out = "ffn_norm.weight", "feed_forward.experts.down_proj"
 
+    def __init__(self, kernels, cfg, index: int):
+        super().__init__(kernels, cfg, index)
+        self.index = index
+
     @property
     def gate_up(self) -> str:
         return self.pre + "feed_forward.experts.gate_up_proj"
@@ -53,6 +57,10 @@ class Moe(Residual):
         idx = k.run("moe_topk", bucket=bucket, dims={"K": top_k}, key=key)["idx"]               # (T, K)
         w = k.run("moe_weights", bucket=bucket, logits=logits, idx=idx, **self._weighting())["w"]
         ends = k.run("expert_ends", bucket=bucket, dims={"E": cfg.num_experts}, idx=idx)["ends"]
+        if train and rows.ids is not None:            # the step's tokens per expert (Lfm2Model.take_routed_tokens)
+            pad = -1.0 if cfg.pad_token_id is None else float(cfg.pad_token_id)
+            k.run("expert_counts", bucket=bucket, dims={"E": cfg.num_experts}, idx=idx, ids=rows.ids, pad=pad,
+                  out={"n": k.model.routed_tokens[self.index]}, accumulate={"n"})
         order = k.run("sort_keys", bucket=slot_bucket, dims={"V": cfg.num_experts}, keys=idx.view(slots))["order"]
         tokens = k.run("slot_tokens", bucket=bucket, idx=idx)["tok"]                            # (T, K)
         picked = k.run("moe_slots", bucket=slot_bucket, w=w.view(slots), tokens=tokens.view(slots), order=order)
