@@ -96,3 +96,12 @@ def test_progress_redraws_only_on_a_terminal():
     p.update(5)
     p.close()
     assert off.getvalue() == ""
+
+
+def test_a_short_run_evaluates_no_more_than_it_trains_on(tmp_path, capsys):
+    """Without --eval-max, a 2-step run of 4 sequences a step evaluates 8 held-out sequences, not
+    all 150: on a slow device its evaluation would otherwise take far longer than its training."""
+    rc = main(["--steps", "2", "--max-len", "20", "--eval-answers", "0", "--no-progress", "--out", str(tmp_path / "o")])
+    cap = capsys.readouterr()
+    assert rc == 0, cap.err
+    assert "2850 training sequences, 150 held out (8 of them evaluated: --eval-max 8)" in cap.out

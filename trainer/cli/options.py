@@ -27,6 +27,7 @@ DEFAULT_ACCUM = 4
 DEFAULT_MAX_LEN = 512
 DEFAULT_EVAL_FRACTION = 0.05
 DEFAULT_EVAL_MAX = 200
+MIN_EVAL_SEQUENCES = 8       # the fewest a run of known length evaluates without --eval-max
 DEFAULT_KEEP = 2
 DEFAULT_CHECKPOINT_MINUTES = 10.0
 DEFAULT_SAMPLES = 5
@@ -101,7 +102,8 @@ def _add_model_and_data(p: argparse.ArgumentParser) -> None:
                    help=f"hold out this fraction of the records (chosen by --seed) and report their mean loss "
                         f"before and after training; 0 disables (default {DEFAULT_EVAL_FRACTION})")
     m.add_argument("--eval-max", type=int, metavar="N",
-                   help=f"evaluate at most N held-out sequences (default {DEFAULT_EVAL_MAX})")
+                   help=f"evaluate at most N held-out sequences (default {DEFAULT_EVAL_MAX}; with --steps, no more "
+                        f"than the run trains on, at least {MIN_EVAL_SEQUENCES})")
     m.add_argument("--eval-data", metavar="FILE",
                    help="held-out records from this JSONL file (same format as --data) instead of a fraction of "
                         "--data")

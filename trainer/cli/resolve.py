@@ -11,10 +11,19 @@ from lfm2jit.model.lora import DEFAULT_TARGETS
 from ..trainer import DEFAULT_PACK_TOKENS, DEFAULT_REPLAY_PASSES
 from .options import (DEFAULT_ACCUM, DEFAULT_CHECKPOINT_MINUTES, DEFAULT_EVAL_FRACTION, DEFAULT_EVAL_MAX, DEFAULT_KEEP,
                       DEFAULT_MAX_LEN, DEFAULT_SAMPLES, DEMO_CHECK_LOSS_DROP, DEMO_LR, DEMO_PRESET, DEMO_STEPS,
-                      FINETUNE_LR)
+                      FINETUNE_LR, MIN_EVAL_SEQUENCES)
 from .state import AS_YOU_LIKE, RESUMABLE, Run
 from .usage import UsageError
 
+
+
+def default_eval_max(steps: int | None, per_step: int) -> int:
+    """Held-out sequences to evaluate without --eval-max: DEFAULT_EVAL_MAX, but for a run of a given
+    number of steps no more than it trains on (at least MIN_EVAL_SEQUENCES), so that a short run's
+    evaluation before and after does not outlast its training (by hours, on a CPU driver)."""
+    if steps is None:
+        return DEFAULT_EVAL_MAX
+    return min(DEFAULT_EVAL_MAX, max(MIN_EVAL_SEQUENCES, steps * per_step))
 
 def _given(args: argparse.Namespace) -> dict:
     return {k: v for k, v in vars(args).items() if v is not None}
@@ -62,7 +71,7 @@ def resolve(args: argparse.Namespace, argv_empty: bool, saved: dict | None = Non
         tokenizer=tokenizer, data=data, data_kind=g.get("data_kind", "auto"),
         loss_on=g.get("loss_on", "all" if source == "scratch" else "assistant"),
         max_len=g.get("max_len", DEFAULT_MAX_LEN), eval_fraction=g.get("eval_fraction", DEFAULT_EVAL_FRACTION),
-        eval_max=g.get("eval_max", DEFAULT_EVAL_MAX), seed=g.get("seed", 0), optimizer=optimizer, lr=lr,
+        eval_max=g.get("eval_max", default_eval_max(steps, g.get("grad_accum", DEFAULT_ACCUM) * world)), seed=g.get("seed", 0), optimizer=optimizer, lr=lr,
         weight_decay=g.get("weight_decay", 0.01 if optimizer == "adamw" else 0.0), momentum=g.get("momentum", 0.9),
         schedule=g.get("schedule", "cosine"), warmup_steps=g.get("warmup_steps"), min_lr=g.get("min_lr", lr / 10),
         grad_accum=g.get("grad_accum", DEFAULT_ACCUM), pack_tokens=g.get("pack_tokens", DEFAULT_PACK_TOKENS),
