@@ -87,3 +87,12 @@ def test_generate_answers_with_the_fine_tuned_adapter(moe_run, ctx, capsys):
     end = sorted(set(model.generation_eos) | {tok.token_to_id("<|im_end|>")})
     want = tok.decode(model.generate(ids.tolist(), max_new_tokens=8, eos_token_id=end), skip_special_tokens=True)
     assert printed == want + "\n"
+
+
+def test_f16_activations_are_a_one_line_usage_error(moe_run, tmp_path):
+    base, _, _ = moe_run
+    r = cli("--model", base, "--f16", "--steps", 1, "--out", tmp_path / "f16")
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and lines[0].endswith(
+        "--f16: f16 activations are not supported for LFM2-MoE (lfm2_moe) models yet; train without --f16")
+    assert not (tmp_path / "f16").exists()

@@ -184,3 +184,12 @@ def test_training_passes_count_each_experts_tokens_as_transformers_routes_them(c
         assert n.sum() == 38 * cfg.num_experts_per_tok
     assert all(not n.any() for n in model.take_routed_tokens().values())
     assert Lfm2Model(Lfm2MoeConfig.preset("tiny-moe"), ctx, engine).take_routed_tokens().keys() == {1, 2, 3}
+
+
+def test_f16_activations_are_refused_before_the_checkpoint_is_read(ctx, engine, tmp_path):
+    cfg = Lfm2MoeConfig.preset("tiny-moe")
+    with pytest.raises(ValueError, match="f16 activations"):
+        Lfm2Model(cfg, ctx, engine, activation_dtype="f16")
+    (tmp_path / "config.json").write_text(__import__("json").dumps(cfg.to_dict()))   # no weights beside it
+    with pytest.raises(ValueError, match="f16 activations"):
+        Lfm2Model.from_pretrained(tmp_path, ctx, engine, activation_dtype="f16")

@@ -107,6 +107,9 @@ def _model_config(run: Run, tok, ckpt: Path | None):
     if cfg is not None and tok_vocab > cfg.vocab_size:
         raise UsageError(f"the tokenizer {run.tokenizer} has {tok_vocab} ids but the model's vocab_size is "
                          f"{cfg.vocab_size}: token ids would fall outside the embedding")
+    if run.f16 and hasattr(cfg, "num_experts"):
+        raise UsageError("--f16: f16 activations are not supported for LFM2-MoE (lfm2_moe) models yet; "
+                         "train without --f16")
     return cfg
 
 
