@@ -373,14 +373,18 @@ class Trainer:
                 keep_logits=self.lm_head_keep_bytes, check_targets=False)   # checked in _check
             if staged is not None:
                 staged.start()
-            model.backward(trace, result.dh, params, on_ready=staged.ready if staged is not None else None)
+            model.backward(trace, result.dh, params, on_ready=staged.ready if staged is not None else None,
+                           aux_scale=loss_scale)
             if staged is not None:
                 staged.finish()
             return result.loss
 
         key = ("pass", np.shape(ids), bucket, self.lm_head_chunk, self.lm_head_keep_bytes, head_trained,
                _where(params, [p.grad for p in params]), id(staged) if staged is not None else None)
-        loss = self.recorded.run(key, record, scalars=xent_scalars(normalizer, loss_scale), upload=upload,
+        scalars = xent_scalars(normalizer, loss_scale)
+        if getattr(model, "router_aux_loss_coef", 0.0):      # an MoE router's balance loss follows the loss scale
+            scalars["aux_scale"] = model.router_aux_loss_coef * loss_scale
+        loss = self.recorded.run(key, record, scalars=scalars, upload=upload,
                                  refill=refill, activations=True)
         if staged is not None:
             sync.average(engine, self._names(params), params, self._steps + 1, staged=staged)

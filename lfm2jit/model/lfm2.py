@@ -82,6 +82,12 @@ class Lfm2Model:
         # per sparse layer, the tokens its training passes routed to each expert since take_routed_tokens
         self.routed_tokens: dict[int, Tensor] = {
             i: Tensor.from_numpy(ctx, np.zeros(cfg.num_experts, np.float32)) for i in getattr(cfg, "moe_layers", ())}
+        # an MoE router's load-balancing loss: its weight (0: off, as fine-tuning recipes leave it), the
+        # value its training passes added up (per expert, summed over the sparse layers), and the scale
+        # the running backward gives the loss's gradient (backward's aux_scale)
+        self._router_aux_loss_coef = 0.0
+        self.router_balance = Tensor.from_numpy(ctx, np.zeros(getattr(cfg, "num_experts", 1), np.float32))
+        self.aux_grad_scale = 1.0
         self.kernels = Kernels(self)
         self.rope = Rope(cfg, ctx)
         self.blocks = [decoder_block(self.kernels, cfg, i, self.rope, keep_ab=not recompute_mlp)
@@ -115,6 +121,28 @@ class Lfm2Model:
         for t in self.routed_tokens.values():
             self.engine.zero_(t)
         return counts
+
+    @property
+    def router_aux_loss_coef(self) -> float:
+        """The weight of an MoE router's load-balancing loss in training (0, the default: none): per
+        pass and sparse layer, sum over experts of (E / K) * their share of the pass's picks * their
+        mean normalised score (1 when the load is even), added to the loss's gradient."""
+        return self._router_aux_loss_coef
+
+    @router_aux_loss_coef.setter
+    def router_aux_loss_coef(self, value: float) -> None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not np.isfinite(value) or value < 0:
+            raise ValueError(f"router_aux_loss_coef must be a finite number >= 0, got {value!r}")
+        if value and not isinstance(self.cfg, Lfm2MoeConfig):
+            raise ValueError(f"router_aux_loss_coef={value!r}: a dense LFM2 model has no router to balance")
+        self._router_aux_loss_coef = float(value)
+
+    def take_router_balance(self) -> float:
+        """The routers' load-balancing loss added up over the training passes since the last call (each
+        pass's weighted by its sequences; without the coefficient), and start again from zero."""
+        value = float(self.router_balance.numpy().astype(np.float64).sum())
+        self.engine.zero_(self.router_balance)
+        return value
 
     # ---- LoRA ----
     def add_lora(self, config: LoraConfig = LoraConfig(), seed: int = 0, base_dtype: str = "f32") -> list[Tensor]:
@@ -314,13 +342,16 @@ class Lfm2Model:
         stages = staging.gradient_stages(self.named_parameters(), params, len(self.blocks))
         return [p for stage in stages for p in stage]
 
-    def backward(self, trace: Trace, d_hn: Tensor, params: list[Tensor], on_ready=None) -> None:
+    def backward(self, trace: Trace, d_hn: Tensor, params: list[Tensor], on_ready=None,
+                 aux_scale: float = 1.0) -> None:
         """Add the gradients of every parameter in ``params`` (which must have .grad) given the
         gradient of the final normed hidden state d_hn (T, D). The reverse of ``forward``, pruned
         to what the trained parameters need: nothing below the lowest layer that holds one.
         ``on_ready(tensors)``, when given, is called as soon as the recorded work has finished the
         gradients of these parameters (the final norm's, then each layer's; not the rest, which
-        are finished when backward returns), so their readback can be recorded right behind it."""
+        are finished when backward returns), so their readback can be recorded right behind it.
+        ``aux_scale``: what d_hn carries beyond the loss's own gradient (the trainer's loss scale over
+        the accumulation), given to an MoE router's balance loss gradient too (router_aux_loss_coef)."""
         named, n_layers = self.named_parameters(), len(self.blocks)
         stages = staging.gradient_stages(named, params, n_layers) if on_ready is not None else None
 
@@ -334,6 +365,7 @@ class Lfm2Model:
             raise ValueError(f"parameters without .grad (call zero_grad first): {missing[:3]}")
         k, rows = self.kernels, trace.rows
         k.trained_ids = ids
+        self.aux_grad_scale = float(aux_scale)
         lowest = staging.lowest_trained_layer(named, n_layers, k.is_trained)
         if lowest is None:
             return

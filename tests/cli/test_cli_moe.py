@@ -96,3 +96,16 @@ def test_f16_activations_are_a_one_line_usage_error(moe_run, tmp_path):
     assert r.returncode == 2 and len(lines) == 1 and lines[0].endswith(
         "--f16: f16 activations are not supported for LFM2-MoE (lfm2_moe) models yet; train without --f16")
     assert not (tmp_path / "f16").exists()
+
+
+def test_the_balance_loss_is_logged_and_refused_on_a_dense_model(moe_run, tmp_path):
+    base, _, _ = moe_run
+    out = tmp_path / "aux"
+    r = cli("--model", base, "--router-aux-loss-coef", 0.01, "--lr", "3e-3", "--steps", 3, "--max-len", 48,
+            "--eval-max", 2, "--eval-answers", 0, "--no-progress", "--out", out)
+    assert r.returncode == 0, r.stderr
+    aux = [m["router_aux_loss"] for m in metrics(out)]
+    # C times about one per sparse layer: 0.01 * 3 layers, above it as uneven routing costs more
+    assert len(aux) == 3 and all(0.01 * 3 * 0.9 < a < 0.01 * 3 * 4 for a in aux), aux
+    r = cli("--preset", "tiny", "--router-aux-loss-coef", 0.01, "--steps", 1, "--out", tmp_path / "dense")
+    assert r.returncode == 2 and "no router to balance" in r.stderr

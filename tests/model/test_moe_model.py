@@ -193,3 +193,52 @@ def test_f16_activations_are_refused_before_the_checkpoint_is_read(ctx, engine, 
     (tmp_path / "config.json").write_text(__import__("json").dumps(cfg.to_dict()))   # no weights beside it
     with pytest.raises(ValueError, match="f16 activations"):
         Lfm2Model.from_pretrained(tmp_path, ctx, engine, activation_dtype="f16")
+
+
+def test_the_routers_balance_loss_adds_its_gradient_as_torch_differentiates_it(ctx, engine):
+    """With router_aux_loss_coef c, the gradients are those of CE + c * sum over sparse layers of
+    (E / K) * sum_e share_e * P_e over the non-padding tokens (share_e: the picks expert e got over
+    the tokens, P_e: its mean normalised sigmoid score), computed here in torch float64 from
+    transformers' own router logits and picks; the value is reported, without c."""
+    cfg = dataclasses.replace(Lfm2MoeConfig.preset("tiny-moe"), num_experts=6, num_experts_per_tok=2)
+    hf = hf_model(cfg, seed=8)
+    coef = 0.3
+    rng = np.random.default_rng(8)
+    t = 23
+    ids, targets = rng.integers(1, cfg.vocab_size, t), rng.integers(0, cfg.vocab_size, t)
+    ids[[5, 6]] = cfg.pad_token_id
+    mask = (rng.random(t) < 0.8).astype(np.float32)
+    mask[0] = 1.0
+    ref = copy.deepcopy(hf).double()
+    ref.config._experts_implementation = "eager"
+    ref.config._attn_implementation = "eager"
+    routed = []
+    for i in cfg.moe_layers:
+        ref.model.layers[i].feed_forward.gate.register_forward_hook(lambda mod, args, out: routed.append(out))
+    logits = ref(input_ids=torch.as_tensor(ids)[None]).logits[0]
+    sel = torch.as_tensor(mask != 0)
+    ce = torch.nn.functional.cross_entropy(logits[sel], torch.as_tensor(targets)[sel], reduction="sum") / int(sel.sum())
+    keep = torch.as_tensor(ids != cfg.pad_token_id, dtype=torch.float64)
+    n = keep.sum()
+    balance = 0.0
+    for router_logits, _, picks in routed:
+        counts = (torch.nn.functional.one_hot(picks, cfg.num_experts).sum(1) * keep[:, None]).sum(0).double()
+        s = router_logits.sigmoid()
+        mean_p = (keep[:, None] * s / s.sum(-1, keepdim=True)).sum(0)
+        balance = balance + cfg.num_experts / cfg.num_experts_per_tok * (counts * mean_p).sum() / (n * n)
+    (ce + coef * balance).backward()
+    want = {n_: p.grad.numpy() for n_, p in ref.named_parameters() if not (cfg.tie_word_embeddings and n_ == "lm_head.weight")}
+    model = Lfm2Model(cfg, ctx, engine, tensors={n_: t_.detach().numpy() for n_, t_ in hf.state_dict().items()})
+    model.router_aux_loss_coef = coef
+    model.take_router_balance()
+    loss, grads = run_loss_and_grads(model, ids, targets, mask, train=True)
+    assert abs(loss - ce.item()) < 1e-5                          # the loss reported is the cross-entropy
+    assert abs(model.take_router_balance() - balance.item()) < 1e-5 * balance.item()
+    err, name = worst(grads, want)
+    assert err < 1e-4, f"worst gradient {name}: rel err {err:.2e}"
+    routers = [n_ for n_ in want if n_.endswith("feed_forward.gate.weight")]
+    model.router_aux_loss_coef = 0.0                              # off: the router's gradient differs
+    assert rel_err(run_loss_and_grads(model, ids, targets, mask, train=True)[1][routers[0]], want[routers[0]]) > 1e-3
+    for bad in (-1.0, float("nan"), "0.1", True):
+        with pytest.raises(ValueError, match="router_aux_loss_coef"):
+            model.router_aux_loss_coef = bad

@@ -160,6 +160,10 @@ def _add_optimization(p: argparse.ArgumentParser) -> None:
                         "memory and traffic); weights, gradients and optimizer state stay f32 and every kernel "
                         "computes in f32. Turns on --scaler (f16 gradients need loss scaling). Needs an adapter "
                         "with shader-f16")
+    o.add_argument("--router-aux-loss-coef", type=float, metavar="C",
+                   help="an LFM2-MoE model: add C times the routers' load-balancing loss (even load: 1 per sparse "
+                        "layer) to the gradients; metrics.jsonl logs it as router_aux_loss. Default 0: off, as "
+                        "fine-tuning recipes leave it")
     o.add_argument("--recompute-mlp", action="store_true", default=None,
                    help="backward recomputes each layer's MLP up-projections instead of keeping them: the largest "
                         "activations, for two more matmuls per layer. Same results")

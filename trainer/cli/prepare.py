@@ -36,6 +36,7 @@ def prepare(args, argv_empty: bool) -> Session:
     schedule = make_schedule(run, run.steps)
     ctx, engine = _device(run)
     model = _model(run, cfg, ckpt, ctx, engine)
+    model.router_aux_loss_coef = run.router_aux_loss_coef     # checked: an MoE model, a finite C >= 0
     params = _attach_lora_and_choose(run, model, ckpt)
     tr = _trainer(run, model, ctx, engine, schedule)
     position = _restore(run, tr, ckpt, meta, schedule, data) if ckpt is not None else dict(FRESH_POSITION)
@@ -107,6 +108,9 @@ def _model_config(run: Run, tok, ckpt: Path | None):
     if cfg is not None and tok_vocab > cfg.vocab_size:
         raise UsageError(f"the tokenizer {run.tokenizer} has {tok_vocab} ids but the model's vocab_size is "
                          f"{cfg.vocab_size}: token ids would fall outside the embedding")
+    if run.router_aux_loss_coef and cfg is not None and not hasattr(cfg, "num_experts"):
+        raise UsageError(f"--router-aux-loss-coef {run.router_aux_loss_coef:g}: the model is a dense LFM2, which has "
+                         "no router to balance (an lfm2_moe model has)")
     if run.f16 and hasattr(cfg, "num_experts"):
         raise UsageError("--f16: f16 activations are not supported for LFM2-MoE (lfm2_moe) models yet; "
                          "train without --f16")

@@ -89,7 +89,7 @@ def resolve(args: argparse.Namespace, argv_empty: bool, saved: dict | None = Non
         overwrite=bool(g.get("overwrite", False)),
         lora_r=g.get("lora_r"), lora_alpha=g.get("lora_alpha", 2.0 * g["lora_r"] if "lora_r" in g else None),
         lora_targets=g.get("lora_targets", list(DEFAULT_TARGETS) if "lora_r" in g else None),
-        lora_dropout=g.get("lora_dropout", 0.0), lora_f16_base=bool(g.get("lora_f16_base", False)),
+        lora_dropout=g.get("lora_dropout", 0.0), router_aux_loss_coef=g.get("router_aux_loss_coef", 0.0), lora_f16_base=bool(g.get("lora_f16_base", False)),
         merge_lora=bool(g.get("merge_lora", False)), train_only=g.get("train_only"), freeze=g.get("freeze"),
         eval_every=g.get("eval_every", 0), save_dtype=g.get("save_dtype"), eval_data=g.get("eval_data"),
         eval_answers=g.get("eval_answers"), samples=g.get("samples", DEFAULT_SAMPLES),
@@ -259,6 +259,8 @@ def _validate(r: Run) -> None:
     positive("lora_alpha", r.lora_alpha)
     if not (0.0 <= r.lora_dropout < 1.0):
         raise UsageError(f"--lora-dropout must be in [0, 1), got {r.lora_dropout:g}")
+    if not (math.isfinite(r.router_aux_loss_coef) and r.router_aux_loss_coef >= 0):
+        raise UsageError(f"--router-aux-loss-coef must be a finite number >= 0, got {r.router_aux_loss_coef:g}")
     from .report import missing
     for name in r.report_to:
         if missing(name):

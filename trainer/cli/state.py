@@ -22,7 +22,7 @@ RESUMABLE = ("tokenizer", "data", "data_kind", "loss_on", "max_len", "eval_fract
              "checkpoint_minutes", "keep_checkpoints", "world_size", "sync_dir", "run_id", "sync_timeout",
              "check_loss_drop", "source", "preset", "lora_r", "lora_alpha", "lora_targets", "lora_dropout",
              "lora_f16_base", "merge_lora", "train_only", "freeze", "eval_every", "save_dtype", "eval_data",
-             "eval_answers", "samples", "distributed")
+             "eval_answers", "samples", "distributed", "router_aux_loss_coef")
 
 
 @dataclass
@@ -74,6 +74,7 @@ class Run:
     lora_alpha: float | None = None
     lora_targets: list[str] | None = None
     lora_dropout: float = 0.0
+    router_aux_loss_coef: float = 0.0   # an MoE model's load-balancing loss weight (0: off)
     lora_f16_base: bool = False
     merge_lora: bool = False
     train_only: list[str] | None = None

@@ -169,6 +169,10 @@ class Training:
                "lr": last.lr, "grad_norm": last.grad_norm, "loss_scale": last.loss_scale,
                "skipped": bool(last.skipped), "elapsed": round(self.elapsed(), 3), "epoch": self.cursor.epoch}
         rec = {k: clean(v) for k, v in rec.items()}
+        coef = self.s.model.router_aux_loss_coef
+        if coef:                           # the balance loss's mean over the step's sequences, with its weight
+            rec["router_aux_loss"] = clean(coef * self.s.sum_over_ranks([self.s.model.take_router_balance()],
+                                                                        "the routers' balance loss")[0] / n_seq)
         if routed:
             width = len(per_expert) // len(routed)
             rec["expert_tokens"] = {str(i): [round(v) for v in per_expert[j * width:(j + 1) * width]]

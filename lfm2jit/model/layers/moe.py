@@ -32,6 +32,7 @@ class MoeSaved(ResidualSaved):
     token_offsets: Tensor           # (T + 1,) i32 where each token's run of by_token starts
     xs: Tensor                      # (S, D) each sorted slot's xf row
     experts: ExpertActivations      # what the experts' backward reuses
+    counts: Tensor | None = None    # (E,) the pass's tokens per expert, with the balance loss on
 
 
 class Moe(Residual):
@@ -57,10 +58,14 @@ class Moe(Residual):
         idx = k.run("moe_topk", bucket=bucket, dims={"K": top_k}, key=key)["idx"]               # (T, K)
         w = k.run("moe_weights", bucket=bucket, logits=logits, idx=idx, **self._weighting())["w"]
         ends = k.run("expert_ends", bucket=bucket, dims={"E": cfg.num_experts}, idx=idx)["ends"]
+        counts = None
         if train and rows.ids is not None:            # the step's tokens per expert (Lfm2Model.take_routed_tokens)
-            pad = -1.0 if cfg.pad_token_id is None else float(cfg.pad_token_id)
-            k.run("expert_counts", bucket=bucket, dims={"E": cfg.num_experts}, idx=idx, ids=rows.ids, pad=pad,
-                  out={"n": k.model.routed_tokens[self.index]}, accumulate={"n"})
+            count = {"bucket": bucket, "dims": {"E": cfg.num_experts}, "idx": idx, "ids": rows.ids, "pad": self._pad()}
+            k.run("expert_counts", out={"n": k.model.routed_tokens[self.index]}, accumulate={"n"}, **count)
+            if k.model.router_aux_loss_coef:          # the balance loss: its value added up for the step
+                counts = k.run("expert_counts", **count)["n"]
+                k.run("moe_balance", bucket=bucket, logits=logits, counts=counts, ids=rows.ids,
+                      out={"aux": k.model.router_balance}, accumulate={"aux"}, **self._balance(rows))
         order = k.run("sort_keys", bucket=slot_bucket, dims={"V": cfg.num_experts}, keys=idx.view(slots))["order"]
         tokens = k.run("slot_tokens", bucket=bucket, idx=idx)["tok"]                            # (T, K)
         picked = k.run("moe_slots", bucket=slot_bucket, w=w.view(slots), tokens=tokens.view(slots), order=order)
@@ -71,10 +76,19 @@ class Moe(Residual):
         y = k.run("scatter_rows", bucket=slot_bucket, g=ys, order=grouped["order"], offsets=grouped["offsets"],
                   r=h)["y"]                                                                     # (T, D)
         return y, MoeSaved(h, inv, lora, xf, logits, idx, w, ends, order, picked["tok"], picked["ws"],
-                           grouped["order"], grouped["offsets"], xs, acts)
+                           grouped["order"], grouped["offsets"], xs, acts, counts)
 
     def _weighting(self) -> dict[str, float]:
         return {"norm": 1.0 if self.cfg.norm_topk_prob else 0.0, "scaling": float(self.cfg.routed_scaling_factor)}
+
+    def _pad(self) -> float:
+        """The padding token, whose rows routing statistics leave out (-1: none)."""
+        return -1.0 if self.cfg.pad_token_id is None else float(self.cfg.pad_token_id)
+
+    def _balance(self, rows: Rows) -> dict[str, float]:
+        """moe_balance's scalars: E / K, and the pass's weight (its sequences, as each has its own loss)."""
+        return {"pad": self._pad(), "spread": self.cfg.num_experts / self.cfg.num_experts_per_tok,
+                "weight": float(rows.batch)}
 
     def recompute(self, s: MoeSaved, rows: Rows) -> None:
         """Forward keeps everything its backward reads."""
@@ -100,6 +114,12 @@ class Moe(Residual):
         # w = the picked scores, normalised and scaled: through the scores only (the picks are discrete)
         d_logits = k.run(backward_of("moe_weights", ("logits",), ("w",)), bucket=bucket, logits=s.logits,
                          idx=s.idx, w=s.w, d_w=d_w.view(n_tokens, top_k), **self._weighting())["d_logits"]
+        if s.counts is not None:       # the balance loss, coefficient times the loss's gradient scale
+            seed = k.run("moe_balance_seed", counts=s.counts,
+                         aux_scale=k.model.router_aux_loss_coef * k.model.aux_grad_scale)["d"]
+            k.run(backward_of("moe_balance", ("logits",), ("aux",)), bucket=bucket, logits=s.logits,
+                  counts=s.counts, ids=rows.ids, d_aux=seed, out={"d_logits": d_logits}, accumulate={"d_logits"},
+                  **self._balance(rows))
         # logits = xf W_r^T
         k.linear_backward(s.xf, pre + "feed_forward.gate", d_logits, bucket, s.lora, into=dxf)
         self.norm_backward(s, dxf, dh, bucket)
