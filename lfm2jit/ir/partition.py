@@ -345,6 +345,12 @@ def _partition(ir: KernelIR, protected=()) -> Partition:
     roots: list[_Root] = []
     temp_names: dict[int, str] = {}                  # cut node id -> its temporary's name
     todo = [(o.name, ir.results[o.name], o.shape, o.dtype) for o in ir.outputs]
+    # an intrinsic's result that is an output and read elsewhere is read from that output: one call
+    # of the template stores each result once (a temporary beside it would be the same result again)
+    for o in ir.outputs:
+        n = ir.results[o.name]
+        if n.op == Op.PROJ and n.shape == o.shape and o.dtype == _temp_dtype(n) and o.name not in ir.inouts:
+            temp_names.setdefault(id(n), o.name)
     while todo:
         name, node, shape, dtype = todo.pop(0)
         graph = {id(n) for n in toposort([node])}
@@ -355,7 +361,7 @@ def _partition(ir: KernelIR, protected=()) -> Partition:
                 temp_names[id(n)] = next(fresh)
                 todo.append((temp_names[id(n)], n, n.shape, _temp_dtype(n)))
     keys = {r.name: _merge_key(r, planner.accumulators) for r in roots}
-    if len(roots) == len(ir.outputs) and not temp_names and len(set(keys.values())) == 1:
+    if len(roots) == len(ir.outputs) and not any(r.cut for r in roots) and len(set(keys.values())) == 1:
         return Partition((replace(ir, structure=roots[0].structure),), ())
     by_name = {r.name: r for r in roots}
     writer = {i: by_name[name] for i, name in temp_names.items()}
