@@ -308,11 +308,29 @@ def partition(ir: KernelIR) -> Partition:
     A kernel that updates a tensor in place is one elementwise pass when it reads that tensor only
     at the element it writes; otherwise (another element, or several parts) the old values are
     copied to a temporary first, which every part reads instead."""
+    ir = _copied_results(ir)
     split = _partition(ir)
     if ir.inouts and (len(split.parts) > 1 or split.parts[0].structure.kind != "pointwise"
                       or any(_read_elsewhere(ir, name) for name in ir.inouts)):
         return _partition(ir, [n for n in toposort(ir.results.values()) if n.op == Op.INPUT and n.arg in ir.inouts])
     return split
+
+
+def _copied_results(ir: KernelIR) -> KernelIR:
+    """An intrinsic call stores each result once, into a tensor of the result's shape: an output
+    declared wider than the result (``y = v`` broadcast over more axes), or a second output of the
+    same result, is an elementwise copy of it (a BROADCAST root, planned pointwise)."""
+    stored: set[int] = set()
+    results = dict(ir.results)
+    for o in ir.outputs:
+        n = ir.results[o.name]
+        if n.op != Op.PROJ:
+            continue
+        if n.shape == o.shape and id(n) not in stored:
+            stored.add(id(n))
+            continue
+        results[o.name] = Node(Op.BROADCAST, (n,), o.shape, n.dtype)
+    return ir if results == ir.results else replace(ir, results=results)
 
 
 def _read_elsewhere(ir: KernelIR, name: str) -> bool:
