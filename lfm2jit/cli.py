@@ -94,7 +94,7 @@ def lookup_file(path: Path, kernel_name: str | None) -> Kernel:
 
 def sizes_for(kernel: Kernel, given: dict[str, int], bucket: int) -> dict[str, int]:
     """A size for every symbolic axis: the given one, else T = the bucket and any other axis = 64."""
-    axes = [a for a in kernel.ir.axes if a not in kernel.ir.fixed_dims]
+    axes = [a for a in kernel.ir.axes if a not in kernel.ir.fixed_dims and not a.endswith("+1")]   # V + 1 follows V
     unknown = sorted(set(given) - set(axes))
     if unknown:
         raise UsageError(f"kernel {kernel.name!r} has no axis {', '.join(unknown)}; its axes are {', '.join(axes)}")
