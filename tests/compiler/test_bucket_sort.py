@@ -126,3 +126,29 @@ def test_shipped_routing_kernels(engine):
     for slot, expert in enumerate(want.reshape(-1)):
         ref[expert] = ref[expert] + g.reshape(-1, d)[slot]
     assert np.array_equal(rows, ref)
+
+
+def test_either_result_alone(engine):
+    """A kernel may keep only the offsets (counts by key) or only the order."""
+    k = compile_source("""
+kernel counts(ids: i32[T]) -> (offsets: i32[V + 1]) {
+    order, offsets = bucket_sort(ids, V)
+}
+kernel grouped(ids: i32[T]) -> (order: i32[T]) {
+    order, offsets = bucket_sort(ids, V)
+}
+""")
+    ids = np.random.default_rng(5).integers(-1, 9, 600).astype(np.int32)
+    order, offsets = reference(ids, 9)
+    got = engine.run(k.counts, ids=engine.tensor(ids), dims={"V": 9}, bucket=64)["offsets"].numpy()
+    assert np.array_equal(got, offsets)
+    got = engine.run(k.grouped, ids=engine.tensor(ids), dims={"V": 9}, bucket=64)["order"].numpy()
+    assert np.array_equal(got, order)
+
+
+def test_dsl_errors_name_what_was_expected():
+    from dsl_errors import assert_dsl_error
+    assert_dsl_error("kernel bad(ids: f32[T]) -> (o: i32[T]) {\n    o, f = bucket_sort(ids, V)\n}\n", 2, 12,
+                     "bucket_sort", "ids must be an i32 or u32 tensor, got f32[T]", "ids, V")
+    assert_dsl_error("kernel bad(ids: i32[T]) -> (f: i32[V + 2]) {\n    o, f = bucket_sort(ids, V)\n}\n", 1, 40,
+                     "2", "only one past an axis can be named", "V + 1")
