@@ -363,11 +363,11 @@ def _partition(ir: KernelIR, protected=()) -> Partition:
     roots: list[_Root] = []
     temp_names: dict[int, str] = {}                  # cut node id -> its temporary's name
     todo = [(o.name, ir.results[o.name], o.shape, o.dtype) for o in ir.outputs]
-    # an intrinsic's result that is an output and read elsewhere is read from that output: one call
-    # of the template stores each result once (a temporary beside it would be the same result again)
+    # an intrinsic's result that is an output and read elsewhere is read from that output (as stored,
+    # f16 included): one call of the template stores each result once, so no temporary beside it
     for o in ir.outputs:
         n = ir.results[o.name]
-        if n.op == Op.PROJ and n.shape == o.shape and o.dtype == _temp_dtype(n) and o.name not in ir.inouts:
+        if n.op == Op.PROJ and n.shape == o.shape and o.name not in ir.inouts:
             temp_names.setdefault(id(n), o.name)
     while todo:
         name, node, shape, dtype = todo.pop(0)

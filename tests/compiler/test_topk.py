@@ -163,3 +163,22 @@ def test_k_larger_than_e_at_run_time_is_refused_before_any_gpu_work(engine, mod)
 def test_indices_take_no_cotangent(mod):
     with pytest.raises(DslError, match="indices are integers and take no cotangent"):
         grad(mod.route, ["x"], cotangents=["v", "i"])
+
+
+def test_values_stored_and_read_by_another_part(engine):
+    """An intrinsic's result that is an output (f16 too) and read by another part, and an output
+    declared wider than it: each stored once by the call, the others copies (ir/partition.py)."""
+    k = compile_source("""
+kernel k(x: f16[T, E]) -> (v: f16[T, 2], w: f16[T, 2, E], y: f32[T, 2], i: i32[T, 2]) {
+    v, i = topk(x, 2)
+    w = v
+    y = f32(v[T - 1, :]) * f32(i)
+}
+""").k
+    x = np.random.default_rng(5).standard_normal((11, 6)).astype(np.float16)
+    out = engine.run(k, x=engine.tensor(x), bucket=8)
+    want_v, want_i = reference(x.astype(np.float32), 2)
+    assert np.array_equal(out["v"].numpy().astype(np.float32), want_v) and np.array_equal(out["i"].numpy(), want_i)
+    assert np.array_equal(out["w"].numpy().astype(np.float32), np.repeat(want_v[:, :, None], 6, 2))
+    prev = np.concatenate([np.zeros((1, 2), np.float32), want_v[:-1]])
+    assert np.array_equal(out["y"].numpy(), prev * want_i)
