@@ -618,11 +618,12 @@ class Generator:
         if not pairs:
             return None
         e_axis, k_axis = pairs[int(r.integers(len(pairs)))]
-        x = self.new_input(self.order((rows, e_axis)), "f32")
-        self.inputs[-1] = Param(x.name, "f32", self.inputs[-1].shape)      # no default, no optional axes
+        dt = "f16" if self.has_f16 and r.random() < 0.3 else "f32"     # f16: exact ties, by index
+        x = self.new_input(self.order((rows, e_axis)), dt)
+        self.inputs[-1] = Param(x.name, dt, self.inputs[-1].shape)      # no default, no optional axes
         self.reserved.add(x.name)
         shape = (rows, k_axis)
-        for name, ty, iv in (("v0", Ty(shape, "f32"), INPUT_RANGE["f32"]), ("i0", Ty(shape, "i32"), (0, size[e_axis] - 1))):
+        for name, ty, iv in (("v0", Ty(shape, dt), INPUT_RANGE[dt]), ("i0", Ty(shape, "i32"), (0, size[e_axis] - 1))):
             self.checker.env[name] = ty
             self.iv.env[name] = iv
             self.temps.append((name, ty))
@@ -820,7 +821,7 @@ class Generator:
                 body.append(stmt)
                 v, i = stmt[0].split(", ")
                 if self.routing_rng.random() < 0.5:      # the values (and maybe the indices) as outputs too
-                    outs.append(Param(v, "f32", self.checker.env[v].shape))
+                    outs.append(Param(v, self.checker.env[v].dtype, self.checker.env[v].shape))
                     if self.routing_rng.random() < 0.4:
                         outs.append(Param(i, "i32", self.checker.env[i].shape))
         ti = 0
