@@ -24,7 +24,7 @@ restated from the language's documentation (docs/kernel-language.md, grammar.lar
   value over all its axes;
 - ``gather(table, ids)`` reads rows of an input tensor table [V, ...] at integer ids (each in [0, |V|)):
   the result is ids' axes followed by the table's other axes, which must not share an axis with ids;
-- ``v, i = topk(x, K)`` (a statement of its own, targets written "v, i") takes an input x [R, E] of
+- ``v, i = topk(x, K)`` (a statement of its own, targets written "v, i") takes a value x [R, E] of
   floats and gives the K largest of each row (K a new axis, or an integer, at most |E|) in descending
   order, equal values by lower index, and their indices (i32);
 - a tensor may mark leading axes optional (``x: f32[B?, T, D]``): optional axes come first, T is never
@@ -370,11 +370,9 @@ class Checker:
         return self.env
 
     def topk(self, names: list, e: Expr, decl: dict, assigned: set):
-        """``v, i = topk(x, K)``: x an input tensor [R, E] of floats, K a new axis (or an integer <= |E|)."""
+        """``v, i = topk(x, K)``: x a float value [R, E], K a new axis (or an integer <= |E|)."""
         if len(names) != 2 or not isinstance(e, TopK):
             raise ModelError("topk() assigns two names, and two names need topk()")
-        if not isinstance(e.x, Ref) or e.x.name not in {p.name for p in self.k.inputs} or e.x.name in assigned:
-            raise ModelError("topk() takes a kernel input")
         t = self.ty(e.x)
         if t.dtype not in FLOATS or len(t.shape) != 2:
             raise ModelError("topk() of a float [R, E]")

@@ -604,8 +604,8 @@ class Generator:
         return Fn("gather", (table, ids))
 
     def topk_statement(self) -> tuple[str, Expr] | None:
-        """``v, i = topk(x, K)`` over a new input x [R, E]: R the sequence axis (or the first
-        symbolic one), E an axis after it, K an axis after R with |K| <= |E| (a fixed one, or a
+        """``v, i = topk(x, K)`` over a new input x [R, E] (or a value computed from it and others): R
+        the sequence axis (or the first symbolic one), E an axis after it, K an axis after R with |K| <= |E| (a fixed one, or a
         symbolic one); v and i become temporaries later statements may read."""
         r = self.routing_rng
         plain = [a for a in self.axes if a not in self.batch and a not in self.windows]
@@ -619,9 +619,13 @@ class Generator:
             return None
         e_axis, k_axis = pairs[int(r.integers(len(pairs)))]
         dt = "f16" if self.has_f16 and r.random() < 0.3 else "f32"     # f16: exact ties, by index
-        x = self.new_input(self.order((rows, e_axis)), dt)
-        self.inputs[-1] = Param(x.name, dt, self.inputs[-1].shape)      # no default, no optional axes
-        self.reserved.add(x.name)
+        x_shape = self.order((rows, e_axis))
+        x = self.new_input(x_shape, dt)
+        self.inputs[-1] = Param(x.name, dt, x_shape)      # no default, no optional axes
+        if r.random() < 0.4:                     # a computed value (scores + bias) instead of the input itself
+            e = self.gen(x_shape, dt, 2, x_shape)
+            if self.ty(e).shape == x_shape:
+                x = e
         shape = (rows, k_axis)
         for name, ty, iv in (("v0", Ty(shape, dt), INPUT_RANGE[dt]), ("i0", Ty(shape, "i32"), (0, size[e_axis] - 1))):
             self.checker.env[name] = ty
