@@ -64,6 +64,8 @@ def axis_size(axis: str, sizes: dict[str, int]) -> int:
         return int(sizes[axis])
     if axis.isdigit():          # an integer axis is spelled by its size
         return int(axis)
+    if axis.endswith("+1"):     # one past an axis: a bucket sort's offsets [V + 1]
+        return axis_size(axis[:-2], sizes) + 1
     raise EvalError(f"no size for axis {axis}")
 
 
@@ -200,6 +202,11 @@ def evaluate(ir: KernelIR, inputs: dict[str, np.ndarray], scalars: dict[str, flo
             table, ids = node.srcs
             rows = values[id(table)][values[id(ids)].astype(np.int64)]
             v = align(rows, ids.shape + table.shape[1:], shape, sizes)
+        elif op == Op.INTRINSIC:
+            values[id(node)] = intrinsic(node, [values[id(s)] for s in node.srcs], sizes)
+            continue
+        elif op == Op.PROJ:
+            v = values[id(node.srcs[0])][node.arg]
         else:
             raise EvalError(f"{ir.name}: no semantics for op {op.name}")
         v = np.asarray(v, dtype=np.float64)
@@ -210,3 +217,29 @@ def evaluate(ir: KernelIR, inputs: dict[str, np.ndarray], scalars: dict[str, flo
 
     return {o.name: np.array(align(values[id(ir.results[o.name])], ir.results[o.name].shape, o.shape, sizes))
             for o in ir.outputs}
+
+
+def intrinsic(node: Node, operands: list[np.ndarray], sizes: dict[str, int]) -> tuple[np.ndarray, ...]:
+    """The results of an intrinsic call, from the meanings ir/intrinsics.py states (operands laid
+    out over their nodes' shapes; the call's shape holds its axis arguments)."""
+    name = node.arg
+    if name == "topk":           # the K largest of each row, descending, equal values by lower index
+        (x,), (k,) = operands, node.shape
+        idx = np.argsort(-x, axis=-1, kind="stable")[:, :axis_size(k, sizes)]
+        return np.take_along_axis(x, idx, axis=-1), idx.astype(np.float64)
+    if name == "bucket_sort":    # positions grouped by key, stably; keys outside [0, V) after the rest
+        (ids,), (v,) = operands, node.shape
+        keys = axis_size(v, sizes)
+        flat = ids.reshape(-1).astype(np.int64)
+        bucket = np.where((flat >= 0) & (flat < keys), flat, keys)
+        order = np.argsort(bucket, kind="stable").reshape(ids.shape)
+        offsets = np.concatenate([[0], np.cumsum(np.bincount(bucket, minlength=keys + 1))])[:keys + 1]
+        return order.astype(np.float64), offsets.astype(np.float64)
+    if name == "segment_sum":    # row v sums g's rows at order[offsets[v] : offsets[v + 1]]
+        g, order, offsets = operands
+        rows = g.reshape((order.size,) + g.shape[order.ndim:])
+        flat = order.reshape(-1).astype(np.int64)
+        bounds = offsets.astype(np.int64)
+        out = np.stack([rows[flat[bounds[i]:bounds[i + 1]]].sum(axis=0) for i in range(len(bounds) - 1)])
+        return (out,)
+    raise EvalError(f"no semantics for intrinsic {name}")

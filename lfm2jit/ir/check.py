@@ -325,7 +325,7 @@ class _Builder:
         operands = []
         for a in e.args[:len(intr.params)]:
             x = self.expr(a)
-            if x.op != Op.INPUT:
+            if x.op != Op.INPUT and not intr.computed_operands:
                 raise self.error(a.loc, f"{intr.name}() takes kernel inputs as operands",
                                  "a tensor parameter (compute other values in another kernel)")
             operands.append(x)

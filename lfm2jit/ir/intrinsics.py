@@ -14,7 +14,7 @@ intrinsics, so backward kernels still come from differentiating the IR. How each
     y = dropout(x, key)     x: float [T, D]   key: i32[4]
         x with elements zeroed or scaled by a mask drawn from key, the same mask for every call with
         that key (so the gradient is dropout(dy, key)); schedule/dropout.py states the generator
-    values, indices = topk(x, K)     x: float [T, E]   K: an axis name or an integer, K <= E
+    values, indices = topk(x, K)     x: float [T, E] (any value, e.g. scores + bias)   K: an axis name or an integer, K <= E
         values [T, K] (x's dtype) in descending order, indices i32[T, K]; equal values: lower index
         first; NaN ranks above +inf, -0 equals +0 (schedule/topk.py). The gradient flows through the
         picked values only: dx[t, e] = sum over j of dvalues[t, j] where indices[t, j] == e
@@ -72,6 +72,8 @@ class Intrinsic:
     adds_only: bool = False
     # trailing arguments that name or size an axis (topk's K); infer then takes them as a second argument
     axes: tuple[str, ...] = ()
+    # operands may be any value of the kernel, not only its inputs (partition computes them first)
+    computed_operands: bool = False
 
 
 REGISTRY: dict[str, Intrinsic] = {}
@@ -282,7 +284,7 @@ def _grad_topk(b: GraphBuilder, call: Node, projs: dict[int, Node], outs: list) 
 
 
 register(Intrinsic(TOPK, ("x",), ("values", "indices"), _infer_topk, grad=_grad_topk,
-                   differentiable_outputs=("values",), axes=("K",)))
+                   differentiable_outputs=("values",), axes=("K",), computed_operands=True))
 
 
 # ---- bucket_sort and segment_sum (gather's adjoint) ----

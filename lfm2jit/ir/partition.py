@@ -308,11 +308,29 @@ def partition(ir: KernelIR) -> Partition:
     A kernel that updates a tensor in place is one elementwise pass when it reads that tensor only
     at the element it writes; otherwise (another element, or several parts) the old values are
     copied to a temporary first, which every part reads instead."""
+    ir = _copied_results(ir)
     split = _partition(ir)
     if ir.inouts and (len(split.parts) > 1 or split.parts[0].structure.kind != "pointwise"
                       or any(_read_elsewhere(ir, name) for name in ir.inouts)):
         return _partition(ir, [n for n in toposort(ir.results.values()) if n.op == Op.INPUT and n.arg in ir.inouts])
     return split
+
+
+def _copied_results(ir: KernelIR) -> KernelIR:
+    """An intrinsic call stores each result once, into a tensor of the result's shape: an output
+    declared wider than the result (``y = v`` broadcast over more axes), or a second output of the
+    same result, is an elementwise copy of it (a BROADCAST root, planned pointwise)."""
+    stored: set[int] = set()
+    results = dict(ir.results)
+    for o in ir.outputs:
+        n = ir.results[o.name]
+        if n.op != Op.PROJ:
+            continue
+        if n.shape == o.shape and id(n) not in stored:
+            stored.add(id(n))
+            continue
+        results[o.name] = Node(Op.BROADCAST, (n,), o.shape, n.dtype)
+    return ir if results == ir.results else replace(ir, results=results)
 
 
 def _read_elsewhere(ir: KernelIR, name: str) -> bool:
@@ -345,6 +363,12 @@ def _partition(ir: KernelIR, protected=()) -> Partition:
     roots: list[_Root] = []
     temp_names: dict[int, str] = {}                  # cut node id -> its temporary's name
     todo = [(o.name, ir.results[o.name], o.shape, o.dtype) for o in ir.outputs]
+    # an intrinsic's result that is an output and read elsewhere is read from that output (as stored,
+    # f16 included): one call of the template stores each result once, so no temporary beside it
+    for o in ir.outputs:
+        n = ir.results[o.name]
+        if n.op == Op.PROJ and n.shape == o.shape and o.name not in ir.inouts:
+            temp_names.setdefault(id(n), o.name)
     while todo:
         name, node, shape, dtype = todo.pop(0)
         graph = {id(n) for n in toposort([node])}
@@ -355,7 +379,7 @@ def _partition(ir: KernelIR, protected=()) -> Partition:
                 temp_names[id(n)] = next(fresh)
                 todo.append((temp_names[id(n)], n, n.shape, _temp_dtype(n)))
     keys = {r.name: _merge_key(r, planner.accumulators) for r in roots}
-    if len(roots) == len(ir.outputs) and not temp_names and len(set(keys.values())) == 1:
+    if len(roots) == len(ir.outputs) and not any(r.cut for r in roots) and len(set(keys.values())) == 1:
         return Partition((replace(ir, structure=roots[0].structure),), ())
     by_name = {r.name: r for r in roots}
     writer = {i: by_name[name] for i, name in temp_names.items()}

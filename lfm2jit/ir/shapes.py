@@ -46,9 +46,12 @@ def minus_one(axis: str) -> str | None:
 
 
 def derived_size(axis: str, sizes: dict[str, int]) -> int | None:
-    """The size of an axis that its name fixes: an integer axis ("3"), or "V+1" once V has a size."""
+    """The size of an axis that its name fixes: an integer axis ("3"), "V+1" once V has a size, or
+    V once "V+1" has one (offsets passed to a kernel size the keys)."""
     if axis.isdigit():
         return int(axis)
     if axis.endswith("+1") and axis[:-2] in sizes:
         return sizes[axis[:-2]] + 1
+    if not axis.endswith("+1") and f"{axis}+1" in sizes:
+        return sizes[f"{axis}+1"] - 1
     return None

@@ -23,7 +23,8 @@ from .spec import Binding, Target
 # (the matrix GEMM loads its accumulator with subgroupMatrixLoad, which takes the array itself);
 # scratch buffers are always bound whole
 PIECEABLE = {"pointwise": {"read", "read_write"}, "rowreduce": {"read", "read_write"},
-             "embedding_grad": {"read", "read_write"}, "matmul": {"read", "read_write"}, "matmul_matrix": {"read"}}
+             "embedding_grad": {"read", "read_write"}, "matmul": {"read", "read_write"}, "matmul_matrix": {"read"},
+             "topk": {"read", "read_write"}, "bucket_sort": {"read", "read_write"}}
 ITEMSIZE = {"f32": 4, "f16": 2, "i32": 4, "u32": 4}
 
 

@@ -37,8 +37,8 @@ class SortParams:
     chunks: int
     ids: str
     ids_dtype: str
-    order: str
-    offsets: str
+    order: str | None       # None: not kept (no placement pass)
+    offsets: str            # the output, or a scratch buffer when it is not kept
     counts: str             # the scratch buffer
 
 
@@ -53,16 +53,16 @@ def valid_count(shape: tuple[str, ...], sizes: dict[str, int]) -> Index:
 def plan(call: IntrinsicCall, target=None) -> Plan:
     (ids,) = call.operands
     order, offsets = call.outputs
-    if order is None or offsets is None:
-        raise ValueError("bucket_sort: keep both order and offsets as outputs (a kernel cannot drop either)")
     (v_axis,) = call.axes
     keys = call.sizes[v_axis]
+    buckets = keys + 1
     padded = math.prod(call.sizes[a] for a in ids.shape)
     chunks = -(-padded // WORKGROUP)
-    counts = "sort_counts"
+    scratch = (Scratch("sort_counts", "u32", (chunks + 1) * buckets),)
+    if offsets is None:                       # placement still needs the offsets: kept in scratch
+        scratch += (Scratch("sort_offsets", "i32", buckets),)
     params = SortParams(WORKGROUP, valid_count(ids.shape, call.sizes), keys, chunks, ids.name, ids.dtype,
-                        order.name, offsets.name, counts)
-    buckets = keys + 1
+                        order.name if order else None, offsets.name if offsets else "sort_offsets", "sort_counts")
     entries = (EntryPoint("count", chunks), EntryPoint("chunk_scan", -(-buckets // WORKGROUP)),
-               EntryPoint("key_scan", 1), EntryPoint("place", chunks))
-    return Plan("bucket_sort", params, entries, (Scratch(counts, "u32", (chunks + 1) * buckets),))
+               EntryPoint("key_scan", 1)) + ((EntryPoint("place", chunks),) if order else ())
+    return Plan("bucket_sort", params, entries, scratch)

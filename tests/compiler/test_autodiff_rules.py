@@ -129,7 +129,14 @@ CASES = [
          "{ y = stack(a[:, 0, :] * a[:, 1, :], sin(a[:, 0, :]), 2) }", {"a": normal(T, 2, D)}),
     Case("gather", "kernel k(e: f32[V, D], ids: i32[T], h: f32[T, D]) -> (y: f32[T, D]) { y = h * exp(gather(e, ids)) }",
          {"e": normal(6, D), "ids": lambda r: np.array([3, 0, 3, 5][:T] + [1] * max(0, T - 4), np.float64),
-          "h": normal(T, D)}, wrt=["h"]),
+          "h": normal(T, D)}),
+    # the table's adjoint: bucket_sort + segment_sum; ids over two axes, a row no id reaches
+    Case("gather_slots", "kernel k(e: f32[V, D], ids: i32[T, K], w: f32[T, K]) -> (y: f32[T, D]) "
+         "{ y = sum(w * sin(gather(e, ids)), K) }",
+         {"e": normal(7, D), "ids": lambda r: r.integers(0, 6, (T, K)).astype(np.float64), "w": normal(T, K)}),
+    # the gradient flows to the picked entries only (distinct values: no ties for the differences to cross)
+    Case("topk", "kernel k(x: f32[T, E], s: f32[T, J]) -> (y: f32[T, J]) { v, i = topk(x, J)\n y = tanh(v) * s }",
+         {"x": lambda r: r.permutation(T * E).reshape(T, E) * 0.37, "s": normal(T, 2)}),
     Case("contraction", "kernel k(x: f32[T, K], w: f32[N, K]) -> (y: f32[T, N]) { y = sum(x * w, K) }",
          {"x": normal(T, K), "w": normal(N, K)}),
     Case("contraction_kn", "kernel k(x: f32[T, K], w: f32[K, N]) -> (y: f32[T, N]) { y = sum(x * w, K) }",

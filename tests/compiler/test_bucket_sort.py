@@ -106,3 +106,49 @@ def test_type_errors():
     with pytest.raises(intrinsics.IntrinsicError, match=r"offsets must be i32\[V \+ 1\]"):
         intrinsics.kernel_ir("k", "segment_sum", [TensorArg("g", "f32", ("N", "D")), TensorArg("o", "i32", ("N",)),
                                                   TensorArg("f", "i32", ("V",))], ["r"])
+
+
+def test_shipped_routing_kernels(engine):
+    """ops/routing.py: top-k experts per token, their slots sorted by expert, a per-expert sum in slot order."""
+    from lfm2jit.ops import routing
+    rng = np.random.default_rng(4)
+    t, e, k, d = 29, 8, 2, 5
+    scores = rng.integers(0, 4, (t, e)).astype(np.float32)            # ties between experts
+    values, indices = routing.topk(engine, engine.tensor(scores), k, bucket=16)
+    want = np.argsort(-scores, axis=1, kind="stable")[:, :k]
+    assert np.array_equal(indices.numpy(), want)
+    assert np.array_equal(values.numpy(), np.take_along_axis(scores, want, 1))
+    order, offsets = routing.sort_slots(engine, indices, e, bucket=16)
+    check(order.numpy(), offsets.numpy(), want, e)
+    g = rng.standard_normal((t, k, d)).astype(np.float32)
+    rows = routing.sum_slots(engine, engine.tensor(g), order, offsets, bucket=16).numpy()
+    ref = np.zeros((e, d), np.float32)
+    for slot, expert in enumerate(want.reshape(-1)):
+        ref[expert] = ref[expert] + g.reshape(-1, d)[slot]
+    assert np.array_equal(rows, ref)
+
+
+def test_either_result_alone(engine):
+    """A kernel may keep only the offsets (counts by key) or only the order."""
+    k = compile_source("""
+kernel counts(ids: i32[T]) -> (offsets: i32[V + 1]) {
+    order, offsets = bucket_sort(ids, V)
+}
+kernel grouped(ids: i32[T]) -> (order: i32[T]) {
+    order, offsets = bucket_sort(ids, V)
+}
+""")
+    ids = np.random.default_rng(5).integers(-1, 9, 600).astype(np.int32)
+    order, offsets = reference(ids, 9)
+    got = engine.run(k.counts, ids=engine.tensor(ids), dims={"V": 9}, bucket=64)["offsets"].numpy()
+    assert np.array_equal(got, offsets)
+    got = engine.run(k.grouped, ids=engine.tensor(ids), dims={"V": 9}, bucket=64)["order"].numpy()
+    assert np.array_equal(got, order)
+
+
+def test_dsl_errors_name_what_was_expected():
+    from dsl_errors import assert_dsl_error
+    assert_dsl_error("kernel bad(ids: f32[T]) -> (o: i32[T]) {\n    o, f = bucket_sort(ids, V)\n}\n", 2, 12,
+                     "bucket_sort", "ids must be an i32 or u32 tensor, got f32[T]", "ids, V")
+    assert_dsl_error("kernel bad(ids: i32[T]) -> (f: i32[V + 2]) {\n    o, f = bucket_sort(ids, V)\n}\n", 1, 40,
+                     "2", "only one past an axis can be named", "V + 1")

@@ -77,7 +77,7 @@ def test_every_shipped_kernel_compiles_on_the_adapter(ctx, bucket):
     eng = ComputeEngine(ctx)
     parts = [part for kernel in library.kernels().values() for part in kernel.kernels]
     for part in parts:
-        dims = {a: 16 for a in part.ir.axes if a not in part.ir.fixed_dims}
+        dims = {a: 16 for a in part.ir.axes if a not in part.ir.fixed_dims and not a.endswith("+1")}   # V + 1 follows V
         dims["T"] = bucket + 3
         eng.compile(part, dims, bucket)
     assert eng.stats.misses == len(parts) > len(library.kernels())

@@ -109,3 +109,20 @@ def test_the_embedding_kernel_differentiated_equals_its_host_sorted_scatter(engi
     engine.run(bk, bucket=16, g=engine.tensor(dy), order=engine.tensor(order), bounds=engine.tensor(bounds),
                rows=engine.tensor(rows), dims={"V": v}, out={bk.outputs[0]: host}, accumulate={bk.outputs[0]})
     assert got.tobytes() == host.numpy().tobytes()
+
+
+def test_f16_table(engine):
+    """An f16 table: its rows summed in f32, in position order, stored as f16 (within its rounding)."""
+    k = compile_source("kernel half(table: f16[V, D], ids: i32[T]) -> (y: f16[T, D]) { y = gather(table, ids) }")
+    rng = np.random.default_rng(4)
+    v, d, t = 7, 9, 50
+    table = rng.standard_normal((v, d)).astype(np.float16)
+    ids = rng.integers(0, v - 1, t).astype(np.int32)                   # the last row unused: zero
+    dy = rng.standard_normal((t, d)).astype(np.float16)
+    assert np.array_equal(engine.run(k.half, table=engine.tensor(table), ids=engine.tensor(ids), bucket=16)["y"].numpy(),
+                          table[ids])
+    got = engine.run(grad(k.half), table=engine.tensor(table), ids=engine.tensor(ids), d_y=engine.tensor(dy),
+                     bucket=16)["d_table"].numpy()
+    want = ordered_sum(ids, dy.astype(np.float32), v)
+    assert got.dtype == np.float16 and not got[v - 1].any()
+    assert np.abs(got.astype(np.float32) - want).max() <= 2.0**-10 * np.abs(want).max()

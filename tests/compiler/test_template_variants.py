@@ -32,8 +32,9 @@ def _products():
     lora, swiglu, attention = library.get("linear_lora"), library.get("swiglu_down"), library.get("attention")
     sizes = {"T": 200, "K": 96, "N": 320, "D": 96, "F": 320, "R": 8}
     big = {"T": 2048, "K": 256, "N": 2304}          # a grid of 128x128 tiles ending in a partial wave: split tails
-    out = [(name, library.get(name), {"T": 40, "D": 64, "V": 100, "N": 64}, False)
-           for name in ("scale", "softmax", "bias_grad", "dropout", "embedding_backward")]
+    out = [(name, library.get(name), {"T": 40, "D": 64, "V": 100, "N": 64, "E": 16, "K": 4}, False)
+           for name in ("scale", "softmax", "bias_grad", "dropout", "embedding_backward", "route_topk", "sort_slots",
+                        "sum_slots")]
     for storage in ("f32", "f16"):
         out += [(f"linear.y.{storage}", linear.variant(storage, {"w"}), big, True),
                 (f"linear.d_x.{storage}", grad(linear, ["x"]).variant(storage, {"w"}).kernels[0], sizes, False),
@@ -53,7 +54,7 @@ def _variants(matrix_target):
     """{label: WGSL} of every variant, deduplicated by text, for the portable and the matrix target."""
     shaders = {}
     for label, kernel, sizes, sweep in _products():
-        dims = {a: sizes.get(a, 48) for a in kernel.ir.axes if a not in kernel.ir.fixed_dims}
+        dims = {a: sizes.get(a, 48) for a in kernel.ir.axes if a not in kernel.ir.fixed_dims and not a.endswith("+1")}
         for tname, target in (("portable", PORTABLE), ("matrix", matrix_target)):
             spec = kernel.specialize(dims, 16, target=target)
             outputs = frozenset(o.name for o in kernel.ir.outputs)

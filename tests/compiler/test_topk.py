@@ -163,3 +163,51 @@ def test_k_larger_than_e_at_run_time_is_refused_before_any_gpu_work(engine, mod)
 def test_indices_take_no_cotangent(mod):
     with pytest.raises(DslError, match="indices are integers and take no cotangent"):
         grad(mod.route, ["x"], cotangents=["v", "i"])
+
+
+def test_values_stored_and_read_by_another_part(engine):
+    """An intrinsic's result that is an output (f16 too) and read by another part, and an output
+    declared wider than it: each stored once by the call, the others copies (ir/partition.py)."""
+    k = compile_source("""
+kernel k(x: f16[T, E]) -> (v: f16[T, 2], w: f16[T, 2, E], y: f32[T, 2], i: i32[T, 2]) {
+    v, i = topk(x, 2)
+    w = v
+    y = f32(v[T - 1, :]) * f32(i)
+}
+""").k
+    x = np.random.default_rng(5).standard_normal((11, 6)).astype(np.float16)
+    out = engine.run(k, x=engine.tensor(x), bucket=8)
+    want_v, want_i = reference(x.astype(np.float32), 2)
+    assert np.array_equal(out["v"].numpy().astype(np.float32), want_v) and np.array_equal(out["i"].numpy(), want_i)
+    assert np.array_equal(out["w"].numpy().astype(np.float32), np.repeat(want_v[:, :, None], 6, 2))
+    prev = np.concatenate([np.zeros((1, 2), np.float32), want_v[:-1]])
+    assert np.array_equal(out["y"].numpy(), prev * want_i)
+
+
+def test_topk_of_a_computed_value_with_gathered_weights(engine):
+    """LFM2-MoE's routing in one kernel: experts picked on sigmoid(logits) + bias, weights the
+    unbiased scores at those experts, normalised over the k; against torch, gradients included."""
+    k = compile_source("""
+kernel route(logits: f32[T, E], bias: f32[E]) -> (w: f32[T, K], experts: i32[T, K]) {
+    scores = sigmoid(logits)
+    picked, experts = topk(scores + bias, K)
+    g = sum(where(eq(experts, index(E)), scores, 0), E)
+    w = g / sum(g, K)
+}
+""").route
+    rng = np.random.default_rng(6)
+    logits = rng.standard_normal((19, 8)).astype(np.float32)
+    bias = (rng.standard_normal(8) * 0.1).astype(np.float32)
+    out = engine.run(k, logits=engine.tensor(logits), bias=engine.tensor(bias), dims={"K": 3}, bucket=8)
+    lt = torch.from_numpy(logits).double().requires_grad_()
+    scores = torch.sigmoid(lt)
+    experts = torch.topk(scores + torch.from_numpy(bias).double(), 3).indices
+    g = scores.gather(1, experts)
+    w = g / g.sum(1, keepdim=True)
+    assert np.array_equal(out["experts"].numpy(), experts.numpy())
+    assert rel_err(out["w"].numpy(), w.detach().numpy()) < 1e-5
+    dw = rng.standard_normal((19, 3)).astype(np.float32)
+    w.backward(torch.from_numpy(dw).double())
+    got = engine.run(grad(k, ["logits"], cotangents=["w"]), logits=engine.tensor(logits), bias=engine.tensor(bias),
+                     w=out["w"], experts=out["experts"], d_w=engine.tensor(dw), dims={"K": 3}, bucket=8)["d_logits"].numpy()
+    assert rel_err(got, lt.grad.numpy()) < 1e-5

@@ -22,6 +22,11 @@ restated from the language's documentation (docs/kernel-language.md, grammar.lar
 - an input may have a default (``b: f32[D] = 0.5``, ``s: f32 = -2``; whole numbers for integer
   dtypes; none on outputs or in-place parameters): a caller may leave it out, and it then holds that
   value over all its axes;
+- ``gather(table, ids)`` reads rows of an input tensor table [V, ...] at integer ids (each in [0, |V|)):
+  the result is ids' axes followed by the table's other axes, which must not share an axis with ids;
+- ``v, i = topk(x, K)`` (a statement of its own, targets written "v, i") takes a value x [R, E] of
+  floats and gives the K largest of each row (K a new axis, or an integer, at most |E|) in descending
+  order, equal values by lower index, and their indices (i32);
 - a tensor may mark leading axes optional (``x: f32[B?, T, D]``): optional axes come first, T is never
   optional and, when present, is the first axis after them. A caller may pass the tensor without a
   prefix of its optional axes (they are then size 1); an output is returned without the prefix of its
@@ -121,7 +126,21 @@ class Sub(Expr):
     items: tuple
 
 
+@dataclass(frozen=True)
+class TopK(Expr):
+    """``topk(x, K)``: only as the whole value of a two-target statement ("v, i")."""
+    x: Expr
+    k: str
+
+
+def targets(target: str) -> list[str]:
+    """The names a statement assigns: one, or "v, i" for topk's two."""
+    return target.split(", ")
+
+
 def children(e: Expr) -> tuple:
+    if isinstance(e, TopK):
+        return (e.x,)
     if isinstance(e, Neg):
         return (e.x,)
     if isinstance(e, Bin):
@@ -138,6 +157,8 @@ def children(e: Expr) -> tuple:
 
 
 def with_children(e: Expr, kids: tuple) -> Expr:
+    if isinstance(e, TopK):
+        return TopK(kids[0], e.k)
     if isinstance(e, Neg):
         return Neg(kids[0])
     if isinstance(e, Bin):
@@ -191,6 +212,8 @@ class KernelDef:
             for n in walk(e):
                 if isinstance(n, (Red, Idx)):
                     seen.setdefault(n.axis, None)
+                elif isinstance(n, TopK):
+                    seen.setdefault(n.k, None)
                 elif isinstance(n, Stk):
                     seen.setdefault(str(n.n), None)
                 elif isinstance(n, Sub):
@@ -322,7 +345,12 @@ class Checker:
             self.env[p.name] = Ty(p.shape, p.dtype)
         decl = {o.name: o for o in k.outputs}
         assigned: set = set()
-        for target, e in k.body:
+        for names, e in k.body:
+            many = targets(names)
+            if len(many) > 1 or isinstance(e, TopK):
+                self.topk(many, e, decl, assigned)
+                continue
+            target = names
             if (target in self.env and not (target in decl and target in ins and target not in assigned)):
                 raise ModelError(f"{target} assigned twice")
             t = self.ty(e)
@@ -340,6 +368,26 @@ class Checker:
             if o.name not in assigned:
                 raise ModelError(f"output {o.name} never assigned")
         return self.env
+
+    def topk(self, names: list, e: Expr, decl: dict, assigned: set):
+        """``v, i = topk(x, K)``: x a float value [R, E], K a new axis (or an integer <= |E|)."""
+        if len(names) != 2 or not isinstance(e, TopK):
+            raise ModelError("topk() assigns two names, and two names need topk()")
+        t = self.ty(e.x)
+        if t.dtype not in FLOATS or len(t.shape) != 2:
+            raise ModelError("topk() of a float [R, E]")
+        if e.k in t.shape or e.k in self.env or (is_fixed(e.k) and (int(e.k) < 1 or (
+                is_fixed(t.shape[1]) and int(e.k) > int(t.shape[1])))):
+            raise ModelError("topk() K: a new axis, at most E")
+        shape = (t.shape[0], e.k)
+        self.types[e] = Ty(shape, t.dtype)
+        for name, ty in zip(names, (Ty(shape, t.dtype), Ty(shape, "i32"))):
+            if name in self.env or names.count(name) > 1:
+                raise ModelError(f"{name} assigned twice")
+            if name in decl and ((decl[name].dtype, decl[name].shape) != (ty.dtype, ty.shape)):
+                raise ModelError(f"output {name} declared otherwise")
+            self.env[name] = ty
+            assigned.add(name)
 
     def _adopt(self, e: Expr, dtype: str):
         if dtype not in INTS:
@@ -419,6 +467,16 @@ class Checker:
                 if len(args) != 1:
                     raise ModelError("arity")
                 return Ty(self.ty(args[0]).shape, f)
+            if f == "gather":
+                if len(args) != 2 or not isinstance(args[0], Ref) or args[0].name not in \
+                        {p.name for p in self.k.inputs if p.shape}:
+                    raise ModelError("gather() reads a tensor input")
+                table, ids = self.ty(args[0]), self.ty(args[1])
+                if ids.dtype not in INTS:
+                    raise ModelError("gather() ids are integers")
+                if set(ids.shape) & set(table.shape[1:]) or merge(ids.shape, table.shape[1:]) is None:
+                    raise ModelError("gather() ids share an axis with the table's rows")
+                return Ty(ids.shape + table.shape[1:], table.dtype)
             raise ModelError(f"unknown function {f}")
         if isinstance(e, Red):
             t = self.ty(e.x)
@@ -477,6 +535,8 @@ class Checker:
                 elif it[0] == "name" and it[1] != axis:
                     raise ModelError("subscript by another axis' name")
             return Ty(tuple(shape), t.dtype)
+        if isinstance(e, TopK):
+            raise ModelError("topk() returns two values: v, i = topk(x, K)")
         raise ModelError(f"unknown node {e!r}")
 
 
@@ -558,6 +618,8 @@ def _text(e: Expr) -> tuple[int, str]:
         return 5, f"flip({_p(e.x, 0)}, {e.axis})"
     if isinstance(e, Idx):
         return 5, f"index({e.axis})"
+    if isinstance(e, TopK):
+        return 5, f"topk({_p(e.x, 0)}, {e.k})"
     if isinstance(e, Stk):
         return 5, f"stack({', '.join(_p(v, 0) for v in e.values)}, {e.n})"
     if isinstance(e, Sub):
@@ -648,9 +710,12 @@ class _Parser:
         self.take("{")
         body = []
         while self.peek()[1] != "}":
-            target = self.name()
+            names = [self.name()]
+            while self.peek()[1] == ",":
+                self.take(",")
+                names.append(self.name())
             self.take("=")
-            body.append((target, self.expr()))
+            body.append((", ".join(names), self.expr()))
         self.take("}")
         return KernelDef(name, ins, outs, body)
 
@@ -771,6 +836,10 @@ def _resolve(e: Expr, env: set) -> Expr:
             return Idx(args[0].name)
         if e.name == "flip" and len(args) == 2 and isinstance(args[1], Ref) and args[1].name not in env:
             return Flip(_resolve(args[0], env), args[1].name)
+        if e.name == "topk" and len(args) == 2 and isinstance(args[1], Ref) and args[1].name not in env:
+            return TopK(_resolve(args[0], env), args[1].name)
+        if e.name == "topk" and len(args) == 2 and isinstance(args[1], Num):
+            return TopK(_resolve(args[0], env), str(int(args[1].value)))
         if e.name == "stack" and len(args) >= 3 and isinstance(args[-1], Num):
             return Stk(tuple(_resolve(a, env) for a in args[:-1]), int(args[-1].value))
         return Fn(e.name, tuple(_resolve(a, env) for a in args))
@@ -805,7 +874,7 @@ def parse(text: str) -> list[KernelDef]:
         body = []
         for t, e in k.body:
             body.append((t, _resolve(e, env)))
-            env.add(t)
+            env.update(targets(t))
         k.body = body
     return ks
 
@@ -919,18 +988,41 @@ class Evaluator:
             env[p.name] = Val(arr, p.shape, p.dtype)
         decl = {o.name: o for o in self.k.outputs}
         outs = {}
-        for target, e in self.k.body:
-            v = self.ev(e, env)
-            env[target] = v
-            if target in decl:
-                o = decl[target]
-                arr = np.array(self.full(v, o.shape), dtype=np.int64 if o.dtype in INTS else np.float64)
-                if o.dtype == "f16" and self.noise is not None:
-                    arr = arr * self.noise.rel(("store", target), arr.shape, "f16")
-                if o.dtype == "u32":
-                    arr = np.mod(arr, 2**32)
-                outs[target] = arr
+        for names, e in self.k.body:
+            if isinstance(e, TopK):
+                pairs = zip(targets(names), self.topk(e, env))
+            else:
+                pairs = [(names, self.ev(e, env))]
+            for target, v in pairs:
+                self.assign(target, v, env, decl, outs)
         return outs
+
+    def topk(self, e: TopK, env) -> tuple[Val, Val]:
+        """The K largest of each row, in descending order, equal values by lower index (a stable
+        sort of the negated row). Which entries are picked is a decision: it changes the indices and
+        where the gradient goes; a tie inside the picked ones (or at the boundary) is counted."""
+        x = self.ev(e.x, env)
+        k = self.sizes[e.k]
+        if k > x.arr.shape[1]:
+            raise ModelError("topk() K larger than E")
+        idx = np.argsort(-x.arr, axis=1, kind="stable")[:, :k]
+        vals = np.take_along_axis(x.arr, idx, axis=1)
+        self.record("disc", e, idx)
+        ordered = -np.sort(-x.arr, axis=1)[:, :min(k + 1, x.arr.shape[1])]
+        self.ties += int(np.count_nonzero(np.diff(ordered, axis=1) == 0))
+        shape = (x.axes[0], e.k)
+        return Val(vals, shape, x.dtype), Val(idx.astype(np.int64), shape, "i32")
+
+    def assign(self, target: str, v: Val, env, decl, outs) -> None:
+        env[target] = v
+        if target in decl:
+            o = decl[target]
+            arr = np.array(self.full(v, o.shape), dtype=np.int64 if o.dtype in INTS else np.float64)
+            if o.dtype == "f16" and self.noise is not None:
+                arr = arr * self.noise.rel(("store", target), arr.shape, "f16")
+            if o.dtype == "u32":
+                arr = np.mod(arr, 2**32)
+            outs[target] = arr
 
     def ev(self, e: Expr, env) -> Val:
         key = e
@@ -1043,6 +1135,12 @@ class Evaluator:
                 if f == "f16" and x.dtype != "f16" and self.noise is not None:
                     r = r * self.noise.rel(e, np.shape(r), "f16")
                 return Val(r, x.axes, f)
+            if f == "gather":
+                table, ids = self.ev(e.args[0], env), self.ev(e.args[1], env)
+                rows = ids.arr.astype(np.int64)
+                if np.any(rows < 0) or np.any(rows >= table.arr.shape[0]):
+                    raise ModelError("gather() id out of range")
+                return Val(table.arr[rows], t.shape, t.dtype)
             raise ValueError(f)
         if isinstance(e, Red):
             x = self.ev(e.x, env)

@@ -6,7 +6,9 @@ every tensor's shape is a subsequence of it, so shared axes keep one order.
 
 Features, each drawn per kernel (RATES): window axes (25% of the kernels have some; about 15% end up
 using a window: values x[T - L], x[D + L], convolutions sum(flip(w, L) * x[T - L, :], L), means and
-maxima over windows), flip() (about 12%), inputs with defaults (12%: tensors and scalars, each
+maxima over windows), flip() (about 12%), gather(table, ids) of an input table [V, ...] at ids clamped into [0, |V|)
+(15% of the kernels may use it), a statement ``v, i = topk(x, K)`` whose values and indices later
+statements (and outputs) read (12%), inputs with defaults (12%: tensors and scalars, each
 defaulted input left out at run time with probability 1/2), optional leading batch axes (12%:
 x: f32[B?, T, D]; B, or B and C, left out at run time, passed as size 1, or of size 2..3, when T fills
 whole buckets), and padding poison (half of the kernels: T-leading tensors live in buffers of
@@ -24,7 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .expr import (ABSTRACT, FLOATS, INTS, SEQ, UNARY_FUNCS, Bin, Checker, Expr, Flip, Fn, Idx, KernelDef,
-                   ModelError, Neg, Num, Param, Red, Ref, Stk, Sub, Ty, is_fixed, is_subseq, kernel_text, walk)
+                   ModelError, Neg, Num, Param, Red, Ref, Stk, Sub, TopK, Ty, is_fixed, is_subseq, kernel_text, walk)
 
 SYMBOLIC = ("D", "N", "K", "M", "H")
 BATCH = ("B", "C")          # optional leading axes
@@ -32,6 +34,9 @@ WINDOW = ("L", "W")         # window axes (new names, last in the global order)
 FLOAT_DEFAULTS = (0.0, 0.5, -2.0, 1.0, 0.25, 1.5, -0.75, 2.0, -1.0)
 INT_DEFAULTS = {"i32": (0, 1, 2, -1, 3, -3), "u32": (0, 1, 2, 5)}
 RATES = {"window": 0.25, "flip": 0.06, "defaults": 0.12, "batch": 0.12, "poison": 0.5}
+# routing features, drawn from a stream of their own so the kernels of seeds without them stay as they were
+ROUTING_RATES = {"gather": 0.15, "topk": 0.12}
+ROWS = "V"                  # a gathered table's row axis
 INPUT_RANGE = {"f32": (-2.0, 2.0), "f16": (-2.0, 2.0), "i32": (-3, 3), "u32": (0, 5)}
 SCALAR_RANGE = (-2.0, 2.0)
 CAP = 1e3
@@ -127,7 +132,7 @@ class Intervals:
                 return (0.0, 1.0)
             if f == "where":
                 return _hull(self.of(args[1]), self.of(args[2]))
-            if f in ("f32", "f16"):
+            if f in ("f32", "f16", "gather"):
                 return self.of(args[0])
             if f in INTS:
                 lo, hi = self.of(args[0])
@@ -245,6 +250,12 @@ class Generator:
                 self.sizes[a] = int(r.choice([1, 2, 3, 3, 4, 5]))
             elif not is_fixed(a) and a not in self.batch:
                 self.sizes[str(a)] = int(r.integers(1, 7))
+        routing = np.random.default_rng([seed, 47])
+        self.routing_rng = routing
+        self.gathers = routing.random() < ROUTING_RATES["gather"]
+        self.topk = routing.random() < ROUTING_RATES["topk"]
+        if self.gathers:
+            self.sizes[ROWS] = int(routing.integers(1, 7))
         self.inputs: list[Param] = []
         self.reserved: set[str] = set()          # names leaves may not read (an in-place input)
         self.temps: list[tuple[str, object]] = []  # (name, Ty) readable by later statements
@@ -466,6 +477,8 @@ class Generator:
             choices += ["conv"] * 10
         if self.flips and any(not is_fixed(a) for a in S):
             choices += ["flip"] * 3
+        if self.gathers and S and self.routing_rng.random() < 0.2:
+            return self.gathered(S, dt, depth - 1, need)
         kind = self.pick(choices)
         d = depth - 1
         if kind == "window":
@@ -568,6 +581,57 @@ class Generator:
             vals = tuple(self.gen(base, dt, d) for _ in range(int(F)))
             return Stk(vals, int(F))
         raise ValueError(kind)
+
+    def gathered(self, S, dt, d, need) -> Expr:
+        """gather(table, ids): ids over a leading part of S, clamped into the table's rows; the
+        table an input [V] + the rest of S (a table that is itself gathered never has a default)."""
+        k = int(self.rng.integers(1, len(S) + 1))
+        ids_shape, rest = S[:k], S[k:]
+        shape = (ROWS,) + tuple(rest)
+        tables = [p for p in self.inputs if p.shape == shape and p.dtype == dt and p.default is None
+                  and p.name not in self.reserved]
+        if tables and self.p(0.5):
+            table = Ref(self.pick(tables).name)
+        else:
+            name = f"x{len([p for p in self.inputs if p.name.startswith('x')])}"
+            self.inputs.append(Param(name, dt, shape))
+            self.checker.env[name] = Ty(shape, dt)
+            self.iv.env[name] = INPUT_RANGE[dt]
+            table = Ref(name)
+        ids = self.gen(ids_shape, "i32", d, tuple(a for a in need if a in ids_shape))
+        top = self.sizes[ROWS] - 1
+        ids = Fn("max", (Fn("min", (ids, num(top, 1))), num(0, 1)))
+        return Fn("gather", (table, ids))
+
+    def topk_statement(self) -> tuple[str, Expr] | None:
+        """``v, i = topk(x, K)`` over a new input x [R, E] (or a value computed from it and others): R
+        the sequence axis (or the first symbolic one), E an axis after it, K an axis after R with |K| <= |E| (a fixed one, or a
+        symbolic one); v and i become temporaries later statements may read."""
+        r = self.routing_rng
+        plain = [a for a in self.axes if a not in self.batch and a not in self.windows]
+        rows = SEQ if SEQ in plain else next((a for a in plain if not is_fixed(a)), None)
+        if rows is None:
+            return None
+        after = plain[plain.index(rows) + 1:]
+        size = {a: int(a) if is_fixed(a) else self.sizes[a] for a in after}
+        pairs = [(e, k) for e in after for k in after if k != e and size[k] <= size[e]]
+        if not pairs:
+            return None
+        e_axis, k_axis = pairs[int(r.integers(len(pairs)))]
+        dt = "f16" if self.has_f16 and r.random() < 0.3 else "f32"     # f16: exact ties, by index
+        x_shape = self.order((rows, e_axis))
+        x = self.new_input(x_shape, dt)
+        self.inputs[-1] = Param(x.name, dt, x_shape)      # no default, no optional axes
+        if r.random() < 0.4:                     # a computed value (scores + bias) instead of the input itself
+            e = self.gen(x_shape, dt, 2, x_shape)
+            if self.ty(e).shape == x_shape:
+                x = e
+        shape = (rows, k_axis)
+        for name, ty, iv in (("v0", Ty(shape, dt), INPUT_RANGE[dt]), ("i0", Ty(shape, "i32"), (0, size[e_axis] - 1))):
+            self.checker.env[name] = ty
+            self.iv.env[name] = iv
+            self.temps.append((name, ty))
+        return "v0, i0", TopK(x, k_axis)
 
     def split_need(self, need):
         na = tuple(a for a in need if self.p(0.5))
@@ -755,6 +819,15 @@ class Generator:
         order_out = list(outs)
         r.shuffle(order_out)
         body = []
+        if self.topk:
+            stmt = self.topk_statement()
+            if stmt is not None:
+                body.append(stmt)
+                v, i = stmt[0].split(", ")
+                if self.routing_rng.random() < 0.5:      # the values (and maybe the indices) as outputs too
+                    outs.append(Param(v, self.checker.env[v].dtype, self.checker.env[v].shape))
+                    if self.routing_rng.random() < 0.4:
+                        outs.append(Param(i, "i32", self.checker.env[i].shape))
         ti = 0
         for slot in slots:
             if slot == "t":
@@ -788,7 +861,7 @@ class Generator:
         self.kernel.inputs = self.inputs
         # sizes of every symbolic axis the kernel names (an output-only axis comes from dims=)
         axes = self.kernel.axes()
-        sizes = {a: self.sizes[a] for a in self.axes if a in axes and not is_fixed(a)}
+        sizes = {a: self.sizes[a] for a in list(self.axes) + [ROWS] if a in axes and a in self.sizes and not is_fixed(a)}
         left_out = tuple(p.name for p in self.inputs if p.default is not None and self.p(0.5))
         return Case(self.kernel, sizes, self.bucket, seed=self.seed,
                     data_seed=int(r.integers(2**31)), left_out=left_out,
@@ -797,7 +870,7 @@ class Generator:
 
 
 FEATURES = ("window", "flip", "default", "left out", "optional", "dropped", "packed", "poison", "gemm epilogue",
-            "sum of gemms", "shared gemm")
+            "sum of gemms", "shared gemm", "gather", "topk")
 
 
 def features(case: Case) -> set[str]:
@@ -809,6 +882,10 @@ def features(case: Case) -> set[str]:
         out.add("window")
     if any(isinstance(n, Flip) for n in nodes):
         out.add("flip")
+    if any(isinstance(n, Fn) and n.name == "gather" for n in nodes):
+        out.add("gather")
+    if any(isinstance(n, TopK) for n in nodes):
+        out.add("topk")
     if any(p.default is not None for p in k.inputs):
         out.add("default")
     if case.left_out:
