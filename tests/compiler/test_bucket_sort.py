@@ -108,26 +108,6 @@ def test_type_errors():
                                                   TensorArg("f", "i32", ("V",))], ["r"])
 
 
-def test_shipped_routing_kernels(engine):
-    """ops/routing.py: top-k experts per token, their slots sorted by expert, a per-expert sum in slot order."""
-    from lfm2jit.ops import routing
-    rng = np.random.default_rng(4)
-    t, e, k, d = 29, 8, 2, 5
-    scores = rng.integers(0, 4, (t, e)).astype(np.float32)            # ties between experts
-    values, indices = routing.topk(engine, engine.tensor(scores), k, bucket=16)
-    want = np.argsort(-scores, axis=1, kind="stable")[:, :k]
-    assert np.array_equal(indices.numpy(), want)
-    assert np.array_equal(values.numpy(), np.take_along_axis(scores, want, 1))
-    order, offsets = routing.sort_slots(engine, indices, e, bucket=16)
-    check(order.numpy(), offsets.numpy(), want, e)
-    g = rng.standard_normal((t, k, d)).astype(np.float32)
-    rows = routing.sum_slots(engine, engine.tensor(g), order, offsets, bucket=16).numpy()
-    ref = np.zeros((e, d), np.float32)
-    for slot, expert in enumerate(want.reshape(-1)):
-        ref[expert] = ref[expert] + g.reshape(-1, d)[slot]
-    assert np.array_equal(rows, ref)
-
-
 def test_either_result_alone(engine):
     """A kernel may keep only the offsets (counts by key) or only the order."""
     k = compile_source("""

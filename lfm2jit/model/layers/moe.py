@@ -54,8 +54,7 @@ class Moe(Residual):
         xf, inv = self.normed(h, bucket)                                                        # (T, D), (T,)
         logits = k.linear(xf, pre + "feed_forward.gate", bucket, lora)                          # (T, E)
         bias = {"bias": k.buffer(pre + "feed_forward.expert_bias")} if cfg.use_expert_bias else {}
-        key = k.run("moe_key", bucket=bucket, logits=logits, **bias)["key"]                     # (T, E)
-        idx = k.run("moe_topk", bucket=bucket, dims={"K": top_k}, key=key)["idx"]               # (T, K)
+        idx = k.run("moe_topk", bucket=bucket, dims={"K": top_k}, logits=logits, **bias)["idx"]  # (T, K)
         w = k.run("moe_weights", bucket=bucket, logits=logits, idx=idx, **self._weighting())["w"]
         ends = k.run("expert_ends", bucket=bucket, dims={"E": cfg.num_experts}, idx=idx)["ends"]
         counts = None
