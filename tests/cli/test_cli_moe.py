@@ -1,8 +1,10 @@
 """`python -m trainer` on an LFM2-MoE checkpoint as a user runs it (issue 47): a tiny random-init
-Lfm2MoeForCausalLM made by transformers is fine-tuned with LoRA, `generate` answers with the result,
-and PEFT loads the adapter onto transformers' model with logits equal to lfm2jit's."""
+Lfm2MoeForCausalLM made by transformers is fine-tuned with LoRA on its linears and its experts
+(--lora-target-parameters, PEFT's target_parameters), `generate` answers with the result, and PEFT
+loads the adapter onto transformers' model with logits equal to lfm2jit's."""
 from __future__ import annotations
 
+import json
 import shutil
 
 import numpy as np
@@ -41,7 +43,8 @@ def moe_run(tmp_path_factory):
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(ASSETS / f, base / f)
     out = base.parent / "run"
-    r = cli("--model", base, "--lora-r", 8, "--lora-alpha", 16, "--lr", "3e-3", "--steps", 6, "--max-len", 48,
+    r = cli("--model", base, "--lora-r", 8, "--lora-alpha", 16, "--lora-target-parameters", "experts.gate_up_proj",
+            "experts.down_proj", "--lr", "3e-3", "--steps", 6, "--max-len", 48,
             "--eval-max", 4, "--eval-answers", 2, "--no-progress", "--out", out)
     assert r.returncode == 0, r.stderr
     return base, out, r
@@ -50,6 +53,9 @@ def moe_run(tmp_path_factory):
 def test_lora_fine_tunes_the_moe_checkpoint(moe_run):
     base, out, r = moe_run
     assert "LoRA r 8" in r.stdout and (out / "adapter" / "adapter_model.safetensors").is_file()
+    assert "and experts.gate_up_proj, experts.down_proj" in r.stdout
+    config = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    assert config["target_parameters"] == ["experts.gate_up_proj", "experts.down_proj"]
     losses = [float(line.split("loss=")[1].split()[0]) for line in r.stderr.splitlines() if "loss=" in line]
     assert all(np.isfinite(losses))
 
@@ -66,6 +72,9 @@ def test_peft_loads_the_adapter_with_equal_logits(moe_run, ctx, engine):
     assert rel_err(ours.logits(ids, bucket=16), want) < 1e-4
     plain = Lfm2Model.from_pretrained(base, ctx, engine).logits(ids, bucket=16)
     assert rel_err(plain, want) > 1e-3             # the adapter trained: it changes the logits
+    # the experts' adapters trained too: PEFT's B for them moved from zero
+    experts = {n: p for n, p in theirs.named_parameters() if ".experts." in n and "lora_B" in n}
+    assert experts and all(float(p.abs().max()) > 0 for p in experts.values())
 
 
 def test_generate_answers_with_the_fine_tuned_adapter(moe_run, ctx, capsys):
