@@ -133,7 +133,7 @@ def test_peft_adapter_logits_and_gradients(ctx, engine, tmp_path, preset, change
     assert abs(loss - want_loss) < 1e-5
     assert set(grads) == set(want_grads)
     err, name = worst(grads, want_grads)
-    assert err < 1e-4, f"worst gradient {name}: rel err {err:.2e}"
+    assert err < 2e-5, f"worst gradient {name}: rel err {err:.2e}"
 
 
 def test_adapter_written_here_loads_in_peft_and_merges_as_peft_does(ctx, engine, tmp_path):
@@ -162,6 +162,11 @@ def test_adapter_written_here_loads_in_peft_and_merges_as_peft_does(ctx, engine,
     assert set(state) == set(mine)
     for n, a in mine.items():
         np.testing.assert_array_equal(state[n], a, err_msg=n)
+
+    again = ours_from_hf(hf, cfg, ctx, engine)          # and lfm2jit reads its own file back as it was
+    again.load_adapter(tmp_path / "adapter")
+    for n, t in ours.lora.named.items():
+        np.testing.assert_array_equal(again.lora.named[n].numpy(), t.numpy(), err_msg=n)
 
     ours.merge_lora()
     assert ours.lora is None
@@ -230,11 +235,15 @@ def test_f16_base_narrows_the_experts_and_trains_only_the_adapters(ctx, engine):
             ours.lora.named[name].write(array)
     ids, targets, mask = inputs(cfg.vocab_size, 27, 3)
     want_logits, want_loss, want_grads = peft_reference(theirs, ids, targets, mask)
-    assert rel_err(ours.logits(ids, bucket=BUCKET), want_logits) < 1e-3
+    # on the matrix units a product with the f16 base stages its f32 input as f16 (test_lora.py's bounds)
+    matrix = bool(engine.target.matrix_configs)
+    assert rel_err(ours.logits(ids, bucket=BUCKET), want_logits) < (3e-3 if matrix else 1e-4)
     loss, grads = loss_and_grads(ours, ids, targets, mask, params)
-    assert abs(loss - want_loss) < 1e-3
+    assert abs(loss - want_loss) < (1e-3 if matrix else 1e-5)
     err, name = worst(grads, want_grads)
-    assert err < 1e-2, f"worst gradient {name}: rel err {err:.2e}"
+    assert err < (2e-2 if matrix else 1e-3), f"worst gradient {name}: rel err {err:.2e}"
+    with pytest.raises(ValueError, match="frozen f16 base weight"):
+        loss_and_grads(ours, ids, targets, mask, params + [named[narrowed[-1]]])
     for n in narrowed:                      # frozen: no gradient
         assert named[n].grad is None or not np.any(named[n].grad.numpy()), n
 
@@ -255,3 +264,14 @@ def test_expert_targets_on_a_dense_model_are_refused():
                        num_key_value_heads=1, layer_types=["conv", "full_attention"])
     with pytest.raises(AdapterError, match="no expert tensors"):
         LoraConfig(target_modules=(), target_parameters=EXPERTS).parameters(dense)
+
+
+def test_an_adapter_for_other_experts_is_refused_before_any_change(ctx, engine, tmp_path):
+    """PEFT's adapter for 4 experts on a model of 8: the shapes named, no adapter attached."""
+    cfg = Lfm2MoeConfig.preset("tiny-moe")
+    peft_model(hf_model(cfg, seed=1), 2, 4, seed=1).save_pretrained(tmp_path)
+    wider = dataclasses.replace(cfg, num_experts=8)
+    model = Lfm2Model(wider, ctx, engine, seed=0)
+    with pytest.raises(AdapterError, match=r"experts\.base_layer\.lora_A\.weight has shape \[8, 64\], this model needs \[16, 64\]"):
+        model.load_adapter(tmp_path)
+    assert model.lora is None and model.lora_parameters() == []
