@@ -13,7 +13,8 @@ import pytest
 from lfm2jit import ComputeEngine
 from lfm2jit.model import Lfm2Model, Lfm2MoeConfig
 from numerics import rel_err
-from test_cli_trainer import ROOT, cli
+from test_cli_lora import assert_same_adapters
+from test_cli_trainer import ROOT, assert_same_steps, cli, metrics
 from trainer.cli import main
 from trainer.data import encode_chat, load_tokenizer
 
@@ -22,6 +23,8 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 ASSETS = ROOT / "trainer" / "assets"
+RUN = ["--lora-r", 8, "--lora-alpha", 16, "--lora-target-parameters", "experts.gate_up_proj", "experts.down_proj",
+       "--lr", "3e-3", "--schedule", "warmup", "--warmup-steps", 4, "--max-len", 48, "--eval-max", 4, "--no-progress"]
 
 
 @pytest.fixture(scope="module")
@@ -43,9 +46,7 @@ def moe_run(tmp_path_factory):
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(ASSETS / f, base / f)
     out = base.parent / "run"
-    r = cli("--model", base, "--lora-r", 8, "--lora-alpha", 16, "--lora-target-parameters", "experts.gate_up_proj",
-            "experts.down_proj", "--lr", "3e-3", "--steps", 6, "--max-len", 48,
-            "--eval-max", 4, "--eval-answers", 2, "--no-progress", "--out", out)
+    r = cli("--model", base, *RUN, "--steps", 6, "--checkpoint-every", 3, "--eval-answers", 2, "--out", out)
     assert r.returncode == 0, r.stderr
     return base, out, r
 
@@ -90,3 +91,15 @@ def test_generate_answers_with_the_fine_tuned_adapter(moe_run, ctx, capsys):
     end = sorted(set(model.generation_eos) | {tok.token_to_id("<|im_end|>")})
     want = tok.decode(model.generate(ids.tolist(), max_new_tokens=8, eos_token_id=end), skip_special_tokens=True)
     assert printed == want + "\n"
+
+
+def test_a_resumed_run_with_expert_adapters_equals_the_unbroken_one(moe_run, tmp_path):
+    """The checkpoint's adapter (PEFT's layout) and optimizer state (lfm2jit's) come back as they were."""
+    base, long_out, _ = moe_run
+    short = tmp_path / "short"
+    r = cli("--model", base, *RUN, "--steps", 3, "--out", short)
+    assert r.returncode == 0, r.stderr
+    r = cli("--resume", short, "--steps", 6, "--no-progress")
+    assert r.returncode == 0, r.stderr
+    assert_same_steps(metrics(short)[3:], metrics(long_out)[3:])
+    assert_same_adapters(short, long_out)
