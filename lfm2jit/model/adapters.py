@@ -13,6 +13,10 @@ Backward, given dy and u (kept by the forward: [T, r] per layer, or recomputed w
 Dropout is PEFT's (an element kept with probability 1 - p, times 1 / (1 - p)), its mask drawn on the
 GPU from a key per module (schedule/dropout.py); the backward redraws it from the same key, so
 nothing of it is kept. ``draw_dropout`` writes the keys of the next training pass.
+
+Adapters on an MoE model's expert tensors (``target_parameters``) are ``ExpertLora``s that
+ops/experts.py applies inside the experts' grouped GEMMs; they are held as A [E, r, in] and
+B [E, out, r] (lora.py says how PEFT's files lay them out) under their PEFT names.
 """
 from __future__ import annotations
 
@@ -20,8 +24,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..ops.experts import ExpertLora
 from ..runtime import Tensor
-from .lora import LoraConfig, peft_names
+from .lora import LoraConfig, experts_to_peft, parameter_peft_names, peft_names
 
 
 @dataclass
@@ -39,14 +44,24 @@ def dropout_key(p: float, seed_words) -> np.ndarray:
 
 
 class LoraAdapters:
-    def __init__(self, config: LoraConfig, weights: dict[str, Tensor], modules, seed: int = 0):
+    def __init__(self, config: LoraConfig, weights: dict[str, Tensor], modules, seed: int = 0, parameters=()):
+        """``weights``: by PEFT name, the expert tensors' in lfm2jit's layout (A [E, r, in], B [E, out, r])."""
         self.config = config
         self.seed = seed
         ctx = next(iter(weights.values())).ctx if weights else None
         self.by_module = {m: Adapter(weights[peft_names(m)[0]], weights[peft_names(m)[1]],
                                      Tensor.from_numpy(ctx, dropout_key(config.dropout, (0, 0)), "i32")
                                      if config.dropout else None) for m in modules}
+        self.by_parameter = {p: ExpertLora(weights[a], weights[b], config.scaling)
+                             for p, (a, b) in parameter_peft_names(parameters).items()}
         self.named = dict(weights)            # PEFT name -> tensor, in the model's module order
+
+    def peft_arrays(self) -> dict[str, np.ndarray]:
+        """Every A and B by PEFT name, in PEFT's shapes (what adapter_model.safetensors holds)."""
+        out = {n: t.numpy() for n, t in self.named.items()}
+        for p, (a, b) in parameter_peft_names(self.by_parameter).items():
+            out[a], out[b] = experts_to_peft(out[a], out[b])
+        return out
 
     def draw_dropout(self, *counters: int) -> None:
         """New dropout keys for a training pass: module i's seed words come from (seed, counters..., i),

@@ -148,13 +148,14 @@ class Lfm2Model:
     def add_lora(self, config: LoraConfig = LoraConfig(), seed: int = 0, base_dtype: str = "f32") -> list[Tensor]:
         """New LoRA adapters (B = 0: the model's outputs are unchanged) on the layers ``config``
         targets; returns their tensors, the ones to train (``lora_parameters``). ``base_dtype="f16"``
-        keeps the decoder's linear weights as f16, halving their memory; they are then frozen.
+        keeps the decoder's linear weights (and an MoE model's expert tensors) as f16, halving their
+        memory; they are then frozen.
         ``seed`` draws A and, with ``config.dropout``, the training passes' dropout masks."""
         if not isinstance(config, LoraConfig):
             raise TypeError(f"add_lora takes a LoraConfig, got {type(config).__name__}")
         lora_attach.check_base_dtype(base_dtype, self.ctx)     # before A is drawn: an f16 base needs shader-f16
-        modules = config.modules(self.cfg)
-        self._attach(config, modules, init_weights(config, modules, seed), base_dtype, seed)
+        modules, parameters = config.modules(self.cfg), config.parameters(self.cfg)
+        self._attach(config, modules, init_weights(config, modules, seed, parameters), base_dtype, seed, parameters)
         return self.lora_parameters()
 
     def load_adapter(self, directory, base_dtype: str = "f32", seed: int = 0) -> list[Tensor]:
@@ -163,15 +164,16 @@ class Lfm2Model:
         a resumed run passes the seed it started with, so it draws the masks the run would have)."""
         lora_attach.check_base_dtype(base_dtype, self.ctx)     # before the files are read
         config, tensors = read_adapter(Path(directory))
-        modules = config.modules(self.cfg)
-        self._attach(config, modules, check_weights(config, modules, tensors, str(directory)), base_dtype, seed)
+        modules, parameters = config.modules(self.cfg), config.parameters(self.cfg)
+        self._attach(config, modules, check_weights(config, modules, tensors, str(directory), parameters), base_dtype,
+                     seed, parameters)
         return self.lora_parameters()
 
-    def _attach(self, config: LoraConfig, modules, weights: dict, base_dtype: str, seed: int) -> None:
+    def _attach(self, config: LoraConfig, modules, weights: dict, base_dtype: str, seed: int, parameters) -> None:
         if self.lora is not None:
             raise AdapterError("this model already has LoRA adapters: merge_lora() folds them in first")
         lora_attach.check_base_dtype(base_dtype, self.ctx)
-        self.lora = lora_attach.upload_adapters(self.ctx, config, modules, weights, seed)
+        self.lora = lora_attach.upload_adapters(self.ctx, config, modules, weights, seed, parameters)
         if base_dtype == "f16":
             self._params = lora_attach.reupload(self.ctx, self._params, set(lora_attach.base_linears(self.cfg)))
 
@@ -182,7 +184,7 @@ class Lfm2Model:
         """adapter_config.json + adapter_model.safetensors, as PeftModel.save_pretrained writes them."""
         if self.lora is None:
             raise AdapterError("this model has no LoRA adapters to save (add_lora or load_adapter first)")
-        write_adapter(Path(directory), self.lora.config, {n: t.numpy() for n, t in self.lora.named.items()}, base_model)
+        write_adapter(Path(directory), self.lora.config, self.lora.peft_arrays(), base_model)
 
     def merge_lora(self) -> None:
         """Fold the adapters into the base weights (lora_attach.merge) and drop them, so

@@ -9,7 +9,7 @@ from ..runtime.tensor import DTYPES
 from .adapters import LoraAdapters
 from .moe_checkpoint import model_parameter_shapes
 from .config import Lfm2Config
-from .lora import LoraConfig
+from .lora import LoraConfig, experts_from_peft, is_expert_tensor, parameter_peft_names
 
 BASE_DTYPES = ("f32", "f16")
 
@@ -27,15 +27,21 @@ def check_base_dtype(base_dtype: str, ctx) -> None:
                          f"{ctx.name!r} lacks; use base_dtype='f32'")
 
 
-def upload_adapters(ctx, config: LoraConfig, modules, weights: dict[str, np.ndarray], seed: int) -> LoraAdapters:
-    """The adapters' A and B matrices uploaded side by side (runtime/arena.py), PEFT names kept."""
-    return LoraAdapters(config, dict(zip(weights, arena.upload(ctx, list(weights.values())))), modules, seed)
+def upload_adapters(ctx, config: LoraConfig, modules, weights: dict[str, np.ndarray], seed: int,
+                    parameters=None) -> LoraAdapters:
+    """The adapters' A and B matrices (by PEFT name, in PEFT's shapes) uploaded side by side
+    (runtime/arena.py), PEFT names kept; the expert tensors' in lfm2jit's layout."""
+    weights = dict(weights)
+    for name, (a, b) in parameter_peft_names(parameters or {}).items():
+        weights[a], weights[b] = experts_from_peft(weights[a], weights[b], parameters[name][0])
+    return LoraAdapters(config, dict(zip(weights, arena.upload(ctx, list(weights.values())))), modules, seed,
+                        tuple(parameters or ()))
 
 
 def base_linears(cfg: Lfm2Config) -> list[str]:
-    """The decoder's linear weights: what base_dtype="f16" narrows."""
+    """The decoder's linear weights and an MoE model's expert tensors: what base_dtype="f16" narrows."""
     return [n for n, shape in model_parameter_shapes(cfg).items()
-            if n.startswith("model.layers.") and n.endswith(".weight") and len(shape) == 2]
+            if (n.startswith("model.layers.") and n.endswith(".weight") and len(shape) == 2) or is_expert_tensor(n)]
 
 
 def reupload(ctx, params: dict[str, Tensor], to_f16: set[str]) -> dict[str, Tensor]:
@@ -57,3 +63,7 @@ def merge(params: dict[str, Tensor], lora: LoraAdapters) -> None:
         w = params[module + ".weight"]
         merged = w.numpy().astype(np.float64) + s * (ad.b.numpy().astype(np.float64) @ ad.a.numpy().astype(np.float64))
         w.write(merged.astype(DTYPES[w.dtype]))
+    for name, ad in lora.by_parameter.items():      # W[e] += s * B[e] A[e], each expert
+        w = params[name]
+        delta = np.einsum("eor,eri->eoi", ad.b.numpy().astype(np.float64), ad.a.numpy().astype(np.float64))
+        w.write((w.numpy().astype(np.float64) + s * delta).astype(DTYPES[w.dtype]))

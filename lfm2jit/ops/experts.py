@@ -9,25 +9,45 @@ sorted by expert, forward and backward (kernels/experts.lk; the backward is grad
     scale    f32 [S]        each slot's combine weight, applied in the down GEMM's epilogue
     y        f32 [S, D]     scale[s] * (silu(x w1^T) * (x w3^T)) w2^T for slot s's expert
 
+Either expert tensor may carry a LoRA adapter (``ExpertLora``, PEFT's target_parameters): its
+expert e's matrix is then W[e] + s B[e] A[e], applied as x W[e]^T + u B[e]^T with u = s x A[e]^T
+[S, r] (expert_lora_down): the same product kernel runs again with u for x and B for the weight,
+adding into the first one's output. Backward, for either (dz the product's gradient, x its input):
+    du = dz B[e] and B.grad += dz^T u per expert (that second product's gradient; the down
+    product's also adds its part of d_scale);  A.grad += s du^T x per expert and dx += s du A[e]
+    (expert_lora_down's gradient).
+
 Slots past ends[E-1] (a bucket's padding) belong to no expert: y and d_x there are left as they
-were, the other per-slot values there (h, g, d_scale) are unspecified, and nothing there reaches the
-owned slots or the weight gradients. The routing (top-k, sorting the
-slots, gathering x and scattering y back to the tokens) is the layer's.
+were, the other per-slot values there (h, g, u, d_scale) are unspecified, and nothing there reaches
+the owned slots or the weight gradients. The routing (top-k, sorting the slots, gathering x and
+scattering y back to the tokens) is the layer's.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Callable
 
 from ..driver import Backward, grad
 from . import library
 
 
 @dataclass
+class ExpertLora:
+    """A LoRA adapter on one expert tensor W [E, N, K]: W[e] + s * B[e] A[e]."""
+    a: object           # [E, r, K]
+    b: object           # [E, N, r]
+    s: float
+
+
+@dataclass
 class ExpertActivations:
-    """What the backward reuses: h [S, 2I] (x gate_up^T, both halves) and g [S, I] (the gate)."""
+    """What the backward reuses: h [S, 2I] (x gate_up^T, both halves), g [S, I] (the gate), and the
+    adapters' low-rank activations u [S, r] (None without one)."""
     h: object
     g: object
+    u_gate_up: object = None
+    u_down: object = None
 
 
 @lru_cache(maxsize=None)
@@ -40,39 +60,81 @@ def _f16(**tensors) -> tuple[str, ...]:
     return tuple(n for n, t in tensors.items() if getattr(t, "dtype", None) == "f16")
 
 
+def _low_rank(engine, x, lora: ExpertLora | None, ends, bucket: int):
+    if lora is None:
+        return None
+    return engine.run("expert_lora_down", bucket=bucket, f16=_f16(x=x), x=x, a=lora.a, ends=ends, s=lora.s)["u"]
+
+
 def experts_forward(engine, x, gate_up, down, ends, scale, *, bucket: int = 1, out=None,
-                    accumulate: bool = False):
+                    accumulate: bool = False, lora_gate_up: ExpertLora | None = None,
+                    lora_down: ExpertLora | None = None):
     """y [S, D] (into ``out`` when given, added to it with ``accumulate``) and the activations the
-    backward needs."""
+    backward needs; ``lora_gate_up`` / ``lora_down``: the adapters on the expert tensors."""
     h = engine.run("expert_gate_up", bucket=bucket, f16=_f16(x=x, gate_up=gate_up), x=x, gate_up=gate_up,
-                   ends=ends)["h"]
+                   ends=ends)["h"]                                                            # (S, 2I)
+    u1 = _low_rank(engine, x, lora_gate_up, ends, bucket)                                     # (S, r)
+    if lora_gate_up is not None:                                                              # h += u1 B[e]^T
+        engine.run("expert_gate_up", bucket=bucket, x=u1, gate_up=lora_gate_up.b, ends=ends, out={"h": h},
+                   accumulate={"h"})
     slots, width = h.shape
-    g = engine.run("expert_gate", bucket=bucket, h=h.view(slots, 2, width // 2))["g"]
+    g = engine.run("expert_gate", bucket=bucket, h=h.view(slots, 2, width // 2))["g"]         # (S, I)
     kwargs = {"out": {"y": out}, "accumulate": {"y"} if accumulate else ()} if out is not None else {}
     y = engine.run("expert_down", bucket=bucket, f16=_f16(down=down), g=g, down=down, ends=ends, scale=scale,
                    **kwargs)["y"]
-    return y, ExpertActivations(h, g)
+    u2 = _low_rank(engine, g, lora_down, ends, bucket)                                        # (S, r)
+    if lora_down is not None:                                                                 # y += scale u2 B[e]^T
+        engine.run("expert_down", bucket=bucket, g=u2, down=lora_down.b, ends=ends, scale=scale, out={"y": y},
+                   accumulate={"y"})
+    return y, ExpertActivations(h, g, u1, u2)
 
 
 def experts_backward(engine, x, gate_up, down, ends, scale, saved: ExpertActivations, d_y, *, bucket: int = 1,
-                     weights: bool = True, out=None, accumulate=()) -> dict:
+                     weights: bool = True, out=None, accumulate=(), lora_gate_up: ExpertLora | None = None,
+                     lora_down: ExpertLora | None = None, trained: Callable = lambda t: False) -> dict:
     """Gradients from d_y [S, D]: d_x [S, D] and d_scale [S], and with ``weights`` d_gate_up
     [E, 2I, D] and d_down [E, D, I] (each expert's sum over its own slots, in a fixed order). ``out``
-    and ``accumulate`` name tensors to write or add the weight gradients into (gradient accumulation)."""
+    and ``accumulate`` name tensors to write or add the weight gradients into (gradient accumulation).
+    The adapters' A and B for which ``trained(tensor)`` holds get their gradients added into their
+    ``.grad``."""
     out = dict(out or {})
 
-    def run(kernel: str, wrt: tuple[str, ...], **args):
+    def run(kernel: str, wrt: tuple[str, ...], into=None, adds=(), **args):
+        """``kernel``'s gradients in ``wrt``, written into ``out`` (added where ``accumulate`` says)
+        or, given ``into``, into those tensors (added where ``adds`` says)."""
         bwd = _backward(kernel, wrt)
-        mine = {n: t for n, t in out.items() if n in bwd.outputs}
-        args = {n: t for n, t in args.items() if n in bwd.inputs}
-        return engine.run(bwd, bucket=bucket, out=mine, accumulate={n for n in accumulate if n in mine},
-                          f16=_f16(**args), **args)
+        targets, added = (into, set(adds)) if into is not None else (out, set(accumulate))
+        mine = {n: t for n, t in targets.items() if n in bwd.outputs}
+        args = {n: t for n, t in args.items() if n in bwd.inputs or n in bwd.scalars}
+        return engine.run(bwd, bucket=bucket, out=mine, accumulate=added & set(mine), f16=_f16(**args), **args)
+
+    def low_rank_backward(lora: ExpertLora, x_in, d_u, d_x) -> None:
+        """A.grad += s du^T x per expert and d_x += s du A[e]: expert_lora_down's gradient."""
+        train_a = trained(lora.a)
+        run("expert_lora_down", ("x",) + (("a",) if train_a else ()),
+            into={"d_x": d_x, **({"d_a": lora.a.grad} if train_a else {})}, adds={"d_x", "d_a"},
+            x=x_in, a=lora.a, ends=ends, s=lora.s, d_u=d_u)
+
     down_grads = run("expert_down", ("g", "scale") + (("down",) if weights else ()),
                      g=saved.g, down=down, ends=ends, scale=scale, d_y=d_y)
+    if lora_down is not None:       # y += scale u2 B[e]^T: d_u2, B's gradient and its part of d_scale
+        train_b = trained(lora_down.b)
+        d_u = run("expert_down", ("g", "scale") + (("down",) if train_b else ()),
+                  into={"d_scale": down_grads["d_scale"], **({"d_down": lora_down.b.grad} if train_b else {})},
+                  adds={"d_scale", "d_down"}, g=saved.u_down, down=lora_down.b, ends=ends, scale=scale,
+                  d_y=d_y)["d_g"]
+        low_rank_backward(lora_down, saved.g, d_u, down_grads["d_g"])
     slots, width = saved.h.shape
     d_h = run("expert_gate", ("h",), h=saved.h.view(slots, 2, width // 2), d_g=down_grads["d_g"])["d_h"]
+    d_h = d_h.view(slots, width)
     up_grads = run("expert_gate_up", ("x",) + (("gate_up",) if weights else ()),
-                   x=x, gate_up=gate_up, ends=ends, d_h=d_h.view(slots, width))
+                   x=x, gate_up=gate_up, ends=ends, d_h=d_h)
+    if lora_gate_up is not None:    # h += u1 B[e]^T: d_u1 and B's gradient
+        train_b = trained(lora_gate_up.b)
+        d_u = run("expert_gate_up", ("x",) + (("gate_up",) if train_b else ()),
+                  into={"d_gate_up": lora_gate_up.b.grad} if train_b else {}, adds={"d_gate_up"},
+                  x=saved.u_gate_up, gate_up=lora_gate_up.b, ends=ends, d_h=d_h)["d_x"]
+        low_rank_backward(lora_gate_up, x, d_u, up_grads["d_x"])
     grads = {"d_x": up_grads["d_x"], "d_scale": down_grads["d_scale"]}
     if weights:
         grads.update(d_gate_up=up_grads["d_gate_up"], d_down=down_grads["d_down"])

@@ -101,6 +101,9 @@ def test_train_only_and_freeze_train_what_they_name(tmp_path, ctx, engine):
      "LoRA: LoRA target 'o_proj' matches no linear layer of this LFM2 (LFM2 calls it 'out_proj')"),
     (["--lora-dropout", "0.1"], "--lora-dropout needs --lora-r R"),
     (["--lora-r", "4", "--lora-dropout", "1"], "--lora-dropout must be in [0, 1), got 1"),
+    (["--lora-target-parameters", "experts.down_proj"], "--lora-target-parameters needs --lora-r R"),
+    (["--lora-r", "4", "--lora-target-parameters", "experts.down_proj"],
+     "LoRA: LoRA target parameter 'experts.down_proj' matches no expert tensor; this model has no expert tensors"),
     (["--train-only", "nothing.*"], "--train-only 'nothing.*' matches no parameter"),
     (["--freeze", "*"], "leave no parameter to train"),
 ])

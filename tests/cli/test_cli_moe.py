@@ -1,8 +1,10 @@
 """`python -m trainer` on an LFM2-MoE checkpoint as a user runs it (issue 47): a tiny random-init
-Lfm2MoeForCausalLM made by transformers is fine-tuned with LoRA, `generate` answers with the result,
-and PEFT loads the adapter onto transformers' model with logits equal to lfm2jit's."""
+Lfm2MoeForCausalLM made by transformers is fine-tuned with LoRA on its linears and its experts
+(--lora-target-parameters, PEFT's target_parameters), `generate` answers with the result, and PEFT
+loads the adapter onto transformers' model with logits equal to lfm2jit's."""
 from __future__ import annotations
 
+import json
 import shutil
 
 import numpy as np
@@ -11,7 +13,8 @@ import pytest
 from lfm2jit import ComputeEngine
 from lfm2jit.model import Lfm2Model, Lfm2MoeConfig
 from numerics import rel_err
-from test_cli_trainer import ROOT, cli, metrics
+from test_cli_lora import assert_same_adapters
+from test_cli_trainer import ROOT, assert_same_steps, cli, metrics
 from trainer.cli import main
 from trainer.data import encode_chat, load_tokenizer
 
@@ -20,6 +23,8 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 ASSETS = ROOT / "trainer" / "assets"
+RUN = ["--lora-r", 8, "--lora-alpha", 16, "--lora-target-parameters", "experts.gate_up_proj", "experts.down_proj",
+       "--lr", "3e-3", "--schedule", "warmup", "--warmup-steps", 4, "--max-len", 48, "--eval-max", 4, "--no-progress"]
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +46,7 @@ def moe_run(tmp_path_factory):
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(ASSETS / f, base / f)
     out = base.parent / "run"
-    r = cli("--model", base, "--lora-r", 8, "--lora-alpha", 16, "--lr", "3e-3", "--steps", 6, "--max-len", 48,
-            "--eval-max", 4, "--eval-answers", 2, "--no-progress", "--out", out)
+    r = cli("--model", base, *RUN, "--steps", 6, "--checkpoint-every", 3, "--eval-answers", 2, "--out", out)
     assert r.returncode == 0, r.stderr
     return base, out, r
 
@@ -50,8 +54,11 @@ def moe_run(tmp_path_factory):
 def test_lora_fine_tunes_the_moe_checkpoint(moe_run):
     base, out, r = moe_run
     assert "LoRA r 8" in r.stdout and (out / "adapter" / "adapter_model.safetensors").is_file()
-    losses = [float(line.split("loss=")[1].split()[0]) for line in r.stderr.splitlines() if "loss=" in line]
-    assert all(np.isfinite(losses))
+    assert "and experts.gate_up_proj, experts.down_proj" in r.stdout
+    config = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    assert config["target_parameters"] == ["experts.gate_up_proj", "experts.down_proj"]
+    losses = [m["loss"] for m in metrics(out)]
+    assert len(losses) == 6 and all(np.isfinite(losses))
     # each step's tokens per expert, per sparse layer: every token routed to top-k experts
     top_k = Lfm2MoeConfig.from_json(base).num_experts_per_tok
     for m in metrics(out):
@@ -72,6 +79,9 @@ def test_peft_loads_the_adapter_with_equal_logits(moe_run, ctx, engine):
     assert rel_err(ours.logits(ids, bucket=16), want) < 1e-4
     plain = Lfm2Model.from_pretrained(base, ctx, engine).logits(ids, bucket=16)
     assert rel_err(plain, want) > 1e-3             # the adapter trained: it changes the logits
+    # the experts' adapters trained too: PEFT's B for them moved from zero
+    experts = {n: p for n, p in theirs.named_parameters() if ".experts." in n and "lora_B" in n}
+    assert experts and all(float(p.abs().max()) > 0 for p in experts.values())
 
 
 def test_generate_answers_with_the_fine_tuned_adapter(moe_run, ctx, capsys):
@@ -109,3 +119,15 @@ def test_the_balance_loss_is_logged_and_refused_on_a_dense_model(moe_run, tmp_pa
     assert len(aux) == 3 and all(0.01 * 3 * 0.9 < a < 0.01 * 3 * 4 for a in aux), aux
     r = cli("--preset", "tiny", "--router-aux-loss-coef", 0.01, "--steps", 1, "--out", tmp_path / "dense")
     assert r.returncode == 2 and "no router to balance" in r.stderr
+
+
+def test_a_resumed_run_with_expert_adapters_equals_the_unbroken_one(moe_run, tmp_path):
+    """The checkpoint's adapter (PEFT's layout) and optimizer state (lfm2jit's) come back as they were."""
+    base, long_out, _ = moe_run
+    short = tmp_path / "short"
+    r = cli("--model", base, *RUN, "--steps", 3, "--out", short)
+    assert r.returncode == 0, r.stderr
+    r = cli("--resume", short, "--steps", 6, "--no-progress")
+    assert r.returncode == 0, r.stderr
+    assert_same_steps(metrics(short)[3:], metrics(long_out)[3:])
+    assert_same_adapters(short, long_out)

@@ -186,6 +186,10 @@ def _add_lora_and_frozen(p: argparse.ArgumentParser) -> None:
     lo.add_argument("--lora-targets", nargs="+", metavar="NAME",
                     help=f"linear layers that get adapters, matched as PEFT matches target_modules (a module name "
                          f"or its last part); default LFM2's every linear layer: {' '.join(DEFAULT_TARGETS)}")
+    lo.add_argument("--lora-target-parameters", nargs="+", metavar="NAME",
+                    help="an MoE model's expert tensors that get adapters too, as PEFT's target_parameters "
+                         "(e.g. experts.gate_up_proj experts.down_proj: one rank-R pair per expert; "
+                         "PeftModel.from_pretrained loads the result); default none")
     lo.add_argument("--lora-dropout", type=float, metavar="P",
                     help="LoRA dropout probability, PEFT's lora_dropout: each adapter's input elements dropped "
                          "with probability P in training (masks drawn on the GPU; default 0)")

@@ -196,7 +196,9 @@ def _attach_lora_and_choose(run: Run, model, ckpt: Path | None) -> list:
                 model.load_adapter(ckpt / "adapter", base_dtype=base, seed=run.seed)
             else:
                 model.add_lora(LoraConfig(r=run.lora_r, alpha=run.lora_alpha, target_modules=tuple(run.lora_targets),
-                                          dropout=run.lora_dropout), seed=run.seed, base_dtype=base)
+                                          dropout=run.lora_dropout,
+                                          target_parameters=tuple(run.lora_target_parameters or ())),
+                               seed=run.seed, base_dtype=base)
         except (AdapterError, ValueError) as e:
             raise UsageError(f"LoRA: {e}") from None
     return trainable(model, run.lora_r is not None, run.train_only, run.freeze)

@@ -21,8 +21,8 @@ RESUMABLE = ("tokenizer", "data", "data_kind", "loss_on", "max_len", "eval_fract
              "grad_accum", "pack_tokens", "clip", "bucket", "scaler", "f16", "steps", "checkpoint_every",
              "checkpoint_minutes", "keep_checkpoints", "world_size", "sync_dir", "run_id", "sync_timeout",
              "check_loss_drop", "source", "preset", "lora_r", "lora_alpha", "lora_targets", "lora_dropout",
-             "lora_f16_base", "merge_lora", "train_only", "freeze", "eval_every", "save_dtype", "eval_data",
-             "eval_answers", "samples", "distributed", "router_aux_loss_coef")
+             "lora_target_parameters", "lora_f16_base", "merge_lora", "train_only", "freeze", "eval_every",
+             "save_dtype", "eval_data", "eval_answers", "samples", "distributed", "router_aux_loss_coef")
 
 
 @dataclass
@@ -75,6 +75,7 @@ class Run:
     lora_targets: list[str] | None = None
     lora_dropout: float = 0.0
     router_aux_loss_coef: float = 0.0   # an MoE model's load-balancing loss weight (0: off)
+    lora_target_parameters: list[str] | None = None     # an MoE model's expert tensors (PEFT's target_parameters)
     lora_f16_base: bool = False
     merge_lora: bool = False
     train_only: list[str] | None = None

@@ -55,6 +55,7 @@ def print_banner(s: Session, start: int) -> None:
           f"({', '.join(cfg.layer_types)}), vocab {cfg.vocab_size}")
     if n_trained != n_params:
         lora = (f"LoRA r {run.lora_r} alpha {run.lora_alpha:g} on {', '.join(run.lora_targets)}"
+                + (f" and {', '.join(run.lora_target_parameters)}" if run.lora_target_parameters else "")
                 + (", f16 base" if run.lora_f16_base else "") if run.lora_r is not None else "a subset")
         print(f"  training {fmt_count(n_trained)} of them ({100 * n_trained / n_params:.2f}%): {lora}")
     print(f"  data: {run.data}: {len(data.train)} training sequences, {data.held} held out"

@@ -7,6 +7,7 @@ t * K + j; slots are sorted by expert so that each expert's MLP runs over its ow
 grouped GEMM, ops/experts.py), the weight applied in its down GEMM's epilogue, and each token's
 slot outputs are summed back in expert order, as transformers adds them. The routing stays on the
 GPU (ops/kernels/moe.lk): nothing is read back. Shapes: T tokens, E experts, K picks, S = T K slots.
+LoRA adapters on the expert tensors (PEFT's target_parameters) run inside the experts' GEMMs.
 """
 from __future__ import annotations
 
@@ -71,11 +72,17 @@ class Moe(Residual):
         grouped = k.run("sort_keys", bucket=slot_bucket, dims={"V": n_tokens}, keys=picked["tok"])
         xs = k.run("embedding", bucket=slot_bucket, table=xf, ids=picked["tok"])["y"]          # (S, D)
         ys, acts = experts_forward(k.model.engine, xs, k.p(self.gate_up), k.p(pre + self.out), ends,
-                                   picked["ws"], bucket=slot_bucket)                            # (S, D)
+                                   picked["ws"], bucket=slot_bucket, **self._adapters())        # (S, D)
         y = k.run("scatter_rows", bucket=slot_bucket, g=ys, order=grouped["order"], offsets=grouped["offsets"],
                   r=h)["y"]                                                                     # (T, D)
         return y, MoeSaved(h, inv, lora, xf, logits, idx, w, ends, order, picked["tok"], picked["ws"],
                            grouped["order"], grouped["offsets"], xs, acts, counts)
+
+    def _adapters(self) -> dict:
+        """The LoRA adapters on this block's expert tensors, as experts_forward takes them."""
+        lora = self.kernels.model.lora
+        by_parameter = lora.by_parameter if lora is not None else {}
+        return {"lora_gate_up": by_parameter.get(self.gate_up), "lora_down": by_parameter.get(self.pre + self.out)}
 
     def _weighting(self) -> dict[str, float]:
         return {"norm": 1.0 if self.cfg.norm_topk_prob else 0.0, "scaling": float(self.cfg.routed_scaling_factor)}
@@ -102,7 +109,8 @@ class Moe(Residual):
         trained = {n: t for n, t in (("d_gate_up", gate_up), ("d_down", down)) if k.is_trained(t)}
         grads = experts_backward(k.model.engine, s.xs, gate_up, down, s.ends, s.ws, s.experts, d_ys,
                                  bucket=slot_bucket, weights=bool(trained),
-                                 out={n: t.grad for n, t in trained.items()}, accumulate=set(trained))
+                                 out={n: t.grad for n, t in trained.items()}, accumulate=set(trained),
+                                 trained=k.is_trained, **self._adapters())
         # xs = xf at each slot's token: the slots' gradients summed back to their tokens
         dxf = k.run("scatter_rows", bucket=slot_bucket, dims={"V": n_tokens}, g=grads["d_x"], order=s.by_token,
                     offsets=s.token_offsets)["y"]                                               # (T, D)
