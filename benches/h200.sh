@@ -29,6 +29,9 @@
 #   bash benches/h200.sh limits           what WebGPU's default limits cost: the limits group (kernels on LFM2-1.2B's
 #                                         embedding, in pieces and parts, beside the raised limits) on Dawn and on
 #                                         wgpu-native, then the default-limits model tests -> $OUT/h200_limits{,_wgpu_native}.json
+#   bash benches/h200.sh moe              on Dawn: the routing, grouped-GEMM and LFM2-MoE tests, then the grouped group
+#                                         (the experts' grouped GEMMs at LFM2-8B-A1B shapes beside a dense GEMM of the
+#                                         same FLOPs) -> $OUT/h200_moe_tests_dawn.log, $OUT/h200_grouped.json
 #   bash benches/h200.sh mpi              the host side of the gradient exchange: benches/readback.py (1 and 4 copy threads),
 #                                         then benches/mpi_exchange.py (no GPU) with 2 ranks under MPICH's transports and
 #                                         settings, and with 4 -> $OUT/h200_readback.json, $OUT/h200_mpi_exchange.log
@@ -115,6 +118,13 @@ limits)
     LFM2JIT_WEBGPU=dawn python3 -m pytest -q -p no:cacheprovider -rs tests/model/test_default_limits.py tests/compiler/test_binding_limits.py 2>&1 \
         | tee "$OUT/h200_default_limits_tests_dawn.log" | tail -3
     ;;
+moe)
+    export LFM2JIT_WEBGPU=dawn
+    python3 -m pytest -q -p no:cacheprovider -rs tests/compiler/test_grouped_matmul.py tests/compiler/test_topk.py \
+        tests/compiler/test_bucket_sort.py tests/compiler/test_gather_grad.py tests/ops/test_experts.py \
+        tests/model/test_moe_model.py 2>&1 | tee "$OUT/h200_moe_tests_dawn.log" | tail -3
+    python3 -m lfm2jit.bench --only grouped --json "$OUT/h200_grouped.json" 2>&1 | grep -v "^#   " | tail -24
+    ;;
 mpi)
     export LFM2JIT_WEBGPU=dawn
     install_mpi
@@ -130,6 +140,6 @@ mpi)
     } | tee "$OUT/h200_mpi_exchange.log"
     ;;
 *)
-    echo "usage: bash benches/h200.sh tests | matrix | speed [BASE] | lora | attention | decode | gradsync | limits | mpi" >&2; exit 2 ;;
+    echo "usage: bash benches/h200.sh tests | matrix | speed [BASE] | lora | attention | decode | gradsync | limits | moe | mpi" >&2; exit 2 ;;
 esac
 echo "took $(( $(date +%s) - start )) s"

@@ -80,9 +80,11 @@ def test_a_frozen_f16_base_gives_input_and_combine_gradients_only(engine):
     want_y, want = _torch(case)          # on the f16 weights' own values
     v = int(case["ends"][-1])
     assert set(grads) == {"d_x", "d_scale"}
-    _close(y[:v], want_y, 1e-5)
-    _close(grads["d_x"][:v], want["x"][:v], 1e-5)
-    _close(grads["d_scale"][:v], want["scale"][:v], 1e-5)
+    # on the matrix units (a device's) a product with f16 weights stages its f32 input as f16
+    tol = 3e-3 if engine.target.matrix_configs else 1e-5
+    _close(y[:v], want_y, tol)
+    _close(grads["d_x"][:v], want["x"][:v], tol)
+    _close(grads["d_scale"][:v], want["scale"][:v], tol)
 
 
 def test_weight_gradients_accumulate_into_the_tensors_given(engine):
