@@ -33,8 +33,9 @@ def _products():
     sizes = {"T": 200, "K": 96, "N": 320, "D": 96, "F": 320, "R": 8}
     big = {"T": 2048, "K": 256, "N": 2304}          # a grid of 128x128 tiles ending in a partial wave: split tails
     out = [(name, library.get(name), {"T": 40, "D": 64, "V": 100, "N": 64, "E": 16, "K": 4}, False)
-           for name in ("scale", "softmax", "bias_grad", "dropout", "embedding_backward", "route_topk", "sort_slots",
-                        "sum_slots")]
+           for name in ("scale", "softmax", "bias_grad", "dropout", "embedding_backward", "moe_slots", "sort_keys",
+                        "scatter_values")]
+    out += [(f"moe_topk.{k.name}", k, {"T": 40, "E": 16, "K": 4}, False) for k in library.get("moe_topk").kernels]
     for storage in ("f32", "f16"):
         out += [(f"linear.y.{storage}", linear.variant(storage, {"w"}), big, True),
                 (f"linear.d_x.{storage}", grad(linear, ["x"]).variant(storage, {"w"}).kernels[0], sizes, False),
