@@ -7,6 +7,7 @@ runs once in CI, at a short length.
 """
 from __future__ import annotations
 
+import dataclasses
 import gc
 
 import numpy as np
@@ -23,11 +24,20 @@ transformers = pytest.importorskip("transformers")
 
 pytestmark = pytest.mark.large
 T = 12
+LAYERS_1_2B = 3     # LFM2-1.2B's first conv, conv and attention layers: its 16 add time, not new sizes
 
 
-def hf_model(preset: str, seed: int):
-    """transformers' Lfm2ForCausalLM with the preset's shapes (the real 65536-entry vocabulary), seeded."""
+def shapes(preset: str, layers: int | None = None) -> Lfm2Config:
+    """The preset's shapes (the real 65536-entry vocabulary), with only its first ``layers`` decoder
+    layers when given: every tensor keeps its size (what the limits act on), the pass gets shorter."""
     cfg = Lfm2Config.preset(preset)
+    if layers is None:
+        return cfg
+    return dataclasses.replace(cfg, num_hidden_layers=layers, layer_types=cfg.layer_types[:layers])
+
+
+def hf_model(cfg: Lfm2Config, seed: int):
+    """transformers' Lfm2ForCausalLM of these shapes, seeded."""
     torch.manual_seed(seed)
     return transformers.Lfm2ForCausalLM(transformers.Lfm2Config(**cfg.to_dict())).float().eval()
 
@@ -80,7 +90,7 @@ def test_350m_logits_and_full_training_steps_under_default_limits(default_limits
     """LFM2-350M (its f32 embedding is two bindings) gives transformers' logits, and one full
     training step, f32 and with f16 activations (--f16), moves every checked weight as
     transformers' gradients say."""
-    hf = hf_model("350M", seed=3)
+    hf = hf_model(shapes("350M"), seed=3)
     ids, targets = inputs(hf.config.vocab_size, seed=4)
     names = ["model.embed_tokens.weight", "model.layers.0.conv.in_proj.weight",
              "model.layers.2.self_attn.q_proj.weight", "model.layers.15.feed_forward.w2.weight"]
@@ -107,13 +117,13 @@ def test_350m_logits_and_full_training_steps_under_default_limits(default_limits
 
 
 def test_1_2b_logits_and_a_lora_step_on_an_f16_base_under_default_limits(default_limits_ctx):
-    """LFM2-1.2B on an f16 base: its f32 embedding (512 MiB) is larger than WebGPU's default largest
+    """LFM2-1.2B's shapes (its first LAYERS_1_2B layers) on an f16 base: its f32 embedding (512 MiB) is larger than WebGPU's default largest
     buffer, so it lives in parts (one binding each); the logits equal transformers' on the same
     f16-rounded weights, and a LoRA step (on attention and the MLP's down-projection, whose fused
     backward binds all 8 storage buffers) trains from transformers' loss. (A raised-limits run on
     lavapipe binds the same pieces of one buffer instead of parts: test_binding_limits.py compares
     parts with one buffer bit for bit.)"""
-    hf = hf_model("1.2B", seed=5)
+    hf = hf_model(shapes("1.2B", LAYERS_1_2B), seed=5)
     for p in hf.parameters():                    # the f16 base as the reference sees it: f16-rounded weights
         p.data = p.data.half().float()
     ids, targets = inputs(hf.config.vocab_size, seed=6)
@@ -126,7 +136,7 @@ def test_1_2b_logits_and_a_lora_step_on_an_f16_base_under_default_limits(default
     gc.collect()
     ctx = default_limits_ctx
     engine = ComputeEngine(ctx)
-    model = Lfm2Model(Lfm2Config.preset("1.2B"), ctx, engine, tensors=tensors)
+    model = Lfm2Model(shapes("1.2B", LAYERS_1_2B), ctx, engine, tensors=tensors)
     lora = model.add_lora(LoraConfig(r=4, alpha=8, target_modules=("q_proj", "v_proj", "w2")), seed=7,
                           base_dtype="f16")
     assert embedding(model).parts is not None and len(embedding(model).parts) == 4
