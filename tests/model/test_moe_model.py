@@ -242,3 +242,33 @@ def test_the_routers_balance_loss_adds_its_gradient_as_torch_differentiates_it(c
     for bad in (-1.0, float("nan"), "0.1", True):
         with pytest.raises(ValueError, match="router_aux_loss_coef"):
             model.router_aux_loss_coef = bad
+
+
+def test_adamw_steps_of_full_fine_tuning_equal_torch(ctx, engine):
+    """Three AdamW steps of every parameter (router and experts included) through the Trainer equal
+    torch.optim.AdamW on transformers' model; the expert_bias buffers stay as they were."""
+    from trainer import AdamW, Trainer
+    cfg = Lfm2MoeConfig.preset("tiny-moe-untied")
+    hf = hf_model(cfg, seed=17)
+    hf.config._experts_implementation = "eager"
+    model = Lfm2Model(cfg, ctx, engine, tensors={n: t.detach().numpy() for n, t in hf.state_dict().items()})
+    # eps 1e-6 as in tests/trainer/test_trainer.py: with 1e-8 Adam's first steps move a weight whose
+    # gradient is rounding noise by a sizeable part of lr, whichever sign the noise has
+    opt = torch.optim.AdamW(hf.parameters(), lr=3e-3, eps=1e-6, weight_decay=0.01)
+    tr = Trainer(model, AdamW(lr=3e-3, eps=1e-6, weight_decay=0.01), ctx, engine).with_length_bucket(BUCKET)
+    rng = np.random.default_rng(30)
+    for _ in range(3):
+        ids, targets = rng.integers(1, cfg.vocab_size, 21), rng.integers(0, cfg.vocab_size, 21)
+        stats = tr.train_step(ids, targets, model.parameters())
+        logits = hf(input_ids=torch.as_tensor(ids)[None]).logits[0]
+        loss = torch.nn.functional.cross_entropy(logits, torch.as_tensor(targets))
+        assert abs(stats.loss - loss.item()) < 1e-4 * loss.item()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    have = model.state_dict()
+    for n, t in hf.state_dict().items():
+        if n.endswith("expert_bias"):
+            np.testing.assert_array_equal(have[n], t.numpy(), err_msg=n)
+        else:
+            assert rel_err(have[n], t.detach().numpy()) < 1e-3, n
