@@ -1019,7 +1019,8 @@ def main(argv=None) -> int:
     ap.add_argument("--recompute-mlp", action="store_true", help="train steps: backward recomputes the MLP's "
                     "up-projections (less memory, two more matmuls per layer)")
     ap.add_argument("--model-preset", default=None, metavar="NAME",
-                    help="train steps: the model's shape (an Lfm2Config preset; default 350M, quick tiny)")
+                    help="train steps: the model's shape (an Lfm2Config or Lfm2MoeConfig preset, e.g. 1.2B or "
+                         "8B-A1B; default 350M, quick tiny)")
     ap.add_argument("--train-shapes", nargs="+", metavar="BxT", help="train steps: shapes (default 1x512 8x512 1x2048)")
     ap.add_argument("--lora", type=int, metavar="R", help="train steps: LoRA adapters of rank R (alpha 2R) on "
                     "every linear layer, the base frozen")
@@ -1069,7 +1070,9 @@ def main(argv=None) -> int:
     if selected("train"):
         from lfm2jit.model.config import Lfm2Config
         from lfm2jit.model.lora import LoraConfig
-        cfg = Lfm2Config.preset(args.model_preset or ("tiny" if args.quick else "350M"))
+        from lfm2jit.model.moe_config import MOE_PRESETS, Lfm2MoeConfig
+        name = args.model_preset or ("tiny" if args.quick else "350M")
+        cfg = Lfm2MoeConfig.preset(name) if name in MOE_PRESETS else Lfm2Config.preset(name)
         shapes = ([tuple(int(v) for v in s.split("x")) for s in args.train_shapes] if args.train_shapes else
                   [(1, 64), (4, 64), (1, 128)] if args.quick else [(1, 512), (8, 512), (1, 2048)])
         lora = LoraConfig(r=args.lora, alpha=2.0 * args.lora) if args.lora else None
