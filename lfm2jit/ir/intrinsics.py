@@ -406,16 +406,16 @@ def _grad_grouped(b: GraphBuilder, call: Node, projs: dict[int, Node], outs: lis
     x, w, ends = call.srcs[:3]
     scale = call.srcs[3] if len(call.srcs) > 3 else None
 
+    def result(name: str, *srcs: Node) -> Node:
+        """The one result of a call of intrinsic ``name``, typed by its own rule."""
+        (dtype, shape), = REGISTRY[name].infer([(s.dtype, s.shape) for s in srcs])
+        return b.node(Op.PROJ, (b.node(Op.INTRINSIC, srcs, (), "tuple", name),), shape, dtype, 0)
+
     def dx_call(g):
-        node = b.node(Op.INTRINSIC, (g, w, ends), (), "tuple", GROUPED_MATMUL_DX)
-        (dtype, shape), = _infer_grouped(GROUPED_MATMUL_DX, [(g.dtype, g.shape), (w.dtype, w.shape),
-                                                            (ends.dtype, ends.shape)], transposed=True)
-        return b.node(Op.PROJ, (node,), shape, dtype, 0)
+        return result(GROUPED_MATMUL_DX, g, w, ends)
 
     def dw_call(g):
-        node = b.node(Op.INTRINSIC, (g, x, ends), (), "tuple", GROUPED_MATMUL_DW)
-        (dtype, shape), = _infer_grouped_dw([(g.dtype, g.shape), (x.dtype, x.shape), (ends.dtype, ends.shape)])
-        return b.node(Op.PROJ, (node,), shape, dtype, 0)
+        return result(GROUPED_MATMUL_DW, g, x, ends)
     if scale is None:
         return [dx_call(dy), dw_call(dy), None]
     g = dx_call(dy)

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from numerics import rel_err
+from references import masked_inputs, peft_on_copy
 from lfm2jit.model import Lfm2Config, Lfm2Model
 from lfm2jit.model import AdapterError, LoraConfig
 from lfm2jit.model.config import PRESETS
@@ -53,22 +54,8 @@ def ours_from_hf(hf, ctx, engine) -> Lfm2Model:
 
 def peft_model(hf, r: int, alpha: float, targets=DEFAULT_TARGETS, seed: int = 0, **extra):
     """PEFT's LoRA on a copy of ``hf`` with B randomised (seeded), in float32."""
-    model = peft.get_peft_model(copy.deepcopy(hf), peft.LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets),
-                                                                   lora_dropout=0.0, **extra))
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
-    return model
-
-
-def inputs(vocab: int, t: int, seed: int):
-    rng = np.random.default_rng(seed)
-    ids, targets = rng.integers(1, vocab, t), rng.integers(0, vocab, t)
-    mask = (rng.random(t) < 0.8).astype(np.float32)
-    mask[0] = 1.0
-    return ids, targets, mask
+    return peft_on_copy(hf, peft.LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets), lora_dropout=0.0,
+                                            **extra), seed)
 
 
 def peft_reference(model, ids, targets, mask):
@@ -120,7 +107,7 @@ def test_peft_adapter_logits_and_gradients(mg, ctx, engine, tmp_path, name, r, a
     ours = ours_from_hf(hf, ctx, engine)
     params = ours.load_adapter(tmp_path)
     assert len(params) == sum("lora_" in n for n, _ in theirs.named_parameters()) > 0
-    ids, targets, mask = inputs(kwargs["vocab_size"], 29, 5)
+    ids, targets, mask = masked_inputs(kwargs["vocab_size"], 29, 5)
     want_logits, want_loss, want_grads = peft_reference(theirs, ids, targets, mask)
     assert rel_err(ours.logits(ids, bucket=BUCKET), want_logits) < 1e-4
     loss, grads = loss_and_grads(ours, ids, targets, mask, params)
@@ -141,7 +128,7 @@ def test_adapter_written_here_loads_in_peft(mg, ctx, engine, tmp_path):
     ours.save_adapter(tmp_path / "adapter", base_model="tiny")
     loaded = peft.PeftModel.from_pretrained(copy.deepcopy(hf), tmp_path / "adapter").eval()
     assert loaded.peft_config["default"].r == 4 and loaded.peft_config["default"].lora_alpha == 12
-    ids = inputs(kwargs["vocab_size"], 21, 4)[0]
+    ids = masked_inputs(kwargs["vocab_size"], 21, 4)[0]
     with torch.no_grad():
         want = loaded(input_ids=torch.as_tensor(ids)[None]).logits[0].numpy()
     assert rel_err(ours.logits(ids, bucket=BUCKET), want) < 1e-4
@@ -162,7 +149,7 @@ def test_adamw_steps_on_adapters_equal_peft_and_torch(mg, ctx, engine):
     opt = torch.optim.AdamW([p for p in theirs.parameters() if p.requires_grad], lr=5e-3, weight_decay=0.01)
     tr = Trainer(ours, AdamW(lr=5e-3, weight_decay=0.01), ctx, engine).with_length_bucket(BUCKET)
     for step in range(4):
-        ids, targets, mask = inputs(kwargs["vocab_size"], 23, 100 + step)
+        ids, targets, mask = masked_inputs(kwargs["vocab_size"], 23, 100 + step)
         tr.train_step_masked(ids, targets, mask, params)
         torch_step(theirs, opt, ids, targets, mask)
     for n, t in ours.lora.named.items():
@@ -179,7 +166,7 @@ def test_merge_lora_writes_a_plain_model_transformers_reads(mg, ctx, engine, tmp
     theirs.save_pretrained(tmp_path / "adapter")
     ours = ours_from_hf(hf, ctx, engine)
     ours.load_adapter(tmp_path / "adapter")
-    ids = inputs(kwargs["vocab_size"], 19, 8)[0]
+    ids = masked_inputs(kwargs["vocab_size"], 19, 8)[0]
     before = ours.logits(ids, bucket=BUCKET)
     ours.merge_lora()
     assert ours.lora is None and ours.lora_parameters() == []
@@ -214,7 +201,7 @@ def test_f16_base_halves_the_linear_weights_and_stays_frozen(mg, ctx, engine_kin
         for n, p in theirs.named_parameters():
             if n.replace("base_model.model.", "").replace(".base_layer", "") in linears:
                 p.copy_(p.half().float())
-    ids, targets, mask = inputs(kwargs["vocab_size"], 25, 3)
+    ids, targets, mask = masked_inputs(kwargs["vocab_size"], 25, 3)
     want_logits, want_loss, want_grads = peft_reference(theirs, ids, targets, mask)
     # On the matrix units a product with the f16 base runs in f16: its f32 input is rounded to f16 as
     # it is staged (as PEFT runs a half-precision base layer), about 2**-11 relative per product
@@ -244,7 +231,7 @@ def test_backward_is_pruned_to_what_the_trained_parameters_need(mg, ctx, engine)
     kwargs = {**mg.CONFIGS["untied_bias_g2_attn_first"][0], "num_hidden_layers": 4,
               "layer_types": ["full_attention", "conv", "conv", "full_attention"]}
     hf = mg.build(kwargs, 23)
-    ids, targets, mask = inputs(kwargs["vocab_size"], 31, 6)
+    ids, targets, mask = masked_inputs(kwargs["vocab_size"], 31, 6)
     ours = ours_from_hf(hf, ctx, engine)
     named = ours.named_parameters()
     last = "model.layers.3."
@@ -278,7 +265,7 @@ def test_head_or_last_layer_training_takes_at_most_half_the_dispatches(ctx, engi
              "num_key_value_heads": 2, "vocab_size": 96, "block_multiple_of": 16, "tie_word_embeddings": False}
     model = Lfm2Model(Lfm2Config(**shape), ctx, engine, seed=5)
     named = model.named_parameters()
-    ids, targets, mask = inputs(96, 31, 6)
+    ids, targets, mask = masked_inputs(96, 31, 6)
     subsets = {"head": [named["lm_head.weight"]],
                "last layer": [t for n, t in named.items() if n.startswith("model.layers.15.")]}
     full = _step_dispatches(model, ctx, engine, list(named.values()), ids, targets, mask)
@@ -331,7 +318,7 @@ def test_forward_keeps_only_what_the_backward_reads(mg, ctx, engine):
     the peak of the pool is lower, and a backward that needs a dropped layer is refused."""
     hf, kwargs = hf_base(mg, "tied_g1_attn_mid", 31)
     ours = ours_from_hf(hf, ctx, engine)
-    ids, targets, mask = inputs(kwargs["vocab_size"], 27, 2)
+    ids, targets, mask = masked_inputs(kwargs["vocab_size"], 27, 2)
     params = [t for n, t in ours.named_parameters().items() if n.startswith("model.layers.3.")]
     start = ours.backward_start(params)
     assert start == 3 and ours.backward_start([ours.p("model.embedding_norm.weight")]) == len(kwargs["layer_types"])
@@ -364,7 +351,7 @@ def test_the_trainer_refuses_untrainable_parameters_before_gpu_work(mg, ctx, eng
     ours = ours_from_hf(hf, ctx, engine)
     params = ours.add_lora(LoraConfig(r=2), base_dtype="f16" if ctx.has_f16 else "f32")
     tr = Trainer(ours, AdamW(lr=1e-3), ctx, engine).with_length_bucket(BUCKET)
-    ids, targets, mask = inputs(kwargs["vocab_size"], 9, 1)
+    ids, targets, mask = masked_inputs(kwargs["vocab_size"], 9, 1)
     before = engine.dispatches
     if ctx.has_f16:
         with pytest.raises(TrainError, match="frozen f16 base weight"):

@@ -12,7 +12,8 @@ from lfm2jit.model import LoraConfig
 from lfm2jit.model.adapters import dropout_key
 from lfm2jit.ops import library
 from lfm2jit.ops.lmhead import lm_head_cross_entropy
-from test_lora import (BUCKET, hf_base, inputs, mg, ours_from_hf, peft_model, peft_reference,  # noqa: F401 (mg: fixture)
+from references import masked_inputs
+from test_lora import (BUCKET, hf_base, mg, ours_from_hf, peft_model, peft_reference,  # noqa: F401 (mg: fixture)
                        share_adapters, torch_step)
 from trainer import AdamW, Trainer
 
@@ -101,7 +102,7 @@ def test_training_pass_gradients_equal_peft_given_the_masks(mg, ctx, engine):
     ours = ours_from_hf(hf, ctx, engine)
     params = ours.add_lora(LoraConfig(r=4, alpha=8, dropout=0.3), seed=11)
     share_adapters(theirs, ours)
-    ids, targets, mask = inputs(kwargs["vocab_size"], 29, 5)
+    ids, targets, mask = masked_inputs(kwargs["vocab_size"], 29, 5)
     plain = ours.logits(ids, bucket=BUCKET)
     ours.lora.draw_dropout(5, 1)
     give_peft_our_masks(theirs, ours, len(ids))
@@ -128,7 +129,7 @@ def test_trainer_steps_with_dropout_equal_peft_and_torch(mg, ctx, engine):
     opt = torch.optim.AdamW([p for p in theirs.parameters() if p.requires_grad], lr=5e-3, weight_decay=0.01)
     tr = Trainer(ours, AdamW(lr=5e-3, weight_decay=0.01), ctx, engine).with_length_bucket(BUCKET)
     for step in range(3):
-        ids, targets, mask = inputs(kwargs["vocab_size"], 23, 200 + step)
+        ids, targets, mask = masked_inputs(kwargs["vocab_size"], 23, 200 + step)
         ours.lora.draw_dropout(step, 0)            # what the trainer draws for this pass
         give_peft_our_masks(theirs, ours, len(ids))
         tr.train_step_masked(ids, targets, mask, params)

@@ -21,6 +21,7 @@ from lfm2jit.model.lora import experts_from_peft, experts_to_peft, parameter_pef
 from lfm2jit.model.lora_attach import base_linears
 from model_passes import BUCKET
 from numerics import rel_err, worst
+from references import masked_inputs, moe_hf_model, peft_on_copy
 from trainer import AdamW, Trainer
 
 torch = pytest.importorskip("torch", reason="PEFT on transformers is the reference")
@@ -30,40 +31,14 @@ peft = pytest.importorskip("peft")
 EXPERTS = ("experts.gate_up_proj", "experts.down_proj")
 
 
-def hf_model(cfg: Lfm2MoeConfig, seed: int):
-    """transformers' model with cfg's shapes, seeded, with non-zero expert_bias buffers."""
-    torch.manual_seed(seed)
-    model = transformers.Lfm2MoeForCausalLM(transformers.Lfm2MoeConfig(**cfg.to_dict())).float().eval()
-    with torch.no_grad():
-        for module in model.modules():
-            if getattr(module, "expert_bias", None) is not None:
-                module.expert_bias.normal_(0.0, 0.1)
-    return model
-
-
 def ours_from_hf(hf, cfg, ctx, engine) -> Lfm2Model:
     return Lfm2Model(cfg, ctx, engine, tensors={n: t.detach().numpy() for n, t in hf.state_dict().items()})
 
 
 def peft_model(hf, r: int, alpha: float, params=EXPERTS, modules=(), seed: int = 0, **extra):
     """PEFT's LoRA on a copy of ``hf`` (``target_parameters``), B randomised (seeded)."""
-    config = peft.LoraConfig(r=r, lora_alpha=alpha, target_modules=list(modules), target_parameters=list(params),
-                             **extra)
-    model = peft.get_peft_model(copy.deepcopy(hf), config)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
-    return model
-
-
-def inputs(vocab: int, t: int, seed: int):
-    rng = np.random.default_rng(seed)
-    ids, targets = rng.integers(1, vocab, t), rng.integers(0, vocab, t)
-    mask = (rng.random(t) < 0.8).astype(np.float32)
-    mask[0] = 1.0
-    return ids, targets, mask
+    return peft_on_copy(hf, peft.LoraConfig(r=r, lora_alpha=alpha, target_modules=list(modules),
+                                            target_parameters=list(params), **extra), seed)
 
 
 def masked_loss(logits, targets, mask):
@@ -119,14 +94,14 @@ CASES = [
 def test_peft_adapter_logits_and_gradients(ctx, engine, tmp_path, preset, changes, r, alpha, rslora, params, modules):
     """An adapter PEFT wrote, loaded here: logits, loss and every A and B gradient equal PEFT's."""
     cfg = dataclasses.replace(Lfm2MoeConfig.preset(preset), **changes)
-    hf = hf_model(cfg, seed=r + 7)
+    hf = moe_hf_model(cfg, seed=r + 7)
     theirs = peft_model(hf, r, alpha, params, modules, use_rslora=rslora, seed=3)
     theirs.save_pretrained(tmp_path)
     ours = ours_from_hf(hf, cfg, ctx, engine)
     trained = ours.load_adapter(tmp_path)
     assert len(trained) == sum("lora_" in n for n, _ in theirs.named_parameters()) > 0
     assert len(ours.lora.by_parameter) == len(params) * (cfg.num_hidden_layers - cfg.num_dense_layers)
-    ids, targets, mask = inputs(cfg.vocab_size, 29, 5)        # 29: slots and tokens padded in their buckets
+    ids, targets, mask = masked_inputs(cfg.vocab_size, 29, 5)        # 29: slots and tokens padded in their buckets
     want_logits, want_loss, want_grads = peft_reference(theirs, ids, targets, mask)
     assert rel_err(ours.logits(ids, bucket=BUCKET), want_logits) < 1e-5
     loss, grads = loss_and_grads(ours, ids, targets, mask, trained)
@@ -140,7 +115,7 @@ def test_adapter_written_here_loads_in_peft_and_merges_as_peft_does(ctx, engine,
     """save_adapter -> PeftModel.from_pretrained: the same logits, PEFT's config as written; then
     merge_lora equals PEFT's merge_and_unload, and transformers reads the merged model."""
     cfg = Lfm2MoeConfig.preset("tiny-moe-untied")
-    hf = hf_model(cfg, seed=9)
+    hf = moe_hf_model(cfg, seed=9)
     ours = ours_from_hf(hf, cfg, ctx, engine)
     config = LoraConfig(r=4, alpha=12, target_modules=("out_proj",), target_parameters=EXPERTS)
     rng = np.random.default_rng(1)
@@ -151,7 +126,7 @@ def test_adapter_written_here_loads_in_peft_and_merges_as_peft_does(ctx, engine,
     assert written["target_parameters"] == list(EXPERTS) and written["target_modules"] == ["out_proj"]
     loaded = peft.PeftModel.from_pretrained(copy.deepcopy(hf), tmp_path / "adapter").eval()
     assert loaded.peft_config["default"].r == 4 and set(loaded.peft_config["default"].target_parameters) == set(EXPERTS)
-    ids = inputs(cfg.vocab_size, 21, 4)[0]
+    ids = masked_inputs(cfg.vocab_size, 21, 4)[0]
     with torch.no_grad():
         want = loaded(input_ids=torch.as_tensor(ids)[None]).logits[0].numpy()
     before = ours.logits(ids, bucket=BUCKET)
@@ -183,7 +158,7 @@ def test_adamw_steps_on_expert_adapters_equal_peft_and_torch(ctx, engine):
     """Three AdamW steps of the adapters alone through the Trainer equal PEFT + torch.optim.AdamW;
     the base, experts included, never moves."""
     cfg = Lfm2MoeConfig.preset("tiny-moe")
-    hf = hf_model(cfg, seed=13)
+    hf = moe_hf_model(cfg, seed=13)
     theirs = peft_model(hf, 4, 8, EXPERTS, ("q_proj",), seed=5)
     ours = ours_from_hf(hf, cfg, ctx, engine)
     params = ours.add_lora(LoraConfig(r=4, alpha=8, target_modules=("q_proj",), target_parameters=EXPERTS))
@@ -196,7 +171,7 @@ def test_adamw_steps_on_expert_adapters_equal_peft_and_torch(ctx, engine):
     opt = torch.optim.AdamW([p for p in theirs.parameters() if p.requires_grad], lr=5e-3, weight_decay=0.01)
     tr = Trainer(ours, AdamW(lr=5e-3, weight_decay=0.01), ctx, engine).with_length_bucket(BUCKET)
     for step in range(3):
-        ids, targets, mask = inputs(cfg.vocab_size, 23, 100 + step)
+        ids, targets, mask = masked_inputs(cfg.vocab_size, 23, 100 + step)
         tr.train_step_masked(ids, targets, mask, params)
         loss = masked_loss(theirs(input_ids=torch.as_tensor(ids)[None]).logits[0], targets, mask)
         opt.zero_grad()
@@ -215,7 +190,7 @@ def test_f16_base_narrows_the_experts_and_trains_only_the_adapters(ctx, engine):
     if not ctx.has_f16:
         pytest.skip(f"{ctx.name} has no shader-f16")
     cfg = Lfm2MoeConfig.preset("tiny-moe")
-    hf = hf_model(cfg, seed=17)
+    hf = moe_hf_model(cfg, seed=17)
     ours = ours_from_hf(hf, cfg, ctx, engine)
     params = ours.add_lora(LoraConfig(r=4, alpha=8, target_modules=(), target_parameters=EXPERTS), base_dtype="f16")
     named = ours.named_parameters()
@@ -233,7 +208,7 @@ def test_f16_base_narrows_the_experts_and_trains_only_the_adapters(ctx, engine):
     for a, b in parameter_peft_names(ours.lora.by_parameter).values():
         for name, array in zip((a, b), experts_from_peft(state[a], state[b], cfg.num_experts)):
             ours.lora.named[name].write(array)
-    ids, targets, mask = inputs(cfg.vocab_size, 27, 3)
+    ids, targets, mask = masked_inputs(cfg.vocab_size, 27, 3)
     want_logits, want_loss, want_grads = peft_reference(theirs, ids, targets, mask)
     # on the matrix units a product with the f16 base stages its f32 input as f16 (test_lora.py's bounds)
     matrix = bool(engine.target.matrix_configs)
@@ -269,7 +244,7 @@ def test_expert_targets_on_a_dense_model_are_refused():
 def test_an_adapter_for_other_experts_is_refused_before_any_change(ctx, engine, tmp_path):
     """PEFT's adapter for 4 experts on a model of 8: the shapes named, no adapter attached."""
     cfg = Lfm2MoeConfig.preset("tiny-moe")
-    peft_model(hf_model(cfg, seed=1), 2, 4, seed=1).save_pretrained(tmp_path)
+    peft_model(moe_hf_model(cfg, seed=1), 2, 4, seed=1).save_pretrained(tmp_path)
     wider = dataclasses.replace(cfg, num_experts=8)
     model = Lfm2Model(wider, ctx, engine, seed=0)
     with pytest.raises(AdapterError, match=r"experts\.base_layer\.lora_A\.weight has shape \[8, 64\], this model needs \[16, 64\]"):

@@ -14,27 +14,16 @@ import pytest
 from lfm2jit.model import CheckpointError, Lfm2Model, Lfm2MoeConfig
 from model_passes import BUCKET, run_loss_and_grads
 from numerics import rel_err, worst
+from references import moe_hf_model
 
 torch = pytest.importorskip("torch", reason="transformers is the reference")
 transformers = pytest.importorskip("transformers")
 
 
-def hf_model(cfg: Lfm2MoeConfig, seed: int = 0):
-    """transformers' model with cfg's shapes, seeded, its expert_bias buffers made non-zero (as a
-    trained model's are), so that routing by score + bias differs from routing by score."""
-    torch.manual_seed(seed)
-    model = transformers.Lfm2MoeForCausalLM(transformers.Lfm2MoeConfig(**cfg.to_dict())).float().eval()
-    with torch.no_grad():
-        for module in model.modules():
-            if getattr(module, "expert_bias", None) is not None:
-                module.expert_bias.normal_(0.0, 0.1)
-    return model
-
-
 @pytest.mark.parametrize("name", ["tiny-moe", "tiny-moe-untied"])
 def test_the_model_holds_transformers_state_dict_and_writes_it_back(ctx, engine, tmp_path, name):
     cfg = Lfm2MoeConfig.preset(name)
-    hf = hf_model(cfg, seed=3)
+    hf = moe_hf_model(cfg, seed=3)
     hf.save_pretrained(tmp_path / "hf")
     model = Lfm2Model.from_pretrained(tmp_path / "hf", ctx, engine)
     assert isinstance(model.cfg, Lfm2MoeConfig)
@@ -98,7 +87,7 @@ def reference(hf, ids, targets, mask):
 @pytest.mark.parametrize("preset,changes", VARIANTS, ids=[f"{p}-{'-'.join(c) or 'as-is'}" for p, c in VARIANTS])
 def test_logits_loss_and_every_gradient_match_transformers(ctx, engine, preset, changes):
     cfg = dataclasses.replace(Lfm2MoeConfig.preset(preset), **changes)
-    hf = hf_model(cfg, seed=len(changes) + 11)
+    hf = moe_hf_model(cfg, seed=len(changes) + 11)
     model = Lfm2Model(cfg, ctx, engine, tensors={n: t.detach().numpy() for n, t in hf.state_dict().items()})
     rng = np.random.default_rng(len(changes))
     t = 29                                              # not a bucket multiple: slots and tokens are padded
@@ -142,7 +131,7 @@ def test_greedy_decoding_equals_transformers_uncached_forward(ctx, engine, tmp_p
     lengths); token for token against argmax over transformers' full forward, run again per token.
     Weights drawn wider than the default init, so the logits are far apart and argmax is stable."""
     cfg = dataclasses.replace(Lfm2MoeConfig.preset("tiny-moe-untied"), initializer_range=0.3)
-    hf = hf_model(cfg, seed=21)
+    hf = moe_hf_model(cfg, seed=21)
     hf.config._experts_implementation = "eager"
     model = Lfm2Model(cfg, ctx, engine, tensors={n: t.detach().numpy() for n, t in hf.state_dict().items()})
     rng = np.random.default_rng(5)
@@ -161,7 +150,7 @@ def test_training_passes_count_each_experts_tokens_as_transformers_routes_them(c
     equal transformers' top-k choices on the same tokens but the padding token's (packing's filler);
     taking them starts the count again."""
     cfg = dataclasses.replace(Lfm2MoeConfig.preset("tiny-moe-untied"), num_experts=8, num_experts_per_tok=3)
-    hf = hf_model(cfg, seed=2)
+    hf = moe_hf_model(cfg, seed=2)
     picked: dict[int, list] = {i: [] for i in cfg.moe_layers}
     for i in cfg.moe_layers:
         hf.model.layers[i].feed_forward.gate.register_forward_hook(
@@ -201,7 +190,7 @@ def test_the_routers_balance_loss_adds_its_gradient_as_torch_differentiates_it(c
     the tokens, P_e: its mean normalised sigmoid score), computed here in torch float64 from
     transformers' own router logits and picks; the value is reported, without c."""
     cfg = dataclasses.replace(Lfm2MoeConfig.preset("tiny-moe"), num_experts=6, num_experts_per_tok=2)
-    hf = hf_model(cfg, seed=8)
+    hf = moe_hf_model(cfg, seed=8)
     coef = 0.3
     rng = np.random.default_rng(8)
     t = 23
@@ -249,7 +238,7 @@ def test_adamw_steps_of_full_fine_tuning_equal_torch(ctx, engine):
     torch.optim.AdamW on transformers' model; the expert_bias buffers stay as they were."""
     from trainer import AdamW, Trainer
     cfg = Lfm2MoeConfig.preset("tiny-moe-untied")
-    hf = hf_model(cfg, seed=17)
+    hf = moe_hf_model(cfg, seed=17)
     hf.config._experts_implementation = "eager"
     model = Lfm2Model(cfg, ctx, engine, tensors={n: t.detach().numpy() for n, t in hf.state_dict().items()})
     # eps 1e-6 as in tests/trainer/test_trainer.py: with 1e-8 Adam's first steps move a weight whose
