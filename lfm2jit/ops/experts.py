@@ -29,7 +29,7 @@ from functools import lru_cache
 from typing import Callable
 
 from ..driver import Backward, grad
-from . import library
+from . import library, precision
 
 
 @dataclass
@@ -55,15 +55,15 @@ def _backward(kernel: str, wrt: tuple[str, ...]) -> Backward:
     return grad(library.get(kernel), wrt=list(wrt))
 
 
-def _f16(**tensors) -> tuple[str, ...]:
-    """The names of the tensors stored as f16 (a frozen base): the kernels' dtype variant."""
-    return tuple(n for n, t in tensors.items() if getattr(t, "dtype", None) == "f16")
+def _run(engine, kernel, **args):
+    """engine.run with f32 activations: the variant the tensors given make (a frozen f16 base's)."""
+    return precision.run(engine, kernel, "f32", **args)
 
 
 def _low_rank(engine, x, lora: ExpertLora | None, ends, bucket: int):
     if lora is None:
         return None
-    return engine.run("expert_lora_down", bucket=bucket, f16=_f16(x=x), x=x, a=lora.a, ends=ends, s=lora.s)["u"]
+    return _run(engine, "expert_lora_down", bucket=bucket, x=x, a=lora.a, ends=ends, s=lora.s)["u"]
 
 
 def experts_forward(engine, x, gate_up, down, ends, scale, *, bucket: int = 1, out=None,
@@ -71,21 +71,19 @@ def experts_forward(engine, x, gate_up, down, ends, scale, *, bucket: int = 1, o
                     lora_down: ExpertLora | None = None):
     """y [S, D] (into ``out`` when given, added to it with ``accumulate``) and the activations the
     backward needs; ``lora_gate_up`` / ``lora_down``: the adapters on the expert tensors."""
-    h = engine.run("expert_gate_up", bucket=bucket, f16=_f16(x=x, gate_up=gate_up), x=x, gate_up=gate_up,
-                   ends=ends)["h"]                                                            # (S, 2I)
+    h = _run(engine, "expert_gate_up", bucket=bucket, x=x, gate_up=gate_up, ends=ends)["h"]  # (S, 2I)
     u1 = _low_rank(engine, x, lora_gate_up, ends, bucket)                                     # (S, r)
     if lora_gate_up is not None:                                                              # h += u1 B[e]^T
-        engine.run("expert_gate_up", bucket=bucket, x=u1, gate_up=lora_gate_up.b, ends=ends, out={"h": h},
-                   accumulate={"h"})
+        _run(engine, "expert_gate_up", bucket=bucket, x=u1, gate_up=lora_gate_up.b, ends=ends, out={"h": h},
+             accumulate={"h"})
     slots, width = h.shape
-    g = engine.run("expert_gate", bucket=bucket, h=h.view(slots, 2, width // 2))["g"]         # (S, I)
+    g = _run(engine, "expert_gate", bucket=bucket, h=h.view(slots, 2, width // 2))["g"]      # (S, I)
     kwargs = {"out": {"y": out}, "accumulate": {"y"} if accumulate else ()} if out is not None else {}
-    y = engine.run("expert_down", bucket=bucket, f16=_f16(down=down), g=g, down=down, ends=ends, scale=scale,
-                   **kwargs)["y"]
+    y = _run(engine, "expert_down", bucket=bucket, g=g, down=down, ends=ends, scale=scale, **kwargs)["y"]
     u2 = _low_rank(engine, g, lora_down, ends, bucket)                                        # (S, r)
     if lora_down is not None:                                                                 # y += scale u2 B[e]^T
-        engine.run("expert_down", bucket=bucket, g=u2, down=lora_down.b, ends=ends, scale=scale, out={"y": y},
-                   accumulate={"y"})
+        _run(engine, "expert_down", bucket=bucket, g=u2, down=lora_down.b, ends=ends, scale=scale, out={"y": y},
+             accumulate={"y"})
     return y, ExpertActivations(h, g, u1, u2)
 
 
@@ -106,7 +104,7 @@ def experts_backward(engine, x, gate_up, down, ends, scale, saved: ExpertActivat
         targets, added = (into, set(adds)) if into is not None else (out, set(accumulate))
         mine = {n: t for n, t in targets.items() if n in bwd.outputs}
         args = {n: t for n, t in args.items() if n in bwd.inputs or n in bwd.scalars}
-        return engine.run(bwd, bucket=bucket, out=mine, accumulate=added & set(mine), f16=_f16(**args), **args)
+        return _run(engine, bwd, bucket=bucket, out=mine, accumulate=added & set(mine), **args)
 
     def low_rank_backward(lora: ExpertLora, x_in, d_u, d_x) -> None:
         """A.grad += s du^T x per expert and d_x += s du A[e]: expert_lora_down's gradient."""
