@@ -156,11 +156,13 @@ class Training:
         stats = tr.train_sequences([data.train[i] for i in window], self.s.params)
         last = stats[-1]
         seconds = time.perf_counter() - t_step
-        routed = self.s.model.take_routed_tokens()           # an MoE model's tokens per expert, per layer
-        loss_sum, n_seq, toks, supervised, votes, *per_expert = self.s.sum_over_ranks(
+        model = self.s.model
+        routed = model.take_routed_tokens()           # an MoE model's tokens per expert, per layer
+        coef = model.router_aux_loss_coef             # and its routers' balance loss, when on
+        loss_sum, n_seq, toks, supervised, votes, balance, *per_expert = self.s.sum_over_ranks(
             [sum(float(x.loss) for x in stats), len(stats), sum(len(data.train[i][0]) for i in window),
-             sum(x.tokens for x in stats), self.stop.vote(), *(float(v) for n in routed.values() for v in n)],
-            "the step's loss and tokens")
+             sum(x.tokens for x in stats), self.stop.vote(), model.take_router_balance() if coef else 0.0,
+             *(float(v) for n in routed.values() for v in n)], "the step's loss and tokens")
         self.stop.agreed = votes > 0
         toks = int(toks)
         self.cursor.tokens += toks
@@ -169,10 +171,8 @@ class Training:
                "lr": last.lr, "grad_norm": last.grad_norm, "loss_scale": last.loss_scale,
                "skipped": bool(last.skipped), "elapsed": round(self.elapsed(), 3), "epoch": self.cursor.epoch}
         rec = {k: clean(v) for k, v in rec.items()}
-        coef = self.s.model.router_aux_loss_coef
         if coef:                           # the balance loss's mean over the step's sequences, with its weight
-            rec["router_aux_loss"] = clean(coef * self.s.sum_over_ranks([self.s.model.take_router_balance()],
-                                                                        "the routers' balance loss")[0] / n_seq)
+            rec["router_aux_loss"] = clean(coef * balance / n_seq)
         if routed:
             width = len(per_expert) // len(routed)
             rec["expert_tokens"] = {str(i): [round(v) for v in per_expert[j * width:(j + 1) * width]]
