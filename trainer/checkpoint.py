@@ -256,10 +256,8 @@ def _check_config(src: Path, model_cfg) -> None:
 
 
 def _read_weights(src: Path, cfg) -> tuple[dict[str, np.ndarray], dict[str, bytes]]:
-    from lfm2jit.model.checkpoint import (CheckpointError, check_tensors, load_checkpoint as load_weights,
-                                          read_file_bytes, read_safetensors)
-    from lfm2jit.model.moe_checkpoint import check_moe_tensors
-    from lfm2jit.model.moe_config import Lfm2MoeConfig
+    from lfm2jit.model.checkpoint import CheckpointError, load_checkpoint as load_weights, read_file_bytes, read_safetensors
+    from lfm2jit.model.moe_checkpoint import check_model_tensors
     model_dir, raw = src / "model", {}
     try:
         if (model_dir / "model.safetensors").is_file() or not (model_dir / "model.safetensors.index.json").exists():
@@ -269,8 +267,7 @@ def _read_weights(src: Path, cfg) -> tuple[dict[str, np.ndarray], dict[str, byte
         else:
             path = model_dir
             tensors = load_weights(model_dir)
-        # an MoE model's checkpoint holds its experts per expert, beside the expert_bias buffers
-        return (check_moe_tensors(cfg, tensors) if isinstance(cfg, Lfm2MoeConfig) else check_tensors(cfg, tensors)), raw
+        return check_model_tensors(cfg, tensors), raw
     except CheckpointError as e:
         text = str(e)
         raise TrainError(text if str(model_dir) in text else f"{path}: {text}") from None

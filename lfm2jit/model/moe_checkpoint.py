@@ -23,7 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .checkpoint import SAVE_DTYPES, CheckpointError, Tensors, _narrow, load_checkpoint, parameter_shapes, write_config
+from .checkpoint import (SAVE_DTYPES, CheckpointError, Tensors, _narrow, check_tensors, load_checkpoint,
+                         parameter_shapes, write_config)
 from .moe_config import Lfm2MoeConfig
 from .shards import write_weights
 
@@ -76,6 +77,12 @@ def moe_model_shapes(cfg: Lfm2MoeConfig) -> dict[str, tuple[int, ...]]:
 def model_parameter_shapes(cfg) -> dict[str, tuple[int, ...]]:
     """The parameters a model of ``cfg`` holds, dense (``parameter_shapes``) or MoE (``moe_model_shapes``)."""
     return moe_model_shapes(cfg) if isinstance(cfg, Lfm2MoeConfig) else parameter_shapes(cfg)
+
+
+def check_model_tensors(cfg, tensors: dict) -> dict[str, np.ndarray]:
+    """A checkpoint's tensors checked against a model of ``cfg``, dense (``check_tensors``) or MoE
+    (``check_moe_tensors``: per expert, beside the expert_bias buffers)."""
+    return check_moe_tensors(cfg, tensors) if isinstance(cfg, Lfm2MoeConfig) else check_tensors(cfg, tensors)
 
 
 def moe_model_tensors(cfg: Lfm2MoeConfig, tensors: dict) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
