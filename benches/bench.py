@@ -775,6 +775,12 @@ def _kernel_class(name: str) -> str:
         return "attention"
     if name.startswith(("linear", "lora_", "swiglu_down")):
         return "linear (matmul)"
+    if name in ("expert_ends", "expert_counts"):
+        return "moe routing"
+    if name.startswith("expert_"):
+        return "moe experts (grouped matmul)"
+    if name.startswith(("moe_", "sort_keys", "slot_tokens", "scatter_rows", "scatter_values")):
+        return "moe routing"
     if name in ("xent_logits", "xent_dh", "xent_dE"):
         return "lm head (matmul)"
     if name.startswith("xent"):
@@ -809,9 +815,10 @@ def train_bench(ctx, cfg, shapes, steps: int = 3, warmup: int = 1, seed: int = 0
     from lfm2jit.model.checkpoint import parameter_shapes
     engine = ComputeEngine(ctx)
     t0 = time.perf_counter()
-    model = Lfm2Model(cfg, ctx, engine, seed=seed, activation_dtype=activation_dtype, recompute_mlp=recompute_mlp)
+    model = Lfm2Model(cfg, ctx, engine, seed=seed, activation_dtype=activation_dtype, recompute_mlp=recompute_mlp,
+                      base_dtype="f16" if lora is not None and lora_f16_base else "f32")
     if lora is not None:
-        model.add_lora(lora, seed=seed, base_dtype="f16" if lora_f16_base else "f32")
+        model.add_lora(lora, seed=seed)
     init_s = time.perf_counter() - t0
     params = model.lora_parameters() if lora is not None else model.parameters()
     n_params = sum(p.size for p in model.parameters())

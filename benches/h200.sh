@@ -32,6 +32,9 @@
 #   bash benches/h200.sh moe              on Dawn: the routing, grouped-GEMM and LFM2-MoE tests, then the grouped group
 #                                         (the experts' grouped GEMMs at LFM2-8B-A1B shapes beside a dense GEMM of the
 #                                         same FLOPs) -> $OUT/h200_moe_tests_dawn.log, $OUT/h200_grouped.json
+#   bash benches/h200.sh moelora          on Dawn: benches/side_by_side.py with LoRA r = 8 on a frozen f16 base at 1x2048,
+#                                         lfm2jit (f32 activations) beside PyTorch + PEFT with a bf16 base, at LFM2-1.2B
+#                                         and at LFM2-8B-A1B shapes -> $OUT/<card>_moe_lora_{1.2B,8B-A1B}.json
 #   bash benches/h200.sh mpi              the host side of the gradient exchange: benches/readback.py (1 and 4 copy threads),
 #                                         then benches/mpi_exchange.py (no GPU) with 2 ranks under MPICH's transports and
 #                                         settings, and with 4 -> $OUT/h200_readback.json, $OUT/h200_mpi_exchange.log
@@ -125,6 +128,15 @@ moe)
         tests/model/test_moe_model.py 2>&1 | tee "$OUT/h200_moe_tests_dawn.log" | tail -3
     python3 -m lfm2jit.bench --only grouped --json "$OUT/h200_grouped.json" 2>&1 | grep -v "^#   " | tail -24
     ;;
+moelora)
+    export LFM2JIT_WEBGPU=dawn
+    card=$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -o "H[0-9]*" | head -1 | tr A-Z a-z)
+    for run in "1.2B 200" "8B-A1B 380"; do
+        set -- $run
+        timeout "$2" python3 benches/side_by_side.py --preset "$1" --ours fp32 --torch bf16 --lora 8 --lora-f16-base \
+            --shapes 1x2048 --steps 3 --json "$OUT/${card}_moe_lora_$1.json" 2>&1 | grep -v "^  \|Warning\|warn" | tail -12
+    done
+    ;;
 mpi)
     export LFM2JIT_WEBGPU=dawn
     install_mpi
@@ -140,6 +152,6 @@ mpi)
     } | tee "$OUT/h200_mpi_exchange.log"
     ;;
 *)
-    echo "usage: bash benches/h200.sh tests | matrix | speed [BASE] | lora | attention | decode | gradsync | limits | moe | mpi" >&2; exit 2 ;;
+    echo "usage: bash benches/h200.sh tests | matrix | speed [BASE] | lora | attention | decode | gradsync | limits | moe | moelora | mpi" >&2; exit 2 ;;
 esac
 echo "took $(( $(date +%s) - start )) s"

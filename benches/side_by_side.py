@@ -1,7 +1,14 @@
-"""Train the same LFM2-350M-shaped model with lfm2jit and with PyTorch + transformers, in one run.
+"""Train the same LFM2-shaped model with lfm2jit and with PyTorch + transformers, in one run.
 
-    python benches/side_by_side.py [--quick] [--ours fp32 f16] [--torch fp32 bf16] [--torch-compile]
+    python benches/side_by_side.py [--quick] [--preset 350M] [--ours fp32 f16] [--torch fp32 bf16]
+                                   [--torch-compile] [--lora R [--lora-f16-base]]
                                    [--steps N] [--json PATH] [--shapes 1x512 8x512 1x2048]
+
+``--preset`` names a dense or an MoE preset (350M by default; "8B-A1B" runs transformers'
+Lfm2MoeForCausalLM on the PyTorch side). ``--lora R`` trains LoRA adapters of rank R (alpha 2R) on
+every decoder linear of a frozen base, PEFT's on the PyTorch side; with ``--lora-f16-base``
+lfm2jit's base is f16 and the PyTorch bf16 and f16 sides hold theirs in that dtype, as a LoRA
+recipe loads it.
 
 Every side: random init (one seed), AdamW(lr=1e-4, weight_decay=0.01), gradient clipping at 1.0,
 random token ids, a loss read back every sequence, one optimizer step per window. A shape BxT is B
@@ -68,8 +75,9 @@ OUR_SIDES = ("fp32", "f16")
 
 
 def run_torch(torch, cfg, shapes, steps: int, warmup: int, device: str, seed: int = 0, log=print,
-              side: str = "fp32") -> tuple[list, dict]:
-    """One PyTorch side (see TORCH_SIDES) over every shape, on a fresh model."""
+              side: str = "fp32", lora=None, half_base: bool = False) -> tuple[list, dict]:
+    """One PyTorch side (see TORCH_SIDES) over every shape, on a fresh model; with ``lora`` (a
+    LoraConfig) PEFT's adapters alone are trained, on a base in the autocast dtype if ``half_base``."""
     import transformers
     autocast = {"fp32": None, "bf16": torch.bfloat16, "f16": torch.float16, "bf16-compile": torch.bfloat16}[side]
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -77,11 +85,18 @@ def run_torch(torch, cfg, shapes, steps: int, warmup: int, device: str, seed: in
     torch.set_float32_matmul_precision("highest")
     torch.manual_seed(seed)
     dev = torch.device(device)
-    hf_cfg = transformers.Lfm2Config(**cfg.to_dict())
+    moe = hasattr(cfg, "num_experts")
+    hf_cfg = (transformers.Lfm2MoeConfig if moe else transformers.Lfm2Config)(**cfg.to_dict())
+    base_dtype = autocast if lora is not None and half_base and autocast is not None else torch.float32
     t0 = time.perf_counter()
-    with dev:
-        model = transformers.Lfm2ForCausalLM(hf_cfg)
-    model = model.to(dev, torch.float32).train()
+    with dev:       # drawn on the device in the base's dtype: an 8B model's f32 init on the host takes minutes
+        model = (transformers.Lfm2MoeForCausalLM if moe else transformers.Lfm2ForCausalLM)._from_config(
+            hf_cfg, torch_dtype=base_dtype)
+    model = model.to(dev).train()
+    if lora is not None:
+        import peft
+        model = peft.get_peft_model(model, peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=0.0,
+                                                           target_modules=list(lora.target_modules)))
     forward = torch.compile(model) if side.endswith("-compile") else model
     init_s = time.perf_counter() - t0
     params = [p for p in model.parameters() if p.requires_grad]
@@ -93,6 +108,7 @@ def run_torch(torch, cfg, shapes, steps: int, warmup: int, device: str, seed: in
             "attn_implementation": getattr(model.config, "_attn_implementation", None), "init_s": init_s,
             "tf32_matmul": torch.backends.cuda.matmul.allow_tf32, "tf32_cudnn": torch.backends.cudnn.allow_tf32,
             "device_name": torch.cuda.get_device_name() if cuda else "cpu", "side": side,
+            "base_dtype": str(base_dtype), "peft": _version("peft") if lora is not None else None,
             "autocast": str(autocast) if autocast else None, "compiled": side.endswith("-compile")}
     scaler = torch.amp.GradScaler(dev.type, enabled=side == "f16")
     log(f"# torch {side}: {torch.__version__}, transformers {transformers.__version__}, {n_params / 1e6:.1f}M parameters, "
@@ -153,10 +169,22 @@ def run_torch(torch, cfg, shapes, steps: int, warmup: int, device: str, seed: in
     return results, meta
 
 
+def _version(package: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="the tiny preset and short sequences (runs on lavapipe)")
+    ap.add_argument("--preset", default=None, help="a dense or MoE preset (default 350M; tiny with --quick)")
     ap.add_argument("--shapes", nargs="+", default=None, help="BxT shapes (default 1x512 8x512 1x2048)")
+    ap.add_argument("--lora", type=int, metavar="R", help="train LoRA adapters of rank R (alpha 2R) on a frozen base")
+    ap.add_argument("--lora-f16-base", action="store_true",
+                    help="with --lora: lfm2jit's base as f16, PyTorch's half-precision sides' as their dtype")
     ap.add_argument("--steps", type=int, default=3, help="timed windows per shape")
     ap.add_argument("--warmup", type=int, default=1, help="windows after the first before timing")
     ap.add_argument("--json", metavar="PATH")
@@ -177,12 +205,19 @@ def main(argv=None) -> int:
     from lfm2jit import WgpuContext
     from bench import train_bench
     from lfm2jit.model.config import Lfm2Config
-    cfg = Lfm2Config.preset("tiny" if args.quick else "350M")
+    from lfm2jit.model.lora import LoraConfig
+    from lfm2jit.model.moe_config import MOE_PRESETS, Lfm2MoeConfig
+    name = args.preset or ("tiny" if args.quick else "350M")
+    cfg = Lfm2MoeConfig.preset(name) if name in MOE_PRESETS else Lfm2Config.preset(name)
+    if args.lora_f16_base and not args.lora:
+        ap.error("--lora-f16-base needs --lora R")
+    lora = LoraConfig(r=args.lora, alpha=2.0 * args.lora) if args.lora else None
     shapes = [parse_shape(s) for s in (args.shapes or (["1x64", "4x64", "1x128"] if args.quick
                                                        else ["1x512", "8x512", "1x2048"]))]
     torch, why = (None, "no PyTorch side asked for") if not torch_sides else torch_available(args.torch_device)
     doc: dict = {"argv": sys.argv[1:] if argv is None else list(argv), "shapes": [f"{b}x{t}" for b, t in shapes],
-                 "config": cfg.to_dict(), "time": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+                 "preset": name, "config": cfg.to_dict(), "lora": asdict(lora) if lora else None,
+                 "lora_f16_base": args.lora_f16_base, "time": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
     cuda = torch is not None and args.torch_device == "cuda"
     if cuda:
         torch.cuda.init()
@@ -203,7 +238,8 @@ def main(argv=None) -> int:
                                       probe=probe, replay=args.replay, recompute_mlp=args.recompute_mlp,
                                       lm_head_keep_bytes=None if args.lm_head_keep_mib is None
                                       else args.lm_head_keep_mib << 20,
-                                      activation_dtype="f16" if side == "f16" else "f32")
+                                      activation_dtype="f16" if side == "f16" else "f32", lora=lora,
+                                      lora_f16_base=args.lora_f16_base)
             doc["lfm2jit"][side] = {"meta": meta, "lines": [asdict(l) for l in lines]}
             ours[side] = {l.shape: l for l in lines}
 
@@ -212,7 +248,8 @@ def main(argv=None) -> int:
         print(f"# PyTorch sides skipped: {why}")
     for side in torch_sides if torch is not None else []:
         results, meta = run_torch(torch, cfg, shapes, args.steps, args.warmup, args.torch_device,
-                                  log=lambda s: print(s, flush=True), side=side)
+                                  log=lambda s: print(s, flush=True), side=side, lora=lora,
+                                  half_base=args.lora_f16_base)
         doc["torch"][side] = {"meta": meta, "results": results}
         theirs[side] = {r["shape"]: r for r in results}
     doc["torch_skipped"] = why if torch is None else None

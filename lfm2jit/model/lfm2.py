@@ -64,7 +64,10 @@ class Lfm2Model:
     lists of layers (``blocks``: per decoder layer, the layers/ classes its forward runs)."""
 
     def __init__(self, cfg: Lfm2Config | Lfm2MoeConfig, ctx, engine, seed: int = 0, tensors: dict[str, np.ndarray] | None = None,
-                 activation_dtype: str = "f32", recompute_mlp: bool = False):
+                 activation_dtype: str = "f32", recompute_mlp: bool = False, base_dtype: str = "f32"):
+        """``base_dtype="f16"`` keeps the decoder's linear weights (and an MoE model's expert
+        tensors) as frozen f16 from the start, for LoRA on a base too large to hold in f32 even
+        for a moment (add_lora(base_dtype="f16") narrows an f32 base after the fact)."""
         self.cfg = cfg
         self.ctx = ctx
         self.engine = engine
@@ -73,9 +76,11 @@ class Lfm2Model:
         if not isinstance(recompute_mlp, bool):
             raise TypeError(f"recompute_mlp must be True or False, got {recompute_mlp!r}")
         self.recompute_mlp = recompute_mlp     # backward recomputes the MLP's a and b too (layers/mlp.py)
+        lora_attach.check_base_dtype(base_dtype, ctx)
         tensors, buffers = _model_tensors(cfg, seed, tensors)
         # carved side by side (runtime/arena.py): the optimizer steps a run of them in one dispatch
-        self._params: dict[str, Tensor] = dict(zip(tensors, arena.upload(ctx, [a.astype(np.float32) for a in tensors.values()])))
+        self._params: dict[str, Tensor] = lora_attach.upload_parameters(
+            ctx, tensors, set(lora_attach.base_linears(cfg)) if base_dtype == "f16" else set())
         # tensors the checkpoint holds that are never trained (an MoE router's expert_bias)
         self._buffers: dict[str, Tensor] = {n: Tensor.from_numpy(ctx, a.astype(np.float32)) for n, a in buffers.items()}
         self.lora: LoraAdapters | None = None
@@ -145,24 +150,24 @@ class Lfm2Model:
         return value
 
     # ---- LoRA ----
-    def add_lora(self, config: LoraConfig = LoraConfig(), seed: int = 0, base_dtype: str = "f32") -> list[Tensor]:
+    def add_lora(self, config: LoraConfig = LoraConfig(), seed: int = 0, base_dtype: str | None = None) -> list[Tensor]:
         """New LoRA adapters (B = 0: the model's outputs are unchanged) on the layers ``config``
         targets; returns their tensors, the ones to train (``lora_parameters``). ``base_dtype="f16"``
         keeps the decoder's linear weights (and an MoE model's expert tensors) as f16, halving their
-        memory; they are then frozen.
+        memory; they are then frozen. None keeps the base as the model was built (``base_dtype``).
         ``seed`` draws A and, with ``config.dropout``, the training passes' dropout masks."""
         if not isinstance(config, LoraConfig):
             raise TypeError(f"add_lora takes a LoraConfig, got {type(config).__name__}")
-        lora_attach.check_base_dtype(base_dtype, self.ctx)     # before A is drawn: an f16 base needs shader-f16
+        base_dtype = self._lora_base(base_dtype)     # before A is drawn: an f16 base needs shader-f16
         modules, parameters = config.modules(self.cfg), config.parameters(self.cfg)
         self._attach(config, modules, init_weights(config, modules, seed, parameters), base_dtype, seed, parameters)
         return self.lora_parameters()
 
-    def load_adapter(self, directory, base_dtype: str = "f32", seed: int = 0) -> list[Tensor]:
+    def load_adapter(self, directory, base_dtype: str | None = None, seed: int = 0) -> list[Tensor]:
         """A PEFT adapter directory (adapter_config.json + adapter_model.safetensors), checked in
         full against this model before anything changes. ``seed``: of the dropout masks (add_lora's:
         a resumed run passes the seed it started with, so it draws the masks the run would have)."""
-        lora_attach.check_base_dtype(base_dtype, self.ctx)     # before the files are read
+        base_dtype = self._lora_base(base_dtype)     # before the files are read
         config, tensors = read_adapter(Path(directory))
         modules, parameters = config.modules(self.cfg), config.parameters(self.cfg)
         self._attach(config, modules, check_weights(config, modules, tensors, str(directory), parameters), base_dtype,
@@ -172,10 +177,24 @@ class Lfm2Model:
     def _attach(self, config: LoraConfig, modules, weights: dict, base_dtype: str, seed: int, parameters) -> None:
         if self.lora is not None:
             raise AdapterError("this model already has LoRA adapters: merge_lora() folds them in first")
-        lora_attach.check_base_dtype(base_dtype, self.ctx)
         self.lora = lora_attach.upload_adapters(self.ctx, config, modules, weights, seed, parameters)
-        if base_dtype == "f16":
+        if base_dtype != self.base_dtype:
             self._params = lora_attach.reupload(self.ctx, self._params, set(lora_attach.base_linears(self.cfg)))
+
+    @property
+    def base_dtype(self) -> str:
+        """"f16" where the decoder's linear weights are held as frozen f16, else "f32"."""
+        return self._params[lora_attach.base_linears(self.cfg)[0]].dtype
+
+    def _lora_base(self, base_dtype: str | None) -> str:
+        """The base dtype an adapter asks for, checked before any work: None keeps the model's."""
+        if base_dtype is None:
+            return self.base_dtype
+        lora_attach.check_base_dtype(base_dtype, self.ctx)
+        if base_dtype == "f32" and self.base_dtype == "f16":
+            raise ValueError("base_dtype='f32': this model's base is f16 (built with base_dtype='f16') and cannot be "
+                             "widened back; pass base_dtype='f16' or None")
+        return base_dtype
 
     def lora_parameters(self) -> list[Tensor]:
         return list(self.lora.named.values()) if self.lora else []
@@ -197,13 +216,14 @@ class Lfm2Model:
     # ---- checkpoints ----
     @classmethod
     def from_pretrained(cls, directory, ctx, engine, activation_dtype: str = "f32",
-                        recompute_mlp: bool = False) -> "Lfm2Model":
+                        recompute_mlp: bool = False, base_dtype: str = "f32") -> "Lfm2Model":
         directory = Path(directory)
         precision.check_activation_dtype(activation_dtype, ctx)    # before the checkpoint is read
+        lora_attach.check_base_dtype(base_dtype, ctx)
         cfg = read_model_config(directory / "config.json")          # lfm2 or lfm2_moe
         _check_moe_activations(cfg, activation_dtype)
         model = cls(cfg, ctx, engine, tensors=load_checkpoint(directory), activation_dtype=activation_dtype,
-                    recompute_mlp=recompute_mlp)
+                    recompute_mlp=recompute_mlp, base_dtype=base_dtype)
         eos = read_generation_eos(directory)
         if eos:
             model.generation_eos = tuple(sorted(eos_ids(eos, cfg.vocab_size)))

@@ -44,15 +44,20 @@ def base_linears(cfg: Lfm2Config) -> list[str]:
             if (n.startswith("model.layers.") and n.endswith(".weight") and len(shape) == 2) or is_expert_tensor(n)]
 
 
-def reupload(ctx, params: dict[str, Tensor], to_f16: set[str]) -> dict[str, Tensor]:
-    """The parameters named in ``to_f16`` as f16 in an arena of their own, the others re-uploaded
-    as f32 into a fresh one (new tensors, same values, the same order), so the old arena, and
-    with it the f32 copies, is freed: an arena lives while any view of it does."""
-    arrays = {n: t.numpy() for n, t in params.items()}
+def upload_parameters(ctx, arrays: dict[str, np.ndarray], to_f16: set[str]) -> dict[str, Tensor]:
+    """The arrays as parameters: those named in ``to_f16`` as f16 in an arena of their own, the
+    others as f32 in another, in the arrays' order. Each array is narrowed as it is written, so no
+    f32 copy of an f16 group is ever held, on the host or the device."""
     new: dict[str, Tensor] = {}
     for dtype, names in (("f32", [n for n in arrays if n not in to_f16]), ("f16", [n for n in arrays if n in to_f16])):
         new.update(zip(names, arena.upload(ctx, [arrays[n] for n in names], dtype)))
     return {n: new[n] for n in arrays}
+
+
+def reupload(ctx, params: dict[str, Tensor], to_f16: set[str]) -> dict[str, Tensor]:
+    """upload_parameters of the parameters' values (new tensors, the same order), so the old arena,
+    and with it the f32 copies, is freed: an arena lives while any view of it does."""
+    return upload_parameters(ctx, {n: t.numpy() for n, t in params.items()}, to_f16)
 
 
 def merge(params: dict[str, Tensor], lora: LoraAdapters) -> None:

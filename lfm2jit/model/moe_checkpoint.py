@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .checkpoint import (SAVE_DTYPES, CheckpointError, Tensors, _narrow, check_tensors, load_checkpoint,
+from .checkpoint import (SAVE_DTYPES, CheckpointError, Tensors, _narrow, check_tensors, load_checkpoint, normal,
                          parameter_shapes, write_config)
 from .moe_config import Lfm2MoeConfig
 from .shards import write_weights
@@ -255,7 +255,7 @@ def init_moe_tensors(cfg: Lfm2MoeConfig, seed: int) -> dict[str, np.ndarray]:
         elif name.endswith(".bias") or is_buffer(name):
             out[name] = np.zeros(shape, np.float32)
         else:
-            out[name] = (rng.standard_normal(shape) * cfg.initializer_range).astype(np.float32)
+            out[name] = normal(rng, shape, cfg.initializer_range)
     pad = cfg.pad_token_id
     if pad is not None:
         out["model.embed_tokens.weight"][pad] = 0.0

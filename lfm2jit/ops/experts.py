@@ -42,10 +42,10 @@ class ExpertLora:
 
 @dataclass
 class ExpertActivations:
-    """What the backward reuses: h [S, 2I] (x gate_up^T, both halves), g [S, I] (the gate), and the
-    adapters' low-rank activations u [S, r] (None without one)."""
+    """What the backward reuses: h [S, 2I] (x gate_up^T, both halves; None when the forward did
+    not keep it and the backward computes it again) and the adapters' low-rank activations u [S, r]
+    (None without one). The gate g = silu(h1) h2 is never kept: the backward computes it from h."""
     h: object
-    g: object
     u_gate_up: object = None
     u_down: object = None
 
@@ -66,25 +66,35 @@ def _low_rank(engine, x, lora: ExpertLora | None, ends, bucket: int):
     return _run(engine, "expert_lora_down", bucket=bucket, x=x, a=lora.a, ends=ends, s=lora.s)["u"]
 
 
+def _gate_up(engine, x, gate_up, ends, lora: ExpertLora | None, u, bucket: int):
+    """h = x gate_up[e]^T (+ u B[e]^T with an adapter; u = s x A[e]^T, computed here when None)."""
+    h = _run(engine, "expert_gate_up", bucket=bucket, x=x, gate_up=gate_up, ends=ends)["h"]  # (S, 2I)
+    if lora is not None:
+        u = _low_rank(engine, x, lora, ends, bucket) if u is None else u                     # (S, r)
+        _run(engine, "expert_gate_up", bucket=bucket, x=u, gate_up=lora.b, ends=ends, out={"h": h}, accumulate={"h"})
+    return h, u
+
+
+def _gate(engine, h, bucket: int):
+    slots, width = h.shape
+    return _run(engine, "expert_gate", bucket=bucket, h=h.view(slots, 2, width // 2))["g"]   # (S, I)
+
+
 def experts_forward(engine, x, gate_up, down, ends, scale, *, bucket: int = 1, out=None,
                     accumulate: bool = False, lora_gate_up: ExpertLora | None = None,
-                    lora_down: ExpertLora | None = None):
+                    lora_down: ExpertLora | None = None, keep_h: bool = True):
     """y [S, D] (into ``out`` when given, added to it with ``accumulate``) and the activations the
-    backward needs; ``lora_gate_up`` / ``lora_down``: the adapters on the expert tensors."""
-    h = _run(engine, "expert_gate_up", bucket=bucket, x=x, gate_up=gate_up, ends=ends)["h"]  # (S, 2I)
-    u1 = _low_rank(engine, x, lora_gate_up, ends, bucket)                                     # (S, r)
-    if lora_gate_up is not None:                                                              # h += u1 B[e]^T
-        _run(engine, "expert_gate_up", bucket=bucket, x=u1, gate_up=lora_gate_up.b, ends=ends, out={"h": h},
-             accumulate={"h"})
-    slots, width = h.shape
-    g = _run(engine, "expert_gate", bucket=bucket, h=h.view(slots, 2, width // 2))["g"]      # (S, I)
+    backward needs; ``lora_gate_up`` / ``lora_down``: the adapters on the expert tensors.
+    ``keep_h=False`` keeps not even h (the largest): the backward runs the gate_up GEMM again."""
+    h, u1 = _gate_up(engine, x, gate_up, ends, lora_gate_up, None, bucket)
+    g = _gate(engine, h, bucket)
     kwargs = {"out": {"y": out}, "accumulate": {"y"} if accumulate else ()} if out is not None else {}
     y = _run(engine, "expert_down", bucket=bucket, g=g, down=down, ends=ends, scale=scale, **kwargs)["y"]
     u2 = _low_rank(engine, g, lora_down, ends, bucket)                                        # (S, r)
     if lora_down is not None:                                                                 # y += scale u2 B[e]^T
         _run(engine, "expert_down", bucket=bucket, g=u2, down=lora_down.b, ends=ends, scale=scale, out={"y": y},
              accumulate={"y"})
-    return y, ExpertActivations(h, g, u1, u2)
+    return y, ExpertActivations(h if keep_h else None, u1, u2)
 
 
 def experts_backward(engine, x, gate_up, down, ends, scale, saved: ExpertActivations, d_y, *, bucket: int = 1,
@@ -113,17 +123,20 @@ def experts_backward(engine, x, gate_up, down, ends, scale, saved: ExpertActivat
             into={"d_x": d_x, **({"d_a": lora.a.grad} if train_a else {})}, adds={"d_x", "d_a"},
             x=x_in, a=lora.a, ends=ends, s=lora.s, d_u=d_u)
 
+    # what the forward did not keep, as it computed it: the same kernels give bit-identical values
+    h = saved.h if saved.h is not None else _gate_up(engine, x, gate_up, ends, lora_gate_up, saved.u_gate_up, bucket)[0]
+    g = _gate(engine, h, bucket)
     down_grads = run("expert_down", ("g", "scale") + (("down",) if weights else ()),
-                     g=saved.g, down=down, ends=ends, scale=scale, d_y=d_y)
+                     g=g, down=down, ends=ends, scale=scale, d_y=d_y)
     if lora_down is not None:       # y += scale u2 B[e]^T: d_u2, B's gradient and its part of d_scale
         train_b = trained(lora_down.b)
         d_u = run("expert_down", ("g", "scale") + (("down",) if train_b else ()),
                   into={"d_scale": down_grads["d_scale"], **({"d_down": lora_down.b.grad} if train_b else {})},
                   adds={"d_scale", "d_down"}, g=saved.u_down, down=lora_down.b, ends=ends, scale=scale,
                   d_y=d_y)["d_g"]
-        low_rank_backward(lora_down, saved.g, d_u, down_grads["d_g"])
-    slots, width = saved.h.shape
-    d_h = run("expert_gate", ("h",), h=saved.h.view(slots, 2, width // 2), d_g=down_grads["d_g"])["d_h"]
+        low_rank_backward(lora_down, g, d_u, down_grads["d_g"])
+    slots, width = h.shape
+    d_h = run("expert_gate", ("h",), h=h.view(slots, 2, width // 2), d_g=down_grads["d_g"])["d_h"]
     d_h = d_h.view(slots, width)
     up_grads = run("expert_gate_up", ("x",) + (("gate_up",) if weights else ()),
                    x=x, gate_up=gate_up, ends=ends, d_h=d_h)

@@ -186,6 +186,32 @@ def test_adamw_steps_on_expert_adapters_equal_peft_and_torch(ctx, engine):
             assert np.array_equal(t.numpy(), base[n]), n
 
 
+def test_a_model_loaded_with_an_f16_base_equals_one_narrowed_after_loading(ctx, engine, tmp_path):
+    """from_pretrained(base_dtype="f16") narrows each tensor as it is uploaded (an 8B base never
+    exists in f32 on the device): the same f16 values, the same logits, no f32 copies held; an
+    adapter keeps that base, and one asking for an f32 base is refused before anything changes."""
+    if not ctx.has_f16:
+        pytest.skip(f"{ctx.name} has no shader-f16")
+    cfg = Lfm2MoeConfig.preset("tiny-moe")
+    moe_hf_model(cfg, seed=23).save_pretrained(tmp_path)
+    narrowed_after = Lfm2Model.from_pretrained(tmp_path, ctx, engine)
+    narrowed_after.add_lora(LoraConfig(r=2, target_parameters=EXPERTS), base_dtype="f16")
+    loaded = Lfm2Model.from_pretrained(tmp_path, ctx, engine, base_dtype="f16")
+    assert loaded.base_dtype == "f16" and narrowed_after.base_dtype == "f16"
+    assert {n for n, t in loaded.named_parameters().items() if t.dtype == "f16"} == set(base_linears(cfg))
+    for n, t in narrowed_after._params.items():
+        np.testing.assert_array_equal(loaded.p(n).numpy(), t.numpy(), err_msg=n)
+    held = sum({id(t.buffer): t.buffer.size for t in loaded.parameters()}.values())
+    assert held < sum(t.size for t in loaded.parameters()) * 4 * 0.75     # most of it in f16, no f32 copy
+    with pytest.raises(ValueError, match="base_dtype='f32': this model's base is f16"):
+        loaded.add_lora(LoraConfig(r=2, target_parameters=EXPERTS), base_dtype="f32")
+    assert loaded.lora is None
+    loaded.add_lora(LoraConfig(r=2, target_parameters=EXPERTS))             # None: the base as it was built
+    assert loaded.base_dtype == "f16"
+    ids = masked_inputs(cfg.vocab_size, 19, 5)[0]
+    np.testing.assert_array_equal(loaded.logits(ids, bucket=BUCKET), narrowed_after.logits(ids, bucket=BUCKET))
+
+
 def test_f16_base_narrows_the_experts_and_trains_only_the_adapters(ctx, engine):
     if not ctx.has_f16:
         pytest.skip(f"{ctx.name} has no shader-f16")

@@ -113,17 +113,23 @@ def test_logits_loss_and_every_gradient_match_transformers(ctx, engine, preset, 
     assert err < 1e-4, f"worst gradient {name}: rel err {err:.2e}"
 
 
-def test_a_repeated_step_is_bit_identical(ctx, engine):
-    """The routing's sorts and sums run in a fixed order: two passes give the same bits."""
+def test_a_repeated_step_is_bit_identical_and_so_is_one_that_recomputes_the_experts(ctx, engine):
+    """The routing's sorts and sums run in a fixed order: two passes give the same bits, and so does
+    a model with recompute_mlp, whose forward keeps no experts' up-projection (h) for the backward."""
     cfg = Lfm2MoeConfig.preset("tiny-moe")
     model = Lfm2Model(cfg, ctx, engine, seed=4)
+    recomputing = Lfm2Model(cfg, ctx, engine, seed=4, recompute_mlp=True)
     rng = np.random.default_rng(9)
     ids, targets = rng.integers(0, cfg.vocab_size, 40), rng.integers(0, cfg.vocab_size, 40)
     mask = np.ones(40, np.float32)
     first = run_loss_and_grads(model, ids, targets, mask)[1]
     second = run_loss_and_grads(model, ids, targets, mask)[1]
+    third = run_loss_and_grads(recomputing, ids, targets, mask)[1]
     for n, g in first.items():
         np.testing.assert_array_equal(second[n], g, err_msg=n)
+        np.testing.assert_array_equal(third[n], g, err_msg=n)
+    sparse = [recomputing.forward(ids, BUCKET).layers[i][1] for i in cfg.moe_layers]
+    assert sparse and all(s.experts.h is None and s.xs is None and s.xf is None for s in sparse)
 
 
 def test_greedy_decoding_equals_transformers_uncached_forward(ctx, engine, tmp_path):

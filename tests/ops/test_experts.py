@@ -46,10 +46,11 @@ def _close(got, want, tol):
     assert err <= tol * max(1.0, np.abs(want).max(initial=0.0)), err
 
 
-def _run(engine, case, weights=True, bucket=1):
+def _run(engine, case, weights=True, bucket=1, keep_h=True):
     tensors = {k: engine.tensor(v) for k, v in case.items() if k != "d_y"}
     y, saved = experts_forward(engine, tensors["x"], tensors["gate_up"], tensors["down"], tensors["ends"],
-                               tensors["scale"], bucket=bucket)
+                               tensors["scale"], bucket=bucket, keep_h=keep_h)
+    assert (saved.h is None) == (not keep_h)
     grads = experts_backward(engine, tensors["x"], tensors["gate_up"], tensors["down"], tensors["ends"],
                              tensors["scale"], saved, engine.tensor(case["d_y"]), bucket=bucket, weights=weights)
     return y.numpy(), {k: v.numpy() for k, v in grads.items()}
@@ -71,6 +72,20 @@ def test_expert_mlps_and_their_gradients_match_torch(engine, seed):
     _close(grads["d_scale"][:v], want["scale"][:v], 1e-5)
     _close(grads["d_gate_up"], want["gate_up"], 1e-5)
     _close(grads["d_down"], want["down"], 1e-5)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_forward_that_keeps_no_h_gives_the_same_gradients_bit_for_bit(engine, seed):
+    """keep_h=False (the model's recompute_mlp): the backward's gate_up GEMM again, on the same
+    inputs with the same kernel, so nothing the backward returns may differ."""
+    rng = np.random.default_rng(100 + seed)
+    case = _case(rng, int(rng.integers(2, 7)), int(rng.integers(8, 70)), 24, 12, int(rng.integers(4, 8)))
+    y_kept, kept = _run(engine, case, bucket=16 if seed else 1)
+    y_again, again = _run(engine, case, bucket=16 if seed else 1, keep_h=False)
+    np.testing.assert_array_equal(y_again, y_kept)
+    assert set(again) == set(kept)
+    for name in kept:
+        np.testing.assert_array_equal(again[name], kept[name], err_msg=name)
 
 
 def test_a_frozen_f16_base_gives_input_and_combine_gradients_only(engine):

@@ -167,17 +167,20 @@ def _device(run: Run):
 
 
 def _model(run: Run, cfg, ckpt: Path | None, ctx, engine):
-    """The model: the checkpoint's, the --model directory's, or a new one of ``cfg`` seeded by --seed."""
+    """The model: the checkpoint's, the --model directory's, or a new one of ``cfg`` seeded by --seed.
+    With --lora-f16-base its base is f16 as it is uploaded: it never exists in f32 on the device."""
     from lfm2jit.model import CheckpointError, ConfigError, Lfm2Model
     dtype = "f16" if run.f16 else "f32"
+    base = "f16" if run.lora_r is not None and run.lora_f16_base else "f32"
     try:
         if ckpt is not None:
             if cfg is None:
                 raise UsageError(f"{ckpt}: no model/ directory")
-            return Lfm2Model.from_pretrained(ckpt / "model", ctx, engine, dtype, run.recompute_mlp)
+            return Lfm2Model.from_pretrained(ckpt / "model", ctx, engine, dtype, run.recompute_mlp, base)
         if run.source == "model":
-            return Lfm2Model.from_pretrained(run.model, ctx, engine, dtype, run.recompute_mlp)
-        return Lfm2Model(cfg, ctx, engine, seed=run.seed, activation_dtype=dtype, recompute_mlp=run.recompute_mlp)
+            return Lfm2Model.from_pretrained(run.model, ctx, engine, dtype, run.recompute_mlp, base)
+        return Lfm2Model(cfg, ctx, engine, seed=run.seed, activation_dtype=dtype, recompute_mlp=run.recompute_mlp,
+                         base_dtype=base)
     except (CheckpointError, ConfigError) as e:
         where = ckpt / "model" if ckpt is not None else run.model
         raise UsageError(f"model: {e}" if where is None or str(where) in str(e) else f"model {where}: {e}") from None

@@ -21,7 +21,7 @@ from .kernels import LoraSaved, backward_of
 
 @dataclass
 class MoeSaved(ResidualSaved):
-    xf: Tensor                      # (T, D) rmsnorm(h)
+    xf: Tensor | None               # (T, D) rmsnorm(h): not kept, recomputed for the backward
     logits: Tensor                  # (T, E) the router's
     idx: Tensor                     # (T, K) i32 each token's picks
     w: Tensor                       # (T, K) their weights
@@ -31,17 +31,21 @@ class MoeSaved(ResidualSaved):
     ws: Tensor                      # (S,) each sorted slot's weight
     by_token: Tensor                # (S,) i32 the sorted slots grouped by token
     token_offsets: Tensor           # (T + 1,) i32 where each token's run of by_token starts
-    xs: Tensor                      # (S, D) each sorted slot's xf row
-    experts: ExpertActivations      # what the experts' backward reuses
+    xs: Tensor | None               # (S, D) each sorted slot's xf row: not kept, gathered again
+    experts: ExpertActivations      # what the experts' backward reuses (h only with keep_h)
     counts: Tensor | None = None    # (E,) the pass's tokens per expert, with the balance loss on
 
 
 class Moe(Residual):
+    """The forward keeps none of the per-slot copies of the hidden states (xf is recomputed, the
+    slots' rows gathered again); ``keep_h=False`` (the model's recompute_mlp) keeps not even the
+    experts' up-projection h, the largest activation: the backward runs its GEMM again."""
     norm, out = "ffn_norm.weight", "feed_forward.experts.down_proj"
 
-    def __init__(self, kernels, cfg, index: int):
+    def __init__(self, kernels, cfg, index: int, keep_h: bool = True):
         super().__init__(kernels, cfg, index)
         self.index = index
+        self.keep_h = keep_h
 
     @property
     def gate_up(self) -> str:
@@ -72,11 +76,11 @@ class Moe(Residual):
         grouped = k.run("sort_keys", bucket=slot_bucket, dims={"V": n_tokens}, keys=picked["tok"])
         xs = k.run("embedding", bucket=slot_bucket, table=xf, ids=picked["tok"])["y"]          # (S, D)
         ys, acts = experts_forward(k.model.engine, xs, k.p(self.gate_up), k.p(pre + self.out), ends,
-                                   picked["ws"], bucket=slot_bucket, **self._adapters())        # (S, D)
+                                   picked["ws"], bucket=slot_bucket, keep_h=self.keep_h, **self._adapters())
         y = k.run("scatter_rows", bucket=slot_bucket, g=ys, order=grouped["order"], offsets=grouped["offsets"],
                   r=h)["y"]                                                                     # (T, D)
-        return y, MoeSaved(h, inv, lora, xf, logits, idx, w, ends, order, picked["tok"], picked["ws"],
-                           grouped["order"], grouped["offsets"], xs, acts, counts)
+        return y, MoeSaved(h, inv, lora, None, logits, idx, w, ends, order, picked["tok"], picked["ws"],
+                           grouped["order"], grouped["offsets"], None, acts, counts)
 
     def _adapters(self) -> dict:
         """The LoRA adapters on this block's expert tensors, as experts_forward takes them."""
@@ -97,7 +101,11 @@ class Moe(Residual):
                 "weight": float(rows.batch)}
 
     def recompute(self, s: MoeSaved, rows: Rows) -> None:
-        """Forward keeps everything its backward reads."""
+        """xf and the slots' rows of it, as the forward computed them (bit-identical: the same
+        kernels on the same inputs); the experts' backward computes h again itself."""
+        s.xf = self.normed(s.h, rows.bucket)[0]                                                 # (T, D)
+        s.xs = self.kernels.run("embedding", bucket=rows.bucket * self.cfg.num_experts_per_tok, table=s.xf,
+                                ids=s.tok)["y"]                                                 # (S, D)
 
     def backward(self, s: MoeSaved, dh: Tensor, rows: Rows) -> None:
         k, cfg, bucket, pre = self.kernels, self.cfg, rows.bucket, self.pre
