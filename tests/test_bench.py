@@ -72,7 +72,25 @@ def test_side_by_side_quick_against_torch_on_cpu(tmp_path):
             row["lfm2jit"]["f16"]["tok_s"] / row["torch"]["bf16"]["tok_s"])
 
 
+def test_side_by_side_lora_on_an_moe_preset_trains_the_same_adapters_as_peft(tmp_path):
+    """--preset tiny-moe --lora 2: transformers' Lfm2MoeForCausalLM under PEFT on the PyTorch side,
+    with as many trained parameters as lfm2jit's adapters (the same linears targeted)."""
+    pytest.importorskip("peft")
+    script = load_script("side_by_side")
+    out = tmp_path / "sbs.json"
+    assert script.main(["--quick", "--preset", "tiny-moe", "--lora", "2", "--lora-f16-base", "--torch-device", "cpu",
+                        "--steps", "1", "--shapes", "1x64", "--ours", "fp32", "--torch", "bf16",
+                        "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    ours, theirs = doc["lfm2jit"]["fp32"]["meta"], doc["torch"]["bf16"]["meta"]
+    assert doc["preset"] == "tiny-moe" and ours["lora_f16_base"] and theirs["base_dtype"] == "torch.bfloat16"
+    assert theirs["n_params"] == ours["trained_params"] > 0
+    assert doc["table"][0]["speed_ratio"]["fp32/bf16"] > 0
+
+
 @pytest.mark.parametrize("kernel,cls", [
+    ("expert_gate_up_bwd_f16_d_h32_d_x32_ends32", "moe experts (grouped matmul)"), ("sort_keys", "moe routing"),
+    ("expert_ends", "moe routing"), ("moe_topk", "moe routing"),
     ("linear_bwd", "linear (matmul)"), ("linear_f16_w32", "linear (matmul)"),
     ("xent_dh", "lm head (matmul)"), ("xent_dE_f16_dE32_h32", "lm head (matmul)"),
     ("xent_lse_next", "lm head (softmax)"), ("attention_bwd_d_k_d_v", "attention"),
