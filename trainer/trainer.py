@@ -313,6 +313,60 @@ class Trainer:
         (consecutive ones of a window run packed)."""
         return self.train_sequences(batch.sequences(), params)
 
+    def train_token_objective(self, sequences, params, objective) -> StepStats:
+        """One micro-batch whose loss is a function of its sequences' per-token log-probabilities
+        (DPO's pair, GRPO's group). ``sequences``: (input_ids, target_ids, loss_mask) triples, run
+        packed in one pass. ``objective(logps)`` gets, per sequence, float64 log p(target) at each
+        position (0 where the mask is 0) and returns ``(loss, d_logps)``: the micro-batch's loss and
+        its gradient in each of those log-probs (arrays of the same shapes). The gradient reaches
+        the parameters through the LM head's gradient pass, d_logps as per-position weights, so no
+        [T, V] logits are held. Accumulation, clipping, loss scaling and sync as in train_sequences;
+        an objective that raises or returns a bad value changes nothing."""
+        params = self._params(params)
+        group = [self._check(i, t, m, params) for i, t, m in sequences]
+        if not group:
+            raise TrainError("train_token_objective needs at least one sequence")
+        if not callable(objective):
+            raise TrainError(f"objective must be callable (logps -> (loss, d_logps)), got {type(objective).__name__}")
+        model, engine = self.model, self.engine
+        if self.step_in_accum == 0:
+            self.sync_handshake(params)
+            self._start_window(params)
+        ids, targets, (mask,) = pack([g[0] for g in group], [g[1] for g in group], [[g[2] for g in group]],
+                                     self._pack_unit(), pad_token(model.cfg))
+        head = model.lm_head
+        head_trained = any(p is head for p in params)
+        bucket, loss_scale = self.length_bucket, self.loss_scale / self.grad_accum_steps
+        if model.lora is not None:
+            model.lora.draw_dropout(self._steps, self._micro_index())
+        tgt = engine.tensor(targets, "i32")
+        trace = model.forward(model.upload_ids(ids), bucket, keep_from=model.backward_start(params), train=True)
+        head_args = dict(chunk=self.lm_head_chunk, bucket=bucket, check_targets=False)   # checked in _check
+        # pass 1: each position's cross-entropy (= -log p) on its own, read back for the objective
+        per_position = lm_head_cross_entropy(engine, trace.hn, head, tgt, engine.tensor(mask, "f32"), grads=False,
+                                             segments=targets.size, **head_args).loss.numpy()
+        per_position = per_position.astype(np.float64).reshape(ids.shape)
+        logps = [-per_position[i, :len(g[0])] * (g[2] != 0) for i, g in enumerate(group)]
+        try:
+            loss, d_logps = _objective_value(objective, logps)
+        except BaseException:
+            self._abandon_window(params)
+            raise
+        # pass 2: the gradient of sum_t w_t CE_t with w = -d_logps is the objective's
+        weights = pack([g[0] for g in group], [g[1] for g in group], [[-d * g[2] for d, g in zip(d_logps, group)]],
+                       self._pack_unit(), pad_token(model.cfg))[2][0]
+        result = lm_head_cross_entropy(engine, trace.hn, head, tgt, engine.tensor(weights, "f32"), normalizer=1.0,
+                                       loss_scale=loss_scale, dE=head.grad if head_trained else None,
+                                       accumulate_dE=head_trained, grad_E=head_trained,
+                                       keep_logits=self.lm_head_keep_bytes, **head_args)
+        model.backward(trace, result.dh, params, aux_scale=loss_scale)
+        self._step_in_accum += 1      # reaches grad_accum_steps: _finish_window resets it
+        stats = StepStats(loss=loss, tokens=int(sum(g[2].sum() for g in group)), stepped=False, skipped=False,
+                          grad_norm=None, lr=self.lr_at(self._steps + 1), loss_scale=self.loss_scale)
+        if self.step_in_accum == self.grad_accum_steps:
+            self._finish_window(params, stats)
+        return stats
+
     def _packable(self, group) -> int:
         """How many of the leading sequences of ``group`` to pack into one pass, up to pack_tokens
         rows (see packing.packable)."""
@@ -598,3 +652,29 @@ class Trainer:
         except ValueError as e:
             raise TrainError(str(e)) from None
         return params
+
+
+def _objective_value(objective, logps: list[np.ndarray]) -> tuple[float, list[np.ndarray]]:
+    """``objective(logps)`` checked: a finite loss and one finite array per sequence, of its shape."""
+    out = objective([x.copy() for x in logps])
+    if not (isinstance(out, tuple) and len(out) == 2):
+        raise TrainError(f"the objective must return (loss, d_logps), got {type(out).__name__}")
+    loss, grads = out
+    try:
+        loss = float(loss)
+    except (TypeError, ValueError):
+        raise TrainError(f"the objective's loss must be a number, got {type(loss).__name__}") from None
+    if not math.isfinite(loss):
+        raise TrainError(f"the objective's loss is {loss} (non-finite); the window was discarded, no weight changed")
+    if len(grads) != len(logps):
+        raise TrainError(f"the objective returned {len(grads)} gradients for {len(logps)} sequences")
+    checked = []
+    for i, (g, x) in enumerate(zip(grads, logps)):
+        g = np.asarray(g, np.float64)
+        if g.shape != x.shape:
+            raise TrainError(f"the objective's gradient {i} has shape {list(g.shape)}; its sequence has {list(x.shape)}")
+        if not np.isfinite(g).all():
+            raise TrainError(f"the objective's gradient {i} holds inf or NaN; the window was discarded, "
+                             "no weight changed")
+        checked.append(g)
+    return loss, checked
