@@ -313,6 +313,24 @@ class Trainer:
         (consecutive ones of a window run packed)."""
         return self.train_sequences(batch.sequences(), params)
 
+    def sequence_logps(self, sequences) -> np.ndarray:
+        """float64 [N]: each (input_ids, target_ids, loss_mask) sequence's summed log p(target) over
+        its masked positions, by the model as it is (no gradients; packed as training packs them):
+        a preference run's reference log-probs, a policy's before an update."""
+        checked = [self._check(i, t, m, None) for i, t, m in sequences]
+        model, engine, out = self.model, self.engine, []
+        while len(out) < len(checked):
+            rest = checked[len(out):]
+            group = rest[:self._packable(rest)]
+            ids, targets, (mask,) = pack([g[0] for g in group], [g[1] for g in group], [[g[2] for g in group]],
+                                         self._pack_unit(), pad_token(model.cfg))
+            trace = model.forward(model.upload_ids(ids), self.length_bucket)
+            ce = lm_head_cross_entropy(engine, trace.hn, model.lm_head, targets, mask, chunk=self.lm_head_chunk,
+                                       bucket=self.length_bucket, grads=False, segments=len(group),
+                                       check_targets=False).loss
+            out.extend((-ce.numpy().astype(np.float64)).tolist())
+        return np.array(out, np.float64)
+
     def train_token_objective(self, sequences, params, objective) -> StepStats:
         """One micro-batch whose loss is a function of its sequences' per-token log-probabilities
         (DPO's pair, GRPO's group). ``sequences``: (input_ids, target_ids, loss_mask) triples, run
