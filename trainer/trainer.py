@@ -315,21 +315,29 @@ class Trainer:
 
     def sequence_logps(self, sequences) -> np.ndarray:
         """float64 [N]: each (input_ids, target_ids, loss_mask) sequence's summed log p(target) over
-        its masked positions, by the model as it is (no gradients; packed as training packs them):
-        a preference run's reference log-probs, a policy's before an update."""
+        its masked positions, by the model as it is (no gradients): a preference run's reference."""
+        return np.array([x.sum() for x in self.token_logps(sequences)], np.float64)
+
+    def token_logps(self, sequences) -> list[np.ndarray]:
+        """Per sequence, float64 log p(target) at each position (0 where the mask is 0), by the model
+        as it is (no gradients; packed as training packs them): GRPO's old and reference log-probs."""
         checked = [self._check(i, t, m, None) for i, t, m in sequences]
-        model, engine, out = self.model, self.engine, []
+        out: list[np.ndarray] = []
         while len(out) < len(checked):
             rest = checked[len(out):]
             group = rest[:self._packable(rest)]
             ids, targets, (mask,) = pack([g[0] for g in group], [g[1] for g in group], [[g[2] for g in group]],
-                                         self._pack_unit(), pad_token(model.cfg))
-            trace = model.forward(model.upload_ids(ids), self.length_bucket)
-            ce = lm_head_cross_entropy(engine, trace.hn, model.lm_head, targets, mask, chunk=self.lm_head_chunk,
-                                       bucket=self.length_bucket, grads=False, segments=len(group),
-                                       check_targets=False).loss
-            out.extend((-ce.numpy().astype(np.float64)).tolist())
-        return np.array(out, np.float64)
+                                         self._pack_unit(), pad_token(self.model.cfg))
+            trace = self.model.forward(self.model.upload_ids(ids), self.length_bucket)
+            out += self._position_logps(trace, targets, mask, group, ids.shape)
+        return out
+
+    def _position_logps(self, trace, targets, mask, group, shape) -> list[np.ndarray]:
+        """The LM head's loss pass, one segment per position: -cross-entropy = log p, per sequence."""
+        ce = lm_head_cross_entropy(self.engine, trace.hn, self.model.lm_head, targets, mask, chunk=self.lm_head_chunk,
+                                   bucket=self.length_bucket, grads=False, segments=targets.size,
+                                   check_targets=False).loss.numpy().astype(np.float64).reshape(shape)
+        return [-ce[i, :len(g[0])] * (g[2] != 0) for i, g in enumerate(group)]
 
     def train_token_objective(self, sequences, params, objective) -> StepStats:
         """One micro-batch whose loss is a function of its sequences' per-token log-probabilities
@@ -359,12 +367,7 @@ class Trainer:
             model.lora.draw_dropout(self._steps, self._micro_index())
         tgt = engine.tensor(targets, "i32")
         trace = model.forward(model.upload_ids(ids), bucket, keep_from=model.backward_start(params), train=True)
-        head_args = dict(chunk=self.lm_head_chunk, bucket=bucket, check_targets=False)   # checked in _check
-        # pass 1: each position's cross-entropy (= -log p) on its own, read back for the objective
-        per_position = lm_head_cross_entropy(engine, trace.hn, head, tgt, engine.tensor(mask, "f32"), grads=False,
-                                             segments=targets.size, **head_args).loss.numpy()
-        per_position = per_position.astype(np.float64).reshape(ids.shape)
-        logps = [-per_position[i, :len(g[0])] * (g[2] != 0) for i, g in enumerate(group)]
+        logps = self._position_logps(trace, tgt, mask, group, ids.shape)     # pass 1, read back for the objective
         try:
             loss, d_logps = _objective_value(objective, logps)
         except BaseException:
@@ -374,9 +377,10 @@ class Trainer:
         weights = pack([g[0] for g in group], [g[1] for g in group], [[-d * g[2] for d, g in zip(d_logps, group)]],
                        self._pack_unit(), pad_token(model.cfg))[2][0]
         result = lm_head_cross_entropy(engine, trace.hn, head, tgt, engine.tensor(weights, "f32"), normalizer=1.0,
-                                       loss_scale=loss_scale, dE=head.grad if head_trained else None,
-                                       accumulate_dE=head_trained, grad_E=head_trained,
-                                       keep_logits=self.lm_head_keep_bytes, **head_args)
+                                       loss_scale=loss_scale, chunk=self.lm_head_chunk, bucket=bucket,
+                                       dE=head.grad if head_trained else None, accumulate_dE=head_trained,
+                                       grad_E=head_trained, keep_logits=self.lm_head_keep_bytes,
+                                       check_targets=False)     # checked in _check
         model.backward(trace, result.dh, params, aux_scale=loss_scale)
         self._step_in_accum += 1      # reaches grad_accum_steps: _finish_window resets it
         stats = StepStats(loss=loss, tokens=int(sum(g[2].sum() for g in group)), stepped=False, skipped=False,
