@@ -249,3 +249,153 @@ def trl_dpo(model, ref_model, pairs, *, beta=0.1, loss_type="sigmoid", label_smo
         finally:
             trainer.accelerator.free_memory()
     return float(loss.detach()), metrics, grads
+
+
+def trl_grpo_loss(model, ref_model, prompt_ids, completion_ids, rewards, *, loss_type, beta, epsilon,
+                  num_generations, old_per_token_logps=None, epsilon_high=None, max_completion_length=None,
+                  scale_rewards="group", return_details=False):
+    """TRL 1.16's GRPO loss and gradients for ONE batch of given (teacher-forced) completions.
+
+    A real ``trl.GRPOTrainer`` is built around ``model``; generation is replaced through TRL's own
+    ``rollout_func`` hook (it returns the given ids), the reward function returns ``rewards``, and TRL's
+    ``_generate_and_score_completions`` (padding, reference log-probs, group-normalised advantages,
+    ``num_items_in_batch``) and ``compute_loss`` -> ``_compute_loss`` run as written, then ``loss.backward()``.
+    Run with torch's default dtype float64 so TRL's reward/advantage tensors are float64 (TRL still rounds
+    each reward to float32 when it stores it, grpo_trainer.py l.1632: pass float32-representable rewards).
+
+    prompt_ids: one list of token ids per group (len(completion_ids) // num_generations of them; group g
+    holds completions [g*G, (g+1)*G)), or one per completion. completion_ids: list of B lists of token ids.
+    rewards: B floats. loss_type: 'grpo', 'dr_grpo', 'dapo' (also 'bnpo', ...); beta: the KL coefficient
+    (0: no reference; else ``ref_model``, or None for a PeftModel: adapters disabled); epsilon: the clip
+    range (epsilon_high defaults to epsilon); old_per_token_logps: None (TRL's on-policy case: the detached
+    current log-probs, ratio 1) or B lists of per-completion-token log-probs of the sampling policy.
+    max_completion_length: the dr_grpo constant (default: the longest completion).
+    Returns (loss, grads) -- or (loss, grads, details) with ``return_details`` (details: 'advantages',
+    'ref_per_token_logps', 'num_items_in_batch', 'metrics').
+
+    How TRL 1.16 builds and normalises it (grpo_trainer.py):
+    - Layout (l.2440-2462): prompts LEFT-padded, completions RIGHT-padded, input = [pad.., prompt,
+      completion, pad..]; only completion tokens are scored (l.1494: labels -100 outside the last C
+      columns and on padding), the first completion token predicted from the last prompt token. Nothing is
+      added to the given ids (no BOS/EOS). Left padding shifts the absolute positions of a shorter prompt
+      (transformers counts positions from the padded start): give equal-length prompts to match exactly.
+    - Advantages (l.2760-2810, scale_rewards='group'): A_i = (r_i - mean_group(r)) / (std_group(r) + 1e-4),
+      std the UNBIASED (n-1) std of the group (trl.trainer.utils.nanstd); 'batch': std over the whole batch;
+      'none': no division. A zero-std group gives advantages 0.
+    - Per token (l.3075-3140): log_ratio = logp - old_logp (old = logp.detach() when not given, ratio 1);
+      coef_1 = exp(log_ratio), coef_2 = clamp(coef_1, 1 - eps, 1 + eps_high);
+      loss_t = -min(coef_1 * A, coef_2 * A) + beta * kl_t, kl_t = exp(ref - logp) - (ref - logp) - 1.
+    - Aggregation over the batch (l.3150-3185), mask = completion mask:
+      'grpo':    mean over sequences of (sum_t loss_t * mask / n_tokens_of_that_sequence)
+      'bnpo':    sum(loss * mask) / sum(mask) over the batch
+      'dr_grpo': sum(loss * mask) / (B * max_completion_length)  (a constant, the CONFIG value)
+      'dapo':    sum(loss * mask) / num_items_in_batch, num_items_in_batch = total completion tokens of
+                 the whole generation batch (all processes); here one batch, so = sum(mask) like 'bnpo'.
+      (each divided by the gradient accumulation steps, 1 here).
+    """
+    import torch
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    B = len(completion_ids)
+    G = int(num_generations)
+    if B == 0 or B % G:
+        raise ValueError(f"{B} completions are not whole groups of {G}")
+    if len(rewards) != B:
+        raise ValueError("one reward per completion")
+    if len(prompt_ids) == B // G and len(prompt_ids) != B:
+        prompts = [list(map(int, prompt_ids[i // G])) for i in range(B)]
+    elif len(prompt_ids) == B:
+        prompts = [list(map(int, p)) for p in prompt_ids]
+    else:
+        raise ValueError("prompt_ids: one per group or one per completion")
+    completions = [list(map(int, c)) for c in completion_ids]
+    if any(not p for p in prompts) or any(not c for c in completions):
+        raise ValueError("empty prompt or completion")
+    is_peft = hasattr(model, "peft_config")
+    if beta != 0.0 and ref_model is None and not is_peft:
+        raise ValueError("beta != 0 needs a ref_model (or a PeftModel, whose reference has its adapters disabled)")
+    pad_id, eos_id = _pad_eos_ids(model)
+    vocab = (model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config).vocab_size
+    tokenizer = _tokenizer(vocab, pad_id, eos_id)
+    training = model.training
+    reward_values = [float(r) for r in rewards]
+
+    def rollout(prompt_texts, trainer):  # TRL's rollout hook: the given ids instead of generating
+        return {"prompt_ids": prompts, "completion_ids": completions, "logprobs": None}
+
+    def reward_fn(prompts=None, completions=None, completion_ids=None, **kwargs):
+        return list(reward_values)
+
+    import os
+    saved_env = os.environ.get("TRL_EXPERIMENTAL_SILENCE")
+    os.environ["TRL_EXPERIMENTAL_SILENCE"] = "1"
+    saved_name = model.config._name_or_path
+    saved_dtype = torch.get_default_dtype()
+    with _restored(model, ref_model), tempfile.TemporaryDirectory() as out, _lm_head_precision(FP64_LM_HEAD):
+        try:
+            if beta != 0.0 and ref_model is not None:
+                # GRPOTrainer takes no ref_model: it loads one from model.config._name_or_path (l.995-1003)
+                ref_dir = os.path.join(out, "ref")
+                ref_model.save_pretrained(ref_dir)
+                model.config._name_or_path = ref_dir
+            args = GRPOConfig(
+                output_dir=os.path.join(out, "run"), report_to="none", use_cpu=True, bf16=False, fp16=False,
+                beta=beta, epsilon=epsilon, epsilon_high=epsilon_high, loss_type=loss_type,
+                num_generations=G, per_device_train_batch_size=B, gradient_accumulation_steps=1,
+                steps_per_generation=1, max_completion_length=max_completion_length or max(map(len, completions)),
+                scale_rewards=scale_rewards, gradient_checkpointing=False, disable_dropout=True,
+                save_strategy="no", logging_strategy="no", seed=0, temperature=1.0, log_completions=False,
+                dataloader_num_workers=0, pad_to_multiple_of=None,
+            )
+            dummy = Dataset.from_dict({"prompt": ["t2"] * G})
+            adapters_before = set(model.peft_config) if is_peft else set()
+            trainer = GRPOTrainer(model=model, reward_funcs=reward_fn, args=args, train_dataset=dummy,
+                                  processing_class=tokenizer, rollout_func=rollout)
+            model.config._name_or_path = saved_name
+            if is_peft:
+                for name in set(model.peft_config) - adapters_before:
+                    model.delete_adapter(name)
+            model.train(training)
+            trainer.current_gradient_accumulation_steps = 1  # what the training loop sets for one micro-batch
+            torch.set_default_dtype(torch.float64)
+            for k in trainer._metrics:
+                trainer._metrics[k].clear()
+            batch = trainer._generate_and_score_completions([{"prompt": "t2"} for _ in range(B)])
+            if old_per_token_logps is not None:
+                C = batch["completion_ids"].size(1)
+                old = torch.zeros((B, C), dtype=torch.float64)
+                for i, row in enumerate(old_per_token_logps):
+                    row = [float(x) for x in row]
+                    if len(row) != len(completions[i]):
+                        raise ValueError(f"old_per_token_logps[{i}]: {len(row)} values for {len(completions[i])} tokens")
+                    old[i, : len(row)] = torch.tensor(row, dtype=torch.float64)
+                batch["old_per_token_logps"] = old
+            model.zero_grad(set_to_none=True)
+            loss = trainer.compute_loss(trainer.model, batch)
+            loss.backward()
+            mode = "train" if model.training else "eval"
+            metrics = {k: float(sum(v) / len(v)) for k, v in trainer._metrics[mode].items() if len(v)}
+            grads = {n: p.grad.detach().cpu().numpy().copy() for n, p in model.named_parameters()
+                     if p.requires_grad and p.grad is not None}
+            for n, p in model.named_parameters():
+                if p.requires_grad and p.grad is None:
+                    grads[n] = np.zeros(tuple(p.shape))
+            trainer.accelerator.free_memory()
+        finally:
+            torch.set_default_dtype(saved_dtype)
+            model.config._name_or_path = saved_name
+            if saved_env is None:
+                os.environ.pop("TRL_EXPERIMENTAL_SILENCE", None)
+            else:
+                os.environ["TRL_EXPERIMENTAL_SILENCE"] = saved_env
+    if not return_details:
+        return float(loss.detach()), grads
+    details = {
+        "advantages": batch["advantages"].detach().cpu().numpy().copy(),
+        "ref_per_token_logps": (batch["ref_per_token_logps"].detach().cpu().numpy().copy()
+                                if "ref_per_token_logps" in batch else None),
+        "num_items_in_batch": float(batch["num_items_in_batch"]),
+        "metrics": metrics,
+    }
+    return float(loss.detach()), grads, details
