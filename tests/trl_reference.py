@@ -111,6 +111,28 @@ def _lm_head_precision(fp64: bool):
         trl_utils._ChunkedLogProbFunction = saved
 
 
+@contextlib.contextmanager
+def lfm2_rmsnorm_in_input_dtype():
+    """transformers' Lfm2RMSNorm normalises in float32 whatever the model's dtype (``hidden_states.to(
+    torch.float32)``), so a ``.double()`` Lfm2ForCausalLM is NOT float64 end to end: its outputs carry
+    float32 rounding (~1e-7 relative) and finite differences of its loss disagree with its autograd
+    gradients. Within this context the norm computes in its input's dtype (same formula), which makes a
+    float64 LFM2 float64 throughout (the RoPE cos/sin tables stay float32-rounded constants)."""
+    import torch
+    from transformers.models.lfm2 import modeling_lfm2
+
+    def forward(self, hidden_states):
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
+
+    saved = modeling_lfm2.Lfm2RMSNorm.forward
+    modeling_lfm2.Lfm2RMSNorm.forward = forward
+    try:
+        yield
+    finally:
+        modeling_lfm2.Lfm2RMSNorm.forward = saved
+
+
 def _tokenizer(vocab_size: int, pad_id: int, eos_id: int):
     """A word-level fast tokenizer whose ids are 0..vocab_size-1 ("t0", "t1", ...): TRL's trainers want a
     processing class (pad/eos ids); the batches are built from token ids, so it never tokenizes them."""
@@ -173,6 +195,29 @@ def _restored(model, *more):
         random.setstate(rng[2])
 
 
+@contextlib.contextmanager
+def _quiet():
+    """No datasets/transformers progress bars and no deprecation warnings from building a trainer."""
+    import warnings
+
+    import datasets
+    import transformers
+    bars = datasets.utils.logging.is_progress_bar_enabled()
+    tbars = transformers.utils.logging.is_progress_bar_enabled()
+    datasets.utils.logging.disable_progress_bar()
+    transformers.utils.logging.disable_progress_bar()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            warnings.simplefilter("ignore", UserWarning)
+            yield
+    finally:
+        if bars:
+            datasets.utils.logging.enable_progress_bar()
+        if tbars:
+            transformers.utils.logging.enable_progress_bar()
+
+
 def _check_pairs(pairs):
     if not pairs:
         raise ValueError("pairs is empty")
@@ -211,7 +256,8 @@ def trl_dpo(model, ref_model, pairs, *, beta=0.1, loss_type="sigmoid", label_smo
     tokenizer = _tokenizer(vocab, pad_id, eos_id)
     training = model.training
 
-    with _restored(model, ref_model), tempfile.TemporaryDirectory() as out, _lm_head_precision(FP64_LM_HEAD):
+    with _quiet(), _restored(model, ref_model), tempfile.TemporaryDirectory() as out, \
+            _lm_head_precision(FP64_LM_HEAD):
         args = DPOConfig(
             output_dir=out, report_to="none", use_cpu=True, bf16=False, fp16=False, beta=beta,
             loss_type=[loss_type], label_smoothing=label_smoothing, gradient_checkpointing=False,
@@ -332,7 +378,8 @@ def trl_grpo_loss(model, ref_model, prompt_ids, completion_ids, rewards, *, loss
     os.environ["TRL_EXPERIMENTAL_SILENCE"] = "1"
     saved_name = model.config._name_or_path
     saved_dtype = torch.get_default_dtype()
-    with _restored(model, ref_model), tempfile.TemporaryDirectory() as out, _lm_head_precision(FP64_LM_HEAD):
+    with _quiet(), _restored(model, ref_model), tempfile.TemporaryDirectory() as out, \
+            _lm_head_precision(FP64_LM_HEAD):
         try:
             if beta != 0.0 and ref_model is not None:
                 # GRPOTrainer takes no ref_model: it loads one from model.config._name_or_path (l.995-1003)
