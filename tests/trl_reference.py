@@ -26,10 +26,10 @@ What TRL 1.16 does that matters when matching it (dpo_trainer.py line numbers):
   is added or dropped: no BOS, no EOS, no chat template (the EOS TRL appends, l.1062, and the
   tokenization, l.1075, only happen in ``_prepare_dataset`` for text datasets, which this helper
   bypasses). No truncation (max_length=None here).
-- Labels (l.1297): input_ids with -100 where completion_mask == 0; the fused head shifts them
+- Labels (l.1298): input_ids with -100 where completion_mask == 0; the fused head shifts them
   (hidden[:, :-1] predicts labels[:, 1:]), so the log-prob of completion token t is taken from the
   position before it, i.e. the first completion token is predicted by the last prompt token.
-- logps (l.1304): SUM over completion tokens of log p(token) (``ld_alpha`` None). 'logps/chosen' and
+- logps (l.1303): SUM over completion tokens of log p(token) (``ld_alpha`` None). 'logps/chosen' and
   'logps/rejected' are the batch MEANS of those per-sequence sums of the POLICY (not log-ratios).
 - Log-ratios: chosen_logratio = logps_chosen - ref_logps_chosen (same for rejected);
   delta = chosen_logratio - rejected_logratio (f_divergence_type 'reverse_kl').
@@ -37,8 +37,8 @@ What TRL 1.16 does that matters when matching it (dpo_trainer.py line numbers):
   by 'robust', 'exo_pair', 'aot' and 'aot_unpaired' (and must be > 0 for 'exo_pair').
 - 'ipo' (l.1393): per-token averages: chosen_logratio / n_chosen_tokens - rejected_logratio /
   n_rejected_tokens (token counts from completion_mask, clamp >= 1), loss (that - 1/(2 beta))^2.
-- The batch loss is ``per_sequence_loss.mean()`` over the pairs (l.1508) (times loss_weight 1.0).
-- Metrics (l.1520-1600), each for this one batch: 'rewards/chosen' = mean(beta * chosen_logratio),
+- The batch loss is ``per_sequence_loss.mean()`` over the pairs (l.1528) (times loss_weight 1.0).
+- Metrics (l.1535-1600), each for this one batch: 'rewards/chosen' = mean(beta * chosen_logratio),
   'rewards/rejected' likewise, 'rewards/accuracies' = mean(chosen_reward > rejected_reward) (strict),
   'rewards/margins' = mean(chosen_reward - rejected_reward) -- rewards use beta * logratio for EVERY
   loss type, IPO included (not the per-token averages); 'logps/*' as above; 'entropy' = mean over all
@@ -49,8 +49,8 @@ What TRL 1.16 does that matters when matching it (dpo_trainer.py line numbers):
   counted, padding not).
 - Reference: a separate ``ref_model`` is called as is under no_grad (TRL requires it to be a
   different object). With ``ref_model=None`` and a ``peft.PeftModel``, TRL 1.16 (peft >= 0.20) would
-  add a "ref" adapter that copies the CURRENT adapter weights (l.640); this helper deletes that
-  adapter again before the loss, so TRL takes its other branch (l.1328): the reference is the model
+  add a "ref" adapter that copies the CURRENT adapter weights (l.689); this helper deletes that
+  adapter again before the loss, so TRL takes its other branch (l.1333): the reference is the model
   with the adapters disabled (``use_adapter(model, None)`` -> ``model.disable_adapter()``), which is
   what TRL does when it wraps the model itself from a ``peft_config``.
 
@@ -59,16 +59,12 @@ GRPO: see ``trl_grpo_loss``.
 from __future__ import annotations
 
 import contextlib
-import copy
-import math
 import tempfile
 
 import numpy as np
 
 # Replace TRL's float32 fused-LM-head kernel by a float64 (hidden-dtype) equivalent during the call.
 FP64_LM_HEAD = True
-
-_OPTIONAL = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 
 
 def _fp64_head_apply(hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping=None,
@@ -307,7 +303,7 @@ def trl_grpo_loss(model, ref_model, prompt_ids, completion_ids, rewards, *, loss
     ``_generate_and_score_completions`` (padding, reference log-probs, group-normalised advantages,
     ``num_items_in_batch``) and ``compute_loss`` -> ``_compute_loss`` run as written, then ``loss.backward()``.
     Run with torch's default dtype float64 so TRL's reward/advantage tensors are float64 (TRL still rounds
-    each reward to float32 when it stores it, grpo_trainer.py l.1632: pass float32-representable rewards).
+    each reward to float32 when it stores it, grpo_trainer.py l.1637: pass float32-representable rewards).
 
     prompt_ids: one list of token ids per group (len(completion_ids) // num_generations of them; group g
     holds completions [g*G, (g+1)*G)), or one per completion. completion_ids: list of B lists of token ids.
@@ -321,17 +317,18 @@ def trl_grpo_loss(model, ref_model, prompt_ids, completion_ids, rewards, *, loss
 
     How TRL 1.16 builds and normalises it (grpo_trainer.py):
     - Layout (l.2440-2462): prompts LEFT-padded, completions RIGHT-padded, input = [pad.., prompt,
-      completion, pad..]; only completion tokens are scored (l.1494: labels -100 outside the last C
+      completion, pad..]; only completion tokens are scored (l.1496: labels -100 outside the last C
       columns and on padding), the first completion token predicted from the last prompt token. Nothing is
       added to the given ids (no BOS/EOS). Left padding shifts the absolute positions of a shorter prompt
       (transformers counts positions from the padded start): give equal-length prompts to match exactly.
-    - Advantages (l.2760-2810, scale_rewards='group'): A_i = (r_i - mean_group(r)) / (std_group(r) + 1e-4),
+    - Advantages (l.2760-2810 and trl.trainer.utils.nanstd, scale_rewards='group'):
+      A_i = (r_i - mean_group(r)) / (std_group(r) + 1e-4),
       std the UNBIASED (n-1) std of the group (trl.trainer.utils.nanstd); 'batch': std over the whole batch;
       'none': no division. A zero-std group gives advantages 0.
-    - Per token (l.3075-3140): log_ratio = logp - old_logp (old = logp.detach() when not given, ratio 1);
+    - Per token (l.3083-3150): log_ratio = logp - old_logp (old = logp.detach() when not given, ratio 1);
       coef_1 = exp(log_ratio), coef_2 = clamp(coef_1, 1 - eps, 1 + eps_high);
       loss_t = -min(coef_1 * A, coef_2 * A) + beta * kl_t, kl_t = exp(ref - logp) - (ref - logp) - 1.
-    - Aggregation over the batch (l.3150-3185), mask = completion mask:
+    - Aggregation over the batch (l.3153-3185), mask = completion mask:
       'grpo':    mean over sequences of (sum_t loss_t * mask / n_tokens_of_that_sequence)
       'bnpo':    sum(loss * mask) / sum(mask) over the batch
       'dr_grpo': sum(loss * mask) / (B * max_completion_length)  (a constant, the CONFIG value)
@@ -415,7 +412,8 @@ def trl_grpo_loss(model, ref_model, prompt_ids, completion_ids, rewards, *, loss
                 for i, row in enumerate(old_per_token_logps):
                     row = [float(x) for x in row]
                     if len(row) != len(completions[i]):
-                        raise ValueError(f"old_per_token_logps[{i}]: {len(row)} values for {len(completions[i])} tokens")
+                        raise ValueError(f"old_per_token_logps[{i}]: {len(row)} values, "
+                                         f"{len(completions[i])} tokens")
                     old[i, : len(row)] = torch.tensor(row, dtype=torch.float64)
                 batch["old_per_token_logps"] = old
             model.zero_grad(set_to_none=True)
