@@ -7,9 +7,10 @@ standard deviation (Bessel-corrected) + 1e-4 (``scale_rewards="group"``; "batch"
 "none": not divided). Then, for each of ``num_iterations`` passes over the batch (one optimizer
 step each), every group is a micro-batch whose per-token loss is
 
-    L_t = -min(r_t A, clip(r_t, 1 - eps_low, 1 + eps_high) A) + beta (exp(q_t - p_t) - (q_t - p_t) - 1)
+    L_t = -min(r_t A, clip(r_t, 1 - eps_low, 1 + eps_high) A) + beta r_t (exp(q_t - p_t) - (q_t - p_t) - 1)
 
-with p_t the policy's log-prob of completion token t, r_t = exp(p_t - old_t) (old: the policy's
+(the KL term times r_t as TRL's default ``use_bias_correction_kl``; ``kl_bias_correction=False``
+drops the factor) with p_t the policy's log-prob of completion token t, r_t = exp(p_t - old_t) (old: the policy's
 before the step's first update, so r = 1 on the first pass), q_t the reference's (the model before
 training; for LoRA the base, adapters off). The micro-batch loss (times the groups per step, as the
 Trainer averages micro-batches):
@@ -55,6 +56,7 @@ class GrpoConfig:
     loss_type: str = "dapo"
     num_iterations: int = 1
     scale_rewards: str = "group"
+    kl_bias_correction: bool = True          # TRL's use_bias_correction_kl: the KL term times the ratio
 
     def __post_init__(self):
         def integer(name, low):
@@ -75,6 +77,8 @@ class GrpoConfig:
             raise ValueError(f"epsilon_high must be a finite number >= 0 or None, got {high!r}")
         if self.loss_type not in LOSS_TYPES:
             raise ValueError(f"loss_type must be one of {', '.join(LOSS_TYPES)}, got {self.loss_type!r}")
+        if not isinstance(self.kl_bias_correction, bool):
+            raise ValueError(f"kl_bias_correction must be True or False, got {self.kl_bias_correction!r}")
         if self.scale_rewards not in SCALES:
             raise ValueError(f"scale_rewards must be one of {', '.join(SCALES)}, got {self.scale_rewards!r}")
 
@@ -113,8 +117,11 @@ def token_loss(config: GrpoConfig, logp: np.ndarray, old: np.ndarray, ref: np.nd
     if config.beta:
         delta = ref - logp
         kl = np.exp(delta) - delta - 1.0
+        d_kl = 1.0 - np.exp(delta)
+        if config.kl_bias_correction:      # (r kl)' = r kl + r kl': the ratio's gradient counts even where r = 1
+            kl, d_kl = ratio * kl, ratio * kl + ratio * d_kl
         loss = loss + config.beta * kl
-        grad = grad + config.beta * (1.0 - np.exp(delta))
+        grad = grad + config.beta * d_kl
     return loss, grad, (ratio < low) & (advantage < 0), (ratio > high) & (advantage > 0), kl
 
 

@@ -148,3 +148,84 @@ def test_adamw_steps_of_dpo_follow_torch(ctx):
 def test_bad_configs_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
         DpoConfig(**kwargs)
+
+
+trl_reference = pytest.importorskip("trl_reference", reason="TRL is the reference")
+
+
+def _pairs_for_trl(pairs):
+    return [(p.prompt.tolist(), p.chosen.tolist(), p.rejected.tolist()) for p in pairs]
+
+
+def _ours_window(model, ctx, engine, config, pairs, reference, params):
+    """Our pairs as one open window (accum one more than the pairs, so the gradients stay); the
+    metrics averaged over the pairs as TRL averages its batch; gradients times (n + 1) / n: TRL's mean."""
+    tr = Trainer(model, SGD(lr=0.0), ctx, engine).with_length_bucket(16).with_grad_accum_steps(len(pairs) + 1)
+    dpo = DpoTrainer(tr, config)
+    got = [dpo.train_pair(p, r, params) for p, r in zip(pairs, reference)]
+    metrics = {k: float(np.mean([m[k] for _, m in got])) for k in got[0][1]}
+    loss = float(np.mean([s.loss for s, _ in got]))
+    return loss, metrics, (len(pairs) + 1) / len(pairs)
+
+
+@pytest.mark.parametrize("loss_type,beta", [("sigmoid", 0.1), ("sigmoid", 1.0), ("ipo", 0.5)])
+def test_full_fine_tuning_equals_trls_dpo_trainer(ctx, loss_type, beta):
+    """TRL's own DPOTrainer.compute_loss on transformers' model (float64) as the reference: loss,
+    every logged reward and log-prob metric, every parameter's gradient."""
+    cfg = Lfm2Config.preset("tiny")
+    reference, policy = hf_model(cfg, seed=4), hf_model(cfg, seed=4)
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(torch.randn_like(p) * 0.03)
+    pairs = random_pairs(cfg, 4, seed=21)
+    want_loss, want, want_grads = trl_reference.trl_dpo(policy, reference, _pairs_for_trl(pairs), beta=beta,
+                                                        loss_type=loss_type)
+    engine = ComputeEngine(ctx)
+    ref_logps = DpoTrainer(Trainer(Lfm2Model(cfg, ctx, engine, tensors=weights_of(reference)), SGD(lr=0.0), ctx,
+                                   engine).with_length_bucket(16)).reference_logps(pairs)
+    model = Lfm2Model(cfg, ctx, engine, tensors=weights_of(policy))
+    loss, metrics, factor = _ours_window(model, ctx, engine, DpoConfig(beta=beta, loss_type=loss_type), pairs,
+                                         ref_logps, model.parameters())
+    assert loss == pytest.approx(want_loss, rel=1e-4, abs=1e-6)
+    for key in ("rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected"):
+        assert metrics[key] == pytest.approx(want[key], rel=1e-4, abs=1e-4 * beta), key
+    if abs(want["rewards/margins"]) > 1e-3:
+        assert metrics["rewards/accuracies"] == pytest.approx(want["rewards/accuracies"])
+    grads = {n: t.grad.numpy() * factor for n, t in model.named_parameters().items()}
+    for n, g in want_grads.items():
+        assert np.abs(grads[n] - g).max() <= 2e-3 * max(np.abs(g).max(), 1e-4), n
+
+
+def test_lora_equals_trl_with_peft_whose_reference_is_the_adapters_off(ctx):
+    """A new adapter's first window, as TRL runs DPO on a PeftModel (reference: adapters disabled):
+    every A and B gradient (B randomised so that A's gradient is not zero)."""
+    peft = pytest.importorskip("peft")
+    from lfm2jit.model import LoraConfig
+    from lfm2jit.model.lora import DEFAULT_TARGETS
+    cfg = Lfm2Config.preset("tiny")
+    base = hf_model(cfg, seed=6)
+    base_weights = weights_of(base)          # get_peft_model wraps the model's layers in place
+    theirs = peft.get_peft_model(base, peft.LoraConfig(r=2, lora_alpha=4, lora_dropout=0.0,
+                                                       target_modules=list(DEFAULT_TARGETS)))
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for n, p in theirs.named_parameters():
+            if "lora_B" in n:
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.3)
+    pairs = random_pairs(cfg, 3, seed=31)
+    want_loss, want, want_grads = trl_reference.trl_dpo(theirs, None, _pairs_for_trl(pairs), beta=0.2)
+    engine = ComputeEngine(ctx)
+    model = Lfm2Model(cfg, ctx, engine, tensors=base_weights)
+    ref_logps = DpoTrainer(Trainer(model, SGD(lr=0.0), ctx, engine).with_length_bucket(16)).reference_logps(pairs)
+    params = model.add_lora(LoraConfig(r=2, alpha=4))
+    state = {n.replace(".default", ""): p for n, p in theirs.named_parameters() if "lora_" in n}
+    for n, t in model.lora.named.items():
+        t.write(state[n].detach().numpy())
+    loss, metrics, factor = _ours_window(model, ctx, engine, DpoConfig(beta=0.2), pairs, ref_logps, params)
+    assert loss == pytest.approx(want_loss, rel=1e-4, abs=1e-6)
+    assert metrics["rewards/margins"] == pytest.approx(want["rewards/margins"], rel=1e-3, abs=1e-5)
+    by_peft_name = {n.replace(".default", ""): g for n, g in want_grads.items()}
+    assert by_peft_name
+    for n, t in model.lora.named.items():
+        g = by_peft_name[n]
+        assert np.abs(t.grad.numpy() * factor - g).max() <= 2e-3 * max(np.abs(g).max(), 1e-5), n

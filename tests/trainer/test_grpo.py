@@ -42,14 +42,15 @@ def torch_token_loss(config, logp, old, ref, adv):
     coef_2 = torch.clamp(coef_1, low, high)
     loss = -torch.min(coef_1 * adv, coef_2 * adv)
     if config.beta:
-        loss = loss + config.beta * (torch.exp(ref - logp) - (ref - logp) - 1)
+        kl = torch.exp(ref - logp) - (ref - logp) - 1
+        loss = loss + config.beta * (kl * coef_1 if config.kl_bias_correction else kl)
     return loss
 
 
-@pytest.mark.parametrize("beta", [0.0, 0.3])
-def test_the_token_loss_and_its_gradient_are_autograds(beta):
+@pytest.mark.parametrize("beta,correction", [(0.0, True), (0.3, True), (0.3, False)])
+def test_the_token_loss_and_its_gradient_are_autograds(beta, correction):
     rng = np.random.default_rng(1)
-    config = GrpoConfig(beta=beta, epsilon=0.2, epsilon_high=0.28)
+    config = GrpoConfig(beta=beta, epsilon=0.2, epsilon_high=0.28, kl_bias_correction=correction)
     for adv in (-1.3, 0.0, 0.7):
         old = rng.normal(-2, 1, 50)
         logp = old + rng.normal(0, 0.4, 50)           # ratios well inside and outside the clip range
@@ -200,3 +201,38 @@ def test_loss_scales_make_trls_normalisations():
     assert loss_scale(GrpoConfig(num_generations=4, loss_type="grpo"), [3] * 8, 2) == 0.25
     assert loss_scale(GrpoConfig(num_generations=4, max_completion_length=10, loss_type="dr_grpo"), [3] * 8, 2) == 1 / 40
     assert loss_scale(c, [3, 5, 2, 6, 4, 4, 4, 4], 2) == 2 / 32
+
+
+trl_reference = pytest.importorskip("trl_reference", reason="TRL is the reference")
+
+
+@pytest.mark.parametrize("loss_type,beta", [("dapo", 0.0), ("grpo", 0.0), ("dr_grpo", 0.0), ("dapo", 0.1)])
+def test_a_teacher_forced_batch_equals_trls_grpo_trainer(ctx, loss_type, beta):
+    """TRL's own GRPOTrainer (its advantages, padding and compute_loss) on transformers' model as the
+    reference for one batch: every parameter's gradient (equal-length prompts: TRL pads them left)."""
+    cfg = Lfm2Config.preset("tiny")
+    rng = np.random.default_rng(13)
+    reference, policy = hf_model(cfg, seed=12), hf_model(cfg, seed=12)
+    with torch.no_grad():              # far enough from the reference that the KL's gradient is no rounding noise
+        for p in policy.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    g, prompts = 3, [rng.integers(1, cfg.vocab_size, 6).tolist() for _ in range(2)]
+    completions = [rng.integers(1, cfg.vocab_size, int(rng.integers(2, 10))).tolist() for _ in range(2 * g)]
+    rewards = [1.0, 0.0, 0.5, 0.25, 0.0, 1.0]
+    _, want_grads = trl_reference.trl_grpo_loss(policy, reference if beta else None, prompts, completions, rewards,
+                                                loss_type=loss_type, beta=beta, epsilon=0.2, num_generations=g,
+                                                max_completion_length=10)
+    engine = ComputeEngine(ctx)
+    model = Lfm2Model(cfg, ctx, engine, tensors=weights_of(policy))
+    ref_trainer = Trainer(Lfm2Model(cfg, ctx, engine, tensors=weights_of(reference)), SGD(lr=0.0), ctx,
+                          engine).with_length_bucket(16)
+    tr = Trainer(model, SGD(lr=0.0), ctx, engine).with_length_bucket(16).with_grad_accum_steps(len(prompts))
+    grpo = GrpoTrainer(tr, GrpoConfig(num_generations=g, max_completion_length=10, loss_type=loss_type, beta=beta),
+                       [("fixed", _fixed(rewards))], load_tokenizer(default_tokenizer()),
+                       reference=ref_trainer.token_logps if beta else None)
+    records = [PromptRecord(np.array(p, np.int32), "p", {}) for p in prompts]
+    grpo.step(records, model.parameters(), seed=0, completions=completions)
+    grads = {n: t.grad.numpy() for n, t in model.named_parameters().items()}     # lr 0: the step left them
+    assert want_grads
+    for n, w in want_grads.items():
+        assert np.abs(grads[n] - w).max() <= 2e-3 * max(np.abs(w).max(), 1e-5), n
