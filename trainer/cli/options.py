@@ -31,6 +31,7 @@ MIN_EVAL_SEQUENCES = 8       # the fewest a run of known length evaluates withou
 DEFAULT_KEEP = 2
 DEFAULT_CHECKPOINT_MINUTES = 10.0
 DEFAULT_SAMPLES = 5
+DEFAULT_BETA = 0.1
 
 SCHEDULES = ("constant", "warmup", "cosine", "linear")
 
@@ -56,17 +57,43 @@ exit status: 0 done, 1 training failed (or --check-loss-drop not met), 2 bad usa
 """
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The train command's parser: one argument group per concern."""
-    p = argparse.ArgumentParser(
-        prog="python -m trainer",
-        description="Train an LFM2 model on lfm2jit's WebGPU kernels. With no arguments: train a tiny LFM2 "
-                    "from scratch on the shipped synthetic chat data and tokenizer, then report. With "
-                    "--model DIR --data FILE.jsonl: fine-tune a Hugging Face LFM2 checkpoint.",
-        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+DPO_EPILOG = """\
+examples:
+  python -m trainer dpo --model DIR --data prefs.jsonl --lora-r 8 --lr 5e-6 --beta 0.1 --out runs/dpo
+  python -m trainer dpo --resume runs/dpo --steps 200     # continue, with the run's reference log-probs
+
+--data holds preference records in TRL's formats, one JSON object a line:
+  {"prompt": "...", "chosen": "...", "rejected": "..."}                       (standard)
+  {"prompt": [messages], "chosen": [messages], "rejected": [messages]}        (conversational)
+  {"chosen": [messages], "rejected": [messages]}                              (implicit prompt)
+--grad-accum counts pairs; --epochs passes over the training pairs.
+
+exit status: 0 done, 1 training failed (or --check-loss-drop not met), 2 bad usage or input
+"""
+
+
+def build_parser(objective: str = "sft") -> argparse.ArgumentParser:
+    """The train command's parser (``objective`` "dpo": the dpo command's): one argument group per concern."""
+    if objective == "dpo":
+        p = argparse.ArgumentParser(
+            prog="python -m trainer dpo",
+            description="Preference-tune an LFM2 model with DPO (direct preference optimization, as TRL's "
+                        "DPOTrainer) on pairs of a preferred and a rejected answer: --model DIR --data "
+                        "prefs.jsonl. The reference is the model as loaded, its log-probs computed once before "
+                        "the first step. Every flag of python -m trainer applies, with sequences read as pairs.",
+            epilog=DPO_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    else:
+        p = argparse.ArgumentParser(
+            prog="python -m trainer",
+            description="Train an LFM2 model on lfm2jit's WebGPU kernels. With no arguments: train a tiny LFM2 "
+                        "from scratch on the shipped synthetic chat data and tokenizer, then report. With "
+                        "--model DIR --data FILE.jsonl: fine-tune a Hugging Face LFM2 checkpoint. "
+                        "python -m trainer dpo --help: preference tuning (DPO).",
+            epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_model_and_data(p)
     _add_optimization(p)
     _add_lora_and_frozen(p)
+    _add_preference(p, objective)
     _add_output(p)
     _add_sync_and_device(p)
     return p
@@ -203,6 +230,19 @@ def _add_lora_and_frozen(p: argparse.ArgumentParser) -> None:
                          "(e.g. 'lm_head.weight' 'model.layers.15.*'); with --lora-r, train these too")
     lo.add_argument("--freeze", nargs="+", metavar="PATTERN",
                     help="do not train the parameters whose names match one of these shell patterns")
+
+
+def _add_preference(p: argparse.ArgumentParser, objective: str) -> None:
+    """DPO's settings: parsed by the train command too, which refuses them naming the dpo command."""
+    d = p.add_argument_group("preference tuning (dpo)" if objective == "dpo" else
+                             "preference tuning (only with python -m trainer dpo)")
+    d.add_argument("--beta", type=float, metavar="B",
+                   help=f"DPO's beta: how far the policy may move from the reference (default {DEFAULT_BETA:g}, TRL's)")
+    d.add_argument("--loss-type", metavar="{sigmoid,ipo}",
+                   help="sigmoid (DPO's loss; the default) or ipo (IPO's squared loss on the length-averaged "
+                        "log-ratios), as TRL's loss_type")
+    d.add_argument("--label-smoothing", type=float, metavar="EPS",
+                   help="the sigmoid loss's label smoothing (conservative DPO), in [0, 0.5) (default 0)")
 
 
 def _add_output(p: argparse.ArgumentParser) -> None:

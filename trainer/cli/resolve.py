@@ -9,7 +9,7 @@ from pathlib import Path
 from lfm2jit.model.lora import DEFAULT_TARGETS
 
 from ..trainer import DEFAULT_PACK_TOKENS, DEFAULT_REPLAY_PASSES
-from .options import (DEFAULT_ACCUM, DEFAULT_CHECKPOINT_MINUTES, DEFAULT_EVAL_FRACTION, DEFAULT_EVAL_MAX, DEFAULT_KEEP,
+from .options import (DEFAULT_ACCUM, DEFAULT_BETA, DEFAULT_CHECKPOINT_MINUTES, DEFAULT_EVAL_FRACTION, DEFAULT_EVAL_MAX, DEFAULT_KEEP,
                       DEFAULT_MAX_LEN, DEFAULT_SAMPLES, DEMO_CHECK_LOSS_DROP, DEMO_LR, DEMO_PRESET, DEMO_STEPS,
                       FINETUNE_LR, MIN_EVAL_SEQUENCES)
 from .state import AS_YOU_LIKE, RESUMABLE, Run
@@ -37,6 +37,7 @@ def resolve(args: argparse.Namespace, argv_empty: bool, saved: dict | None = Non
         raise UsageError(f"--adapter {g['adapter']}: the GPU is chosen with --gpu SUBSTRING (--adapter is a LoRA "
                          "adapter directory, for generate and eval)")
     notes: list[str] = []
+    objective = _check_objective(g, saved, ckpt)
     # under MPI (given, or the resumed run's) the rank and world size come from MPI, never from the checkpoint
     if g.get("distributed", (saved or {}).get("distributed")) == "mpi":
         g.update(_mpi_world(g))
@@ -48,6 +49,9 @@ def resolve(args: argparse.Namespace, argv_empty: bool, saved: dict | None = Non
         if source == "model" and "preset" in g:
             raise UsageError("--preset is for training from scratch; --model DIR brings its own config.json")
     builtin_data = "data" not in g
+    if objective == "dpo" and builtin_data:
+        raise UsageError("python -m trainer dpo needs --data FILE.jsonl: preference records "
+                         '({"prompt", "chosen", "rejected"}, see python -m trainer dpo --help)')
     model_dir = g.get("model")
     if source == "model" and saved is None:
         _check_model_dir(model_dir)
@@ -95,12 +99,47 @@ def resolve(args: argparse.Namespace, argv_empty: bool, saved: dict | None = Non
         eval_every=g.get("eval_every", 0), save_dtype=g.get("save_dtype"), eval_data=g.get("eval_data"),
         eval_answers=g.get("eval_answers"), samples=g.get("samples", DEFAULT_SAMPLES),
         report_to=list(dict.fromkeys(g.get("report_to") or [])), distributed=g.get("distributed", "file"),
+        objective=objective, beta=g.get("beta", DEFAULT_BETA), loss_type=g.get("loss_type", "sigmoid"),
+        label_smoothing=g.get("label_smoothing", 0.0),
         derived={k for k in ("min_lr", "warmup_steps", "tokenizer", "data") if k not in g})
     _validate(run)
     for key in ("model", "tokenizer", "data", "eval_data", "sync_dir"):   # kept in checkpoints: independent of the cwd
         if getattr(run, key) is not None:
             setattr(run, key, str(Path(getattr(run, key)).resolve()))
     return run
+
+
+# the train command's flags that mean nothing to DPO (which scores completion tokens and generates no answers)
+NOT_FOR_DPO = {"data_kind": "records are preference pairs", "loss_on": "only completion tokens are scored",
+               "eval_answers": "DPO's evaluation scores pairs, not generated answers",
+               "samples": "DPO's evaluation generates no answers"}
+DPO_FLAGS = ("beta", "loss_type", "label_smoothing")
+
+
+def _check_objective(g: dict, saved: dict | None, ckpt: Path | None) -> str:
+    """The command's objective ("sft": python -m trainer, "dpo": python -m trainer dpo): its flags only
+    with it, and a resumed checkpoint's run of the same objective."""
+    objective = g.get("objective", "sft")
+    if objective == "sft":
+        given = [k for k in DPO_FLAGS if k in g]
+        if given:
+            flag = "--" + given[0].replace("_", "-")
+            raise UsageError(f"{flag} is a preference-tuning (DPO) flag: use python -m trainer dpo ... {flag} "
+                             f"{g[given[0]]}")
+    else:
+        given = [k for k in NOT_FOR_DPO if k in g]
+        if given:
+            raise UsageError(f"--{given[0].replace('_', '-')} does not apply to python -m trainer dpo: "
+                             f"{NOT_FOR_DPO[given[0]]}")
+    if saved is not None:
+        was = saved.get("objective") or "sft"
+        if was != objective:
+            cmd = "python -m trainer dpo" if was == "dpo" else "python -m trainer"
+            what = "a DPO (preference tuning)" if was == "dpo" else "a supervised (python -m trainer)"
+            raise UsageError(f"--resume {ckpt}: the checkpoint is of {what} run; continue it with {cmd} --resume"
+                             + ("" if objective == "sft" else "; to preference-tune its model, start a new run "
+                                f"with python -m trainer dpo --model {Path(ckpt) / 'model' if ckpt else 'DIR'}"))
+    return objective
 
 
 def _with_saved(g: dict, saved: dict, ckpt: Path | None, notes: list[str]) -> dict:
@@ -262,6 +301,10 @@ def _validate(r: Run) -> None:
         raise UsageError(f"--lora-dropout must be in [0, 1), got {r.lora_dropout:g}")
     if not (math.isfinite(r.router_aux_loss_coef) and r.router_aux_loss_coef >= 0):
         raise UsageError(f"--router-aux-loss-coef must be a finite number >= 0, got {r.router_aux_loss_coef:g}")
+    if r.objective not in ("sft", "dpo"):          # a checkpoint's value
+        raise UsageError(f"objective must be sft or dpo, got {r.objective!r}")
+    if r.objective == "dpo":
+        _validate_dpo(r)
     from .report import missing
     for name in r.report_to:
         if missing(name):
@@ -272,3 +315,21 @@ def _validate(r: Run) -> None:
     for flag, value in (("out", r.out), ("sync-dir", r.sync_dir)):
         if value is not None and _dir_problem(value):
             raise UsageError(f"--{flag} {_dir_problem(value)}")
+
+
+def _validate_dpo(r: Run) -> None:
+    """--beta, --loss-type and --label-smoothing, as trainer/dpo.py's DpoConfig takes them."""
+    from ..dpo import LOSS_TYPES, DpoConfig
+    if r.loss_type not in LOSS_TYPES:
+        raise UsageError(f"--loss-type must be {' or '.join(LOSS_TYPES)}, got {r.loss_type!r}")
+    if isinstance(r.beta, bool) or not isinstance(r.beta, (int, float)) or not (math.isfinite(r.beta) and r.beta > 0):
+        raise UsageError(f"--beta must be a finite number > 0, got {r.beta}")
+    eps = r.label_smoothing
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0.0 <= eps < 0.5:
+        raise UsageError(f"--label-smoothing must be in [0, 0.5), got {eps}")
+    if eps and r.loss_type != "sigmoid":
+        raise UsageError(f"--label-smoothing {eps:g} applies to the sigmoid loss only, not --loss-type {r.loss_type}")
+    try:
+        DpoConfig(beta=r.beta, loss_type=r.loss_type, label_smoothing=r.label_smoothing)
+    except ValueError as e:
+        raise UsageError(f"dpo: {e}") from None

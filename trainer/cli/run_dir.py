@@ -140,10 +140,10 @@ def check_sync_dir(run: Run, sync_id: str) -> None:
                          "pass a new --run-id to every rank")
 
 
-# What a run writes in its directory (RunFiles, the final model or adapter and what a killed write of
+# What a run writes in its directory (RunFiles, a DPO run's reference log-probs, the final model or adapter and what a killed write of
 # them leaves, the reporters' files, the other ranks' directories): a directory holding any of these
 # holds another run, whose files a fresh run would overwrite or mix its own with.
-_RUN_ENTRY = re.compile(r"^(?:run\.json|metrics\.jsonl|eval\.jsonl|samples\.jsonl|loss\.png|summary\.json|checkpoints"
+_RUN_ENTRY = re.compile(r"^(?:run\.json|metrics\.jsonl|eval\.jsonl|samples\.jsonl|loss\.png|summary\.json|reference_logps\.npz|checkpoints"
                         r"|(?:model|adapter)(?:\.(?:tmp|old)-\d+)?|tensorboard|wandb|mlflow\.db|mlruns|rank\d+)$")
 _CHECKPOINT_ENTRY = re.compile(r"^step-\d+(?:\.(?:tmp|old)-\d+)?$")
 
@@ -272,7 +272,7 @@ def write_final_model(run: Run, model, out: Path, files: dict[str, bytes]) -> st
 def _save_dtype(run: Run) -> str:
     if run.save_dtype is not None:
         return run.save_dtype
-    if run.source == "model" and Path(run.model).is_dir():
+    if run.source == "model" and run.model is not None and Path(run.model).is_dir():   # None: a resumed run
         from lfm2jit.model.checkpoint import stored_dtype
         return stored_dtype(Path(run.model))
     return "f32"

@@ -3,6 +3,7 @@ with the run's tokenizer, and the shuffled order in which the steps take the tra
 from __future__ import annotations
 
 import hashlib
+import random
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +37,11 @@ def _read_batch(path: str, run: Run, tok, notes: list[str], flag: str = ""):
         warnings.simplefilter("always")
         try:
             batch = Batch.from_jsonl(path, tok, max_len=run.max_len, kind=run.data_kind)
-        except (DataError, FileNotFoundError) as e:
+        except DataError as e:
+            hint = ("; this looks like preference data: use python -m trainer dpo"
+                    if "'chosen'" in str(e) and "'rejected'" in str(e) else "")
+            raise UsageError(f"{flag}{e}{hint}") from None
+        except FileNotFoundError as e:
             raise UsageError(f"{flag}{e}") from None
         except UnicodeDecodeError as e:
             raise UsageError(f"{flag}{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
@@ -51,7 +56,9 @@ def count(n: int, noun: str) -> str:
 
 def load_data(run: Run, tok) -> Data:
     """The training and held-out sequences of --data (or --eval-data), with notes on what was left out;
-    bad input is a UsageError."""
+    bad input is a UsageError. A DPO run's are preference pairs (``load_preferences``)."""
+    if run.objective == "dpo":
+        return load_preferences(run, tok)
     notes: list[str] = []
     batch = _read_batch(run.data, run, tok, notes)
     empty = sum(1 for s in batch if s.is_empty if run.loss_on == "assistant" or s.length == 0)
@@ -84,6 +91,45 @@ def load_data(run: Run, tok) -> Data:
     full = all(bool(t[2].all()) for t in tr)
     return Data(tr, ev, sha1, notes, has_answers=any(e[3] is not None for e in ev),
                 label="all tokens" if full else "assistant tokens", held=len(held))
+
+
+def _read_pairs(path: str, run: Run, tok, notes: list[str], flag: str = "") -> list:
+    """A JSONL file's preference records as PreferencePairs; warnings join ``notes``; bad input is a UsageError."""
+    from ..data import DataError
+    from ..preferences import read_preferences
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            pairs = read_preferences(path, tok, max_len=run.max_len)
+        except (DataError, FileNotFoundError, ValueError) as e:
+            raise UsageError(f"{flag}{e}") from None
+        except UnicodeDecodeError as e:
+            raise UsageError(f"{flag}{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    notes += [str(w.message) for w in caught]
+    return pairs
+
+
+def load_preferences(run: Run, tok) -> Data:
+    """A DPO run's training and held-out preference pairs: --data split by --eval-fraction and --seed (as
+    SFT's records are split), or --eval-data; bad input is a UsageError."""
+    notes: list[str] = []
+    pairs = _read_pairs(run.data, run, tok, notes)
+    if run.eval_data is not None:
+        train, held = pairs, _read_pairs(run.eval_data, run, tok, notes, "--eval-data ")
+    elif run.eval_fraction > 0:
+        n, n_held = len(pairs), max(1, round(len(pairs) * run.eval_fraction))
+        if n_held >= n:
+            raise UsageError(f"{run.data}: {count(n, 'preference pair')} cannot be split into training and held-out "
+                             f"pairs with --eval-fraction {run.eval_fraction:g}; pass --eval-fraction 0")
+        order = list(range(n))
+        random.Random(run.seed).shuffle(order)      # as Batch.split chooses SFT's held-out records
+        out = set(order[:n_held])
+        train, held = [p for i, p in enumerate(pairs) if i not in out], [p for i, p in enumerate(pairs) if i in out]
+    else:
+        train, held = pairs, []
+    sha1 = hashlib.sha1(Path(run.data).read_bytes()).hexdigest()
+    return Data(train, held[:run.eval_max], sha1, notes, has_answers=False, label="DPO, mean over pairs",
+                held=len(held))
 
 
 def epoch_order(n: int, seed: int, epoch: int) -> np.ndarray:

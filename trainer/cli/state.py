@@ -22,7 +22,8 @@ RESUMABLE = ("tokenizer", "data", "data_kind", "loss_on", "max_len", "eval_fract
              "checkpoint_minutes", "keep_checkpoints", "world_size", "sync_dir", "run_id", "sync_timeout",
              "check_loss_drop", "source", "preset", "lora_r", "lora_alpha", "lora_targets", "lora_dropout",
              "lora_target_parameters", "lora_f16_base", "merge_lora", "train_only", "freeze", "eval_every",
-             "save_dtype", "eval_data", "eval_answers", "samples", "distributed", "router_aux_loss_coef")
+             "save_dtype", "eval_data", "eval_answers", "samples", "distributed", "router_aux_loss_coef",
+             "objective", "beta", "loss_type", "label_smoothing")
 
 
 @dataclass
@@ -88,6 +89,10 @@ class Run:
     report_to: list[str] = field(default_factory=list)   # --report-to backends (not kept in checkpoints)
     distributed: str = "file"                             # how ranks average gradients: "file" or "mpi"
     builtin_data: bool = False
+    objective: str = "sft"            # "sft" (python -m trainer) or "dpo" (python -m trainer dpo)
+    beta: float = 0.1                 # DPO's beta, loss type and label smoothing (trainer/dpo.py's DpoConfig)
+    loss_type: str = "sigmoid"
+    label_smoothing: float = 0.0
     notes: list[str] = field(default_factory=list)
     derived: set = field(default_factory=set)     # settings left to defaults that follow others
 
@@ -100,8 +105,8 @@ class Run:
 @dataclass
 class Data:
     """The run's training and held-out sequences, as trainer/cli/splits.py reads and splits them."""
-    train: list            # (input_ids, target_ids, loss_mask) with at least one supervised target
-    eval: list             # (input_ids, target_ids, loss_mask, answer_mask or None)
+    train: list            # (input_ids, target_ids, loss_mask) with at least one supervised target; DPO: PreferencePairs
+    eval: list             # (input_ids, target_ids, loss_mask, answer_mask or None); DPO: PreferencePairs
     sha1: str
     notes: list[str]
     has_answers: bool      # eval holds chat records trained on all tokens: also report the answer loss

@@ -58,27 +58,52 @@ def print_banner(s: Session, start: int) -> None:
                 + (f" and {', '.join(run.lora_target_parameters)}" if run.lora_target_parameters else "")
                 + (", f16 base" if run.lora_f16_base else "") if run.lora_r is not None else "a subset")
         print(f"  training {fmt_count(n_trained)} of them ({100 * n_trained / n_params:.2f}%): {lora}")
-    print(f"  data: {run.data}: {len(data.train)} training sequences, {data.held} held out"
+    unit = "pair" if run.objective == "dpo" else "sequence"
+    print(f"  data: {run.data}: {len(data.train)} training {unit}s, {data.held} held out"
           + (f" ({len(data.eval)} of them evaluated: --eval-max {run.eval_max})" if len(data.eval) < data.held else "")
           + (f"; rank {run.rank} of {run.world_size}" if run.world_size > 1 else ""))
-    print(f"  steps {start + 1}..{run.steps}: {run.grad_accum} sequence(s) per step"
+    print(f"  steps {start + 1}..{run.steps}: {run.grad_accum} {unit}(s) per step"
           + (f" per rank x {run.world_size} ranks" if run.world_size > 1 else "")
           + f", {run.optimizer} lr {run.lr:g} ({run.schedule}), clip {run.clip:g}, bucket {run.bucket}"
           + (", loss scaling" if run.scaler else "") + (", f16 activations" if run.f16 else ""))
+    if run.objective == "dpo":
+        print(f"  DPO: beta {run.beta:g}, {run.loss_type} loss"
+              + (f", label smoothing {run.label_smoothing:g}" if run.label_smoothing else "")
+              + "; the reference is the model as loaded")
     print(f"  output: {s.out.resolve()}")
     sys.stdout.flush()
 
 
+def _dpo_text(ev: dict, before: dict | None = None) -> str:
+    """A DPO evaluation's reward accuracy and margin (after ``before``'s, when given); "" for others."""
+    if "rewards/accuracies" not in ev:
+        return ""
+    if before and "rewards/accuracies" in before:
+        return (f", rewards/accuracies {before['rewards/accuracies']:.2f} -> {ev['rewards/accuracies']:.2f}, "
+                f"rewards/margins {before['rewards/margins']:.4f} -> {ev['rewards/margins']:.4f}")
+    return f", rewards/accuracies {ev['rewards/accuracies']:.2f}, rewards/margins {ev['rewards/margins']:.4f}"
+
+
 def print_eval_before(s: Session, before: dict, seconds: float) -> None:
     """The held-out loss before the first step, which took ``seconds``."""
+    if "rewards/accuracies" in before:
+        print(f"  held-out before training: DPO loss {before['loss']:.4f}{_dpo_text(before)}; {len(s.data.eval)} "
+              f"pairs, {seconds:.1f}s")
+        sys.stdout.flush()
+        return
     print(f"  held-out loss before training: {before['loss']:.4f}"
           + (f" (answer tokens only: {before['answer_loss']:.4f})" if s.data.has_answers else "")
           + f"; {len(s.data.eval)} sequences, {seconds:.1f}s")
     sys.stdout.flush()
 
 
-def print_eval_during(s: Session, step: int, ev: dict, write) -> None:
-    """An evaluation during training, with its first --samples answers, through ``write``."""
+def print_eval_during(s: Session, step: int, ev: dict, write, before: dict | None = None) -> None:
+    """An evaluation during training, with its first --samples answers, through ``write``; a DPO run's
+    beside ``before``, the evaluation before this segment's first step."""
+    if "rewards/accuracies" in ev:
+        write(f"  step {step}: held-out: loss " + (f"{before['loss']:.4f} -> " if before else "")
+              + f"{ev['loss']:.4f}{_dpo_text(ev, before)}")
+        return
     write(f"  step {step}: held-out loss {ev['loss']:.4f}"
           + (f" (answers {ev['answer_loss']:.4f})" if s.data.has_answers else "")
           + (f", exact match {ev['exact_match']:.0%} of {ev['answers_scored']}"
@@ -126,6 +151,8 @@ def conclude(s: Session, h: History, final_eval: dict, final_samples: list[dict]
         "eval_answers_scored": final_eval.get("answers_scored", 0),
         "eval_seconds": round(eval_seconds, 2), "loss_fell": fell(before, after), "loss_ratio": ratio,
         "evals_during": h.evals_during,
+        **({"eval_dpo_before": {k: clean(v) for k, v in h.eval_before.items()},
+            "eval_dpo_after": {k: clean(v) for k, v in final_eval.items()}} if run.objective == "dpo" else {}),
         "metrics": str(files.metrics.resolve()), "plot": str(files.plot.resolve()),
         "checkpoint": str(Path(checkpoint).resolve()) if checkpoint else None,
     }
@@ -140,7 +167,11 @@ def conclude(s: Session, h: History, final_eval: dict, final_samples: list[dict]
               + (f"  (mean of the first {k} steps {first_avg:.4f} -> of the last {k} {last_avg:.4f})" if k > 1 else ""))
     if data.eval:
         print(f"  held-out loss ({data.label}): {eval_before:.4f} before -> {eval_after:.4f} after  "
-              f"({ratio_text(eval_before, eval_after)}, {len(data.eval)} sequences)")
+              f"({ratio_text(eval_before, eval_after)}, {len(data.eval)} "
+              f"{'pairs' if run.objective == 'dpo' else 'sequences'})")
+        if "rewards/accuracies" in final_eval:
+            print(f"  held-out{_dpo_text(final_eval, h.eval_before)[1:]}"
+                  + (f" (from step {h.start})" if h.start else ""))
         if data.has_answers:
             print(f"  held-out loss on the answers only: {answer_before:.4f} before -> {answer_after:.4f} after  "
                   f"({ratio_text(answer_before, answer_after)})")

@@ -61,17 +61,25 @@ METRICS_KEYS = ("step", "loss", "tokens", "supervised", "tokens_per_s", "lr", "g
 
 def main(argv: list[str]) -> int:
     """The train command: its flags in ``argv``; the exit status."""
+    return run_command(argv, "sft", Training)
+
+
+def run_command(argv: list[str], objective: str, loop: type["Training"]) -> int:
+    """A training command (``objective`` "sft": python -m trainer, "dpo": python -m trainer dpo, whose
+    loop is a subclass of Training): its flags in ``argv``; the exit status."""
     from ..errors import TrainError
-    args = build_parser().parse_args(argv)
+    args = build_parser(objective).parse_args(argv)
+    args.objective = objective
     try:
         session = prepare(args, argv_empty=not argv)
+        training = loop(session)
     except UsageError as e:
         return report(e)
     except TrainError as e:           # the sync handshake: another rank disagrees, or none answered
         print(f"error: {e}", file=sys.stderr)
         return 1
     try:
-        return Training(session).train()
+        return training.train()
     except OSError as e:              # a full disk or a file-size limit while writing a checkpoint or a run file
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -87,6 +95,7 @@ class StepResult:
 
 class Training:
     """A run's loop over optimizer steps: batch -> step -> log -> (checkpoint) -> (evaluate), then finish."""
+    COMMAND = "trainer"          # python -m COMMAND --resume continues the run
 
     def __init__(self, s: Session):
         self.s, self.run, self.tr = s, s.run, s.trainer
@@ -151,18 +160,21 @@ class Training:
     def step(self, window: np.ndarray) -> StepResult:
         """One optimizer step on ``window``; its metrics over all ranks: the mean loss of the window's
         sequences, its tokens (and each rank's stop vote)."""
-        data, tr = self.s.data, self.tr
+        tr = self.tr
         t_step = time.perf_counter()
-        stats = tr.train_sequences([data.train[i] for i in window], self.s.params)
+        stats, window_tokens, extra = self.train_window(window)
         last = stats[-1]
         seconds = time.perf_counter() - t_step
         model = self.s.model
         routed = model.take_routed_tokens()           # an MoE model's tokens per expert, per layer
         coef = model.router_aux_loss_coef             # and its routers' balance loss, when on
-        loss_sum, n_seq, toks, supervised, votes, balance, *per_expert = self.s.sum_over_ranks(
-            [sum(float(x.loss) for x in stats), len(stats), sum(len(data.train[i][0]) for i in window),
+        names = list(extra)
+        loss_sum, n_seq, toks, supervised, votes, balance, *rest = self.s.sum_over_ranks(
+            [sum(float(x.loss) for x in stats), len(stats), window_tokens,
              sum(x.tokens for x in stats), self.stop.vote(), model.take_router_balance() if coef else 0.0,
-             *(float(v) for n in routed.values() for v in n)], "the step's loss and tokens")
+             *(float(extra[k]) for k in names), *(float(v) for n in routed.values() for v in n)],
+            "the step's loss and tokens")
+        sums, per_expert = rest[:len(names)], rest[len(names):]
         self.stop.agreed = votes > 0
         toks = int(toks)
         self.cursor.tokens += toks
@@ -170,6 +182,7 @@ class Training:
                "tokens": toks, "supervised": int(supervised), "tokens_per_s": toks / seconds if seconds > 0 else None,
                "lr": last.lr, "grad_norm": last.grad_norm, "loss_scale": last.loss_scale,
                "skipped": bool(last.skipped), "elapsed": round(self.elapsed(), 3), "epoch": self.cursor.epoch}
+        rec.update({k: v / n_seq for k, v in zip(names, sums)})   # the objective's own metrics: means too
         rec = {k: clean(v) for k, v in rec.items()}
         if coef:                           # the balance loss's mean over the step's sequences, with its weight
             rec["router_aux_loss"] = clean(coef * balance / n_seq)
@@ -178,6 +191,17 @@ class Training:
             rec["expert_tokens"] = {str(i): [round(v) for v in per_expert[j * width:(j + 1) * width]]
                                     for j, i in enumerate(routed)}
         return StepResult(last, rec, seconds)
+
+    def train_window(self, window: np.ndarray) -> tuple[list, int, dict]:
+        """Train this rank's share of a window: each micro-batch's StepStats, the window's input tokens, and
+        the sums over its micro-batches of the objective's own metrics (none for SFT), by name."""
+        data = self.s.data
+        stats = self.tr.train_sequences([data.train[i] for i in window], self.s.params)
+        return stats, sum(len(data.train[i][0]) for i in window), {}
+
+    def held_out(self, answers: bool) -> dict:
+        """The held-out metrics of this rank's share (over all ranks); with ``answers`` greedy answers too."""
+        return held_out.evaluate(self.s, self.my_eval, answers=answers)
 
     def log(self, result: StepResult) -> None:
         """The step into metrics.jsonl and the reporters; a run that no longer steps fails; the bar moves."""
@@ -222,7 +246,7 @@ class Training:
         if not s.data.eval:
             return
         t_eval = time.perf_counter()
-        h.eval_before = held_out.evaluate(s, self.my_eval, answers=False)
+        h.eval_before = self.held_out(answers=False)
         print_eval_before(s, h.eval_before, time.perf_counter() - t_eval)
         self.reporters.log_eval(h.start, h.eval_before)
         if not any(e["step"] == h.start for e in h.evals_at_ends):
@@ -237,11 +261,11 @@ class Training:
 
     def evaluate(self, step: int) -> None:
         """Score the held-out split, record it in eval.jsonl (and samples.jsonl) and print it."""
-        ev = held_out.record(step, held_out.evaluate(self.s, self.my_eval, answers=True), self.files.evals,
+        ev = held_out.record(step, self.held_out(answers=True), self.files.evals,
                              self.files.samples, self.run.samples)
         self.h.evals_during.append(ev)
         self.reporters.log_eval(step, ev)
-        print_eval_during(self.s, step, ev, self.warn)
+        print_eval_during(self.s, step, ev, self.warn, self.h.eval_before)
         del ev["samples"]
 
     def finish(self) -> int:
@@ -251,7 +275,7 @@ class Training:
         self.stop.restore()
         train_seconds = time.perf_counter() - self.t0
         t_eval = time.perf_counter()
-        final_eval = held_out.evaluate(s, self.my_eval, answers=True) if s.data.eval else {}
+        final_eval = self.held_out(answers=True) if s.data.eval else {}
         eval_seconds = time.perf_counter() - t_eval
         k = self.tr.optimizer_steps()
         if s.data.eval:               # into the final checkpoint, so that a resumed run's summary and plot show it
@@ -298,7 +322,8 @@ class Training:
         self.stop.restore()
         write_plot(self.files.plot, self.h.whole, self.h.evals_during)
         self.reporters.finish("interrupted" if interrupted else "failed")
-        where = (f"the newest checkpoint is {self.last_ckpt.resolve()} (continue with --resume {self.s.out})"
+        where = (f"the newest checkpoint is {self.last_ckpt.resolve()} (continue with python -m {self.COMMAND} "
+                 f"--resume {self.s.out})"
                  if self.last_ckpt else "no checkpoint was written (--checkpoint-every N writes them during the run)")
         if interrupted:
             print(f"\ninterrupted at step {self.tr.optimizer_steps() + 1}; {where}", file=sys.stderr)
@@ -309,7 +334,7 @@ class Training:
     def resume_command(self) -> str:
         """How this run continues: under mpiexec as it was launched, with the file sync every rank with its --rank."""
         run = self.run
-        cmd = f"{sys.executable} -m trainer --resume {self.s.out}"
+        cmd = f"{sys.executable} -m {self.COMMAND} --resume {self.s.out}"
         if run.world_size > 1 and run.distributed == "mpi":
             return f"mpiexec -n {run.world_size} {cmd}"
         return f"{cmd} --rank R (every rank R of {run.world_size})" if run.world_size > 1 else cmd
