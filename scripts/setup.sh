@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Idempotent setup for a fresh Debian machine (or a dev box):
 #   bash scripts/setup.sh          .venv with lfm2jit and its runtime dependencies (the main job's)
-#   bash scripts/setup.sh test     ... and the test references (pytest, torch, transformers, peft)
+#   bash scripts/setup.sh test     ... and the test references (pytest, torch, transformers, peft, trl)
 # and a Vulkan, Metal or D3D12 adapter: Mesa's lavapipe (Vulkan on the CPU) is installed when wgpu
 # finds none (an OpenGL-only adapter such as Mesa's GL llvmpipe does not count: no shader-f16, and
 # not what CI tests). `setup.sh --print-install [test]` prints the pip target and exits.
