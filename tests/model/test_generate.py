@@ -204,3 +204,30 @@ def test_greedy_equals_transformers_on_a_trained_checkpoint(ctx, tmp_path):
     got = loaded.generate(prompts, max_new_tokens=12, eos_token_id=[])
     _check_against_transformers(tmp_path, prompts, got)
     assert len(set(got[0])) > 3            # the pattern was learned enough to move
+
+
+@needs_torch
+def test_a_prompt_sampled_g_times_in_one_batch_draws_from_transformers_warped_distribution(ctx):
+    """GRPO's case: one prompt repeated G times in one batch, sampled with temperature and top-p. Each
+    row's first token is an independent draw from transformers' warped distribution of the prompt's
+    logits: every draw inside the top-p set, the counts within a few sigma of the probabilities, and
+    Pearson's chi-square within five of its standard deviations of its degrees of freedom."""
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
+    directory = GOLDEN / "untied_bias_g2_attn_first"
+    model = Lfm2Model.from_pretrained(directory, ctx, ComputeEngine(ctx))
+    hf = transformers.Lfm2ForCausalLM.from_pretrained(directory).double().eval()
+    prompt, n = [3, 17, 9, 40, 2], 500
+    with torch.no_grad():
+        x = hf(torch.tensor([prompt])).logits[0, -1:].double()
+    for warper in (TemperatureLogitsWarper(1.4), TopPLogitsWarper(0.9)):
+        x = warper(None, x)
+    want = torch.softmax(x, -1)[0].numpy()
+    draws = [row[0] for row in model.generate([prompt] * n, max_new_tokens=1, do_sample=True, temperature=1.4,
+                                              top_p=0.9, eos_token_id=[], seed=5)]
+    counts = np.bincount(draws, minlength=want.size)
+    assert counts[want == 0].sum() == 0 and (want > 0).sum() > 5     # only the top-p set, and a real choice
+    sigma = np.sqrt(n * want * (1 - want))
+    assert np.all(np.abs(counts - n * want) <= 5 * sigma + 1), np.abs(counts - n * want).max()
+    kept = want > 0                                                     # Pearson's chi-square over the support
+    chi2, dof = float((((counts - n * want) ** 2)[kept] / (n * want[kept])).sum()), int(kept.sum()) - 1
+    assert chi2 < dof + 5 * np.sqrt(2 * dof), (chi2, dof)
