@@ -30,7 +30,7 @@ import sys
 import numpy as np
 
 from .held_out import _bar
-from .resolve import grpo_config
+from .resolve import grpo_config, reward_display_names
 from .run_dir import clean
 from .state import Session
 from .train import Training, run_command
@@ -50,10 +50,8 @@ def sampling_seed(seed: int, step: int, rank: int) -> int:
 
 
 def reward_names(rewards: list) -> list:
-    """The reward functions under the names their metrics take (rewards/<name>/mean): a user function's own
-    name, as TRL names them (its spec, path and all, where two share one); exact_match and regex:PATTERN."""
-    short = [spec.rpartition(":")[2] if ":" in spec and not spec.startswith("regex:") else spec for spec, _ in rewards]
-    return [(name if short.count(name) == 1 else spec, fn) for name, (spec, fn) in zip(short, rewards)]
+    """The reward functions (spec, function) under the names their metrics take (rewards/<name>/mean)."""
+    return [(name, fn) for name, (_, fn) in zip(reward_display_names([spec for spec, _ in rewards]), rewards)]
 
 
 class GrpoTraining(Training):

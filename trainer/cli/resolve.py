@@ -405,3 +405,10 @@ def grpo_config(r: Run):
                       temperature=r.temperature, top_p=r.top_p, beta=r.beta, epsilon=r.epsilon,
                       epsilon_high=r.epsilon_high, loss_type=r.loss_type, num_iterations=r.num_iterations,
                       scale_rewards=r.scale_rewards)
+
+
+def reward_display_names(specs: list[str]) -> list[str]:
+    """The names of --reward functions in metrics (rewards/<name>/mean) and the banner: a user function's own
+    name, as TRL names them (its whole spec where two share one); exact_match and regex:PATTERN as given."""
+    short = [spec.rpartition(":")[2] if ":" in spec and not spec.startswith("regex:") else spec for spec in specs]
+    return [name if short.count(name) == 1 else spec for name, spec in zip(short, specs)]

@@ -11,6 +11,7 @@ import numpy as np
 from lfm2jit.safefiles import write_atomic
 
 from .held_out import print_samples
+from .resolve import reward_display_names
 from .run_dir import RunFiles, clean
 from .state import History, Session
 
@@ -62,7 +63,8 @@ def print_banner(s: Session, start: int) -> None:
     print(f"  data: {run.data}: {len(data.train)} training {unit}s, {data.held} held out"
           + (f" ({len(data.eval)} of them evaluated: --eval-max {run.eval_max})" if len(data.eval) < data.held else "")
           + (f"; rank {run.rank} of {run.world_size}" if run.world_size > 1 else ""))
-    print(f"  steps {start + 1}..{run.steps}: {run.grad_accum} {unit}(s) per step"
+    print(f"  steps {start + 1}..{run.steps}: {run.grad_accum} {unit}(s) per "
+          + ("generation batch" if run.objective == "grpo" else "step")
           + (f" per rank x {run.world_size} ranks" if run.world_size > 1 else "")
           + f", {run.optimizer} lr {run.lr:g} ({run.schedule}), clip {run.clip:g}, bucket {run.bucket}"
           + (", loss scaling" if run.scaler else "") + (", f16 activations" if run.f16 else ""))
@@ -73,7 +75,7 @@ def print_banner(s: Session, start: int) -> None:
               f"generation batch, {run.loss_type} loss, epsilon {eps}, rewards scaled by {run.scale_rewards}, beta "
               f"{run.beta:g}" + ("" if not run.beta else " (reference: " + ("the base, adapters off)" if run.lora_r
                                                                            else f"{run.reference_model})"))
-              + f"; rewards: {', '.join(run.rewards)}")
+              + f"; rewards: {', '.join(reward_display_names(run.rewards))}")
     if run.objective == "dpo":
         print(f"  DPO: beta {run.beta:g}, {run.loss_type} loss"
               + (f", label smoothing {run.label_smoothing:g}" if run.label_smoothing else "")
