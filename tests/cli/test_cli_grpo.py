@@ -145,6 +145,9 @@ def test_resume_continues_the_run(full_run, tmp_path):
     want = metrics(out)[1]
     for key in ("loss", "grad_norm", "reward", "kl", "completions/mean_length"):
         assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), key
+    # the summary's "before" is the run's start (kept in the checkpoint), not the resumed segment's
+    before = json.loads((new / "summary.json").read_text())["eval_grpo_before"]
+    assert before["reward"] == json.loads((out / "summary.json").read_text())["eval_grpo_before"]["reward"]
     r = cli("--resume", out, "--steps", 4, "--no-progress")           # the train command names grpo
     assert r.returncode == 2 and "continue it with python -m trainer grpo --resume" in r.stderr
 
@@ -183,12 +186,15 @@ def test_a_failing_reward_function_ends_the_run(name, message, base, tmp_path):
     (["--loss-on", "all"], "--loss-on does not apply to python -m trainer grpo"),
     (["--check-loss-drop", "0.5"], "--check-loss-drop does not apply to python -m trainer grpo"),
     (["--prompts", "BAD"], "bad.jsonl:2: a prompts record needs a non-empty 'prompt'"),
+    (["--prompts", "NOANSWER"], "--reward exact_match compares each completion with its record's 'answer': "),
 ])
 def test_bad_grpo_input_exits_2_in_one_line_writing_nothing(args, message, base, tmp_path, capsys):
     model, prompts, rewards = base
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "hi", "answer": "x"}\n{"answer": "y"}\n')
-    args = [a.replace("REWARDS", str(rewards)).replace("BAD", str(bad)) for a in args]
+    (tmp_path / "noanswer.jsonl").write_text('{"prompt": "hi", "answer": "x"}\n{"prompt": "ho"}\n')
+    args = [a.replace("REWARDS", str(rewards)).replace("BAD", str(bad))
+            .replace("NOANSWER", str(tmp_path / "noanswer.jsonl")) for a in args]
     out = tmp_path / "out"
     assert main(["grpo", "--model", str(model), "--prompts", str(prompts), *args, "--no-progress",
                  "--out", str(out)]) == 2

@@ -151,6 +151,10 @@ def _read_prompts(path: str, run: Run, tok, notes: list[str], flag: str = "") ->
                      f"tokens left out")
     if not kept:
         raise UsageError(f"{flag}{path}: every prompt is longer than --max-len {run.max_len} tokens")
+    lacking = next((r for r in kept if "answer" not in r.columns), None)
+    if "exact_match" in run.rewards and lacking is not None:      # refused now, not at the first batch (exit 1)
+        raise UsageError(f"--reward exact_match compares each completion with its record's 'answer': "
+                         f"{lacking.origin} has none")
     return kept
 
 
