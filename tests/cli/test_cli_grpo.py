@@ -220,3 +220,14 @@ def test_grpo_flags_belong_to_the_grpo_command(command, args, message, base, tmp
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1, err
     assert not out.exists()
+
+
+def test_batches_whose_groups_all_score_alike_do_not_fail_the_run(base, tmp_path, monkeypatch, capsys):
+    """A constant reward gives no advantage: a zero gradient by right, which the train command's check
+    (MAX_SKIPPED_IN_A_ROW windows without a nonzero step fail the run; here 1) does not count."""
+    model, prompts, rewards = base
+    monkeypatch.setattr("trainer.cli.train.MAX_SKIPPED_IN_A_ROW", 1)
+    out = tmp_path / "flat"
+    assert main(["grpo", "--model", str(model), "--prompts", str(prompts), "--reward", f"{rewards}:const",
+                 *map(str, RUN), "--steps", "2", "--eval-fraction", "0", "--out", str(out)]) == 0, capsys.readouterr().err
+    assert [(m["grad_norm"], m["frac_reward_zero_std"]) for m in metrics(out)] == [(0.0, 1.0), (0.0, 1.0)]

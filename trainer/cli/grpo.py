@@ -121,12 +121,20 @@ class GrpoTraining(Training):
             grpo = self.trainer_of(dataclasses.replace(self.config, num_iterations=left))
         passes, metrics = grpo.step(records, self.s.params, seed=sampling_seed(run.seed, tr.optimizer_steps(),
                                                                                 run.rank))
+        self.flat = metrics["frac_reward_zero_std"] == 1.0 and not metrics.get("kl")
         g = self.config.num_generations
         completion_tokens = round(metrics["completions/mean_length"] * g * len(records))
         positions = sum(g * (r.ids.size - 1) for r in records) + completion_tokens
         iterations = len(passes) // max(len(records), 1)
         n = len(passes)
         return passes, positions * iterations, {k: v * n for k, v in metrics.items() if k != "loss"}
+
+    def check_stepping(self, last) -> None:
+        """As the train command, except that a batch whose every group scored its completions alike (no
+        advantage, no KL) has a zero gradient by right: it neither fails the run nor counts towards failing."""
+        if getattr(self, "flat", False) and not last.skipped:
+            return
+        super().check_stepping(last)
 
     # ---- the held-out evaluation ----
     def held_out(self, answers: bool) -> dict:
