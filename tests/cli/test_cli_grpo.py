@@ -231,3 +231,16 @@ def test_batches_whose_groups_all_score_alike_do_not_fail_the_run(base, tmp_path
     assert main(["grpo", "--model", str(model), "--prompts", str(prompts), "--reward", f"{rewards}:const",
                  *map(str, RUN), "--steps", "2", "--eval-fraction", "0", "--out", str(out)]) == 0, capsys.readouterr().err
     assert [(m["grad_norm"], m["frac_reward_zero_std"]) for m in metrics(out)] == [(0.0, 1.0), (0.0, 1.0)]
+
+
+def test_epochs_count_generation_batches_times_iterations(base, tmp_path):
+    """--epochs 1 over 6 training prompts (8, a quarter held out), 2 per batch, 2 optimizer steps each: 6 steps."""
+    from trainer.cli.options import build_parser
+    from trainer.cli.prepare import prepare
+    model, prompts, _ = base
+    args = build_parser("grpo").parse_args(["--model", str(model), "--prompts", str(prompts), "--epochs", "1",
+                                            "--num-iterations", "2", "--grad-accum", "2", "--eval-fraction", "0.25",
+                                            "--no-progress", "--out", str(tmp_path / "out")])
+    args.objective = "grpo"
+    session = prepare(args, argv_empty=False)
+    assert (len(session.data.train), len(session.data.eval), session.run.steps) == (6, 2, 6)
