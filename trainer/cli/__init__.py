@@ -1,6 +1,6 @@
 """The command-line app, ``python -m trainer [COMMAND]``: one module per command. Without a command
-it trains (trainer/cli/train.py); ``dpo`` trains on preference pairs (trainer/cli/dpo.py), with the
-train command's machinery; ``generate`` and ``eval`` use a trained model alone."""
+it trains (trainer/cli/train.py); ``dpo`` trains on preference pairs (trainer/cli/dpo.py) and ``grpo``
+with reward functions (trainer/cli/grpo.py), with the train command's machinery; ``generate`` and ``eval`` use a trained model alone."""
 from __future__ import annotations
 
 import importlib
@@ -9,7 +9,7 @@ import sys
 from lfm2jit.settings import SettingsError, settings
 
 # command word -> its module in this package; anything else is the train command's flags
-COMMANDS = {"generate": "generate", "eval": "eval", "dpo": "dpo"}
+COMMANDS = {"generate": "generate", "eval": "eval", "dpo": "dpo", "grpo": "grpo"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -34,17 +34,21 @@ class Cadence:
         self.run, self.start, self.say = run, start, say
         self.every = run.checkpoint_every       # None: chosen after AUTO_CHECKPOINT_AFTER steps
         self.step_seconds: list[float] = []
+        self.last = start                       # the step of the last window seen
 
     def due(self, step: int, seconds: float) -> bool:
-        """After optimizer step ``step``, which took ``seconds``."""
+        """After optimizer step ``step``, which took ``seconds`` (a GRPO window of several optimizer steps:
+        they did, shared evenly; it is due when it passed a multiple of the interval)."""
         run = self.run
-        self.step_seconds.append(seconds)
+        n = max(step - self.last, 1)
+        before, self.last = self.last, step
+        self.step_seconds += [seconds / n] * n
         if self.every is None and len(self.step_seconds) >= min(AUTO_CHECKPOINT_AFTER, run.steps - self.start):
             self.every = auto_checkpoint_every(self.step_seconds, 60 * run.checkpoint_minutes)
             if run.rank == 0 and step + self.every < run.steps:
                 self.say(f"  checkpointing every {self.every} steps (about every {run.checkpoint_minutes:g} "
                          "minutes at the measured step time; --checkpoint-every N chooses)")
-        return run.rank == 0 and bool(self.every) and step % self.every == 0 and step < run.steps
+        return run.rank == 0 and bool(self.every) and step // self.every > before // self.every and step < run.steps
 
 
 def save(trainer, run: Run, root: Path, step: int, position: dict, files: dict[str, bytes]) -> Path:

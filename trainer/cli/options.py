@@ -71,10 +71,35 @@ examples:
 exit status: 0 done, 1 training failed (or --check-loss-drop not met), 2 bad usage or input
 """
 
+GRPO_EPILOG = """\
+examples:
+  python -m trainer grpo --model DIR --prompts prompts.jsonl --reward exact_match --lora-r 8 --out runs/grpo
+  python -m trainer grpo --model DIR --prompts prompts.jsonl --reward exact_match --reward rewards.py:fmt \\
+      --num-generations 8 --max-completion-length 64 --beta 0.04 --lora-r 8
+  python -m trainer grpo --resume runs/grpo --steps 200
+
+--prompts holds one JSON object a line: {"prompt": "text" | [messages], ...other columns}; the other
+columns (e.g. "answer") reach the reward functions as keyword arguments, f(prompts, completions,
+**columns) -> list[float]. --grad-accum counts prompts per generation batch; each batch makes
+--num-iterations optimizer steps; --epochs passes over the training prompts.
+
+exit status: 0 done, 1 training failed (a reward function raised, returned a wrong length or a
+non-finite value, ...), 2 bad usage or input
+"""
+
 
 def build_parser(objective: str = "sft") -> argparse.ArgumentParser:
-    """The train command's parser (``objective`` "dpo": the dpo command's): one argument group per concern."""
-    if objective == "dpo":
+    """The train command's parser (``objective`` "dpo" or "grpo": that command's): one argument group per concern."""
+    if objective == "grpo":
+        p = argparse.ArgumentParser(
+            prog="python -m trainer grpo",
+            description="Train an LFM2 model with GRPO (group relative policy optimization, as TRL's "
+                        "GRPOTrainer): --model DIR --prompts prompts.jsonl --reward exact_match. Each prompt's "
+                        "--num-generations completions are sampled, scored by the reward functions and "
+                        "compared within their group. Every flag of python -m trainer applies, with records "
+                        "read as prompts.",
+            epilog=GRPO_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    elif objective == "dpo":
         p = argparse.ArgumentParser(
             prog="python -m trainer dpo",
             description="Preference-tune an LFM2 model with DPO (direct preference optimization, as TRL's "
@@ -88,12 +113,14 @@ def build_parser(objective: str = "sft") -> argparse.ArgumentParser:
             description="Train an LFM2 model on lfm2jit's WebGPU kernels. With no arguments: train a tiny LFM2 "
                         "from scratch on the shipped synthetic chat data and tokenizer, then report. With "
                         "--model DIR --data FILE.jsonl: fine-tune a Hugging Face LFM2 checkpoint. "
-                        "python -m trainer dpo --help: preference tuning (DPO).",
+                        "python -m trainer dpo --help: preference tuning (DPO); python -m trainer grpo "
+                        "--help: GRPO with reward functions.",
             epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_model_and_data(p)
     _add_optimization(p)
     _add_lora_and_frozen(p)
     _add_preference(p, objective)
+    _add_grpo(p, objective)
     _add_output(p)
     _add_sync_and_device(p)
     return p
@@ -233,7 +260,19 @@ def _add_lora_and_frozen(p: argparse.ArgumentParser) -> None:
 
 
 def _add_preference(p: argparse.ArgumentParser, objective: str) -> None:
-    """DPO's settings: parsed by the train command too, which refuses them naming the dpo command."""
+    """DPO's settings: parsed by the other commands too, which refuse them naming the dpo command (--beta
+    and --loss-type are GRPO's too)."""
+    if objective == "grpo":
+        d = p.add_argument_group("GRPO's loss (--beta and --loss-type as TRL's GRPOConfig)")
+        d.add_argument("--beta", type=float, metavar="B",
+                       help="the KL term's weight against the reference (the starting model; for LoRA its base) "
+                            "(default 0, TRL's: no reference)")
+        d.add_argument("--loss-type", metavar="{grpo,dr_grpo,dapo}",
+                       help="the loss normalisation: grpo (mean over completions of each one's token mean), "
+                            "dr_grpo (token sum / (completions x --max-completion-length)) or dapo (token sum / "
+                            "the batch's completion tokens; the default, TRL's)")
+        d.add_argument("--label-smoothing", type=float, metavar="EPS", help="DPO only (python -m trainer dpo)")
+        return
     d = p.add_argument_group("preference tuning (dpo)" if objective == "dpo" else
                              "preference tuning (only with python -m trainer dpo)")
     d.add_argument("--beta", type=float, metavar="B",
@@ -243,6 +282,35 @@ def _add_preference(p: argparse.ArgumentParser, objective: str) -> None:
                         "log-ratios), as TRL's loss_type")
     d.add_argument("--label-smoothing", type=float, metavar="EPS",
                    help="the sigmoid loss's label smoothing (conservative DPO), in [0, 0.5) (default 0)")
+
+
+def _add_grpo(p: argparse.ArgumentParser, objective: str) -> None:
+    """GRPO's settings: parsed by the other commands too, which refuse them naming the grpo command."""
+    only = "" if objective == "grpo" else " (only with python -m trainer grpo)"
+    g = p.add_argument_group(f"GRPO{only}")
+    if objective == "grpo":
+        g.add_argument("--prompts", metavar="FILE.jsonl", dest="data",
+                       help='the prompts: {"prompt": "text" | [messages], ...columns} one a line (--data is the '
+                            "same flag)")
+    g.add_argument("--reward", action="append", metavar="SPEC",
+                   help="a reward function (repeat for several; their rewards add up): exact_match (the stripped "
+                        "completion equals the record's 'answer'), regex:PATTERN (the stripped completion matches "
+                        "in full), module:function or path/to/file.py:function, called as f(prompts, completions, "
+                        "**columns) -> list[float] (default exact_match)")
+    g.add_argument("--num-generations", type=int, metavar="G",
+                   help="completions sampled per prompt, compared within their group (default 8, >= 2)")
+    g.add_argument("--max-completion-length", type=int, metavar="N",
+                   help="at most N new tokens per completion (default 512); also the held-out greedy answers'")
+    g.add_argument("--temperature", type=float, metavar="T", help="sampling temperature (default 1)")
+    g.add_argument("--top-p", type=float, metavar="P", help="nucleus sampling's top-p, in (0, 1] (default 1)")
+    g.add_argument("--epsilon", type=float, metavar="E",
+                   help="the ratio's clip range: [1 - E, 1 + E], E in [0, 1) (default 0.2)")
+    g.add_argument("--epsilon-high", type=float, metavar="E",
+                   help="the clip range's upper side, 1 + E (DAPO's clip-higher; default --epsilon)")
+    g.add_argument("--num-iterations", type=int, metavar="K",
+                   help="optimizer steps per generation batch (TRL's num_iterations, mu; default 1)")
+    g.add_argument("--scale-rewards", choices=("group", "batch", "none"),
+                   help="advantages divided by the group's reward std (default), the batch's, or not at all")
 
 
 def _add_output(p: argparse.ArgumentParser) -> None:

@@ -121,8 +121,11 @@ def _resolve_length(run: Run, n_train: int) -> None:
     """--steps from --epochs (1 by default) and the warmup from the steps, now that the data is known."""
     steps_per_epoch = n_train // (run.world_size * run.grad_accum)
     if steps_per_epoch == 0:
-        raise UsageError(f"{n_train} training sequence(s) are fewer than one optimizer step needs "
+        raise UsageError(f"{n_train} training {'prompt' if run.objective == 'grpo' else 'sequence'}(s) are fewer "
+                         f"than one {'generation batch' if run.objective == 'grpo' else 'optimizer step'} needs "
                          f"(--world-size {run.world_size} x --grad-accum {run.grad_accum})")
+    if run.objective == "grpo":         # each generation batch makes --num-iterations optimizer steps
+        steps_per_epoch *= run.num_iterations
     if run.steps is None:
         run.steps = max(1, round((run.epochs if run.epochs is not None else 1.0) * steps_per_epoch))
     if run.warmup_steps is None:

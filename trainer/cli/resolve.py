@@ -38,6 +38,8 @@ def resolve(args: argparse.Namespace, argv_empty: bool, saved: dict | None = Non
                          "adapter directory, for generate and eval)")
     notes: list[str] = []
     objective = _check_objective(g, saved, ckpt)
+    if "reward" in g:                   # --reward SPEC (repeated): the run's list of reward functions
+        g["rewards"] = g.pop("reward")
     # under MPI (given, or the resumed run's) the rank and world size come from MPI, never from the checkpoint
     if g.get("distributed", (saved or {}).get("distributed")) == "mpi":
         g.update(_mpi_world(g))
@@ -52,6 +54,9 @@ def resolve(args: argparse.Namespace, argv_empty: bool, saved: dict | None = Non
     if objective == "dpo" and builtin_data:
         raise UsageError("python -m trainer dpo needs --data FILE.jsonl: preference records "
                          '({"prompt", "chosen", "rejected"}, see python -m trainer dpo --help)')
+    if objective == "grpo" and builtin_data:
+        raise UsageError('python -m trainer grpo needs --prompts FILE.jsonl: {"prompt": ..., "answer": ...} records '
+                         "(see python -m trainer grpo --help)")
     model_dir = g.get("model")
     if source == "model" and saved is None:
         _check_model_dir(model_dir)
@@ -99,11 +104,17 @@ def resolve(args: argparse.Namespace, argv_empty: bool, saved: dict | None = Non
         eval_every=g.get("eval_every", 0), save_dtype=g.get("save_dtype"), eval_data=g.get("eval_data"),
         eval_answers=g.get("eval_answers"), samples=g.get("samples", DEFAULT_SAMPLES),
         report_to=list(dict.fromkeys(g.get("report_to") or [])), distributed=g.get("distributed", "file"),
-        objective=objective, beta=g.get("beta", DEFAULT_BETA), loss_type=g.get("loss_type", "sigmoid"),
-        label_smoothing=g.get("label_smoothing", 0.0),
+        objective=objective, beta=g.get("beta", 0.0 if objective == "grpo" else DEFAULT_BETA),
+        loss_type=g.get("loss_type", "dapo" if objective == "grpo" else "sigmoid"),
+        label_smoothing=g.get("label_smoothing", 0.0), rewards=list(g.get("rewards") or ["exact_match"]),
+        num_generations=g.get("num_generations", 8), max_completion_length=g.get("max_completion_length", 512),
+        temperature=g.get("temperature", 1.0), top_p=g.get("top_p", 1.0), epsilon=g.get("epsilon", 0.2),
+        epsilon_high=g.get("epsilon_high"), num_iterations=g.get("num_iterations", 1),
+        scale_rewards=g.get("scale_rewards", "group"),
+        reference_model=g.get("reference_model", model_dir if objective == "grpo" else None),
         derived={k for k in ("min_lr", "warmup_steps", "tokenizer", "data") if k not in g})
     _validate(run)
-    for key in ("model", "tokenizer", "data", "eval_data", "sync_dir"):   # kept in checkpoints: independent of the cwd
+    for key in ("model", "tokenizer", "data", "eval_data", "sync_dir", "reference_model"):   # kept in checkpoints: independent of the cwd
         if getattr(run, key) is not None:
             setattr(run, key, str(Path(getattr(run, key)).resolve()))
     return run
@@ -114,31 +125,49 @@ NOT_FOR_DPO = {"data_kind": "records are preference pairs", "loss_on": "only com
                "eval_answers": "DPO's evaluation scores pairs, not generated answers",
                "samples": "DPO's evaluation generates no answers"}
 DPO_FLAGS = ("beta", "loss_type", "label_smoothing")
+# ... and to GRPO (whose completions the reward functions score; its loss is no measure of progress)
+NOT_FOR_GRPO = {"data_kind": "records are prompts", "loss_on": "the reward functions score the completions",
+                "label_smoothing": "it is DPO's (python -m trainer dpo)",
+                "eval_answers": "GRPO's evaluation completes every evaluated prompt (--eval-max N evaluates fewer)",
+                "check_loss_drop": "GRPO's loss is no measure of progress (the summary says whether the held-out "
+                                   "reward rose)"}
+GRPO_FLAGS = ("reward", "num_generations", "max_completion_length", "temperature", "top_p", "epsilon",
+              "epsilon_high", "num_iterations", "scale_rewards")
+COMMAND_OF = {"sft": "python -m trainer", "dpo": "python -m trainer dpo", "grpo": "python -m trainer grpo"}
+RUN_OF = {"sft": "a supervised (python -m trainer)", "dpo": "a DPO (preference tuning)", "grpo": "a GRPO"}
+
+
+def _flag(key: str) -> str:
+    return "--" + key.replace("_", "-")
 
 
 def _check_objective(g: dict, saved: dict | None, ckpt: Path | None) -> str:
-    """The command's objective ("sft": python -m trainer, "dpo": python -m trainer dpo): its flags only
-    with it, and a resumed checkpoint's run of the same objective."""
+    """The command's objective ("sft": python -m trainer, "dpo": python -m trainer dpo, "grpo": python -m
+    trainer grpo): its flags only with it, and a resumed checkpoint's run of the same objective."""
     objective = g.get("objective", "sft")
+    given = [k for k in GRPO_FLAGS if k in g] if objective != "grpo" else []
+    if given:
+        value = g[given[0]][0] if given[0] == "reward" else g[given[0]]
+        raise UsageError(f"{_flag(given[0])} is a GRPO flag: use python -m trainer grpo ... {_flag(given[0])} {value}")
     if objective == "sft":
         given = [k for k in DPO_FLAGS if k in g]
         if given:
-            flag = "--" + given[0].replace("_", "-")
+            flag = _flag(given[0])
             raise UsageError(f"{flag} is a preference-tuning (DPO) flag: use python -m trainer dpo ... {flag} "
-                             f"{g[given[0]]}")
+                             f"{g[given[0]]}" + (" (or python -m trainer grpo)" if given[0] != "label_smoothing" else ""))
     else:
-        given = [k for k in NOT_FOR_DPO if k in g]
+        refused = NOT_FOR_DPO if objective == "dpo" else NOT_FOR_GRPO
+        given = [k for k in refused if k in g]
         if given:
-            raise UsageError(f"--{given[0].replace('_', '-')} does not apply to python -m trainer dpo: "
-                             f"{NOT_FOR_DPO[given[0]]}")
+            raise UsageError(f"{_flag(given[0])} does not apply to {COMMAND_OF[objective]}: {refused[given[0]]}")
     if saved is not None:
         was = saved.get("objective") or "sft"
         if was != objective:
-            cmd = "python -m trainer dpo" if was == "dpo" else "python -m trainer"
-            what = "a DPO (preference tuning)" if was == "dpo" else "a supervised (python -m trainer)"
-            raise UsageError(f"--resume {ckpt}: the checkpoint is of {what} run; continue it with {cmd} --resume"
-                             + ("" if objective == "sft" else "; to preference-tune its model, start a new run "
-                                f"with python -m trainer dpo --model {Path(ckpt) / 'model' if ckpt else 'DIR'}"))
+            raise UsageError(f"--resume {ckpt}: the checkpoint is of {RUN_OF.get(was, repr(was))} run; continue it "
+                             f"with {COMMAND_OF.get(was, 'python -m trainer')} --resume"
+                             + ("" if objective == "sft" else f"; to train its model with {objective}, start a new "
+                                f"run with {COMMAND_OF[objective]} --model "
+                                f"{Path(ckpt) / 'model' if ckpt else 'DIR'}"))
     return objective
 
 
@@ -301,10 +330,12 @@ def _validate(r: Run) -> None:
         raise UsageError(f"--lora-dropout must be in [0, 1), got {r.lora_dropout:g}")
     if not (math.isfinite(r.router_aux_loss_coef) and r.router_aux_loss_coef >= 0):
         raise UsageError(f"--router-aux-loss-coef must be a finite number >= 0, got {r.router_aux_loss_coef:g}")
-    if r.objective not in ("sft", "dpo"):          # a checkpoint's value
-        raise UsageError(f"objective must be sft or dpo, got {r.objective!r}")
+    if r.objective not in ("sft", "dpo", "grpo"):          # a checkpoint's value
+        raise UsageError(f"objective must be sft, dpo or grpo, got {r.objective!r}")
     if r.objective == "dpo":
         _validate_dpo(r)
+    if r.objective == "grpo":
+        _validate_grpo(r)
     from .report import missing
     for name in r.report_to:
         if missing(name):
@@ -333,3 +364,51 @@ def _validate_dpo(r: Run) -> None:
         DpoConfig(beta=r.beta, loss_type=r.loss_type, label_smoothing=r.label_smoothing)
     except ValueError as e:
         raise UsageError(f"dpo: {e}") from None
+
+
+def _validate_grpo(r: Run) -> None:
+    """GRPO's settings as trainer/grpo.py's GrpoConfig takes them, each --reward loaded (load_reward), and
+    a reference to load when --beta > 0."""
+    from ..grpo import LOSS_TYPES, GrpoConfig, load_reward
+    if r.loss_type not in LOSS_TYPES:
+        raise UsageError(f"--loss-type must be {', '.join(LOSS_TYPES[:-1])} or {LOSS_TYPES[-1]}, got {r.loss_type!r}")
+    try:
+        grpo_config(r)
+    except ValueError as e:            # GrpoConfig names the field: say the flag
+        name = str(e).split(" ", 1)[0]
+        raise UsageError(f"--{name.replace('_', '-')}{str(e)[len(name):]}") from None
+    if not isinstance(r.rewards, list) or not r.rewards or not all(isinstance(x, str) for x in r.rewards):
+        raise UsageError(f"rewards must be a list of reward function names, got {r.rewards!r}")
+    specs = []
+    for spec in r.rewards:
+        where, sep, name = spec.rpartition(":")
+        if sep and not spec.startswith("regex:") and where.endswith(".py") and Path(where).is_file():     # kept in checkpoints: independent of the cwd
+            spec = f"{Path(where).resolve()}:{name}"
+        try:
+            load_reward(spec)
+        except ValueError as e:
+            raise UsageError(f"--reward {e}") from None
+        specs.append(spec)
+    r.rewards = specs
+    if r.beta and r.lora_r is None and r.reference_model is None:
+        raise UsageError(f"--beta {r.beta:g} needs a reference model: the starting --model DIR (or a LoRA run's base); "
+                         "a model trained from scratch (--preset) has none. Pass --beta 0, --lora-r R, or --model DIR")
+    if r.reference_model is not None and r.beta and r.lora_r is None and not Path(r.reference_model).is_dir():
+        raise UsageError(f"--beta {r.beta:g}: the reference model {r.reference_model} (the run's starting --model) "
+                         "is no longer there")
+
+
+def grpo_config(r: Run):
+    """The run's trainer/grpo.py GrpoConfig (ValueError naming a bad field)."""
+    from ..grpo import GrpoConfig
+    return GrpoConfig(num_generations=r.num_generations, max_completion_length=r.max_completion_length,
+                      temperature=r.temperature, top_p=r.top_p, beta=r.beta, epsilon=r.epsilon,
+                      epsilon_high=r.epsilon_high, loss_type=r.loss_type, num_iterations=r.num_iterations,
+                      scale_rewards=r.scale_rewards)
+
+
+def reward_display_names(specs: list[str]) -> list[str]:
+    """The names of --reward functions in metrics (rewards/<name>/mean) and the banner: a user function's own
+    name, as TRL names them (its whole spec where two share one); exact_match and regex:PATTERN as given."""
+    short = [spec.rpartition(":")[2] if ":" in spec and not spec.startswith("regex:") else spec for spec in specs]
+    return [name if short.count(name) == 1 else spec for name, spec in zip(short, specs)]

@@ -176,6 +176,8 @@ def saved_evals(position: dict, start: int) -> list[dict]:
     out = []
     for e in position.get("evals") or [] if isinstance(position.get("evals"), list) else []:
         if (isinstance(e, dict) and type(e.get("step")) is int and 0 <= e["step"] <= start
-                and isinstance(e.get("loss"), (int, float)) and not isinstance(e.get("loss"), bool)):
-            out.append({k: e[k] for k in ("step", "loss", "answer_loss", "exact_match") if k in e})
+                and any(isinstance(e.get(k), (int, float)) and not isinstance(e.get(k), bool)
+                        for k in ("loss", "reward"))):        # a GRPO run's: no loss, a reward
+            out.append({k: e[k] for k in ("step", "loss", "answer_loss", "exact_match", "reward", "answers_scored")
+                        if k in e})
     return out

@@ -59,6 +59,8 @@ def load_data(run: Run, tok) -> Data:
     bad input is a UsageError. A DPO run's are preference pairs (``load_preferences``)."""
     if run.objective == "dpo":
         return load_preferences(run, tok)
+    if run.objective == "grpo":
+        return load_prompts(run, tok)
     notes: list[str] = []
     batch = _read_batch(run.data, run, tok, notes)
     empty = sum(1 for s in batch if s.is_empty if run.loss_on == "assistant" or s.length == 0)
@@ -130,6 +132,52 @@ def load_preferences(run: Run, tok) -> Data:
     sha1 = hashlib.sha1(Path(run.data).read_bytes()).hexdigest()
     return Data(train, held[:run.eval_max], sha1, notes, has_answers=False, label="DPO, mean over pairs",
                 held=len(held))
+
+
+def _read_prompts(path: str, run: Run, tok, notes: list[str], flag: str = "") -> list:
+    """A prompts file's records (trainer/grpo.py's read_prompts), those longer than --max-len left out with a
+    note; bad input is a UsageError."""
+    from ..data import DataError
+    from ..grpo import read_prompts
+    try:
+        records = read_prompts(path, tok)
+    except (DataError, FileNotFoundError, ValueError) as e:
+        raise UsageError(f"{flag}{e}") from None
+    except UnicodeDecodeError as e:
+        raise UsageError(f"{flag}{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    kept = [r for r in records if r.ids.size <= run.max_len]
+    if len(kept) < len(records):
+        notes.append(f"{path}: {count(len(records) - len(kept), 'prompt')} longer than --max-len {run.max_len} "
+                     f"tokens left out")
+    if not kept:
+        raise UsageError(f"{flag}{path}: every prompt is longer than --max-len {run.max_len} tokens")
+    lacking = next((r for r in kept if "answer" not in r.columns), None)
+    if "exact_match" in run.rewards and lacking is not None:      # refused now, not at the first batch (exit 1)
+        raise UsageError(f"--reward exact_match compares each completion with its record's 'answer': "
+                         f"{lacking.origin} has none")
+    return kept
+
+
+def load_prompts(run: Run, tok) -> Data:
+    """A GRPO run's training and held-out prompts: --data (--prompts) split by --eval-fraction and --seed (as
+    preference pairs are split), or --eval-data; bad input is a UsageError."""
+    notes: list[str] = []
+    prompts = _read_prompts(run.data, run, tok, notes)
+    if run.eval_data is not None:
+        train, held = prompts, _read_prompts(run.eval_data, run, tok, notes, "--eval-data ")
+    elif run.eval_fraction > 0:
+        n, n_held = len(prompts), max(1, round(len(prompts) * run.eval_fraction))
+        if n_held >= n:
+            raise UsageError(f"{run.data}: {count(n, 'prompt')} cannot be split into training and held-out "
+                             f"prompts with --eval-fraction {run.eval_fraction:g}; pass --eval-fraction 0")
+        order = list(range(n))
+        random.Random(run.seed).shuffle(order)      # as load_preferences chooses DPO's held-out pairs
+        out = set(order[:n_held])
+        train, held = [p for i, p in enumerate(prompts) if i not in out], [p for i, p in enumerate(prompts) if i in out]
+    else:
+        train, held = prompts, []
+    sha1 = hashlib.sha1(Path(run.data).read_bytes()).hexdigest()
+    return Data(train, held[:run.eval_max], sha1, notes, has_answers=False, label="GRPO", held=len(held))
 
 
 def epoch_order(n: int, seed: int, epoch: int) -> np.ndarray:

@@ -23,7 +23,9 @@ RESUMABLE = ("tokenizer", "data", "data_kind", "loss_on", "max_len", "eval_fract
              "check_loss_drop", "source", "preset", "lora_r", "lora_alpha", "lora_targets", "lora_dropout",
              "lora_target_parameters", "lora_f16_base", "merge_lora", "train_only", "freeze", "eval_every",
              "save_dtype", "eval_data", "eval_answers", "samples", "distributed", "router_aux_loss_coef",
-             "objective", "beta", "loss_type", "label_smoothing")
+             "objective", "beta", "loss_type", "label_smoothing", "rewards", "num_generations",
+             "max_completion_length", "temperature", "top_p", "epsilon", "epsilon_high", "num_iterations",
+             "scale_rewards", "reference_model")
 
 
 @dataclass
@@ -89,10 +91,20 @@ class Run:
     report_to: list[str] = field(default_factory=list)   # --report-to backends (not kept in checkpoints)
     distributed: str = "file"                             # how ranks average gradients: "file" or "mpi"
     builtin_data: bool = False
-    objective: str = "sft"            # "sft" (python -m trainer) or "dpo" (python -m trainer dpo)
-    beta: float = 0.1                 # DPO's beta, loss type and label smoothing (trainer/dpo.py's DpoConfig)
-    loss_type: str = "sigmoid"
+    objective: str = "sft"            # "sft" (python -m trainer), "dpo" or "grpo" (python -m trainer dpo/grpo)
+    beta: float = 0.1                 # DPO's beta, loss type and label smoothing (trainer/dpo.py's DpoConfig);
+    loss_type: str = "sigmoid"        # GRPO's beta (default 0) and loss type (default dapo) too
     label_smoothing: float = 0.0
+    rewards: list[str] = field(default_factory=lambda: ["exact_match"])   # GRPO: --reward specs (load_reward)
+    num_generations: int = 8          # GRPO's settings (trainer/grpo.py's GrpoConfig)
+    max_completion_length: int = 512
+    temperature: float = 1.0
+    top_p: float = 1.0
+    epsilon: float = 0.2
+    epsilon_high: float | None = None
+    num_iterations: int = 1
+    scale_rewards: str = "group"
+    reference_model: str | None = None   # GRPO: the --model directory the run started from (kept for --resume)
     notes: list[str] = field(default_factory=list)
     derived: set = field(default_factory=set)     # settings left to defaults that follow others
 
@@ -105,8 +117,9 @@ class Run:
 @dataclass
 class Data:
     """The run's training and held-out sequences, as trainer/cli/splits.py reads and splits them."""
-    train: list            # (input_ids, target_ids, loss_mask) with at least one supervised target; DPO: PreferencePairs
-    eval: list             # (input_ids, target_ids, loss_mask, answer_mask or None); DPO: PreferencePairs
+    train: list            # (input_ids, target_ids, loss_mask) with at least one supervised target; DPO: PreferencePairs;
+    eval: list             # (input_ids, target_ids, loss_mask, answer_mask or None); DPO: PreferencePairs; GRPO:
+                           # PromptRecords (trainer/grpo.py), both
     sha1: str
     notes: list[str]
     has_answers: bool      # eval holds chat records trained on all tokens: also report the answer loss

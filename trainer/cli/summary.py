@@ -11,6 +11,7 @@ import numpy as np
 from lfm2jit.safefiles import write_atomic
 
 from .held_out import print_samples
+from .resolve import reward_display_names
 from .run_dir import RunFiles, clean
 from .state import History, Session
 
@@ -58,14 +59,23 @@ def print_banner(s: Session, start: int) -> None:
                 + (f" and {', '.join(run.lora_target_parameters)}" if run.lora_target_parameters else "")
                 + (", f16 base" if run.lora_f16_base else "") if run.lora_r is not None else "a subset")
         print(f"  training {fmt_count(n_trained)} of them ({100 * n_trained / n_params:.2f}%): {lora}")
-    unit = "pair" if run.objective == "dpo" else "sequence"
+    unit = {"dpo": "pair", "grpo": "prompt"}.get(run.objective, "sequence")
     print(f"  data: {run.data}: {len(data.train)} training {unit}s, {data.held} held out"
           + (f" ({len(data.eval)} of them evaluated: --eval-max {run.eval_max})" if len(data.eval) < data.held else "")
           + (f"; rank {run.rank} of {run.world_size}" if run.world_size > 1 else ""))
-    print(f"  steps {start + 1}..{run.steps}: {run.grad_accum} {unit}(s) per step"
+    print(f"  steps {start + 1}..{run.steps}: {run.grad_accum} {unit}(s) per "
+          + ("generation batch" if run.objective == "grpo" else "step")
           + (f" per rank x {run.world_size} ranks" if run.world_size > 1 else "")
           + f", {run.optimizer} lr {run.lr:g} ({run.schedule}), clip {run.clip:g}, bucket {run.bucket}"
           + (", loss scaling" if run.scaler else "") + (", f16 activations" if run.f16 else ""))
+    if run.objective == "grpo":
+        eps = (f"{run.epsilon:g}" if run.epsilon_high is None else f"{run.epsilon:g}/{run.epsilon_high:g}")
+        print(f"  GRPO: {run.num_generations} completions per prompt (up to {run.max_completion_length} tokens, "
+              f"temperature {run.temperature:g}, top-p {run.top_p:g}), {run.num_iterations} optimizer step(s) per "
+              f"generation batch, {run.loss_type} loss, epsilon {eps}, rewards scaled by {run.scale_rewards}, beta "
+              f"{run.beta:g}" + ("" if not run.beta else " (reference: " + ("the base, adapters off)" if run.lora_r
+                                                                           else f"{run.reference_model})"))
+              + f"; rewards: {', '.join(reward_display_names(run.rewards))}")
     if run.objective == "dpo":
         print(f"  DPO: beta {run.beta:g}, {run.loss_type} loss"
               + (f", label smoothing {run.label_smoothing:g}" if run.label_smoothing else "")
@@ -84,8 +94,32 @@ def _dpo_text(ev: dict, before: dict | None = None) -> str:
     return f", rewards/accuracies {ev['rewards/accuracies']:.2f}, rewards/margins {ev['rewards/margins']:.4f}"
 
 
+def _grpo_text(ev: dict, before: dict | None = None) -> str:
+    """A GRPO evaluation's held-out reward and exact match (after ``before``'s, when given)."""
+    def value(key, fmt):
+        now = ev.get(key)
+        was = (before or {}).get(key)
+        text = "-" if now is None else format(now, fmt)
+        return text if was is None or not before else f"{format(was, fmt)} -> {text}"
+    return (f"held-out reward {value('reward', '.2f')}"
+            + (f", exact match {value('exact_match', '.0%')} of {ev['answers_scored']}"
+               if ev.get("exact_match") is not None else "") + " (greedy)")
+
+
+def _grpo_samples(samples: list[dict], k: int, write) -> None:
+    for x in samples[:k]:
+        mark = {True: "ok ", False: "BAD", None: "   "}[x["correct"]]
+        prompt = x["prompt"] if isinstance(x["prompt"], str) else (x["prompt"][-1] or {}).get("content", "")
+        write(f"    {mark} {x['reward']:.2f} {prompt!r:.60} -> {x['completion']!r:.60}"
+              + (f" (expected {x['expected']!r})" if x["correct"] is False else ""))
+
+
 def print_eval_before(s: Session, before: dict, seconds: float) -> None:
     """The held-out loss before the first step, which took ``seconds``."""
+    if s.run.objective == "grpo":
+        print(f"  before training: {_grpo_text(before)}; {before['prompts']} prompts, {seconds:.1f}s")
+        sys.stdout.flush()
+        return
     if "rewards/accuracies" in before:
         print(f"  held-out before training: DPO loss {before['loss']:.4f}{_dpo_text(before)}; {len(s.data.eval)} "
               f"pairs, {seconds:.1f}s")
@@ -100,6 +134,10 @@ def print_eval_before(s: Session, before: dict, seconds: float) -> None:
 def print_eval_during(s: Session, step: int, ev: dict, write, before: dict | None = None) -> None:
     """An evaluation during training, with its first --samples answers, through ``write``; a DPO run's
     beside ``before``, the evaluation before this segment's first step."""
+    if s.run.objective == "grpo":
+        write(f"  step {step}: {_grpo_text(ev, before)}")
+        _grpo_samples(ev.get("samples", []), s.run.samples, write)
+        return
     if "rewards/accuracies" in ev:
         write(f"  step {step}: held-out: loss " + (f"{before['loss']:.4f} -> " if before else "")
               + f"{ev['loss']:.4f}{_dpo_text(ev, before)}")
@@ -136,6 +174,13 @@ def conclude(s: Session, h: History, final_eval: dict, final_samples: list[dict]
     run_toks, run_seconds = sum(m["tokens"] for m in whole), h.elapsed_before + train_seconds
     before, after = (eval_before, eval_after) if data.eval else (first_avg, last_avg)
     ratio = after / before if (data.eval or losses) and before else nan
+    grpo_before, rose = _grpo_before(h), None
+    if run.objective == "grpo":                # the held-out reward's change, else the training reward's
+        kk = max(1, len(whole) // 10)
+        rewards = [m["reward"] for m in whole if m.get("reward") is not None]
+        r0, r1 = ((grpo_before.get("reward"), final_eval.get("reward")) if data.eval else
+                  (float(np.mean(rewards[:kk])), float(np.mean(rewards[-kk:]))) if rewards else (None, None))
+        rose = bool(r0 is not None and r1 is not None and r1 > r0)
     summary = {
         "steps": steps, "steps_this_run": len(new), "first_step": h.start + 1,
         "sequences": run.grad_accum * run.world_size * len(whole), "tokens": run_toks,
@@ -153,6 +198,9 @@ def conclude(s: Session, h: History, final_eval: dict, final_samples: list[dict]
         "evals_during": h.evals_during,
         **({"eval_dpo_before": {k: clean(v) for k, v in h.eval_before.items()},
             "eval_dpo_after": {k: clean(v) for k, v in final_eval.items()}} if run.objective == "dpo" else {}),
+        **({"eval_grpo_before": {k: clean(v) for k, v in grpo_before.items() if k != "samples"},
+            "eval_grpo_after": {k: clean(v) for k, v in final_eval.items() if k != "samples"},
+            "reward_rose": rose} if run.objective == "grpo" else {}),
         "metrics": str(files.metrics.resolve()), "plot": str(files.plot.resolve()),
         "checkpoint": str(Path(checkpoint).resolve()) if checkpoint else None,
     }
@@ -165,6 +213,9 @@ def conclude(s: Session, h: History, final_eval: dict, final_samples: list[dict]
     if losses:
         print(f"  train loss: step {loss_steps[0]} {first:.4f} -> step {loss_steps[-1]} {last:.4f}"
               + (f"  (mean of the first {k} steps {first_avg:.4f} -> of the last {k} {last_avg:.4f})" if k > 1 else ""))
+    if run.objective == "grpo":
+        return _conclude_grpo(s, h, final_eval, final_samples, grpo_before, rose, r0, r1, kk, files, checkpoint,
+                              final_model)
     if data.eval:
         print(f"  held-out loss ({data.label}): {eval_before:.4f} before -> {eval_after:.4f} after  "
               f"({ratio_text(eval_before, eval_after)}, {len(data.eval)} "
@@ -193,4 +244,38 @@ def conclude(s: Session, h: History, final_eval: dict, final_samples: list[dict]
         print(f"error: the {'held-out' if data.eval else 'training'} loss went from "
               f"{before:.4f} to {after:.4f} ({ratio_text(before, after)}); --check-loss-drop wants at most x{run.check_loss_drop:g}", file=sys.stderr)
         return 1
+    return 0
+
+
+def _grpo_before(h: History) -> dict:
+    """A GRPO run's held-out evaluation at its start (an earlier segment's, after --resume)."""
+    first = h.evals_at_ends[0] if h.evals_at_ends else None
+    if first is not None and first["step"] < h.start and "reward" in first:
+        return {k: v for k, v in first.items() if k != "step"}
+    return h.eval_before
+
+
+def _conclude_grpo(s: Session, h: History, final_eval: dict, final_samples: list[dict], before: dict, rose: bool,
+                   r0, r1, k: int, files: RunFiles, checkpoint, final_model) -> int:
+    """The rest of a GRPO run's summary: the held-out reward and exact match instead of a loss verdict."""
+    run, data = s.run, s.data
+    if data.eval:
+        print(f"  {_grpo_text(final_eval, before)}, {final_eval['prompts']} prompts"
+              + (f" (from step {h.start})" if h.start and before is h.eval_before else ""))
+        if final_samples:
+            print(f"  held-out completions (all in {files.samples.resolve()}), for example:")
+            _grpo_samples(final_samples, run.samples, print)
+        print(f"  the held-out reward {'rose' if rose else 'DID NOT RISE'}"
+              + (f" ({r0:.4f} -> {r1:.4f})" if r0 is not None and r1 is not None else ""))
+    elif r0 is not None:
+        print(f"  the training reward {'rose' if rose else 'DID NOT RISE'} (mean of the first {k} batches "
+              f"{r0:.4f} -> of the last {k} {r1:.4f}; no held-out prompts)")
+    print(f"  metrics: {files.metrics.resolve()}")
+    print(f"  loss curve: {files.plot.resolve()}")
+    if checkpoint:
+        print(f"  checkpoint: {Path(checkpoint).resolve()}  (Hugging Face model in its model/ directory"
+              + (", the LoRA adapter in adapter/)" if run.lora_r is not None else ")"))
+    if final_model is not None:
+        print(f"  {final_model}")
+    print(f"  summary: {files.summary.resolve()}")
     return 0

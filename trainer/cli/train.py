@@ -112,14 +112,15 @@ class Training:
             with open(self.files.metrics, "a") as self.metrics_file:
                 while self.tr.optimizer_steps() < self.run.steps:
                     self.stop.check(self.run.world_size)
+                    before = self.tr.optimizer_steps()
                     result = self.step(self.next_batch())
-                    self.log(result)
+                    self.log(result, before)
                     if result.stats.skipped:
                         continue
-                    k = self.tr.optimizer_steps()
+                    k = self.tr.optimizer_steps()       # before + 1 (a GRPO window: + --num-iterations)
                     if self.cadence.due(k, result.seconds):
                         self.checkpoint(k)
-                    if self.evaluation_due(k):
+                    if self.evaluation_due(k, before):
                         self.evaluate(k)
         except Interrupted:
             return self.stopped()
@@ -203,8 +204,14 @@ class Training:
         """The held-out metrics of this rank's share (over all ranks); with ``answers`` greedy answers too."""
         return held_out.evaluate(self.s, self.my_eval, answers=answers)
 
-    def log(self, result: StepResult) -> None:
-        """The step into metrics.jsonl and the reporters; a run that no longer steps fails; the bar moves."""
+    def kept(self, ev: dict) -> dict:
+        """What of an evaluation at a segment's start or end the checkpoints keep beside the loss (a GRPO
+        run's held-out reward and exact match); none for SFT."""
+        return {}
+
+    def log(self, result: StepResult, before: int | None = None) -> None:
+        """The step into metrics.jsonl and the reporters; a run that no longer steps fails; the bar moves (by
+        the optimizer steps since ``before``: a GRPO window makes --num-iterations)."""
         rec, last = result.record, result.stats
         self.metrics_file.write(json.dumps(rec) + "\n")
         self.metrics_file.flush()
@@ -214,7 +221,7 @@ class Training:
         if not last.skipped:
             self.bar.set_postfix_str(f"loss={rec['loss'] if rec['loss'] is None else round(rec['loss'], 3)} "
                                      f"tok/s={per_second(rec['tokens_per_s'])} lr={last.lr:.2e}", refresh=False)
-            self.bar.update(1)
+            self.bar.update(1 if before is None else max(1, self.tr.optimizer_steps() - before))
 
     def check_stepping(self, last) -> None:
         """Fail after MAX_SKIPPED_IN_A_ROW windows in a row without a finite, nonzero step: skipped ones
@@ -251,13 +258,15 @@ class Training:
         self.reporters.log_eval(h.start, h.eval_before)
         if not any(e["step"] == h.start for e in h.evals_at_ends):
             h.evals_at_ends.append({"step": h.start, "loss": clean(h.eval_before["loss"]),
-                                    "answer_loss": clean(h.eval_before["answer_loss"])})
+                                    "answer_loss": clean(h.eval_before["answer_loss"]), **self.kept(h.eval_before)})
 
-    def evaluation_due(self, step: int) -> bool:
-        """--eval-every N: after every N-th step but the last (the end of the run evaluates), unless stopping."""
+    def evaluation_due(self, step: int, before: int | None = None) -> bool:
+        """--eval-every N: after every N-th step but the last (the end of the run evaluates), unless stopping;
+        a window of several optimizer steps (from ``before``) is due when it passed a multiple of N."""
         run = self.run
-        return bool(run.eval_every and self.s.data.eval and step % run.eval_every == 0 and step < run.steps
-                    and not self.stop.agreed)
+        before = step - 1 if before is None else before
+        return bool(run.eval_every and self.s.data.eval and step // run.eval_every > before // run.eval_every
+                    and step < run.steps and not self.stop.agreed)
 
     def evaluate(self, step: int) -> None:
         """Score the held-out split, record it in eval.jsonl (and samples.jsonl) and print it."""
@@ -282,7 +291,7 @@ class Training:
             self.reporters.log_eval(k, final_eval)
             h.evals_at_ends = [e for e in h.evals_at_ends if e["step"] != k] + [
                 {"step": k, "loss": clean(final_eval["loss"]), "answer_loss": clean(final_eval["answer_loss"]),
-                 "exact_match": clean(final_eval.get("exact_match"))}]
+                 "exact_match": clean(final_eval.get("exact_match")), **self.kept(final_eval)}]
         if run.rank == 0 and (h.metrics or self.last_ckpt is None):
             self.last_ckpt = self.checkpoint(k) if (h.metrics or not s.ckpt) else s.ckpt
         final_samples = final_eval.pop("samples", [])
