@@ -89,14 +89,17 @@ class DpoTrainer:
             raise TypeError(f"config must be a DpoConfig, got {type(config).__name__}")
         self.trainer, self.config = trainer, config
 
-    def reference_logps(self, pairs: list[PreferencePair], progress=None) -> np.ndarray:
+    def reference_logps(self, pairs: list[PreferencePair], progress=None, chunk: int = 64) -> np.ndarray:
         """float64 [N, 2]: each pair's summed completion log-probs of chosen and rejected by the model
-        as it is now (the reference); ``progress(done, total)`` is called as pairs are scored."""
+        as it is now (the reference), ``chunk`` pairs at a time (packed into passes as training packs
+        sequences); ``progress(done, total)`` is called as pairs are scored."""
         out = np.zeros((len(pairs), 2))
-        for i, pair in enumerate(pairs):
-            out[i] = self.trainer.sequence_logps(pair.sequences())
+        for start in range(0, len(pairs), chunk):
+            part = pairs[start:start + chunk]
+            sums = self.trainer.sequence_logps([seq for pair in part for seq in pair.sequences()])
+            out[start:start + len(part)] = sums.reshape(len(part), 2)
             if progress is not None:
-                progress(i + 1, len(pairs))
+                progress(start + len(part), len(pairs))
         return out
 
     def train_pair(self, pair: PreferencePair, reference, params):

@@ -100,7 +100,12 @@ class PreferenceTraining(Training):
         pairs = list(data.train) + list(data.eval)
         t0 = time.perf_counter()
         with _bar(self.run, len(pairs), "reference log-probs", "pair") as bar:
-            logps = self.dpo.reference_logps(pairs, progress=lambda done, total: bar.update(1))
+            scored = [0]
+
+            def advance(done: int, total: int) -> None:     # a chunk of pairs at a time
+                bar.update(done - scored[0])
+                scored[0] = done
+            logps = self.dpo.reference_logps(pairs, progress=advance)
         ref = {"train": logps[:len(data.train)], "eval": logps[len(data.train):]}
         self.write_reference(ref)
         print(f"  reference log-probs of {len(pairs)} pairs by the starting model: {time.perf_counter() - t0:.1f}s, "
