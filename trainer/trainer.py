@@ -333,9 +333,9 @@ class Trainer:
         return out
 
     def _position_logps(self, trace, targets, mask, group, shape) -> list[np.ndarray]:
-        """The LM head's loss pass, one segment per position: -cross-entropy = log p, per sequence."""
+        """The LM head's loss pass, per position: -cross-entropy = log p, per sequence."""
         ce = lm_head_cross_entropy(self.engine, trace.hn, self.model.lm_head, targets, mask, chunk=self.lm_head_chunk,
-                                   bucket=self.length_bucket, grads=False, segments=targets.size,
+                                   bucket=self.length_bucket, grads=False, per_position=True,
                                    check_targets=False).loss.numpy().astype(np.float64).reshape(shape)
         return [-ce[i, :len(g[0])] * (g[2] != 0) for i, g in enumerate(group)]
 

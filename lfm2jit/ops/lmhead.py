@@ -45,6 +45,7 @@ DEFAULT_CHUNK = 4096
 class LMHeadResult(NamedTuple):
     """What ``lm_head_cross_entropy`` returns; unpacks as ``loss, dh, dE``."""
     loss: Tensor   # f32[segments]: sum_t mask[t] * CE[t] / normalizer over each segment's positions
+                   # (per_position: f32[T], each position's mask[t] * CE[t])
                    # (not multiplied by loss_scale)
     dh: Tensor     # f32[T, D]: d(loss * loss_scale)/dh, or added to the given dh
     dE: Tensor     # f32[V, D]: d(loss * loss_scale)/dE, or added to the given dE
@@ -65,7 +66,7 @@ def lm_head_cross_entropy(engine, h: Tensor, E: Tensor, targets, mask=None, *, n
                           dh: Tensor | None = None, dE: Tensor | None = None,
                           accumulate_dh: bool = False, accumulate_dE: bool = False,
                           check_targets: bool = True, grads: bool = True, grad_E: bool = True,
-                          segments: int = 1, keep_logits: int = 0) -> LMHeadResult:
+                          segments: int = 1, keep_logits: int = 0, per_position: bool = False) -> LMHeadResult:
     """Masked cross-entropy of ``h @ E^T`` against ``targets``, with gradients for h and E, in one call.
 
     Arguments:
@@ -93,6 +94,9 @@ def lm_head_cross_entropy(engine, h: Tensor, E: Tensor, targets, mask=None, *, n
                   nor allocated, and is None.
       segments    the loss per segment: T splits into this many equal runs of positions (packed
                   sequences), and ``loss`` holds one sum per run.
+      per_position
+                  ``loss`` is f32[T] instead: each position's mask * cross-entropy, not divided by
+                  the normalizer (an objective of per-token log-probs reads it); not with segments.
       keep_logits bytes of extra [T, chunk] f32 buffers pass 1 may fill for pass 2 (0: the one
                   reused buffer): each keeps one more chunk's logits, so pass 2 skips computing
                   them again. ``kept_chunks`` says how many a budget keeps.
@@ -120,6 +124,8 @@ def lm_head_cross_entropy(engine, h: Tensor, E: Tensor, targets, mask=None, *, n
         raise ValueError(f"bucket must be a positive integer, got {bucket!r}")
     if not isinstance(segments, int) or isinstance(segments, bool) or segments < 1 or T % segments:
         raise ValueError(f"segments must be a positive integer dividing T={T}, got {segments!r}")
+    if per_position is not False and (per_position is not True or segments != 1):
+        raise ValueError(f"per_position must be True or False, and True only with segments=1, got {per_position!r}")
     if not isinstance(keep_logits, numbers.Integral) or isinstance(keep_logits, bool) or keep_logits < 0:
         raise ValueError(f"keep_logits must be a whole number of bytes >= 0, got {keep_logits!r}")
     if V >= MAX_EXACT_VOCAB:
@@ -170,8 +176,10 @@ def lm_head_cross_entropy(engine, h: Tensor, E: Tensor, targets, mask=None, *, n
     final = state[(len(chunks) - 1) % 2]
     run("xent_lse_final", bucket=bucket, out={"lse": lse}, m=final["m"], s=final["s"])
     tl = final["tl"]
-    loss = engine.empty((segments,), "f32")      # f32 whatever the activations' dtype
-    if segments == 1:
+    loss = engine.empty((T,) if per_position else (segments,), "f32")      # f32 whatever the activations' dtype
+    if per_position:
+        run("xent_position_loss", bucket=bucket, out={"loss": loss}, lse=lse, tl=tl, mask=mask)
+    elif segments == 1:
         run("xent_loss", bucket=bucket, out={"loss": loss}, lse=lse, tl=tl, mask=mask, inv_norm=scalars["inv_norm"])
     else:               # every position of a packed segment is real: each fills its own bucket
         seg = T // segments

@@ -376,3 +376,27 @@ def test_kept_logits_are_not_made_for_the_loss_alone(ctx, rng):
     res = lm_head_cross_entropy(eng, ht, Et, targets, mask, chunk=64, grads=False, keep_logits=1 << 30)
     res.loss_value()
     assert eng.pool.peak_bytes - before <= 20 * 64 * 4 + 16 * 1024
+
+
+def test_per_position_losses_are_torchs_and_compile_once_per_bucket(ctx, rng):
+    """per_position=True: each position's mask * cross-entropy against torch, padded positions left
+    out; two lengths of one bucket share the kernels (no compile per length)."""
+    engine = ComputeEngine(ctx)
+    V, D = 300, 16
+    E = rng.standard_normal((V, D)).astype(np.float32)
+    for T in (21, 30):
+        h = rng.standard_normal((T, D)).astype(np.float32)
+        targets = rng.integers(0, V, T).astype(np.int32)
+        mask = (rng.random(T) > 0.3).astype(np.float32) * 2.0
+        before = engine.stats.as_dict()["misses"]
+        got = lm_head_cross_entropy(engine, engine.tensor(h), engine.tensor(E), targets, mask, chunk=64, bucket=32,
+                                    grads=False, per_position=True).loss.numpy()
+        want = torch.tensor(mask) * F.cross_entropy(torch.tensor(h) @ torch.tensor(E).T, torch.tensor(targets).long(),
+                                                    reduction="none")
+        assert got.shape == (T,)
+        np.testing.assert_allclose(got, want.numpy(), rtol=1e-5, atol=1e-5)
+        if T == 30:
+            assert engine.stats.as_dict()["misses"] == before
+    with pytest.raises(ValueError, match="per_position must be True or False, and True only with segments=1"):
+        lm_head_cross_entropy(engine, engine.tensor(h), engine.tensor(E), targets, mask, per_position=True,
+                              segments=2)
