@@ -210,7 +210,7 @@ def test_readme_two_rank_example_runs_twice_in_a_row(tmp_path):
     """The README's two-rank command, as written (with this interpreter), twice in the same directory."""
     import re
     readme = (ROOT / "README.md").read_text()
-    block = re.search(r"```bash\n(for r in 0 1; do\n.*?--world-size 2.*?done; wait)\n```", readme, re.S).group(1)
+    block = re.search(r"```bash\n(for r in 0 1; do\s.*?--world-size 2.*?done; wait)\n```", readme, re.S).group(1)
     script = block.replace(".venv/bin/python", f'"{sys.executable}"')
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     for attempt in (1, 2):
