@@ -273,23 +273,18 @@ class Batch:
         seqs: list[Sequence] = []
         cut_lines: list[int] = []
         lost_lines: list[int] = []
-        with open(path, "rb") as f:            # decoded line by line, so a bad byte is located
-            for lineno, raw in enumerate(f, 1):
-                line = _decode_line(raw, path, lineno)
-                if not line.strip():
-                    continue
-                record = _parse_line(line, path, lineno)
-                rkind = _record_kind(record, kind, path, lineno)
-                if rkind == "text":
-                    ids, sup = _text_tokens(record["text"], tok, path, lineno)
-                else:
-                    ids, sup = _chat_tokens(record, tok, template, path, lineno)
-                seq, was_cut = _to_sequence(ids, sup, max_len, origin=f"{path}:{lineno}")
-                if was_cut:
-                    cut_lines.append(lineno)
-                    if rkind == "chat" and seq.is_empty:
-                        lost_lines.append(lineno)
-                seqs.append(seq)
+        for lineno, record in jsonl_records(path):
+            rkind = _record_kind(record, kind, path, lineno)
+            if rkind == "text":
+                ids, sup = _text_tokens(record["text"], tok, path, lineno)
+            else:
+                ids, sup = _chat_tokens(record, tok, template, path, lineno)
+            seq, was_cut = _to_sequence(ids, sup, max_len, origin=f"{path}:{lineno}")
+            if was_cut:
+                cut_lines.append(lineno)
+                if rkind == "chat" and seq.is_empty:
+                    lost_lines.append(lineno)
+            seqs.append(seq)
         if not seqs:
             raise DataError("no records (the file is empty)", path)
         notes = []
@@ -506,6 +501,16 @@ def _lines(lines: list[int], show: int = 8) -> str:
 
 
 MAX_JSON_DEPTH = 64          # nesting levels of a record's values (deeper: a DataError, not a RecursionError)
+
+
+def jsonl_records(path: Path):
+    """(line number, JSON object) of each non-blank line, decoded line by line so that a bad byte or a
+    bad line is a DataError naming the file and line."""
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            line = _decode_line(raw, path, lineno)
+            if line.strip():
+                yield lineno, _parse_line(line, path, lineno)
 
 
 def _decode_line(raw: bytes, path: Path, lineno: int) -> str:

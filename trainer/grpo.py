@@ -253,32 +253,27 @@ class PromptRecord:
 def read_prompts(path, tokenizer, *, chat_template=None) -> list[PromptRecord]:
     """``{"prompt": "text" | [messages], ...other columns}`` records, one a line; DataError naming
     the file and line for a missing or empty prompt."""
-    from .data import BOS_TOKEN, DataError, _chat_template, _decode_line, _parse_line, encode_chat
+    from .data import BOS_TOKEN, DataError, _chat_template, encode_chat, jsonl_records
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no such prompts file: {path}")
     template = _chat_template(chat_template, tokenizer)
     bos = tokenizer.token_to_id(BOS_TOKEN)
     out = []
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            line = _decode_line(raw, path, lineno)
-            if not line.strip():
-                continue
-            record = _parse_line(line, path, lineno)
-            prompt = record.get("prompt")
-            if isinstance(prompt, str) and prompt:
-                ids = np.array(([bos] if bos is not None else []) + tokenizer.encode(prompt, add_special_tokens=False).ids,
-                               np.int32)
-            elif isinstance(prompt, list) and prompt:
-                try:
-                    ids = encode_chat(prompt, tokenizer, add_generation_prompt=True, chat_template=template)[0]
-                except ValueError as e:
-                    raise DataError(str(e), path, lineno) from None
-            else:
-                raise DataError("a prompts record needs a non-empty 'prompt' (text or a list of messages), got "
-                                f"{prompt!r:.60}", path, lineno)
-            out.append(PromptRecord(ids, prompt, {k: v for k, v in record.items() if k != "prompt"}, f"{path}:{lineno}"))
+    for lineno, record in jsonl_records(path):
+        prompt = record.get("prompt")
+        if isinstance(prompt, str) and prompt:
+            ids = np.array(([bos] if bos is not None else []) + tokenizer.encode(prompt, add_special_tokens=False).ids,
+                           np.int32)
+        elif isinstance(prompt, list) and prompt:
+            try:
+                ids = encode_chat(prompt, tokenizer, add_generation_prompt=True, chat_template=template)[0]
+            except ValueError as e:
+                raise DataError(str(e), path, lineno) from None
+        else:
+            raise DataError("a prompts record needs a non-empty 'prompt' (text or a list of messages), got "
+                            f"{prompt!r:.60}", path, lineno)
+        out.append(PromptRecord(ids, prompt, {k: v for k, v in record.items() if k != "prompt"}, f"{path}:{lineno}"))
     if not out:
         raise DataError("no records (the file is empty)", path)
     return out

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .data import (BOS_TOKEN, EOS_TOKEN, DataError, _chat_template, _check_messages, _decode_line, _lines,
-                   _parse_line, encode_chat, load_tokenizer)
+from .data import (BOS_TOKEN, EOS_TOKEN, DataError, _chat_template, _check_messages, _lines, encode_chat,
+                   jsonl_records, load_tokenizer)
 
 
 @dataclass(frozen=True)
@@ -64,20 +64,15 @@ def read_preferences(path, tokenizer, max_len: int | None = None, *, chat_templa
         raise ValueError(f"max_len must be a positive integer or None, got {max_len!r}")
     template = _chat_template(chat_template, tok)
     pairs, cut = [], []
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            line = _decode_line(raw, path, lineno)
-            if not line.strip():
-                continue
-            record = _parse_line(line, path, lineno)
-            prompt, chosen, rejected = _tokens(record, tok, template, path, lineno)
-            if max_len is not None and prompt.size + max(chosen.size, rejected.size) > max_len + 1:
-                room = max_len + 1 - prompt.size
-                if room < 1:
-                    raise DataError(f"the prompt has {prompt.size} tokens, which leaves no room for a completion "
-                                    f"within max_len={max_len}; raise max_len or shorten the prompt", path, lineno)
-                chosen, rejected, _ = chosen[:room], rejected[:room], cut.append(lineno)
-            pairs.append(PreferencePair(prompt, chosen, rejected, f"{path}:{lineno}"))
+    for lineno, record in jsonl_records(path):
+        prompt, chosen, rejected = _tokens(record, tok, template, path, lineno)
+        if max_len is not None and prompt.size + max(chosen.size, rejected.size) > max_len + 1:
+            room = max_len + 1 - prompt.size
+            if room < 1:
+                raise DataError(f"the prompt has {prompt.size} tokens, which leaves no room for a completion "
+                                f"within max_len={max_len}; raise max_len or shorten the prompt", path, lineno)
+            chosen, rejected, _ = chosen[:room], rejected[:room], cut.append(lineno)
+        pairs.append(PreferencePair(prompt, chosen, rejected, f"{path}:{lineno}"))
     if not pairs:
         raise DataError("no records (the file is empty)", path)
     if cut:

@@ -111,24 +111,30 @@ def _read_pairs(path: str, run: Run, tok, notes: list[str], flag: str = "") -> l
     return pairs
 
 
+def _held_out(items: list, held: list | None, run: Run, noun: str) -> tuple[list, list]:
+    """(training, held-out) items: ``held`` as given (--eval-data), else --eval-fraction of ``items``
+    chosen with --seed, as Batch.split chooses SFT's held-out records."""
+    if held is not None:
+        return items, held
+    if run.eval_fraction <= 0:
+        return items, []
+    n, n_held = len(items), max(1, round(len(items) * run.eval_fraction))
+    if n_held >= n:
+        raise UsageError(f"{run.data}: {count(n, noun)} cannot be split into training and held-out "
+                         f"{noun}s with --eval-fraction {run.eval_fraction:g}; pass --eval-fraction 0")
+    order = list(range(n))
+    random.Random(run.seed).shuffle(order)
+    out = set(order[:n_held])
+    return [x for i, x in enumerate(items) if i not in out], [x for i, x in enumerate(items) if i in out]
+
+
 def load_preferences(run: Run, tok) -> Data:
     """A DPO run's training and held-out preference pairs: --data split by --eval-fraction and --seed (as
     SFT's records are split), or --eval-data; bad input is a UsageError."""
     notes: list[str] = []
     pairs = _read_pairs(run.data, run, tok, notes)
-    if run.eval_data is not None:
-        train, held = pairs, _read_pairs(run.eval_data, run, tok, notes, "--eval-data ")
-    elif run.eval_fraction > 0:
-        n, n_held = len(pairs), max(1, round(len(pairs) * run.eval_fraction))
-        if n_held >= n:
-            raise UsageError(f"{run.data}: {count(n, 'preference pair')} cannot be split into training and held-out "
-                             f"pairs with --eval-fraction {run.eval_fraction:g}; pass --eval-fraction 0")
-        order = list(range(n))
-        random.Random(run.seed).shuffle(order)      # as Batch.split chooses SFT's held-out records
-        out = set(order[:n_held])
-        train, held = [p for i, p in enumerate(pairs) if i not in out], [p for i, p in enumerate(pairs) if i in out]
-    else:
-        train, held = pairs, []
+    held = _read_pairs(run.eval_data, run, tok, notes, "--eval-data ") if run.eval_data is not None else None
+    train, held = _held_out(pairs, held, run, "preference pair")
     sha1 = hashlib.sha1(Path(run.data).read_bytes()).hexdigest()
     return Data(train, held[:run.eval_max], sha1, notes, has_answers=False, label="DPO, mean over pairs",
                 held=len(held))
@@ -163,19 +169,8 @@ def load_prompts(run: Run, tok) -> Data:
     preference pairs are split), or --eval-data; bad input is a UsageError."""
     notes: list[str] = []
     prompts = _read_prompts(run.data, run, tok, notes)
-    if run.eval_data is not None:
-        train, held = prompts, _read_prompts(run.eval_data, run, tok, notes, "--eval-data ")
-    elif run.eval_fraction > 0:
-        n, n_held = len(prompts), max(1, round(len(prompts) * run.eval_fraction))
-        if n_held >= n:
-            raise UsageError(f"{run.data}: {count(n, 'prompt')} cannot be split into training and held-out "
-                             f"prompts with --eval-fraction {run.eval_fraction:g}; pass --eval-fraction 0")
-        order = list(range(n))
-        random.Random(run.seed).shuffle(order)      # as load_preferences chooses DPO's held-out pairs
-        out = set(order[:n_held])
-        train, held = [p for i, p in enumerate(prompts) if i not in out], [p for i, p in enumerate(prompts) if i in out]
-    else:
-        train, held = prompts, []
+    held = _read_prompts(run.eval_data, run, tok, notes, "--eval-data ") if run.eval_data is not None else None
+    train, held = _held_out(prompts, held, run, "prompt")
     sha1 = hashlib.sha1(Path(run.data).read_bytes()).hexdigest()
     return Data(train, held[:run.eval_max], sha1, notes, has_answers=False, label="GRPO", held=len(held))
 

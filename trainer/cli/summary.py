@@ -232,6 +232,16 @@ def conclude(s: Session, h: History, final_eval: dict, final_samples: list[dict]
             print_samples(final_samples, run.samples, print)
     print(f"  the {'held-out' if data.eval else 'training'} loss {'fell' if fell(before, after) else 'DID NOT FALL'} "
           f"({ratio_text(before, after)})")
+    _print_files(run, files, checkpoint, final_model)
+    if run.check_loss_drop is not None and len(new) and not (ratio <= run.check_loss_drop):
+        print(f"error: the {'held-out' if data.eval else 'training'} loss went from "
+              f"{before:.4f} to {after:.4f} ({ratio_text(before, after)}); --check-loss-drop wants at most x{run.check_loss_drop:g}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _print_files(run, files: RunFiles, checkpoint, final_model) -> None:
+    """Where the run's files are: metrics, the loss curve, the checkpoint, the final model, the summary."""
     print(f"  metrics: {files.metrics.resolve()}")
     print(f"  loss curve: {files.plot.resolve()}")
     if checkpoint:
@@ -240,11 +250,6 @@ def conclude(s: Session, h: History, final_eval: dict, final_samples: list[dict]
     if final_model is not None:
         print(f"  {final_model}")
     print(f"  summary: {files.summary.resolve()}")
-    if run.check_loss_drop is not None and len(new) and not (ratio <= run.check_loss_drop):
-        print(f"error: the {'held-out' if data.eval else 'training'} loss went from "
-              f"{before:.4f} to {after:.4f} ({ratio_text(before, after)}); --check-loss-drop wants at most x{run.check_loss_drop:g}", file=sys.stderr)
-        return 1
-    return 0
 
 
 def _grpo_before(h: History) -> dict:
@@ -270,12 +275,5 @@ def _conclude_grpo(s: Session, h: History, final_eval: dict, final_samples: list
     elif r0 is not None:
         print(f"  the training reward {'rose' if rose else 'DID NOT RISE'} (mean of the first {k} batches "
               f"{r0:.4f} -> of the last {k} {r1:.4f}; no held-out prompts)")
-    print(f"  metrics: {files.metrics.resolve()}")
-    print(f"  loss curve: {files.plot.resolve()}")
-    if checkpoint:
-        print(f"  checkpoint: {Path(checkpoint).resolve()}  (Hugging Face model in its model/ directory"
-              + (", the LoRA adapter in adapter/)" if run.lora_r is not None else ")"))
-    if final_model is not None:
-        print(f"  {final_model}")
-    print(f"  summary: {files.summary.resolve()}")
+    _print_files(run, files, checkpoint, final_model)
     return 0
