@@ -93,19 +93,24 @@ class PreferenceTraining(Training):
                              "tokenizer changed): the reference must be the run's starting model; start a new run")
         return {"train": train.astype(np.float64), "eval": held.astype(np.float64), "from": found}
 
+    def scored(self, pairs, desc: str) -> np.ndarray:
+        """[N, 2] summed completion log-probs of ``pairs`` by the model as it is, chunks of pairs a call,
+        with a progress bar."""
+        with _bar(self.run, len(pairs), desc, "pair") as bar:
+            done_before = [0]
+
+            def advance(done: int, total: int) -> None:
+                bar.update(done - done_before[0])
+                done_before[0] = done
+            return self.dpo.reference_logps(pairs, progress=advance)
+
     def compute_reference(self) -> dict:
         """The log-probs of every training and held-out pair by the model as loaded (the reference), written
         to the run directory."""
         data = self.s.data
         pairs = list(data.train) + list(data.eval)
         t0 = time.perf_counter()
-        with _bar(self.run, len(pairs), "reference log-probs", "pair") as bar:
-            scored = [0]
-
-            def advance(done: int, total: int) -> None:     # a chunk of pairs at a time
-                bar.update(done - scored[0])
-                scored[0] = done
-            logps = self.dpo.reference_logps(pairs, progress=advance)
+        logps = self.scored(pairs, "reference log-probs")
         ref = {"train": logps[:len(data.train)], "eval": logps[len(data.train):]}
         self.write_reference(ref)
         print(f"  reference log-probs of {len(pairs)} pairs by the starting model: {time.perf_counter() - t0:.1f}s, "
@@ -151,14 +156,11 @@ class PreferenceTraining(Training):
         run, items = self.run, self.my_eval
         ref = self.reference["eval"][run.rank::run.world_size]
         sums = dict.fromkeys(("loss", *METRICS), 0.0)
-        with _bar(run, len(items), "held-out DPO", "pair") as bar:
-            for pair, r in zip(items, ref):
-                policy = tuple(float(x) for x in self.tr.sequence_logps(pair.sequences()))
-                reference = (float(r[0]), float(r[1]))
-                sums["loss"] += dpo_loss(self.config, policy, reference, pair.lengths)[0]
-                for k, v in dpo_metrics(self.config, policy, reference).items():
-                    sums[k] += v
-                bar.update(1)
+        for pair, p, r in zip(items, self.scored(items, "held-out DPO"), ref):
+            policy, reference = (float(p[0]), float(p[1])), (float(r[0]), float(r[1]))
+            sums["loss"] += dpo_loss(self.config, policy, reference, pair.lengths)[0]
+            for k, v in dpo_metrics(self.config, policy, reference).items():
+                sums[k] += v
         n, values = float(len(items)), list(sums.values())
         if run.world_size > 1:
             n, *values = self.s.sum_over_ranks([n, *values], "the held-out sums")
