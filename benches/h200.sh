@@ -33,8 +33,8 @@
 #                                         (the experts' grouped GEMMs at LFM2-8B-A1B shapes beside a dense GEMM of the
 #                                         same FLOPs) -> $OUT/h200_moe_tests_dawn.log, $OUT/h200_grouped.json
 #   bash benches/h200.sh moelora          on Dawn: benches/side_by_side.py with LoRA r = 8 on a frozen f16 base at 1x2048,
-#                                         lfm2jit (f32 activations) beside PyTorch + PEFT with a bf16 base, at LFM2-1.2B
-#                                         and at LFM2-8B-A1B shapes, then 8B-A1B with --recompute-mlp (lfm2jit alone)
+#                                         lfm2jit (f32 and f16 activations) beside PyTorch + PEFT with a bf16 base, at
+#                                         LFM2-1.2B and LFM2-8B-A1B shapes, then 8B-A1B f16 with --recompute-mlp (alone)
 #                                         -> $OUT/<card>_moe_lora_{1.2B,8B-A1B,8B-A1B_recompute}.json
 #   bash benches/h200.sh mpi              the host side of the gradient exchange: benches/readback.py (1 and 4 copy threads),
 #                                         then benches/mpi_exchange.py (no GPU) with 2 ranks under MPICH's transports and
@@ -132,11 +132,11 @@ moe)
 moelora)
     export LFM2JIT_WEBGPU=dawn
     card=$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -o "H[0-9]*" | head -1 | tr A-Z a-z)
-    for run in "1.2B 130" "8B-A1B 250" "8B-A1B 200 _recompute --recompute-mlp --torch"; do
+    for run in "1.2B 150" "8B-A1B 310" "8B-A1B 130 _recompute --recompute-mlp --ours f16 --torch"; do
         set -- $run
         preset=$1 limit=$2 suffix=${3:-}
         shift 3 2>/dev/null || shift $#
-        timeout "$limit" python3 benches/side_by_side.py --preset "$preset" --ours fp32 --torch bf16 --lora 8 \
+        timeout "$limit" python3 benches/side_by_side.py --preset "$preset" --ours fp32 f16 --torch bf16 --lora 8 \
             --lora-f16-base --shapes 1x2048 --steps 3 "$@" --json "$OUT/${card}_moe_lora_$preset$suffix.json" 2>&1 \
             | grep -v "^  \|Warning\|warn" | tail -12
     done

@@ -72,7 +72,6 @@ class Lfm2Model:
         self.ctx = ctx
         self.engine = engine
         self.activation_dtype = precision.check_activation_dtype(activation_dtype, ctx)
-        _check_moe_activations(cfg, self.activation_dtype)
         if not isinstance(recompute_mlp, bool):
             raise TypeError(f"recompute_mlp must be True or False, got {recompute_mlp!r}")
         self.recompute_mlp = recompute_mlp     # backward recomputes the MLP's a and b too (layers/mlp.py)
@@ -221,7 +220,6 @@ class Lfm2Model:
         precision.check_activation_dtype(activation_dtype, ctx)    # before the checkpoint is read
         lora_attach.check_base_dtype(base_dtype, ctx)
         cfg = read_model_config(directory / "config.json")          # lfm2 or lfm2_moe
-        _check_moe_activations(cfg, activation_dtype)
         model = cls(cfg, ctx, engine, tensors=load_checkpoint(directory), activation_dtype=activation_dtype,
                     recompute_mlp=recompute_mlp, base_dtype=base_dtype)
         eos = read_generation_eos(directory)
@@ -421,9 +419,3 @@ def _model_tensors(cfg, seed: int, tensors) -> tuple[dict[str, np.ndarray], dict
     if isinstance(cfg, Lfm2MoeConfig):
         return moe_model_tensors(cfg, init_moe_tensors(cfg, seed) if tensors is None else tensors)
     return check_tensors(cfg, init_tensors(cfg, seed) if tensors is None else tensors), {}
-
-
-def _check_moe_activations(cfg, dtype: str) -> None:
-    if isinstance(cfg, Lfm2MoeConfig) and dtype != "f32":
-        raise ValueError("f16 activations are not supported for LFM2-MoE models yet (their routing and experts "
-                         "run in f32); use activation_dtype='f32'")

@@ -55,57 +55,65 @@ def _backward(kernel: str, wrt: tuple[str, ...]) -> Backward:
     return grad(library.get(kernel), wrt=list(wrt))
 
 
-def _run(engine, kernel, **args):
-    """engine.run with f32 activations: the variant the tensors given make (a frozen f16 base's)."""
-    return precision.run(engine, kernel, "f32", **args)
+def _runner(engine, dtype: str) -> Callable:
+    """engine.run of a kernel with activations of ``dtype``: the variant the tensors given make (a
+    frozen f16 base's; with f16 activations, every tensor not given as f32)."""
+    def run(kernel, **args):
+        return precision.run(engine, kernel, dtype, **args)
+    return run
 
 
-def _low_rank(engine, x, lora: ExpertLora | None, ends, bucket: int):
+def _low_rank(run, x, lora: ExpertLora | None, ends, bucket: int):
     if lora is None:
         return None
-    return _run(engine, "expert_lora_down", bucket=bucket, x=x, a=lora.a, ends=ends, s=lora.s)["u"]
+    return run("expert_lora_down", bucket=bucket, x=x, a=lora.a, ends=ends, s=lora.s)["u"]
 
 
-def _gate_up(engine, x, gate_up, ends, lora: ExpertLora | None, u, bucket: int):
+def _gate_up(run, x, gate_up, ends, lora: ExpertLora | None, u, bucket: int):
     """h = x gate_up[e]^T (+ u B[e]^T with an adapter; u = s x A[e]^T, computed here when None)."""
-    h = _run(engine, "expert_gate_up", bucket=bucket, x=x, gate_up=gate_up, ends=ends)["h"]  # (S, 2I)
+    h = run("expert_gate_up", bucket=bucket, x=x, gate_up=gate_up, ends=ends)["h"]          # (S, 2I)
     if lora is not None:
-        u = _low_rank(engine, x, lora, ends, bucket) if u is None else u                     # (S, r)
-        _run(engine, "expert_gate_up", bucket=bucket, x=u, gate_up=lora.b, ends=ends, out={"h": h}, accumulate={"h"})
+        u = _low_rank(run, x, lora, ends, bucket) if u is None else u                       # (S, r)
+        run("expert_gate_up", bucket=bucket, x=u, gate_up=lora.b, ends=ends, out={"h": h}, accumulate={"h"})
     return h, u
 
 
-def _gate(engine, h, bucket: int):
+def _gate(run, h, bucket: int):
     slots, width = h.shape
-    return _run(engine, "expert_gate", bucket=bucket, h=h.view(slots, 2, width // 2))["g"]   # (S, I)
+    return run("expert_gate", bucket=bucket, h=h.view(slots, 2, width // 2))["g"]           # (S, I)
 
 
 def experts_forward(engine, x, gate_up, down, ends, scale, *, bucket: int = 1, out=None,
                     accumulate: bool = False, lora_gate_up: ExpertLora | None = None,
-                    lora_down: ExpertLora | None = None, keep_h: bool = True):
+                    lora_down: ExpertLora | None = None, keep_h: bool = True, dtype: str = "f32"):
     """y [S, D] (into ``out`` when given, added to it with ``accumulate``) and the activations the
     backward needs; ``lora_gate_up`` / ``lora_down``: the adapters on the expert tensors.
-    ``keep_h=False`` keeps not even h (the largest): the backward runs the gate_up GEMM again."""
-    h, u1 = _gate_up(engine, x, gate_up, ends, lora_gate_up, None, bucket)
-    g = _gate(engine, h, bucket)
+    ``keep_h=False`` keeps not even h (the largest): the backward runs the gate_up GEMM again.
+    ``dtype``: the activation dtype ("f16": x, y and what is kept stored as f16; scale stays f32)."""
+    run = _runner(engine, dtype)
+    h, u1 = _gate_up(run, x, gate_up, ends, lora_gate_up, None, bucket)
+    g = _gate(run, h, bucket)
     kwargs = {"out": {"y": out}, "accumulate": {"y"} if accumulate else ()} if out is not None else {}
-    y = _run(engine, "expert_down", bucket=bucket, g=g, down=down, ends=ends, scale=scale, **kwargs)["y"]
-    u2 = _low_rank(engine, g, lora_down, ends, bucket)                                        # (S, r)
+    y = run("expert_down", bucket=bucket, g=g, down=down, ends=ends, scale=scale, **kwargs)["y"]
+    u2 = _low_rank(run, g, lora_down, ends, bucket)                                           # (S, r)
     if lora_down is not None:                                                                 # y += scale u2 B[e]^T
-        _run(engine, "expert_down", bucket=bucket, g=u2, down=lora_down.b, ends=ends, scale=scale, out={"y": y},
+        run("expert_down", bucket=bucket, g=u2, down=lora_down.b, ends=ends, scale=scale, out={"y": y},
              accumulate={"y"})
     return y, ExpertActivations(h if keep_h else None, u1, u2)
 
 
 def experts_backward(engine, x, gate_up, down, ends, scale, saved: ExpertActivations, d_y, *, bucket: int = 1,
                      weights: bool = True, out=None, accumulate=(), lora_gate_up: ExpertLora | None = None,
-                     lora_down: ExpertLora | None = None, trained: Callable = lambda t: False) -> dict:
+                     lora_down: ExpertLora | None = None, trained: Callable = lambda t: False,
+                     dtype: str = "f32") -> dict:
     """Gradients from d_y [S, D]: d_x [S, D] and d_scale [S], and with ``weights`` d_gate_up
     [E, 2I, D] and d_down [E, D, I] (each expert's sum over its own slots, in a fixed order). ``out``
     and ``accumulate`` name tensors to write or add the weight gradients into (gradient accumulation).
     The adapters' A and B for which ``trained(tensor)`` holds get their gradients added into their
-    ``.grad``."""
-    out = dict(out or {})
+    ``.grad``. ``dtype``: the forward's activation dtype; d_scale is f32 either way (the router's
+    gradient comes from it)."""
+    out, engine_run = dict(out or {}), _runner(engine, dtype)
+    out.setdefault("d_scale", engine.empty(scale.shape, "f32"))
 
     def run(kernel: str, wrt: tuple[str, ...], into=None, adds=(), **args):
         """``kernel``'s gradients in ``wrt``, written into ``out`` (added where ``accumulate`` says)
@@ -114,7 +122,7 @@ def experts_backward(engine, x, gate_up, down, ends, scale, saved: ExpertActivat
         targets, added = (into, set(adds)) if into is not None else (out, set(accumulate))
         mine = {n: t for n, t in targets.items() if n in bwd.outputs}
         args = {n: t for n, t in args.items() if n in bwd.inputs or n in bwd.scalars}
-        return _run(engine, bwd, bucket=bucket, out=mine, accumulate=added & set(mine), **args)
+        return engine_run(bwd, bucket=bucket, out=mine, accumulate=added & set(mine), **args)
 
     def low_rank_backward(lora: ExpertLora, x_in, d_u, d_x) -> None:
         """A.grad += s du^T x per expert and d_x += s du A[e]: expert_lora_down's gradient."""
@@ -124,8 +132,9 @@ def experts_backward(engine, x, gate_up, down, ends, scale, saved: ExpertActivat
             x=x_in, a=lora.a, ends=ends, s=lora.s, d_u=d_u)
 
     # what the forward did not keep, as it computed it: the same kernels give bit-identical values
-    h = saved.h if saved.h is not None else _gate_up(engine, x, gate_up, ends, lora_gate_up, saved.u_gate_up, bucket)[0]
-    g = _gate(engine, h, bucket)
+    h = saved.h if saved.h is not None else _gate_up(engine_run, x, gate_up, ends, lora_gate_up, saved.u_gate_up,
+                                                     bucket)[0]
+    g = _gate(engine_run, h, bucket)
     down_grads = run("expert_down", ("g", "scale") + (("down",) if weights else ()),
                      g=g, down=down, ends=ends, scale=scale, d_y=d_y)
     if lora_down is not None:       # y += scale u2 B[e]^T: d_u2, B's gradient and its part of d_scale

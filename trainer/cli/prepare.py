@@ -111,9 +111,6 @@ def _model_config(run: Run, tok, ckpt: Path | None):
     if run.router_aux_loss_coef and cfg is not None and not hasattr(cfg, "num_experts"):
         raise UsageError(f"--router-aux-loss-coef {run.router_aux_loss_coef:g}: the model is a dense LFM2, which has "
                          "no router to balance (an lfm2_moe model has)")
-    if run.f16 and hasattr(cfg, "num_experts"):
-        raise UsageError("--f16: f16 activations are not supported for LFM2-MoE (lfm2_moe) models yet; "
-                         "train without --f16")
     return cfg
 
 

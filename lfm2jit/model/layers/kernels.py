@@ -2,6 +2,7 @@
 rmsnorm and their backwards, on one model's parameters and activation dtype."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 from ... import grad
@@ -34,9 +35,10 @@ class Kernels:
         self.model = model
         self.trained_ids: set[int] = set()
 
-    def run(self, kernel, **args) -> dict[str, Tensor]:
-        """engine.run with the kernel's variant for the model's activation dtype."""
-        return precision.run(self.model.engine, kernel, self.model.activation_dtype, **args)
+    def run(self, kernel, dtype: str | None = None, **args) -> dict[str, Tensor]:
+        """engine.run with the kernel's variant for the model's activation dtype (or ``dtype``:
+        "f32" stores only the f16 tensors given as f16, as an MoE router's calls do)."""
+        return precision.run(self.model.engine, kernel, dtype or self.model.activation_dtype, **args)
 
     def p(self, name: str) -> Tensor:
         return self.model._params[name]
@@ -59,28 +61,30 @@ class Kernels:
         return bool(self.model.lora and module in self.model.lora.by_module)
 
     def linear(self, x: Tensor, name: str, bucket: int, lora: LoraSaved | None = None,
-               residual: Tensor | None = None) -> Tensor:
+               residual: Tensor | None = None, dtype: str | None = None) -> Tensor:
         """y = x W^T (+ residual) (+ b): torch.nn.Linear with W stored [out, in]; the residual is
-        added in the GEMM's epilogue. A LoRA adapter's low-rank activation is kept in ``lora``."""
-        w = self.p(name + ".weight")
+        added in the GEMM's epilogue. A LoRA adapter's low-rank activation is kept in ``lora``.
+        ``dtype``: the activation dtype of these calls, when not the model's (see ``run``)."""
+        w, run = self.p(name + ".weight"), functools.partial(self.run, dtype=dtype)
         r = {"r": residual} if residual is not None else {}
         if self.adapted(name):
-            y, u = self.model.lora.forward(self.run, x, name, w, bucket, dropout=bool(lora and lora.dropout), **r)
+            y, u = self.model.lora.forward(run, x, name, w, bucket, dropout=bool(lora and lora.dropout), **r)
             if lora is not None:
                 lora.u[name] = u
         else:
-            y = self.run("linear", bucket=bucket, x=x, w=w, **r)["y"]
+            y = run("linear", bucket=bucket, x=x, w=w, **r)["y"]
         if self.has(name + ".bias"):
-            self.run("bias_add", bucket=bucket, y=y, b=self.p(name + ".bias"))
+            run("bias_add", bucket=bucket, y=y, b=self.p(name + ".bias"))
         return y
 
     def linear_backward(self, x: Tensor | None, name: str, dy: Tensor, bucket: int, lora: LoraSaved,
-                        into: Tensor | None = None, gate: tuple[Tensor, Tensor] | None = None):
+                        into: Tensor | None = None, gate: tuple[Tensor, Tensor] | None = None,
+                        dtype: str | None = None):
         """y = x W^T (+ b): dx = dy W (new, or added into ``into``), W.grad += dy^T x, b.grad += sum dy.
         ``gate`` = (a, b): x is SwiGLU's silu(a) * b, and the gradients in a and b are returned
         instead ({"d_a", "d_b"}), stored by dx's GEMM from its epilogue; x may then be None when
-        nothing else reads it (W and b frozen, no adapter)."""
-        w, run = self.p(name + ".weight"), self.run
+        nothing else reads it (W and b frozen, no adapter). ``dtype``: as for ``linear``."""
+        w, run = self.p(name + ".weight"), functools.partial(self.run, dtype=dtype)
         if self.adapted(name):
             dx = self.model.lora.backward(run, backward_of, self.is_trained, x, name, w, dy, bucket,
                                           lora.u.pop(name, None), dropout=lora.dropout, dx=into, gate=gate)

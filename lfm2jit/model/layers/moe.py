@@ -6,7 +6,10 @@ and weighs each pick by its score (normalised over the K, scaled). A token's j-t
 t * K + j; slots are sorted by expert so that each expert's MLP runs over its own slots only (a
 grouped GEMM, ops/experts.py), the weight applied in its down GEMM's epilogue, and each token's
 slot outputs are summed back in expert order, as transformers adds them. The routing stays on the
-GPU (ops/kernels/moe.lk): nothing is read back. Shapes: T tokens, E experts, K picks, S = T K slots.
+GPU (ops/kernels/moe.lk): nothing is read back. With f16 activations the hidden rows (xf, the slots'
+rows, the experts' activations, y) are f16, while the router's logits, the picks' weights and their
+gradients stay f32 (``ROUTING``): f16 logits would flip picks at near-ties. Shapes: T tokens, E
+experts, K picks, S = T K slots.
 LoRA adapters on the expert tensors (PEFT's target_parameters) run inside the experts' GEMMs.
 """
 from __future__ import annotations
@@ -17,6 +20,8 @@ from ...ops.experts import ExpertActivations, experts_backward, experts_forward
 from ...runtime import Tensor
 from .base import Residual, ResidualSaved, Rows
 from .kernels import LoraSaved, backward_of
+
+ROUTING = "f32"         # the activation dtype of the router's and the routing's calls
 
 
 @dataclass
@@ -57,30 +62,40 @@ class Moe(Residual):
         slots, slot_bucket = n_tokens * top_k, bucket * top_k     # slot kernels run over the flat (T K) picks
         lora = LoraSaved(train)
         xf, inv = self.normed(h, bucket)                                                        # (T, D), (T,)
-        logits = k.linear(xf, pre + "feed_forward.gate", bucket, lora)                          # (T, E)
+        route = self._route
+        logits = k.linear(xf, pre + "feed_forward.gate", bucket, lora, dtype=ROUTING)           # (T, E)
         bias = {"bias": k.buffer(pre + "feed_forward.expert_bias")} if cfg.use_expert_bias else {}
-        idx = k.run("moe_topk", bucket=bucket, dims={"K": top_k}, logits=logits, **bias)["idx"]  # (T, K)
-        w = k.run("moe_weights", bucket=bucket, logits=logits, idx=idx, **self._weighting())["w"]
-        ends = k.run("expert_ends", bucket=bucket, dims={"E": cfg.num_experts}, idx=idx)["ends"]
+        idx = route("moe_topk", bucket=bucket, dims={"K": top_k}, logits=logits, **bias)["idx"]  # (T, K)
+        w = route("moe_weights", bucket=bucket, logits=logits, idx=idx, **self._weighting())["w"]
+        ends = route("expert_ends", bucket=bucket, dims={"E": cfg.num_experts}, idx=idx)["ends"]
         counts = None
         if train and rows.ids is not None:            # the step's tokens per expert (Lfm2Model.take_routed_tokens)
             count = {"bucket": bucket, "dims": {"E": cfg.num_experts}, "idx": idx, "ids": rows.ids, "pad": self._pad()}
-            k.run("expert_counts", out={"n": k.model.routed_tokens[self.index]}, accumulate={"n"}, **count)
+            route("expert_counts", out={"n": k.model.routed_tokens[self.index]}, accumulate={"n"}, **count)
             if k.model.router_aux_loss_coef:          # the balance loss: its value added up for the step
-                counts = k.run("expert_counts", **count)["n"]
-                k.run("moe_balance", bucket=bucket, logits=logits, counts=counts, ids=rows.ids,
+                counts = route("expert_counts", **count)["n"]
+                route("moe_balance", bucket=bucket, logits=logits, counts=counts, ids=rows.ids,
                       out={"aux": k.model.router_balance}, accumulate={"aux"}, **self._balance(rows))
-        order = k.run("sort_keys", bucket=slot_bucket, dims={"V": cfg.num_experts}, keys=idx.view(slots))["order"]
-        tokens = k.run("slot_tokens", bucket=bucket, idx=idx)["tok"]                            # (T, K)
-        picked = k.run("moe_slots", bucket=slot_bucket, w=w.view(slots), tokens=tokens.view(slots), order=order)
-        grouped = k.run("sort_keys", bucket=slot_bucket, dims={"V": n_tokens}, keys=picked["tok"])
+        order = route("sort_keys", bucket=slot_bucket, dims={"V": cfg.num_experts}, keys=idx.view(slots))["order"]
+        tokens = route("slot_tokens", bucket=bucket, idx=idx)["tok"]                            # (T, K)
+        picked = route("moe_slots", bucket=slot_bucket, w=w.view(slots), tokens=tokens.view(slots), order=order)
+        grouped = route("sort_keys", bucket=slot_bucket, dims={"V": n_tokens}, keys=picked["tok"])
         xs = k.run("embedding", bucket=slot_bucket, table=xf, ids=picked["tok"])["y"]          # (S, D)
         ys, acts = experts_forward(k.model.engine, xs, k.p(self.gate_up), k.p(pre + self.out), ends,
-                                   picked["ws"], bucket=slot_bucket, keep_h=self.keep_h, **self._adapters())
+                                   picked["ws"], bucket=slot_bucket, keep_h=self.keep_h, dtype=self._dtype,
+                                   **self._adapters())
         y = k.run("scatter_rows", bucket=slot_bucket, g=ys, order=grouped["order"], offsets=grouped["offsets"],
                   r=h)["y"]                                                                     # (T, D)
         return y, MoeSaved(h, inv, lora, None, logits, idx, w, ends, order, picked["tok"], picked["ws"],
                            grouped["order"], grouped["offsets"], None, acts, counts)
+
+    def _route(self, kernel, **args):
+        """A routing kernel's call: its float tensors f32 whatever the activations are."""
+        return self.kernels.run(kernel, dtype=ROUTING, **args)
+
+    @property
+    def _dtype(self) -> str:
+        return self.kernels.model.activation_dtype
 
     def _adapters(self) -> dict:
         """The LoRA adapters on this block's expert tensors, as experts_forward takes them."""
@@ -111,30 +126,30 @@ class Moe(Residual):
         k, cfg, bucket, pre = self.kernels, self.cfg, rows.bucket, self.pre
         top_k, n_tokens = cfg.num_experts_per_tok, dh.shape[0]
         slots, slot_bucket = n_tokens * top_k, bucket * top_k
-        gate_up, down = k.p(self.gate_up), k.p(pre + self.out)
+        gate_up, down, route = k.p(self.gate_up), k.p(pre + self.out), self._route
         # y = h + sum of each token's slot outputs: a slot's gradient is its token's
         d_ys = k.run("embedding", bucket=slot_bucket, table=dh, ids=s.tok)["y"]               # (S, D)
         trained = {n: t for n, t in (("d_gate_up", gate_up), ("d_down", down)) if k.is_trained(t)}
         grads = experts_backward(k.model.engine, s.xs, gate_up, down, s.ends, s.ws, s.experts, d_ys,
                                  bucket=slot_bucket, weights=bool(trained),
                                  out={n: t.grad for n, t in trained.items()}, accumulate=set(trained),
-                                 trained=k.is_trained, **self._adapters())
+                                 trained=k.is_trained, dtype=self._dtype, **self._adapters())
         # xs = xf at each slot's token: the slots' gradients summed back to their tokens
         dxf = k.run("scatter_rows", bucket=slot_bucket, dims={"V": n_tokens}, g=grads["d_x"], order=s.by_token,
                     offsets=s.token_offsets)["y"]                                               # (T, D)
         # ws = w at each sorted slot's pick: back to the picks (the sort's order is a permutation)
-        picks = k.run("sort_keys", bucket=slot_bucket, dims={"V": slots}, keys=s.order)
-        d_w = k.run("scatter_values", bucket=slot_bucket, dims={"V": slots}, g=grads["d_scale"], order=picks["order"],
+        picks = route("sort_keys", bucket=slot_bucket, dims={"V": slots}, keys=s.order)
+        d_w = route("scatter_values", bucket=slot_bucket, dims={"V": slots}, g=grads["d_scale"], order=picks["order"],
                     offsets=picks["offsets"])["y"]                                              # (S,) = (T, K)
         # w = the picked scores, normalised and scaled: through the scores only (the picks are discrete)
-        d_logits = k.run(backward_of("moe_weights", ("logits",), ("w",)), bucket=bucket, logits=s.logits,
+        d_logits = route(backward_of("moe_weights", ("logits",), ("w",)), bucket=bucket, logits=s.logits,
                          idx=s.idx, w=s.w, d_w=d_w.view(n_tokens, top_k), **self._weighting())["d_logits"]
         if s.counts is not None:       # the balance loss, coefficient times the loss's gradient scale
-            seed = k.run("moe_balance_seed", counts=s.counts,
+            seed = route("moe_balance_seed", counts=s.counts,
                          aux_scale=k.model.router_aux_loss_coef * k.model.aux_grad_scale)["d"]
-            k.run(backward_of("moe_balance", ("logits",), ("aux",)), bucket=bucket, logits=s.logits,
+            route(backward_of("moe_balance", ("logits",), ("aux",)), bucket=bucket, logits=s.logits,
                   counts=s.counts, ids=rows.ids, d_aux=seed, out={"d_logits": d_logits}, accumulate={"d_logits"},
                   **self._balance(rows))
         # logits = xf W_r^T
-        k.linear_backward(s.xf, pre + "feed_forward.gate", d_logits, bucket, s.lora, into=dxf)
+        k.linear_backward(s.xf, pre + "feed_forward.gate", d_logits, bucket, s.lora, into=dxf, dtype=ROUTING)
         self.norm_backward(s, dxf, dh, bucket)
