@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import struct
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -18,6 +19,7 @@ from .shards import write_weights
 
 SAVE_DTYPES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}     # ours -> safetensors' names
 _STORED = {"F32": "f32", "F64": "f32", "F16": "f16", "BF16": "bf16"}
+Narrow = Callable[[str, tuple], bool]   # (name, shape) -> whether the tensor is held as f16 (an f16 base's)
 
 
 EMBEDDING, FINAL_NORM = "model.embed_tokens.weight", "model.embedding_norm.weight"
@@ -155,13 +157,15 @@ def read_safetensors_raw(path, dtypes=FLOAT_DTYPES, raw: bytes | None = None) ->
     return out
 
 
-def read_safetensors(path: Path, raw: bytes | None = None) -> dict[str, np.ndarray]:
-    """All tensors of one file as float32 arrays (bf16 and f16 widened)."""
+def read_safetensors(path: Path, raw: bytes | None = None, narrow: Narrow | None = None) -> dict[str, np.ndarray]:
+    """All tensors of one file as float32 arrays (bf16 and f16 widened), or as float16 those for which
+    ``narrow(name, shape)`` holds (an f16 base's: narrowed one by one, so the host never holds the
+    checkpoint in f32 at once)."""
     out = {}
     for name, arr in read_safetensors_raw(path, FLOAT_DTYPES, raw).items():
         if arr.dtype == np.uint16:          # BF16
             arr = (arr.astype(np.uint32) << 16).view(np.float32)
-        out[name] = arr.astype(np.float32)
+        out[name] = arr.astype(np.float16 if narrow is not None and narrow(name, arr.shape) else np.float32)
     return out
 
 
@@ -198,11 +202,12 @@ class Tensors(dict):
     source: Path | None = None
 
 
-def load_checkpoint(directory: Path) -> dict[str, np.ndarray]:
+def load_checkpoint(directory: Path, narrow: Narrow | None = None) -> dict[str, np.ndarray]:
+    """A model directory's tensors (every shard's), as read_safetensors gives them."""
     tensors = Tensors()
     tensors.source = Path(directory)
     for f in _weight_files(Path(directory)):
-        tensors.update(read_safetensors(f))
+        tensors.update(read_safetensors(f, narrow=narrow))
     return tensors
 
 
@@ -297,16 +302,18 @@ def save_checkpoint(directory: Path, cfg: Lfm2Config, tensors: dict[str, np.ndar
     return write_weights(d, arrays, max_shard_size, {n: SAVE_DTYPES[dtype] for n in arrays})
 
 
-def normal(rng: np.random.Generator, shape, std: float) -> np.ndarray:
-    """normal(0, std) drawn as f32 in place: an 8B model's weights are drawn in a minute, not several."""
+def normal(rng: np.random.Generator, shape, std: float, f16: bool = False) -> np.ndarray:
+    """normal(0, std) drawn as f32 in place (an 8B model's weights are drawn in a minute, not
+    several), as f16 with ``f16``: the same values, narrowed."""
     out = rng.standard_normal(shape, dtype=np.float32)
     out *= std
-    return out
+    return out.astype(np.float16) if f16 else out
 
 
-def init_tensors(cfg: Lfm2Config, seed: int) -> dict[str, np.ndarray]:
+def init_tensors(cfg: Lfm2Config, seed: int, narrow: Narrow | None = None) -> dict[str, np.ndarray]:
     """As transformers initialises LFM2: normal(0, initializer_range) for linear, conv and embedding
-    weights, zeros for biases and the padding token's embedding row, ones for norm weights."""
+    weights, zeros for biases and the padding token's embedding row, ones for norm weights. Those
+    for which ``narrow(name, shape)`` holds are narrowed to float16 as each is drawn."""
     rng = np.random.default_rng(seed)
     out = {}
     for name, shape in parameter_shapes(cfg).items():
@@ -315,7 +322,7 @@ def init_tensors(cfg: Lfm2Config, seed: int) -> dict[str, np.ndarray]:
         elif name.endswith(".bias"):
             out[name] = np.zeros(shape, np.float32)
         else:
-            out[name] = normal(rng, shape, cfg.initializer_range)
+            out[name] = normal(rng, shape, cfg.initializer_range, narrow is not None and narrow(name, shape))
     pad = cfg.pad_token_id
     if pad is not None and 0 <= pad < cfg.vocab_size:      # nn.Embedding(padding_idx) starts at zero
         out[EMBEDDING][pad] = 0.0

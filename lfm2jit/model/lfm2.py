@@ -76,7 +76,7 @@ class Lfm2Model:
             raise TypeError(f"recompute_mlp must be True or False, got {recompute_mlp!r}")
         self.recompute_mlp = recompute_mlp     # backward recomputes the MLP's a and b too (layers/mlp.py)
         lora_attach.check_base_dtype(base_dtype, ctx)
-        tensors, buffers = _model_tensors(cfg, seed, tensors)
+        tensors, buffers = _model_tensors(cfg, seed, tensors, lora_attach.is_base_linear if base_dtype == "f16" else None)
         # carved side by side (runtime/arena.py): the optimizer steps a run of them in one dispatch
         self._params: dict[str, Tensor] = lora_attach.upload_parameters(
             ctx, tensors, set(lora_attach.base_linears(cfg)) if base_dtype == "f16" else set())
@@ -220,7 +220,8 @@ class Lfm2Model:
         precision.check_activation_dtype(activation_dtype, ctx)    # before the checkpoint is read
         lora_attach.check_base_dtype(base_dtype, ctx)
         cfg = read_model_config(directory / "config.json")          # lfm2 or lfm2_moe
-        model = cls(cfg, ctx, engine, tensors=load_checkpoint(directory), activation_dtype=activation_dtype,
+        narrow = lora_attach.is_base_linear if base_dtype == "f16" else None      # never the whole base in f32
+        model = cls(cfg, ctx, engine, tensors=load_checkpoint(directory, narrow), activation_dtype=activation_dtype,
                     recompute_mlp=recompute_mlp, base_dtype=base_dtype)
         eos = read_generation_eos(directory)
         if eos:
@@ -413,9 +414,9 @@ class Lfm2Model:
                   order=ids.order, bounds=ids.bounds, rows=ids.rows, out={"d_table": emb.grad}, accumulate={"d_table"})
 
 
-def _model_tensors(cfg, seed: int, tensors) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+def _model_tensors(cfg, seed: int, tensors, narrow=None) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """(parameters, buffers) of a model of ``cfg``: ``tensors`` checked (and an MoE checkpoint's
-    experts fused), or a fresh initialisation from ``seed``."""
+    experts fused), or a fresh initialisation from ``seed`` (float16 where ``narrow`` says)."""
     if isinstance(cfg, Lfm2MoeConfig):
-        return moe_model_tensors(cfg, init_moe_tensors(cfg, seed) if tensors is None else tensors)
-    return check_tensors(cfg, init_tensors(cfg, seed) if tensors is None else tensors), {}
+        return moe_model_tensors(cfg, init_moe_tensors(cfg, seed, narrow) if tensors is None else tensors)
+    return check_tensors(cfg, init_tensors(cfg, seed, narrow) if tensors is None else tensors), {}

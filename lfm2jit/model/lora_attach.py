@@ -40,8 +40,13 @@ def upload_adapters(ctx, config: LoraConfig, modules, weights: dict[str, np.ndar
 
 def base_linears(cfg: Lfm2Config) -> list[str]:
     """The decoder's linear weights and an MoE model's expert tensors: what base_dtype="f16" narrows."""
-    return [n for n, shape in model_parameter_shapes(cfg).items()
-            if (n.startswith("model.layers.") and n.endswith(".weight") and len(shape) == 2) or is_expert_tensor(n)]
+    return [n for n, shape in model_parameter_shapes(cfg).items() if is_base_linear(n, shape)]
+
+
+def is_base_linear(name: str, shape) -> bool:
+    """Whether base_dtype="f16" narrows the tensor ``name`` of this shape: a decoder linear's weight or
+    an expert tensor, fused or (as checkpoints store them) one expert's w1, w3 or w2."""
+    return (name.startswith("model.layers.") and name.endswith(".weight") and len(shape) == 2) or is_expert_tensor(name)
 
 
 def upload_parameters(ctx, arrays: dict[str, np.ndarray], to_f16: set[str]) -> dict[str, Tensor]:

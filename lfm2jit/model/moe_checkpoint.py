@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .checkpoint import (SAVE_DTYPES, CheckpointError, Tensors, _narrow, check_tensors, load_checkpoint, normal,
+from .checkpoint import (SAVE_DTYPES, CheckpointError, Narrow, Tensors, _narrow, check_tensors, load_checkpoint, normal,
                          parameter_shapes, write_config)
 from .moe_config import Lfm2MoeConfig
 from .shards import write_weights
@@ -200,7 +200,13 @@ def check_moe_tensors(cfg: Lfm2MoeConfig, tensors: dict) -> dict[str, np.ndarray
             parts.append("wrong shape: " + "; ".join(misshaped[:8]) + (f"; ... {len(misshaped) - 8} more"
                                                                        if len(misshaped) > 8 else ""))
         raise CheckpointError(f"{where}checkpoint does not match the config: " + " | ".join(parts))
-    return {n: _numpy(have[n]).astype(np.float32, copy=False) for n in want}
+    return {n: _float(have[n]) for n in want}
+
+
+def _float(value) -> np.ndarray:
+    """float32, or float16 as given (an f16 base read narrowed: widening it would undo that)."""
+    a = _numpy(value)
+    return a if a.dtype == np.float16 else a.astype(np.float32, copy=False)
 
 
 def _numpy(value) -> np.ndarray:
@@ -243,10 +249,10 @@ def save_moe_pretrained(directory, cfg: Lfm2MoeConfig, tensors: dict, dtype: str
     return write_weights(d, arrays, max_shard_size, dtypes)
 
 
-def init_moe_tensors(cfg: Lfm2MoeConfig, seed: int) -> dict[str, np.ndarray]:
+def init_moe_tensors(cfg: Lfm2MoeConfig, seed: int, narrow: Narrow | None = None) -> dict[str, np.ndarray]:
     """As transformers initialises LFM2-MoE: normal(0, initializer_range) for linear, conv, router,
     expert and embedding weights, zeros for biases, the expert_bias buffers and the padding token's
-    embedding row, ones for norm weights."""
+    embedding row, ones for norm weights; float16 where ``narrow(name, shape)`` holds."""
     rng = np.random.default_rng(seed)
     out = {}
     for name, shape in moe_tensor_shapes(cfg).items():
@@ -255,7 +261,7 @@ def init_moe_tensors(cfg: Lfm2MoeConfig, seed: int) -> dict[str, np.ndarray]:
         elif name.endswith(".bias") or is_buffer(name):
             out[name] = np.zeros(shape, np.float32)
         else:
-            out[name] = normal(rng, shape, cfg.initializer_range)
+            out[name] = normal(rng, shape, cfg.initializer_range, narrow is not None and narrow(name, shape))
     pad = cfg.pad_token_id
     if pad is not None:
         out["model.embed_tokens.weight"][pad] = 0.0

@@ -212,6 +212,34 @@ def test_a_model_loaded_with_an_f16_base_equals_one_narrowed_after_loading(ctx, 
     np.testing.assert_array_equal(loaded.logits(ids, bucket=BUCKET), narrowed_after.logits(ids, bucket=BUCKET))
 
 
+@pytest.mark.parametrize("source", ["bf16 checkpoint", "random init"])
+def test_an_f16_base_is_narrowed_on_the_host_as_it_is_read_or_drawn(ctx, engine, tmp_path, source):
+    """The host never holds an f16 base in f32 at once either: a checkpoint's linear and expert
+    tensors are narrowed one by one as they are read, a random init's as each is drawn. Same values
+    as narrowing the f32 model; the host's peak (tracemalloc: numpy's arrays and the file's bytes)
+    well under the f32 build's, at a shape where the experts are most of the model."""
+    if not ctx.has_f16:
+        pytest.skip(f"{ctx.name} has no shader-f16")
+    tracemalloc = pytest.importorskip("tracemalloc")
+    cfg = dataclasses.replace(Lfm2MoeConfig.preset("tiny-moe"), num_experts=8, moe_intermediate_size=192)
+    Lfm2Model(cfg, ctx, engine, seed=5).save_pretrained(tmp_path, dtype="bf16")
+
+    def build(base_dtype):
+        tracemalloc.start()
+        try:
+            model = (Lfm2Model.from_pretrained(tmp_path, ctx, engine, base_dtype=base_dtype) if source != "random init"
+                     else Lfm2Model(cfg, ctx, engine, seed=5, base_dtype=base_dtype))
+            return model, tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    wide, wide_peak = build("f32")
+    narrow, narrow_peak = build("f16")
+    assert narrow_peak < 0.7 * wide_peak, (narrow_peak, wide_peak)
+    for n, t in narrow._params.items():
+        want = wide.p(n).numpy()
+        np.testing.assert_array_equal(t.numpy(), want.astype(np.float16) if t.dtype == "f16" else want, err_msg=n)
+
+
 def test_f16_base_narrows_the_experts_and_trains_only_the_adapters(ctx, engine):
     if not ctx.has_f16:
         pytest.skip(f"{ctx.name} has no shader-f16")
