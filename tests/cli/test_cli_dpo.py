@@ -102,6 +102,19 @@ def test_dpo_with_lora_and_implicit_prompt_eval_data(base, tmp_path):
     assert summary["eval_sequences"] == 4 and set(METRICS) <= set(summary["eval_dpo_after"])
 
 
+def test_f16_activations_give_the_f32_runs_steps_within_f16_rounding(base, full_run, tmp_path):
+    """--f16 (f16 activations, a loss scaler): the same three steps' DPO loss and margins as the f32
+    run's, within f16 rounding (a wrong scaling or a dropped term would be far off)."""
+    model, prefs = base
+    out = tmp_path / "f16"
+    r = cli("dpo", "--model", model, "--data", prefs, *RUN, "--steps", 3, "--f16", "--eval-fraction", 0.25,
+            "--eval-every", 0, "--checkpoint-every", 0, "--out", out)
+    assert r.returncode == 0, r.stderr
+    for key in ("loss", "rewards/margins", "logps/chosen"):
+        got, want = [m[key] for m in metrics(out)], [m[key] for m in metrics(full_run[0])]
+        assert got == pytest.approx(want, rel=1e-2, abs=1e-3), key
+
+
 def test_resume_continues_with_the_saved_reference(full_run, tmp_path):
     out, _ = full_run
     new = tmp_path / "resumed"

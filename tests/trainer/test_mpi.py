@@ -105,6 +105,33 @@ def test_the_cli_under_mpiexec_equals_one_process(tmp_path):
     assert bad.returncode == 2 and "--distributed mpi takes the rank and world size from MPI" in bad.stderr
 
 
+def test_dpo_under_mpiexec_equals_one_process(ctx, tmp_path):
+    """`mpiexec -n 2 python -m trainer dpo ... --distributed mpi` against one process accumulating the
+    two ranks' pairs: the same DPO losses and reward margins step by step (f32 rounding)."""
+    sys.path.insert(0, str(HERE / "cli"))
+    from lfm2jit import ComputeEngine
+    from test_cli_dpo import write_prefs
+    from test_cli_trainer import _hf_dir
+    if MPIEXEC is None:
+        pytest.fail("mpiexec is not installed: pip install mpi4py mpich (the test extras include them)")
+    model, prefs = _hf_dir(tmp_path / "hf", ctx, ComputeEngine(ctx)), write_prefs(tmp_path / "prefs.jsonl")
+    common = ["-m", "trainer", "dpo", "--model", str(model), "--data", str(prefs), "--max-len", "64", "--lr", "1e-3",
+              "--schedule", "constant", "--steps", "3", "--eval-fraction", "0", "--checkpoint-every", "0",
+              "--no-progress"]
+    two = subprocess.run([MPIEXEC, "-n", "2", sys.executable, *common, "--grad-accum", "1", "--distributed", "mpi",
+                          "--out", str(tmp_path / "two")], capture_output=True, text=True, timeout=400, cwd=HERE.parent)
+    assert two.returncode == 0, two.stderr[-3000:]
+    one = subprocess.run([sys.executable, *common, "--grad-accum", "2", "--out", str(tmp_path / "one")],
+                         capture_output=True, text=True, timeout=400, cwd=HERE.parent)
+    assert one.returncode == 0, one.stderr[-3000:]
+
+    def logged(d, key):
+        return [json.loads(line)[key] for line in (d / "metrics.jsonl").read_text().splitlines()]
+    for key in ("loss", "rewards/margins", "rewards/accuracies"):
+        assert logged(tmp_path / "two", key) == pytest.approx(logged(tmp_path / "one", key), rel=1e-4, abs=1e-6), key
+    assert len(set(logged(tmp_path / "one", "loss"))) == 3          # it trained: the loss moved
+
+
 def test_each_rank_of_a_host_takes_its_own_gpu_index(tmp_path):
     """--distributed mpi sets LFM2JIT_ADAPTER_INDEX to the local rank: on a two-GPU host rank 0 and
     rank 1 open different adapters (choose_adapter shares equal ones out by index). Each rank writes its
