@@ -30,7 +30,7 @@ import numpy as np
 
 from ..safefiles import replace_with
 from .checkpoint import check_tensors
-from .lora import LoraConfig, is_expert_tensor, peft_names
+from .lora import LoraConfig, peft_names
 from .moe_checkpoint import moe_model_tensors
 from .moe_config import Lfm2MoeConfig
 
@@ -77,9 +77,27 @@ def check_supported(cfg) -> None:
 
 
 # ---- tensors ----
+def _converter_form(name: str, arr: np.ndarray) -> list[tuple[str, np.ndarray]]:
+    """One of the model's tensors as the names llama.cpp's converter maps, in llama.cpp's layout:
+    the conv weight squeezed, an MoE layer's fused experts back into the converter's stacked w1 / w3
+    / w2 (its "layers.N.feed_forward.experts.wK.weight"), the expert bias renamed ".expert_bias.bias"."""
+    if name.endswith("conv.conv.weight"):
+        return [(name, arr[:, 0, :])]                       # [D, 1, L] -> [D, L]: ggml's ssm_conv weight
+    if name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+        stem = name.removeprefix("model.").rpartition(".")[0] + "."
+        if name.endswith("down_proj"):
+            return [(stem + "w2.weight", arr)]              # [E, D, I]
+        i = arr.shape[1] // 2                               # [E, 2I, D]: w1 rows, then w3 rows
+        return [(stem + "w1.weight", arr[:, :i]), (stem + "w3.weight", arr[:, i:])]
+    if name.endswith(".expert_bias"):
+        return [(name + ".bias", arr)]
+    return [(name, arr)]
+
+
 def model_tensors(cfg, tensors: dict[str, np.ndarray]) -> list[tuple[str, np.ndarray]]:
     """(GGUF name, f32 array in llama.cpp's layout) for every tensor of a model of ``cfg``, from
-    transformers-named ``tensors`` (a checkpoint's or ``Lfm2Model.state_dict()``), checked first."""
+    transformers-named ``tensors`` (a checkpoint's, either expert form, or ``Lfm2Model.state_dict()``),
+    checked against the config first."""
     g = _gguf()
     check_supported(cfg)
     if isinstance(cfg, Lfm2MoeConfig):
@@ -91,27 +109,11 @@ def model_tensors(cfg, tensors: dict[str, np.ndarray]) -> list[tuple[str, np.nda
                                   cfg.num_hidden_layers)
     out = []
     for name, arr in named.items():
-        arr = np.asarray(arr, np.float32)
-        if name.endswith("conv.conv.weight"):
-            arr = arr[:, 0, :]                        # [D, 1, L] -> [D, L]: llama.cpp's ssm_conv weight
-        if name.endswith(".experts.gate_up_proj"):    # [E, 2I, D]: w1 rows, then w3 rows
-            layer, i = name.split(".")[2], arr.shape[1] // 2
-            pieces = {"w1": arr[:, :i], "w3": arr[:, i:]}
-        elif name.endswith(".experts.down_proj"):
-            layer, pieces = name.split(".")[2], {"w2": arr}
-        else:
-            pieces = None
-        if pieces is not None:
-            for w, part in pieces.items():
-                out.append((names.get_name(f"layers.{layer}.feed_forward.experts.{w}.weight", try_suffixes=(".weight",)),
-                            np.ascontiguousarray(part)))
-            continue
-        if name.endswith(".expert_bias"):             # as the converter names it: blk.N.exp_probs_b.bias
-            name += ".bias"
-        mapped = names.get_name(name, try_suffixes=(".weight", ".bias"))
-        if mapped is None:
-            raise GgufError(f"{name}: no llama.cpp tensor name for it")
-        out.append((mapped, np.ascontiguousarray(arr)))
+        for converted, part in _converter_form(name, np.asarray(arr, np.float32)):
+            mapped = names.get_name(converted, try_suffixes=(".weight", ".bias"))
+            if mapped is None:
+                raise GgufError(f"{name}: no llama.cpp tensor name for it")
+            out.append((mapped, np.ascontiguousarray(part)))
     return out
 
 
@@ -119,7 +121,7 @@ def tensor_type(name: str, arr: np.ndarray, outtype: str):
     """The GGML type the converter gives this tensor in an ``outtype`` file."""
     g = _gguf()
     q = g.GGMLQuantizationType
-    base = name.split(".")[-1] in ("lora_a", "lora_b") and name.rsplit(".", 1)[0] or name
+    base = name.rsplit(".", 1)[0] if name.endswith((".lora_a", ".lora_b")) else name
     if arr.ndim <= 1 or base.endswith("_norm.weight") or not base.endswith(".weight"):
         return q.F32
     if ".shortconv.conv." in base or ".ffn_gate_inp." in base:
@@ -329,8 +331,6 @@ def adapter_tensors(cfg, config: LoraConfig, peft: dict[str, np.ndarray]) -> lis
                                   cfg.num_hidden_layers)
     out = []
     for module in config.modules(cfg):
-        if is_expert_tensor(module + ".weight"):
-            continue
         mapped = names.get_name(module + ".weight", try_suffixes=(".weight",))
         if mapped is None:
             raise GgufError(f"{module}: no llama.cpp tensor name for it")

@@ -149,3 +149,17 @@ def test_an_existing_output_needs_force(dirs, tmp_path, capsys):
     assert rc == 0, err
     assert gguf.GGUFReader(out).fields["general.architecture"].contents() == "lfm2"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]
+
+
+def test_moe_model_directory(tmp_path, capsys):
+    from lfm2jit.model import Lfm2MoeConfig
+    from lfm2jit.model.moe_checkpoint import init_moe_tensors, save_moe_pretrained
+    cfg = Lfm2MoeConfig.preset("tiny-moe")
+    tensors = init_moe_tensors(cfg, seed=1)
+    save_moe_pretrained(tmp_path / "moe", cfg, tensors, "f32", None)
+    shutil.copy(ASSETS / "tokenizer.json", tmp_path / "moe" / "tokenizer.json")
+    rc, _, err = _run(["--model", str(tmp_path / "moe"), "--outtype", "q8_0", "--out", str(tmp_path / "m.gguf")], capsys)
+    assert rc == 0, err
+    ge.write_model(tmp_path / "api.gguf", cfg, tensors, tmp_path / "moe", "q8_0", name="moe")
+    assert (tmp_path / "m.gguf").read_bytes() == (tmp_path / "api.gguf").read_bytes()
+    assert gguf.GGUFReader(tmp_path / "m.gguf").fields["general.architecture"].contents() == "lfm2moe"
