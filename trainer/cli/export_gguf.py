@@ -87,7 +87,10 @@ def export(args) -> Path:
         ge.check_supported(cfg)
         tokenizer = Path(args.tokenizer) if args.tokenizer else model_dir
         if not args.adapter or args.merge:
-            ge.read_vocab(tokenizer, cfg.vocab_size)
+            try:
+                ge.read_vocab(tokenizer, cfg.vocab_size)
+            except ge.GgufError as e:
+                raise UsageError(f"tokenizer: {e}" + ("" if args.tokenizer else " (give --tokenizer PATH)")) from None
         lora = None
         if args.adapter:
             lora, weights = read_adapter(Path(args.adapter))
