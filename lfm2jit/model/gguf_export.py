@@ -171,7 +171,9 @@ def read_vocab(tokenizer, vocab_size: int) -> Vocab:
     """The token list llama.cpp's ``gpt2`` tokenizer reads, ``vocab_size`` long (the model's),
     from a tokenizer.json (or its directory). A tokenizer that is not byte-level (such as
     lfm2jit's shipped character-level one) has its ordinary tokens spelt in GPT-2's byte-to-unicode
-    alphabet, which llama.cpp's BPE looks tokens up in (" " -> "Ġ"); that needs it to have no merges."""
+    alphabet, which llama.cpp's BPE looks tokens up in (" " -> "Ġ"), and merges that join each of its
+    multi-byte characters' bytes; one with merges of its own is refused (llama.cpp would split text
+    into words first, which such a tokenizer does not)."""
     path = tokenizer_file(tokenizer)
     try:
         tj = json.loads(path.read_text(encoding="utf-8"))
