@@ -382,3 +382,19 @@ def test_save_gguf_of_an_moe_model(ctx, engine, tmp_path, tokenizer_dir):
     model.save_gguf(tmp_path / "model.gguf", "bf16", tokenizer=tokenizer_dir)
     ge.write_model(tmp_path / "tensors.gguf", cfg, init_moe_tensors(cfg, seed=6), tokenizer_dir, "bf16")
     assert (tmp_path / "model.gguf").read_bytes() == (tmp_path / "tensors.gguf").read_bytes()
+
+
+def test_moe_adapters(tmp_path):
+    """An LFM2-MoE adapter on its linear layers is an lfm2moe LoRA file; one on the expert tensors has
+    no llama.cpp LoRA form and is refused (it can be merged instead)."""
+    cfg = Lfm2MoeConfig.preset("tiny-moe")
+    lora = LoraConfig(r=2, alpha=4.0, target_modules=("k_proj", "w1"))
+    r = gguf.GGUFReader(ge.write_adapter(tmp_path / "a.gguf", cfg, lora, init_weights(lora, lora.modules(cfg), 0)))
+    assert r.fields["general.architecture"].contents() == "lfm2moe"
+    assert sorted(t.name for t in r.tensors) == sorted(f"blk.{i}.{n}.weight.lora_{ab}" for ab in "ab"
+                                                       for i, n in ((0, "ffn_gate"), (1, "attn_k"), (3, "attn_k")))
+    experts = LoraConfig(r=2, target_modules=("q_proj",), target_parameters=("experts.gate_up_proj",))
+    weights = init_weights(experts, experts.modules(cfg), 0, experts.parameters(cfg))
+    with pytest.raises(ge.GgufError, match="merge it into the model"):
+        ge.write_adapter(tmp_path / "e.gguf", cfg, experts, weights)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.gguf"]
