@@ -163,3 +163,33 @@ def test_moe_model_directory(tmp_path, capsys):
     ge.write_model(tmp_path / "api.gguf", cfg, tensors, tmp_path / "moe", "q8_0", name="moe")
     assert (tmp_path / "m.gguf").read_bytes() == (tmp_path / "api.gguf").read_bytes()
     assert gguf.GGUFReader(tmp_path / "m.gguf").fields["general.architecture"].contents() == "lfm2moe"
+
+
+def test_moe_expert_adapter_is_merged_or_refused(tmp_path, capsys):
+    """An adapter on an MoE model's expert tensors (PEFT's target_parameters) has no LoRA GGUF form:
+    refused without --merge; merged, each expert's stacked weights are W[e] + (alpha / r) B_e A_e."""
+    from lfm2jit.model import Lfm2MoeConfig
+    from lfm2jit.model.lora import experts_from_peft, parameter_peft_names
+    from lfm2jit.model.moe_checkpoint import init_moe_tensors, save_moe_pretrained
+    cfg = Lfm2MoeConfig.preset("tiny-moe")
+    tensors = init_moe_tensors(cfg, seed=1)
+    save_moe_pretrained(tmp_path / "moe", cfg, tensors, "f32", None)
+    shutil.copy(ASSETS / "tokenizer.json", tmp_path / "moe" / "tokenizer.json")
+    lora = LoraConfig(r=2, alpha=6.0, target_modules=("q_proj",), target_parameters=("experts.down_proj",))
+    params = lora.parameters(cfg)
+    weights = init_weights(lora, lora.modules(cfg), 3, params)
+    for n in weights:
+        weights[n] = np.random.default_rng(len(n)).standard_normal(weights[n].shape).astype(np.float32) * 0.1
+    write_adapter(tmp_path / "adapter", lora, weights, None)
+    argv = ["--model", str(tmp_path / "moe"), "--adapter", str(tmp_path / "adapter"), "--outtype", "f32"]
+    rc, _, err = _run([*argv, "--out", str(tmp_path / "a.gguf")], capsys)
+    assert rc == 2 and "merge it into the model instead (--merge)" in err and not (tmp_path / "a.gguf").exists()
+    rc, _, err = _run([*argv, "--merge", "--out", str(tmp_path / "m.gguf")], capsys)
+    assert rc == 0, err
+    got = _tensors(tmp_path / "m.gguf")
+    for name, (a_name, b_name) in parameter_peft_names(params).items():
+        layer = name.split(".")[2]
+        a, b = experts_from_peft(weights[a_name], weights[b_name], cfg.num_experts)    # [E, r, in], [E, out, r]
+        w = np.stack([tensors[f"model.layers.{layer}.feed_forward.experts.{e}.w2.weight"] for e in range(cfg.num_experts)])
+        want = (w.astype(np.float64) + 3.0 * np.einsum("eor,eri->eoi", b.astype(np.float64), a.astype(np.float64)))
+        np.testing.assert_array_equal(got[f"blk.{layer}.ffn_down_exps.weight"], want.astype(np.float32))
