@@ -100,6 +100,7 @@ class Lfm2Model:
         # found one (LFM2's end of turn, <|im_end|>, with <|endoftext|>), else config.json's
         eos = cfg.eos_token_id
         self.generation_eos: tuple[int, ...] = tuple(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        self.source_dir: Path | None = None      # the directory from_pretrained read (its tokenizer: save_gguf)
 
     # ---- parameters ----
     def named_parameters(self) -> dict[str, Tensor]:
@@ -223,6 +224,7 @@ class Lfm2Model:
         narrow = lora_attach.is_base_linear if base_dtype == "f16" else None      # never the whole base in f32
         model = cls(cfg, ctx, engine, tensors=load_checkpoint(directory, narrow), activation_dtype=activation_dtype,
                     recompute_mlp=recompute_mlp, base_dtype=base_dtype)
+        model.source_dir = directory
         eos = read_generation_eos(directory)
         if eos:
             model.generation_eos = tuple(sorted(eos_ids(eos, cfg.vocab_size)))
@@ -245,6 +247,19 @@ class Lfm2Model:
         if self.cfg.tie_word_embeddings:
             tensors["lm_head.weight"] = tensors[EMBEDDING]   # transformers expects it
         save_checkpoint(Path(directory), self.cfg, tensors, dtype, max_shard_size)
+
+    def save_gguf(self, path, outtype: str = "f16", tokenizer=None, name: str | None = None) -> Path:
+        """One GGUF file for llama.cpp (arch lfm2 / lfm2moe; gguf_export.py): ``outtype`` "f32",
+        "f16", "bf16" or "q8_0"; ``tokenizer`` a tokenizer.json or its directory, by default the
+        directory from_pretrained read."""
+        from .gguf_export import GgufError, write_model
+        if self.lora is not None:
+            raise GgufError("this model has LoRA adapters: merge_lora() first (python -m trainer export-gguf "
+                            "--adapter DIR writes them as a LoRA GGUF)")
+        if tokenizer is None and self.source_dir is None:
+            raise GgufError("save_gguf needs tokenizer= (a tokenizer.json or its directory): llama.cpp reads the "
+                            "vocabulary from the GGUF file")
+        return write_model(path, self.cfg, self.state_dict(), tokenizer or self.source_dir, outtype, name)
 
     def load_state(self, tensors: dict[str, np.ndarray]) -> None:
         params, buffers = _model_tensors(self.cfg, 0, tensors)         # all checked before any is written

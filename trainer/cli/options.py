@@ -44,6 +44,7 @@ examples:
   python -m trainer --resume runs/tiny --steps 100    # continue a run from its latest checkpoint
   python -m trainer generate --model runs/tiny/model --prompt "What is 3 + 4?"   # talk to it (generate --help)
   python -m trainer eval --model runs/tiny/model --data held_out.jsonl            # score it alone (eval --help)
+  python -m trainer export-gguf --model runs/tiny/model --out tiny.gguf         # for llama.cpp (export-gguf --help)
   python -m trainer --model DIR --data d.jsonl --sync-dir /shared/sync --rank 0 --world-size 2 --out runs/x &
   python -m trainer --model DIR --data d.jsonl --sync-dir /shared/sync --rank 1 --world-size 2 --out runs/x
 
