@@ -22,7 +22,9 @@ Every file is written beside its destination and renamed into place.
 """
 from __future__ import annotations
 
+import errno
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -291,11 +293,29 @@ def _write(path, arch: str, fill) -> Path:
             w.write_header_to_file()
             w.write_kv_data_to_file()
             w.write_tensors_to_file()
+            w.flush()
+            short = w.fout[0].tell() - os.path.getsize(tmp)
+        except OSError as e:
+            if e.errno is not None:
+                raise
+            short = 1                   # numpy's "N requested and M written": the disk's error not said
         finally:
             w.close()
+        if short:
+            _raise_disk_error(tmp, short)
 
     replace_with(path, write)
     return path
+
+
+def _raise_disk_error(tmp, short: int) -> None:
+    """gguf writes tensor data with numpy's tofile, which on a full disk writes short and either says
+    nothing or raises without an errno: writing the missing bytes again raises the disk's own error
+    (ENOSPC, EFBIG), so the message says what happened; the file never replaces the old one."""
+    with open(tmp, "ab") as f:
+        f.write(bytes(max(short, 1 << 16)))
+        f.flush()
+    raise OSError(errno.EIO, f"the file came out {short} bytes short", str(tmp))
 
 
 def write_model(path, cfg, tensors: dict[str, np.ndarray], tokenizer, outtype: str = "f16",
