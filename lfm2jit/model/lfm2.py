@@ -92,6 +92,7 @@ class Lfm2Model:
         if not isinstance(recompute_mlp, bool):
             raise TypeError(f"recompute_mlp must be True or False, got {recompute_mlp!r}")
         self.recompute_mlp = recompute_mlp     # backward recomputes the MLP's a and b too (layers/mlp.py)
+        self._checkpoint_layers = _check_checkpoint_layers(checkpoint_layers, len(cfg.layer_types))
         lora_attach.check_base_dtype(base_dtype, ctx)
         tensors, buffers = _model_tensors(cfg, seed, tensors)
         # carved side by side (runtime/arena.py): the optimizer steps a run of them in one dispatch
@@ -113,7 +114,6 @@ class Lfm2Model:
         self.rope = Rope(cfg, ctx)
         self.blocks = [decoder_block(self.kernels, cfg, i, self.rope, keep_ab=not recompute_mlp)
                        for i in range(len(cfg.layer_types))]
-        self.checkpoint_layers = checkpoint_layers
         # the ids generate stops at: generation_config.json's eos_token_id where from_pretrained
         # found one (LFM2's end of turn, <|im_end|>, with <|endoftext|>), else config.json's
         eos = cfg.eos_token_id
@@ -130,12 +130,7 @@ class Lfm2Model:
 
     @checkpoint_layers.setter
     def checkpoint_layers(self, value: int | str) -> None:
-        n = len(self.blocks)
-        if value != "all" and (isinstance(value, bool) or not isinstance(value, (int, np.integer))
-                               or not 0 <= value <= n):
-            raise ValueError(f"checkpoint_layers must be 'all' or a number of layers from 0 to {n} (this model's "
-                             f"decoder layers), got {value!r}")
-        self._checkpoint_layers = value if value == "all" else int(value)
+        self._checkpoint_layers = _check_checkpoint_layers(value, len(self.blocks))
 
     def checkpointed(self, index: int) -> bool:
         """Whether a training pass checkpoints decoder layer ``index`` (``checkpoint_layers``)."""
@@ -262,6 +257,7 @@ class Lfm2Model:
         lora_attach.check_base_dtype(base_dtype, ctx)
         cfg = read_model_config(directory / "config.json")          # lfm2 or lfm2_moe
         _check_moe_activations(cfg, activation_dtype)
+        _check_checkpoint_layers(checkpoint_layers, len(cfg.layer_types))
         model = cls(cfg, ctx, engine, tensors=load_checkpoint(directory), activation_dtype=activation_dtype,
                     recompute_mlp=recompute_mlp, base_dtype=base_dtype, checkpoint_layers=checkpoint_layers)
         eos = read_generation_eos(directory)
@@ -485,6 +481,16 @@ def _model_tensors(cfg, seed: int, tensors) -> tuple[dict[str, np.ndarray], dict
     if isinstance(cfg, Lfm2MoeConfig):
         return moe_model_tensors(cfg, init_moe_tensors(cfg, seed) if tensors is None else tensors)
     return check_tensors(cfg, init_tensors(cfg, seed) if tensors is None else tensors), {}
+
+
+def _check_checkpoint_layers(value, n_layers: int) -> int | str:
+    """``checkpoint_layers`` checked: "all", or an int from 0 to the model's ``n_layers``."""
+    if value == "all":
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= value <= n_layers:
+        raise ValueError(f"checkpoint_layers must be 'all' or a number of layers from 0 to {n_layers} (this "
+                         f"model's decoder layers), got {value!r}")
+    return int(value)
 
 
 def _check_moe_activations(cfg, dtype: str) -> None:

@@ -83,7 +83,7 @@ class Attention(Residual):
 
     def recompute(self, s: AttentionSaved, rows: Rows) -> None:
         if s.xn is None:
-            s.xn = self.normed(s.h, rows.bucket)[0]                                                 # (T, D)
+            s.xn = self.normed(s.h, rows.bucket)[0]                                             # (T, D)
 
     def backward(self, s: AttentionSaved, dh: Tensor, rows: Rows) -> None:
         kern, a, bucket, cfg = self.kernels, self.attn, rows.bucket, self.cfg

@@ -40,7 +40,7 @@ class Conv(Residual):
 
     def recompute(self, s: ConvSaved, rows: Rows) -> None:
         if s.xn is None:
-            s.xn = self.normed(s.h, rows.bucket)[0]                                                 # (T, D)
+            s.xn = self.normed(s.h, rows.bucket)[0]                                             # (T, D)
 
     def backward(self, s: ConvSaved, dh: Tensor, rows: Rows) -> None:
         kern, pre, bucket = self.kernels, self.pre, rows.bucket
