@@ -222,6 +222,10 @@ def _add_optimization(p: argparse.ArgumentParser) -> None:
     o.add_argument("--recompute-mlp", action="store_true", default=None,
                    help="backward recomputes each layer's MLP up-projections instead of keeping them: the largest "
                         "activations, for two more matmuls per layer. Same results")
+    o.add_argument("--checkpoint-layers", metavar="all|N",
+                   help="activation checkpointing: training passes keep only the input of each of the first N "
+                        "decoder layers (all: every layer) and the backward runs the layer's forward again, for "
+                        "about one more forward of those layers per step. Same results (default: off)")
     length = o.add_mutually_exclusive_group()
     length.add_argument("--steps", type=int, metavar="N",
                         help="train until optimizer step N (total, counting steps before a --resume)")

@@ -53,6 +53,7 @@ class Run:
     pack_tokens: int
     replay: int
     recompute_mlp: bool
+    checkpoint_layers: int | str    # 0 (off), the first N decoder layers, or "all"
     clip: float
     bucket: int
     scaler: bool
