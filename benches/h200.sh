@@ -135,7 +135,7 @@ moe)
 moelora)
     export LFM2JIT_WEBGPU=dawn
     card=$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -o "H[0-9]*" | head -1 | tr A-Z a-z)
-    for run in "1.2B 150" "8B-A1B 310" "8B-A1B 130 _recompute --recompute-mlp --ours f16 --torch"; do
+    for run in "1.2B 130" "8B-A1B 300" "8B-A1B 120 _recompute --recompute-mlp --ours f16 --torch"; do
         set -- $run
         preset=$1 limit=$2 suffix=${3:-}
         shift 3 2>/dev/null || shift $#
