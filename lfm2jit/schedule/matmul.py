@@ -44,6 +44,11 @@ class Operand:
     sb: int
     vec: str | None = None
     loads: int = 0
+    # a computed operand (ir.partition.is_prologue): ``fetch`` computes its element (gr, gk) of this
+    # batch as ``value`` (f32), reading the tensors it decodes; ``tensor`` then only names it, and
+    # the strides are those of its logical layout (which invocation fetches which element)
+    fetch: tuple[Let, ...] = ()
+    value: Value | None = None
 
     @property
     def k_fast(self) -> bool:
@@ -51,7 +56,7 @@ class Operand:
 
     @property
     def convert(self) -> bool:
-        return self.dtype != "f32"
+        return self.value is None and self.dtype != "f32"
 
 
 @dataclass(frozen=True)
@@ -291,7 +296,11 @@ def plan(ir: KernelIR, sizes: dict[str, int], accumulate: frozenset[str], tiles=
     m_axis, n_axis, k, bt = axes["m"], axes["n"], axes["k"], axes["batch"]
     a, b = _operands(terms[0], m_axis, n_axis)
     frag = target.matrix("f16", "f32") if target is not None and target.subgroup_size else None
-    matrix = isinstance(tiles, MatrixTiles) or (tiles is None and frag is not None
+    computed = [x for t in terms for x in t.srcs[0].srcs if x.op != Op.INPUT]      # prologues
+    if computed and isinstance(tiles, MatrixTiles):
+        raise ValueError(f"{ir.name}: tiles={tiles!r}: the matrix template does not compute operands in its "
+                         "fetch (a decoded weight); the portable template does")
+    matrix = isinstance(tiles, MatrixTiles) or (tiles is None and frag is not None and not computed
                                                  and "f16" in (a.dtype, b.dtype, out.dtype))
     if matrix and frag is None:
         raise ValueError(f"{ir.name}: tiles={tiles!r} need a device with f16 subgroup matrices (the matrix units)")
@@ -330,11 +339,23 @@ def plan(ir: KernelIR, sizes: dict[str, int], accumulate: frozenset[str], tiles=
 
     def operand(x, row_axis: str, rows: int, kk: str, vectors: bool = True) -> Operand:
         st = strides(x.shape, sizes)
+        if x.op != Op.INPUT:
+            return _computed(x, row_axis, rows, kk, st)
         op = Operand(x.arg, x.dtype, st[row_axis], st[kk], st[bt] if bt else 0)
         if matrix:
             return replace(op, vec=contiguity(op, row_axis, kk, sizes) if vectors else None)
         vec = vector_reads(tiles, op, row_axis, kk, sizes, rows) if vectors else None
         return replace(op, vec=vec, loads=rows * tiles.bk // (4 if vec else 1) // tiles.threads)
+
+    def _computed(x, row_axis: str, rows: int, kk: str, st: dict) -> Operand:
+        """A prologue operand: its element (gr, gk) of this batch computed by lets in the fetch."""
+        index_of = {row_axis: Var("gr"), kk: Var("gk")} | ({bt: Var("batch")} if bt else {})
+        lower = Lowerer(sizes, index_of, prefix="pf")
+        bound: dict[int, str] = {}
+        lets = tuple(lower.emit([x], bound))
+        value = lower.ref(x, "f32", bound)
+        return Operand(f"computed {'A' if row_axis == m_axis else 'B'}", "f32", st[row_axis], st[kk],
+                       st[bt] if bt else 0, None, rows * tiles.bk // tiles.threads, lets, value)
 
     rows = (tiles.wm, tiles.wn) if matrix else (tiles.bm, tiles.bn)
     pairs = [_operands(t, m_axis, n_axis) for t in terms]
