@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ... import grad
-from ...ops import library, precision
+from ...ops import library, precision, quantized
 from ...runtime import Tensor
+from ..quantized_base import QuantizedWeight
 
 _BACKWARDS: dict[tuple, object] = {}
 
@@ -35,7 +36,13 @@ class Kernels:
         self.trained_ids: set[int] = set()
 
     def run(self, kernel, **args) -> dict[str, Tensor]:
-        """engine.run with the kernel's variant for the model's activation dtype."""
+        """engine.run with the kernel's variant for the model's activation dtype; a weight held
+        quantized (QuantizedWeight) is passed packed, to the kernel's variant decoding it."""
+        for name, value in list(args.items()):
+            if isinstance(value, QuantizedWeight):
+                kernel = quantized.decoded(kernel, name, value.dtype)
+                del args[name]
+                args.update(value.args(name))
         return precision.run(self.model.engine, kernel, self.model.activation_dtype, **args)
 
     def p(self, name: str) -> Tensor:
