@@ -58,6 +58,17 @@ def decoded(kernel: Kernel | str, weight: str, fmt: str) -> Kernel:
     return _CACHE[key]
 
 
+def weight_axes(kernel: Kernel | str, weight: str) -> tuple[str, str]:
+    """The axes [N, K] of ``kernel``'s weight parameter (a Backward's: its forward's): a decoded
+    weight's packed tensors do not carry them, so a call passes their sizes."""
+    kernel = library.get(kernel) if isinstance(kernel, str) else kernel
+    kdef = (kernel.forward if isinstance(kernel, Backward) else kernel).ast
+    param = next((p for p in (kdef.inputs if kdef else ()) if p.name == weight), None)
+    if param is None or len(param.type.dims) != 2:
+        raise ValueError(f"{kernel.name}: no 2-D weight parameter {weight!r}")
+    return tuple(str(d) for d in param.type.dims)
+
+
 def _decoded(kernel: Kernel, weight: str, fmt: str) -> Kernel:
     kdef = kernel.ast
     if kdef is None:

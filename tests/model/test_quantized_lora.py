@@ -9,6 +9,7 @@ import torch
 from numerics import rel_err
 from references import masked_inputs
 from lfm2jit.model import Lfm2Model, LoraConfig
+from lfm2jit.model.lora import DEFAULT_TARGETS
 from lfm2jit.model.quantize import dequantize_int8, dequantize_nf4, quantize_int8, quantize_nf4
 from lfm2jit.model.quantized_base import QuantizedWeight
 from test_lora import BUCKET, hf_base, loss_and_grads, mg, ours_from_hf, peft_model, peft_reference, share_adapters  # noqa: F401
@@ -22,13 +23,16 @@ def _linears(model):
                                                                                     "w2.weight", "w3.weight"))]
 
 
+SOME = ("q_proj", "in_proj", "w1")       # the other linears (w2's SwiGLU product among them) plain
+
+
 @pytest.mark.parametrize("dtype", ["nf4", "int8"])
-@pytest.mark.parametrize("name", ["tied_g1_attn_mid", "untied_bias_g2_attn_first"])
-def test_lora_on_a_quantized_base_equals_peft_on_the_dequantized_weights(mg, ctx, engine, dtype, name):
+@pytest.mark.parametrize("name,targets", [("tied_g1_attn_mid", DEFAULT_TARGETS), ("untied_bias_g2_attn_first", SOME)])
+def test_lora_on_a_quantized_base_equals_peft_on_the_dequantized_weights(mg, ctx, engine, dtype, name, targets):
     hf, kwargs = hf_base(mg, name, 21)
-    theirs = peft_model(hf, 4, 8, seed=2)
+    theirs = peft_model(hf, 4, 8, targets=targets, seed=2)
     ours = ours_from_hf(hf, ctx, engine)
-    params = ours.add_lora(LoraConfig(r=4, alpha=8), base_dtype=dtype)
+    params = ours.add_lora(LoraConfig(r=4, alpha=8, target_modules=targets), base_dtype=dtype)
     assert ours.base_dtype == dtype
     share_adapters(theirs, ours)
     linears = _linears(ours)

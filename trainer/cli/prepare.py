@@ -164,8 +164,9 @@ def _device(run: Run):
             raise UsageError(f"--f16 (f16 activations): adapter {ctx.name!r} lacks the shader-f16 feature; "
                              "train without --f16")
         if lora_base_dtype(run) == "f16":
-            raise UsageError(f"--lora-f16-base / --base-dtype f16 (f16 base weights): adapter {ctx.name!r} lacks the shader-f16 "
-                             "feature; train without --lora-f16-base")
+            flag = "--base-dtype f16" if run.base_dtype == "f16" else "--lora-f16-base"
+            raise UsageError(f"{flag} (f16 base weights): adapter {ctx.name!r} lacks the shader-f16 "
+                             f"feature; train without {flag}")
     return ctx, ComputeEngine(ctx)
 
 

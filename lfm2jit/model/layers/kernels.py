@@ -40,9 +40,11 @@ class Kernels:
         quantized (QuantizedWeight) is passed packed, to the kernel's variant decoding it."""
         for name, value in list(args.items()):
             if isinstance(value, QuantizedWeight):
+                axes = quantized.weight_axes(kernel, name)
                 kernel = quantized.decoded(kernel, name, value.dtype)
                 del args[name]
                 args.update(value.args(name))
+                args["dims"] = {**args.get("dims", {}), **dict(zip(axes, value.shape))}
         return precision.run(self.model.engine, kernel, self.model.activation_dtype, **args)
 
     def p(self, name: str) -> Tensor:
