@@ -296,11 +296,7 @@ def plan(ir: KernelIR, sizes: dict[str, int], accumulate: frozenset[str], tiles=
     m_axis, n_axis, k, bt = axes["m"], axes["n"], axes["k"], axes["batch"]
     a, b = _operands(terms[0], m_axis, n_axis)
     frag = target.matrix("f16", "f32") if target is not None and target.subgroup_size else None
-    computed = [x for t in terms for x in t.srcs[0].srcs if x.op != Op.INPUT]      # prologues
-    if computed and isinstance(tiles, MatrixTiles):
-        raise ValueError(f"{ir.name}: tiles={tiles!r}: the matrix template does not compute operands in its "
-                         "fetch (a decoded weight); the portable template does")
-    matrix = isinstance(tiles, MatrixTiles) or (tiles is None and frag is not None and not computed
+    matrix = isinstance(tiles, MatrixTiles) or (tiles is None and frag is not None
                                                  and "f16" in (a.dtype, b.dtype, out.dtype))
     if matrix and frag is None:
         raise ValueError(f"{ir.name}: tiles={tiles!r} need a device with f16 subgroup matrices (the matrix units)")
@@ -355,7 +351,7 @@ def plan(ir: KernelIR, sizes: dict[str, int], accumulate: frozenset[str], tiles=
         lets = tuple(lower.emit([x], bound))
         value = lower.ref(x, "f32", bound)
         return Operand(f"computed {'A' if row_axis == m_axis else 'B'}", "f32", st[row_axis], st[kk],
-                       st[bt] if bt else 0, None, rows * tiles.bk // tiles.threads, lets, value)
+                       st[bt] if bt else 0, None, 0 if matrix else rows * tiles.bk // tiles.threads, lets, value)
 
     rows = (tiles.wm, tiles.wn) if matrix else (tiles.bm, tiles.bn)
     pairs = [_operands(t, m_axis, n_axis) for t in terms]

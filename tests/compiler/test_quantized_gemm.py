@@ -9,7 +9,7 @@ import pytest
 from lfm2jit import DslError, compile_source, grad, library
 from lfm2jit.cli import MATRIX_UNITS
 from lfm2jit.model.quantize import (NF4_CODE, dequantize_int8, dequantize_nf4, quantize_int8, quantize_nf4)
-from lfm2jit.tune.tiles import MatrixTiles
+from lfm2jit.codegen.render import render
 
 BITS = compile_source("""
 kernel bits(a: u32[T, D], b: u32[T, D], c: i32[T, D]) -> (y: u32[T, D], z: i32[T, D], s: f32[T, D]) {
@@ -116,11 +116,39 @@ def test_the_weight_is_decoded_in_the_gemm_fetch(name):
         assert not any(b.tensor.startswith("tmp") for b in spec.bindings)
 
 
-def test_decoded_operands_stay_off_the_matrix_template():
-    """The matrix template has no decoding fetch: an f16 product on a decoded weight takes the
-    portable template there, and matrix tiles asked for by name are refused."""
-    kernel = library.get("linear_nf4").without({"r"}).variant("f16", {"x"})
+F16_PRODUCTS = {      # the products of a decoded linear layer in --f16 mode: activations f16, packed weights as they are
+    "y": lambda k: k.without({"r"}).variant("f16", {"codes", "absmax", "code"}),
+    "d_x": lambda k: grad(k.without({"r"}), ["x"], ["y"]).variant("f16", {"codes", "absmax", "code"}),
+}
+
+
+@pytest.mark.parametrize("out", F16_PRODUCTS)
+def test_decoded_f16_products_go_to_the_matrix_units(out):
+    kernel = F16_PRODUCTS[out](library.get("linear_nf4"))
     sizes = {"T": 40, "N": 48, "K": 64, "P": 48 * 64 // 8, "B": 48, "C": 16}
-    assert kernel.specialize(sizes, 16, target=MATRIX_UNITS).template == "matmul"
-    with pytest.raises(ValueError, match="does not compute operands in its fetch"):
-        kernel.specialize(sizes, 16, frozenset(), MatrixTiles(), MATRIX_UNITS)
+    spec = kernel.specialize(sizes, 16, target=MATRIX_UNITS)
+    assert spec.template == "matmul_matrix"
+    wgsl = render(spec)
+    assert "subgroupMatrixMultiplyAccumulate" in wgsl and "codes_[" in wgsl
+
+
+@pytest.mark.parametrize("T,N,K", [(37, 50, 45), (5, 130, 192)])
+def test_nf4_linear_on_the_matrix_template(matrix_engine, rng, T, N, K):
+    """On the device's matrix units, or (lavapipe) the same template with them emulated: the decoded
+    weight and x are staged as f16, so the products are those of the f16-rounded operands."""
+    engine = matrix_engine
+    x = rng.standard_normal((T, K)).astype(np.float16)
+    dy = rng.standard_normal((T, N)).astype(np.float16)
+    w = rng.standard_normal((N, K)).astype(np.float32)
+    q, packed = _nf4_inputs(engine, w, False)
+    wd = dequantize_nf4(q).astype(np.float16).astype(np.float64)
+    kernel = F16_PRODUCTS["y"](library.get("linear_nf4"))
+    sizes = {"T": T, "N": N, "K": K, "P": q.words().size, "B": q.absmax.size, "C": 16}
+    assert kernel.specialize(sizes, 16, target=engine.target).template == "matmul_matrix"
+    y = engine.run(kernel, x=engine.tensor(x), **packed, dims={"N": N}, bucket=16)["y"].numpy().astype(np.float64)
+    want = x.astype(np.float64) @ wd.T
+    assert np.all(np.abs(y - want) <= 2e-3 * (np.abs(x).astype(np.float64) @ np.abs(wd).T) + 1e-2)
+    bwd = F16_PRODUCTS["d_x"](library.get("linear_nf4"))
+    dx = engine.run(bwd, d_y=engine.tensor(dy), **packed, dims={"N": N, "K": K}, bucket=16)["d_x"].numpy()
+    want = dy.astype(np.float64) @ wd
+    assert np.all(np.abs(dx.astype(np.float64) - want) <= 2e-3 * (np.abs(dy).astype(np.float64) @ np.abs(wd)) + 1e-2)
