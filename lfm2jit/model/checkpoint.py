@@ -157,12 +157,13 @@ def read_safetensors_raw(path, dtypes=FLOAT_DTYPES, raw: bytes | None = None) ->
 
 def read_safetensors(path: Path, raw: bytes | None = None) -> dict[str, np.ndarray]:
     """All tensors of one file as float32 arrays (bf16 and f16 widened)."""
-    out = {}
-    for name, arr in read_safetensors_raw(path, FLOAT_DTYPES, raw).items():
-        if arr.dtype == np.uint16:          # BF16
-            arr = (arr.astype(np.uint32) << 16).view(np.float32)
-        out[name] = arr.astype(np.float32)
-    return out
+    return {name: _widen(arr) for name, arr in read_safetensors_raw(path, FLOAT_DTYPES, raw).items()}
+
+
+def _widen(arr: np.ndarray) -> np.ndarray:
+    if arr.dtype == np.uint16:          # BF16
+        arr = (arr.astype(np.uint32) << 16).view(np.float32)
+    return arr.astype(np.float32)
 
 
 def _weight_files(d: Path) -> list[Path]:
@@ -199,10 +200,23 @@ class Tensors(dict):
 
 
 def load_checkpoint(directory: Path) -> dict[str, np.ndarray]:
+    """The float32 tensors of a model directory. A checkpoint transformers saved with a bitsandbytes
+    4-bit (NF4) quantization config has its quantized weights dequantized exactly (bnb_checkpoint.py)."""
+    from .bnb_checkpoint import Bnb4bitError, dequantize_stored, quantization_config
     tensors = Tensors()
     tensors.source = Path(directory)
+    if quantization_config(directory) is None:
+        for f in _weight_files(Path(directory)):
+            tensors.update(read_safetensors(f))
+        return tensors
+    raw: dict[str, np.ndarray] = {}
     for f in _weight_files(Path(directory)):
-        tensors.update(read_safetensors(f))
+        raw.update(read_safetensors_raw(f, FLOAT_DTYPES + ("U8",)))
+    try:
+        stored = dequantize_stored(raw, str(directory))
+    except (Bnb4bitError, KeyError, ValueError) as e:
+        raise CheckpointError(f"{directory}: a bitsandbytes 4-bit checkpoint lfm2jit cannot read: {e}") from None
+    tensors.update((n, _widen(a)) for n, a in stored.items())
     return tensors
 
 

@@ -75,3 +75,38 @@ def test_a_quantized_base_is_built_as_it_is_uploaded_and_merges_into_a_plain_mod
     assert rel_err(built.logits(ids, bucket=BUCKET), before) < 1e-4
     with pytest.raises(ValueError, match="base_dtype='int8': this model's base is nf4"):
         Lfm2Model(cfg, ctx, engine, tensors=tensors, base_dtype="nf4").add_lora(LoraConfig(r=2), base_dtype="int8")
+
+
+def test_a_bitsandbytes_4bit_checkpoint_loads_with_its_exact_weights(mg, ctx, engine, tmp_path):
+    """transformers + bitsandbytes (CPU) quantize a model to NF4 with double quantization and save it;
+    from_pretrained reads it back: every quantized weight equal bit for bit to bitsandbytes'
+    dequantize_4bit, held as NF4 again (the same codes and absmaxes), and logits those of the
+    dequantized model."""
+    import bitsandbytes.functional as bnbf
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+    hf, kwargs = hf_base(mg, "untied_bias_g2_attn_first", 9)
+    hf.save_pretrained(tmp_path / "f32")
+    config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                bnb_4bit_compute_dtype=torch.float32)
+    quantized = AutoModelForCausalLM.from_pretrained(tmp_path / "f32", quantization_config=config, device_map="cpu")
+    quantized.save_pretrained(tmp_path / "nf4")
+    ours = Lfm2Model.from_pretrained(tmp_path / "nf4", ctx, engine, base_dtype="nf4")
+    assert ours.base_dtype == "nf4"
+    held = {}
+    for name, module in quantized.named_modules():
+        state = getattr(getattr(module, "weight", None), "quant_state", None)
+        if state is not None:
+            held[name + ".weight"] = bnbf.dequantize_4bit(module.weight.data, state).numpy()
+    assert sorted(held) == sorted(_linears(ours))
+    for n, want in held.items():
+        assert np.array_equal(ours.p(n).numpy().view(np.uint32), want.view(np.uint32)), n
+    with torch.no_grad():
+        for n, p in hf.named_parameters():
+            if n in held:
+                p.copy_(torch.from_numpy(held[n]))
+    ids = masked_inputs(kwargs["vocab_size"], 21, 1)[0]
+    ref = hf.double()
+    ref.config._attn_implementation = "eager"
+    with torch.no_grad():
+        want = ref(input_ids=torch.as_tensor(ids)[None]).logits[0].numpy()
+    assert rel_err(ours.logits(ids, bucket=BUCKET), want) < 1e-4
