@@ -368,7 +368,10 @@ def plan(ir: KernelIR, sizes: dict[str, int], accumulate: frozenset[str], tiles=
     # by element), is read element by element everywhere
     stored = [gemm.epilogue_of(ir.results[o.name]) for o in ir.outputs]      # None: the output is the sum
     by_epilogue = {n.arg for n in toposort([e for e in stored if e is not None], stop={id(gemm.acc)}) if n.op == Op.INPUT}
-    reads = term_reads(frozenset(n for n, seen in modes.items() if len(seen) > 1) | by_epilogue)
+    # ... and so is a tensor a computed operand reads (its fetch loads elements)
+    by_prologue = {n.arg for t in terms for x in t.srcs[0].srcs if x.op != Op.INPUT
+                   for n in toposort([x]) if n.op == Op.INPUT}
+    reads = term_reads(frozenset(n for n, seen in modes.items() if len(seen) > 1) | by_epilogue | by_prologue)
     ops = reads[0]
     batches = sizes[bt] if bt else 1
     lets, results = _epilogue(stored, gemm, axes, sizes)

@@ -152,3 +152,27 @@ def test_nf4_linear_on_the_matrix_template(matrix_engine, rng, T, N, K):
     dx = engine.run(bwd, d_y=engine.tensor(dy), **packed, dims={"N": N, "K": K}, bucket=16)["d_x"].numpy()
     want = dy.astype(np.float64) @ wd
     assert np.all(np.abs(dx.astype(np.float64) - want) <= 2e-3 * (np.abs(dy).astype(np.float64) @ np.abs(wd)) + 1e-2)
+
+
+def test_a_table_lookup_operand_is_computed_in_the_fetch(engine, rng):
+    """Any operand that reads tables by gather() is a prologue, not only the shipped decoders: rows of
+    an embedding table, scaled, multiplied straight from the table in one GEMM (and its x gradient)."""
+    m = compile_source("""
+kernel k(x: f32[T, K], ids: i32[N], tab: f32[V, K], s: f32[K]) -> (y: f32[T, N]) {
+    y = sum(x * (gather(tab, ids) * s), K)
+}
+""", "lookup.lk")
+    x = rng.standard_normal((21, 32)).astype(np.float32)
+    tab = rng.standard_normal((7, 32)).astype(np.float32)
+    s = rng.standard_normal(32).astype(np.float32)
+    ids = rng.integers(0, 7, 19).astype(np.int32)
+    assert len(m.k.kernels) == 1
+    args = dict(ids=engine.tensor(ids), tab=engine.tensor(tab), s=engine.tensor(s), bucket=16)
+    y = engine.run(m.k, x=engine.tensor(x), **args)["y"].numpy()
+    w = (tab[ids] * s).astype(np.float64)
+    assert np.allclose(y, x.astype(np.float64) @ w.T, rtol=1e-5, atol=1e-5)
+    bwd = grad(m.k, wrt=["x"])
+    assert len(bwd.kernels) == 1
+    dy = rng.standard_normal((21, 19)).astype(np.float32)
+    dx = engine.run(bwd, d_y=engine.tensor(dy), **args)["d_x"].numpy()
+    assert np.allclose(dx, dy.astype(np.float64) @ w, rtol=1e-5, atol=1e-5)
