@@ -6,7 +6,8 @@ the codebook (``W.quant_map``) and a JSON quant state (``W.quant_state.bitsandby
 block sizes, the nested offset). They are dequantized here exactly as bitsandbytes' dequantize_4bit
 does (lfm2jit/model/quantize.py); ``Lfm2Model.from_pretrained(..., base_dtype="nf4")`` then
 quantizes them again as it uploads them, which gives back the same codes and absmaxes (a block's
-largest value is exactly +-absmax, every other one exactly a code times it)."""
+largest value is exactly +-absmax, every other one exactly a code times it), except in blocks whose
+absmax is below 1e-38 (float32 subnormals, which bitsandbytes scales by 1 / 1e-38)."""
 from __future__ import annotations
 
 import json

@@ -170,3 +170,20 @@ def test_non_finite_refused(bad):
 def test_unsupported_blocksize_refused():
     with pytest.raises(QuantizeError, match=r"lm_head\.weight: NF4 block size 128 is not supported"):
         quantize_nf4(np.ones((4, 64), np.float32), "lm_head.weight", blocksize=128)
+
+
+@pytest.mark.parametrize("name,w", WEIGHTS, ids=[n for n, _ in WEIGHTS])
+def test_quantizing_a_dequantized_weight_gives_it_back(name, w):
+    """What a checkpoint of a quantized base (saved dequantized) and a bitsandbytes checkpoint rely
+    on: a block's largest value is exactly +-absmax and every other one a code times it, so
+    quantizing again gives the same codes and absmaxes (and int8 the same codes and scales)."""
+    q = quantize_nf4(w, name)
+    again = quantize_nf4(dequantize_nf4(q), name)
+    # except blocks whose absmax is below 1e-38 (subnormal): those are scaled by 1 / 1e-38, so no code is +-1
+    off = np.unique(np.nonzero(again.codes() != q.codes())[0] // 64).tolist() + np.nonzero(again.absmax != q.absmax)[0].tolist()
+    assert all(q.absmax[b] < 1e-38 for b in off)
+    assert np.array_equal(again.absmax[q.absmax >= 1e-38], q.absmax[q.absmax >= 1e-38])
+    if w.ndim == 2:
+        i = quantize_int8(w, name)
+        again = quantize_int8(dequantize_int8(i), name)
+        assert np.array_equal(again.codes, i.codes) and np.array_equal(again.scale, i.scale)
