@@ -253,7 +253,7 @@ class Lfm2Model:
         params, buffers = _model_tensors(self.cfg, 0, tensors)         # all checked before any is written
         for name, arr in {**params, **buffers}.items():
             t = self._params[name] if name in self._params else self._buffers[name]
-            t.write(arr.astype(DTYPES[t.dtype]))
+            t.write(arr.astype(DTYPES.get(t.dtype, np.float32)))     # a quantized weight quantizes it
 
     # ---- input ----
     def check_ids(self, ids, what: str = "input_ids") -> np.ndarray:

@@ -24,13 +24,22 @@ class QuantizedWeight:
         if np.ndim(array) != 2:
             raise ValueError(f"{name}: only 2-D linear weights can be held as {dtype}, this one is {np.shape(array)}")
         self.name, self.dtype, self.shape = name, dtype, tuple(np.shape(array))
-        if dtype == "nf4":
-            self.host = quantize_nf4(array, name)
-            parts = {"q": self.host.words(), "s": self.host.absmax, "c": NF4_CODE}
-        else:
-            self.host = quantize_int8(array, name)
-            parts = {"q": self.host.words(), "s": self.host.scale}
-        self.tensors = {k: Tensor.from_numpy(ctx, v) for k, v in parts.items()}
+        self.tensors = {k: Tensor.from_numpy(ctx, v) for k, v in self._quantized(array).items()}
+
+    def _quantized(self, array) -> dict[str, np.ndarray]:
+        if self.dtype == "nf4":
+            self.host = quantize_nf4(array, self.name)
+            return {"q": self.host.words(), "s": self.host.absmax, "c": NF4_CODE}
+        self.host = quantize_int8(array, self.name)
+        return {"q": self.host.words(), "s": self.host.scale}
+
+    def write(self, array) -> None:
+        """Hold ``array`` (float, this weight's shape) instead, quantized (a checkpoint's base being
+        restored: written dequantized, it quantizes back to the same codes)."""
+        if tuple(np.shape(array)) != self.shape:
+            raise ValueError(f"{self.name}: cannot write {list(np.shape(array))} into a {list(self.shape)} weight")
+        for k, v in self._quantized(np.asarray(array, np.float32)).items():
+            self.tensors[k].write(v)
 
     @property
     def nbytes(self) -> int:

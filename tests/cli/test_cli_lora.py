@@ -136,10 +136,17 @@ def test_lora_dropout_trains_resumes_exactly_and_is_written_for_peft(lora_long, 
 
 
 @pytest.mark.parametrize("dtype", ["nf4", "int8"])
-def test_lora_on_a_quantized_base_trains_and_writes_an_adapter(tmp_path, dtype):
-    out = tmp_path / dtype
-    r = cli(*SHORT, *LORA, "--base-dtype", dtype, "--steps", 2, "--out", out)
+def test_lora_on_a_quantized_base_trains_resumes_exactly_and_writes_an_adapter(tmp_path, dtype):
+    """The checkpoints hold the base dequantized; quantizing it again on --resume gives the same
+    codes and scales, so the resumed run is the unbroken one."""
+    long_out, short = tmp_path / f"{dtype}-long", tmp_path / f"{dtype}-short"
+    r = cli(*SHORT, *LORA, "--base-dtype", dtype, "--steps", 4, "--out", long_out)
     assert r.returncode == 0, r.stderr
     assert f"{dtype} base" in r.stdout
-    adapter = load_file(out / "adapter" / "adapter_model.safetensors")
+    adapter = load_file(long_out / "adapter" / "adapter_model.safetensors")
     assert adapter and all(np.isfinite(a).all() for a in adapter.values())
+    assert cli(*SHORT, *LORA, "--base-dtype", dtype, "--steps", 2, "--checkpoint-every", 2, "--out", short).returncode == 0
+    r = cli("--resume", short, "--steps", 4, "--no-progress")
+    assert r.returncode == 0, r.stderr
+    assert_same_steps(metrics(short)[2:], metrics(long_out)[2:])
+    assert_same_adapters(short, long_out)
