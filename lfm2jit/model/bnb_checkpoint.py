@@ -51,7 +51,11 @@ def dequantize_stored(raw: dict[str, np.ndarray], where: str) -> dict[str, np.nd
         if not np.array_equal(raw[name + ".quant_map"].astype(np.float32), NF4_CODE):
             raise Bnb4bitError(f"{where}: {name}.quant_map is not the NF4 codebook")
         shape = tuple(int(s) for s in state["shape"])
-        packed = raw[name].reshape(-1).astype(np.uint8)
+        codes = [name] + ([name + ".absmax"] if name + ".nested_absmax" in raw else [])
+        wrong = [n for n in codes if raw[n].dtype != np.uint8]
+        if wrong:
+            raise Bnb4bitError(f"{where}: {wrong[0]} holds 4-bit codes but is stored as {raw[wrong[0]].dtype}, not U8")
+        packed = raw[name].reshape(-1)
         if name + ".nested_absmax" in raw:
             if state.get("nested_blocksize") != ABSMAX_BLOCKSIZE or not np.array_equal(
                     raw[name + ".nested_quant_map"].astype(np.float32), DYNAMIC_CODE):
@@ -65,4 +69,7 @@ def dequantize_stored(raw: dict[str, np.ndarray], where: str) -> dict[str, np.nd
         out[name] = dequantize_nf4(q)
         for suffix in PARTS + (STATE + kind,):
             out.pop(name + suffix, None)
+    stray = [n for n, a in out.items() if a.dtype == np.uint8]
+    if stray:
+        raise Bnb4bitError(f"{where}: {stray[0]} is stored as U8 but is no 4-bit weight (it has no quant_state)")
     return out
