@@ -214,7 +214,7 @@ def _trainer(run: Run, model, ctx, engine, schedule):
            else SGD(lr=run.lr, momentum=run.momentum, weight_decay=run.weight_decay))
     tr = (Trainer(model, opt, ctx, engine).with_length_bucket(run.bucket)
           .with_clip_grad_norm(run.clip if run.clip > 0 else None).with_grad_accum_steps(run.grad_accum)
-          .with_packing(run.pack_tokens).with_replay(run.replay)
+          .with_packing(run.pack_tokens, run.packing).with_replay(run.replay)
           .with_lr_scheduler(schedule))
     if run.scaler:
         tr.with_grad_scaler(GradScaler())
