@@ -97,3 +97,16 @@ def test_segments_are_checked(ctx, engine):
             model.forward(np.arange(1, 11), BUCKET, segments=bad)
     with pytest.raises(ValueError, match="segments are the sequences concatenated in one row"):
         model.forward(np.ones((2, 16), np.int64), BUCKET, segments=[16])
+
+
+def test_default_limits_refuse_concatenation_in_one_line(default_limits_ctx):
+    """Under WebGPU's default 8 storage buffers a kernel, segments are refused before any GPU work
+    (attention's dk/dv with starts binds 9), and so is the trainer's concat mode."""
+    from lfm2jit import ComputeEngine
+    from trainer import SGD, Trainer
+    engine = ComputeEngine(default_limits_ctx)
+    model = Lfm2Model(micro(), default_limits_ctx, engine, seed=0)
+    with pytest.raises(ValueError, match="need 9 storage buffers per kernel .* allows 8"):
+        model.forward(np.arange(1, 11), BUCKET, segments=[4, 6])
+    with pytest.raises(ValueError, match="packing mode 'concat': .* allows 8"):
+        Trainer(model, SGD(lr=0.1), default_limits_ctx, engine).with_packing(64, mode="concat")
