@@ -793,11 +793,20 @@ def _kernel_class(name: str) -> str:
     return "other (norms, conv, rope, pointwise, embedding)"
 
 
+def checkpoint_layers_arg(value: str) -> int | str:
+    """--checkpoint-layers all|N (0: off, the default), as Lfm2Model's checkpoint_layers takes it."""
+    if value == "all":
+        return value
+    if not (value.isascii() and value.isdigit()):
+        raise argparse.ArgumentTypeError(f"must be all or a number of decoder layers, got {value!r}")
+    return int(value)
+
+
 def train_bench(ctx, cfg, shapes, steps: int = 3, warmup: int = 1, seed: int = 0, log=print,
                 profile: bool = True, clip: float | None = 1.0, probe=None,
                 activation_dtype: str = "f32", replay: int | None = None,
                 recompute_mlp: bool = False, lora=None, lora_f16_base: bool = False,
-                lm_head_keep_bytes: int | None = None) -> tuple[list[Line], dict]:
+                lm_head_keep_bytes: int | None = None, checkpoint_layers: int | str = 0) -> tuple[list[Line], dict]:
     """Trainer.train_sequences on a fresh random-init model, for each (batch, T) in ``shapes``, in order.
 
     batch > 1 means that many sequences of T with grad_accum_steps = batch: one optimizer step per
@@ -807,7 +816,10 @@ def train_bench(ctx, cfg, shapes, steps: int = 3, warmup: int = 1, seed: int = 0
     ``probe()``, if given, is called after each shape (model alive) and its dict added to the line.
     ``activation_dtype="f16"`` runs the mixed-precision path (with a GradScaler, as --f16 does).
     ``replay`` passes Trainer.with_replay (None: the trainer's default): from the third window on,
-    a shape's steps replay their recorded programs. ``recompute_mlp`` builds the model with it.
+    a shape's steps replay their recorded programs. ``recompute_mlp`` and ``checkpoint_layers``
+    (activation checkpointing: "all" or the first N layers) build the model with them; a line then
+    also gives the FLOPs the backward's reruns of checkpointed layers add (``recompute_flops``, not
+    in the line's model FLOPs; ``recompute_fraction`` of them), to read beside tokens/s and peak.
     ``lora`` (a LoraConfig) trains adapters alone, on a frozen base kept as f16 with ``lora_f16_base``;
     FLOPs then count the forward and the input gradients only (4 per parameter and token).
     ``lm_head_keep_bytes`` sets Trainer.lm_head_keep_bytes (None: the trainer's default).
@@ -819,19 +831,26 @@ def train_bench(ctx, cfg, shapes, steps: int = 3, warmup: int = 1, seed: int = 0
     engine = ComputeEngine(ctx)
     t0 = time.perf_counter()
     model = Lfm2Model(cfg, ctx, engine, seed=seed, activation_dtype=activation_dtype, recompute_mlp=recompute_mlp,
-                      base_dtype="f16" if lora is not None and lora_f16_base else "f32")
+                      base_dtype="f16" if lora is not None and lora_f16_base else "f32",
+                      checkpoint_layers=checkpoint_layers)
     if lora is not None:
         model.add_lora(lora, seed=seed)
     init_s = time.perf_counter() - t0
     params = model.lora_parameters() if lora is not None else model.parameters()
     n_params = sum(p.size for p in model.parameters())
+    # the checkpointed layers: their parameters and attention layers, whose forward the backward runs again
+    rerun = [i for i in range(len(model.blocks)) if model.checkpointed(i)]
+    rerun_params = sum(p.size for n, p in model.named_parameters().items()
+                       if n.startswith("model.layers.") and int(n.split(".")[2]) in rerun)
+    rerun_attention = sum(1 for i in rerun if i in cfg.attention_layers)
     param_bytes = sum({id(p.buffer): p.buffer.size for p in model.parameters()}.values())   # arenas: buffers shared
     opt = AdamW(lr=1e-4, weight_decay=0.01)
     rng = np.random.default_rng(seed + 1)
     lines: list[Line] = []
     meta = {"adapter": ctx.name, "webgpu": ctx.implementation, "n_params": n_params, "param_bytes": param_bytes, "model_init_s": init_s,
             "config": cfg.to_dict(), "clip_grad_norm": clip, "activation_dtype": activation_dtype, "replay": replay,
-            "recompute_mlp": recompute_mlp, "trained_params": sum(p.size for p in params),
+            "recompute_mlp": recompute_mlp, "checkpoint_layers": checkpoint_layers,
+            "checkpointed_layers": len(rerun), "trained_params": sum(p.size for p in params),
             "lora": asdict(lora) if lora is not None else None, "lora_f16_base": lora_f16_base,
             "lm_head_keep_bytes": lm_head_keep_bytes}
     log(f"# model: {n_params / 1e6:.1f}M parameters, host init + upload {init_s:.1f}s")
@@ -929,6 +948,9 @@ def train_bench(ctx, cfg, shapes, steps: int = 3, warmup: int = 1, seed: int = 0
             }
             per_token = 4.0 if lora is not None else 6.0
             flops = per_token * n_params * tokens + per_token * 2 * len(cfg.attention_layers) * t * t * cfg.hidden_size * batch
+            # a forward is 2 of those per_token FLOPs per parameter and token (and of the attention's)
+            extra["recompute_flops"] = 2 * rerun_params * tokens + 2 * 2 * rerun_attention * t * t * cfg.hidden_size * batch
+            extra["recompute_fraction"] = extra["recompute_flops"] / flops
             line = Line("train", f"train_step_{name}", name, wall, "wall", flops, bound="compute",
                         wall_seconds=wall, extra=extra)
             # of the profiled window's own wall time: timestamps slow a window down, so its GPU time
@@ -1049,7 +1071,8 @@ def format_train(line: Line) -> str:
             f"gpu busy {gpu}  peak {x['peak_bytes'] / GiB:6.2f} GiB  first {x['first_window_s']:.1f}s "
             f"({x['first_window_compiles']} compiles, {x['first_window_compile_s']:.1f}s)  "
             f"2nd-window compiles {x['second_window_compiles']}  {x['dispatches_per_window']} dispatches "
-            f"({x['host_python_us_per_dispatch']:.1f} us host each)")
+            f"({x['host_python_us_per_dispatch']:.1f} us host each)"
+            + (f"  checkpoint reruns +{100 * x['recompute_fraction']:.0f}% flops" if x.get("recompute_flops") else ""))
 
 
 HEADER = f"{'group':9s} {'name':28s} {'shape':26s} {'time':>12s} {'timer':6s} {'rate':>15s} {'ceil%':>6s}"
@@ -1102,6 +1125,9 @@ def main(argv=None) -> int:
                     help="train steps: Trainer.with_replay(N); 0 runs every step's Python (default: the trainer's)")
     ap.add_argument("--recompute-mlp", action="store_true", help="train steps: backward recomputes the MLP's "
                     "up-projections (less memory, two more matmuls per layer)")
+    ap.add_argument("--checkpoint-layers", metavar="all|N", default=0, type=checkpoint_layers_arg,
+                    help="train steps: activation checkpointing of the first N decoder layers, or all; 0: off "
+                         "(default). Each line gives the FLOPs the reruns add: recompute_flops")
     ap.add_argument("--model-preset", default=None, metavar="NAME",
                     help="train steps: the model's shape (an Lfm2Config or Lfm2MoeConfig preset, e.g. 1.2B or "
                          "8B-A1B; default 350M, quick tiny)")
@@ -1167,6 +1193,7 @@ def main(argv=None) -> int:
         train_lines, state["meta"] = train_bench(ctx, cfg, shapes, steps=args.steps or (2 if args.quick else 3),
                                                  log=lambda s: print(s, flush=True), replay=args.replay,
                                                  recompute_mlp=args.recompute_mlp,
+                                                 checkpoint_layers=args.checkpoint_layers,
                                                  activation_dtype="f16" if args.f16 else "f32", lora=lora,
                                                  lora_f16_base=args.lora_f16_base)
         state["lines"] = list(bench.lines) + train_lines

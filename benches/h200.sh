@@ -36,6 +36,9 @@
 #                                         lfm2jit (f32 and f16 activations) beside PyTorch + PEFT with a bf16 base, at
 #                                         LFM2-1.2B and LFM2-8B-A1B shapes, then 8B-A1B f16 with --recompute-mlp (alone)
 #                                         -> $OUT/<card>_moe_lora_{1.2B,8B-A1B,8B-A1B_recompute}.json
+#   bash benches/h200.sh ckpt             on Dawn: activation checkpointing at LFM2-1.2B shapes, 1x2048, --f16: LoRA r = 8
+#                                         on a frozen f16 base and full fine-tuning, each without and with
+#                                         --checkpoint-layers all -> $OUT/<card>_ckpt_{lora,full}_{none,all}.json
 #   bash benches/h200.sh mpi              the host side of the gradient exchange: benches/readback.py (1 and 4 copy threads),
 #                                         then benches/mpi_exchange.py (no GPU) with 2 ranks under MPICH's transports and
 #                                         settings, and with 4 -> $OUT/h200_readback.json, $OUT/h200_mpi_exchange.log
@@ -132,13 +135,24 @@ moe)
 moelora)
     export LFM2JIT_WEBGPU=dawn
     card=$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -o "H[0-9]*" | head -1 | tr A-Z a-z)
-    for run in "1.2B 150" "8B-A1B 310" "8B-A1B 130 _recompute --recompute-mlp --ours f16 --torch"; do
+    for run in "1.2B 130" "8B-A1B 300" "8B-A1B 120 _recompute --recompute-mlp --ours f16 --torch"; do
         set -- $run
         preset=$1 limit=$2 suffix=${3:-}
         shift 3 2>/dev/null || shift $#
         timeout "$limit" python3 benches/side_by_side.py --preset "$preset" --ours fp32 f16 --torch bf16 --lora 8 \
             --lora-f16-base --shapes 1x2048 --steps 3 "$@" --json "$OUT/${card}_moe_lora_$preset$suffix.json" 2>&1 \
             | grep -v "^  \|Warning\|warn" | tail -12
+    done
+    ;;
+ckpt)
+    export LFM2JIT_WEBGPU=dawn
+    card=$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -o "H[0-9]*" | head -1 | tr A-Z a-z)
+    for run in "lora none 0 --lora 8 --lora-f16-base" "lora all all --lora 8 --lora-f16-base" "full none 0" "full all all"; do
+        set -- $run
+        kind=$1 name=$2 layers=$3
+        shift 3
+        timeout 140 python3 -m lfm2jit.bench --only train --f16 --model-preset 1.2B --train-shapes 1x2048 --steps 2 \
+            --checkpoint-layers "$layers" "$@" --json "$OUT/${card}_ckpt_${kind}_${name}.json" 2>&1 | grep "^train"
     done
     ;;
 mpi)
@@ -156,6 +170,6 @@ mpi)
     } | tee "$OUT/h200_mpi_exchange.log"
     ;;
 *)
-    echo "usage: bash benches/h200.sh tests | matrix | speed [BASE] | lora | attention | decode | gradsync | limits | moe | moelora | mpi" >&2; exit 2 ;;
+    echo "usage: bash benches/h200.sh tests | matrix | speed [BASE] | lora | attention | decode | gradsync | limits | moe | moelora | ckpt | mpi" >&2; exit 2 ;;
 esac
 echo "took $(( $(date +%s) - start )) s"

@@ -178,6 +178,7 @@ def _version(package: str) -> str | None:
 
 
 def main(argv=None) -> int:
+    from bench import checkpoint_layers_arg
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="the tiny preset and short sequences (runs on lavapipe)")
     ap.add_argument("--preset", default=None, help="a dense or MoE preset (default 350M; tiny with --quick)")
@@ -196,6 +197,9 @@ def main(argv=None) -> int:
                     help="lfm2jit: Trainer.with_replay(N); 0 runs every step's Python (default: the trainer's)")
     ap.add_argument("--recompute-mlp", action="store_true",
                     help="lfm2jit: backward recomputes the MLP's up-projections (less memory, more matmuls)")
+    ap.add_argument("--checkpoint-layers", metavar="all|N", default=0, type=checkpoint_layers_arg,
+                    help="lfm2jit: activation checkpointing of the first N decoder layers, or all (less memory, "
+                         "one more forward of those layers: recompute_flops in each line)")
     ap.add_argument("--lm-head-keep-mib", type=int, metavar="MIB", default=None,
                     help="lfm2jit: Trainer.lm_head_keep_bytes in MiB (LM-head logits kept from the loss pass for "
                          "the gradient pass; default: the trainer's)")
@@ -236,6 +240,7 @@ def main(argv=None) -> int:
             lines, meta = train_bench(ctx, cfg, shapes, steps=args.steps, warmup=args.warmup,
                                       log=lambda s, side=side: print(f"lfm2jit {side}: {s}", flush=True),
                                       probe=probe, replay=args.replay, recompute_mlp=args.recompute_mlp,
+                                      checkpoint_layers=args.checkpoint_layers,
                                       lm_head_keep_bytes=None if args.lm_head_keep_mib is None
                                       else args.lm_head_keep_mib << 20,
                                       activation_dtype="f16" if side == "f16" else "f32", lora=lora,

@@ -144,3 +144,21 @@ def test_packing_group_reports_pad_and_concat_real_tokens(tmp_path):
     assert concat["rows"] <= pad["rows"] and concat["passes"] <= pad["passes"]
     assert concat["speedup_over_pad"] == pytest.approx(concat["real_tokens_per_s"] / pad["real_tokens_per_s"])
     assert 34 <= pad["mean_length"] <= 121       # the shipped chat records' token lengths
+
+
+def test_checkpoint_layers_lowers_the_peak_and_reports_the_reruns_flops():
+    """--checkpoint-layers: the same losses, a lower pool peak, and each line's recompute_flops, the
+    forward of every checkpointed layer again (2 of the 6 FLOPs per parameter and token: under a
+    third of a full step's, the embedding not being rerun)."""
+    from lfm2jit import WgpuContext
+    from lfm2jit.model.config import Lfm2Config
+    ctx = WgpuContext.create()
+    runs = {n: bench.train_bench(ctx, Lfm2Config.preset("tiny"), [(1, 128)], steps=1, profile=False,
+                                 log=lambda s: None, checkpoint_layers=n) for n in (0, "all")}
+    (plain,), meta0 = runs[0]
+    (ckpt,), meta1 = runs["all"]
+    assert (meta0["checkpointed_layers"], meta1["checkpointed_layers"]) == (0, 4)
+    assert ckpt.extra["losses_first_last"] == plain.extra["losses_first_last"]
+    assert ckpt.extra["peak_pool_in_use_bytes"] < plain.extra["peak_pool_in_use_bytes"]
+    assert plain.extra["recompute_flops"] == 0
+    assert 0.2 < ckpt.extra["recompute_fraction"] < 1 / 3

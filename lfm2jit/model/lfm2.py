@@ -22,6 +22,11 @@ after another. Every kernel but two works row by row, so it runs once over all r
 matmuls, B times fewer dispatches). The causal conv and attention mix positions: both run once
 over a [B, S, ...] view (their kernels' optional batch axis; each sequence is its own length
 bucket there). RoPE reads position tables repeated per sequence.
+
+Activation checkpointing (``checkpoint_layers``): a training pass keeps only the input of each
+checkpointed decoder layer, and the backward runs that layer's forward again right before its
+backward: the same kernels on the same inputs (and LoRA dropout keys), so the activations, and every
+gradient, are bit-identical; the rerun adds nothing to an MoE router's statistics.
 """
 from __future__ import annotations
 
@@ -50,13 +55,21 @@ CONCAT_STORAGE_BUFFERS = 9       # attention's dk/dv kernel with starts: q, k, v
 
 
 @dataclass
+class Checkpointed:
+    """A checkpointed decoder layer's part of a trace: its input only."""
+    h: Tensor                                     # (T, D) the decoder layer's input
+
+
+@dataclass
 class Trace:
     """What the forward pass saved for the backward pass."""
     ids: DeviceIds                                # every row's token id
     rows: Rows                                    # the bucket, and how sequences are packed in the rows
     h_in: Tensor                                  # (T, D) embeddings
-    # per decoder layer, what each of its layers saved (in Lfm2Model.blocks' order); None below keep_from
-    layers: list[list[ResidualSaved] | None] = field(default_factory=list)
+    # per decoder layer, what each of its layers saved (in Lfm2Model.blocks' order); None below keep_from;
+    # a checkpointed layer's input only (Checkpointed), its forward run again by the backward
+    layers: list[list[ResidualSaved] | Checkpointed | None] = field(default_factory=list)
+    train: bool = False                           # a training pass (forward's train): a rerun is one too
     h_out: Tensor | None = None                   # (T, D) last layer's output
     hn: Tensor | None = None                      # (T, D) after the final norm
     inv: Tensor | None = None                     # (T,) final norm's 1/rms
@@ -67,10 +80,13 @@ class Lfm2Model:
     lists of layers (``blocks``: per decoder layer, the layers/ classes its forward runs)."""
 
     def __init__(self, cfg: Lfm2Config | Lfm2MoeConfig, ctx, engine, seed: int = 0, tensors: dict[str, np.ndarray] | None = None,
-                 activation_dtype: str = "f32", recompute_mlp: bool = False, base_dtype: str = "f32"):
+                 activation_dtype: str = "f32", recompute_mlp: bool = False, base_dtype: str = "f32",
+                 checkpoint_layers: int | str = 0):
         """``base_dtype="f16"`` keeps the decoder's linear weights (and an MoE model's expert
         tensors) as frozen f16 from the start, for LoRA on a base too large to hold in f32 even
-        for a moment (add_lora(base_dtype="f16") narrows an f32 base after the fact)."""
+        for a moment (add_lora(base_dtype="f16") narrows an f32 base after the fact).
+        ``checkpoint_layers``: activation checkpointing of the first N decoder layers, or "all" (the
+        ``checkpoint_layers`` property)."""
         self.cfg = cfg
         self.ctx = ctx
         self.engine = engine
@@ -78,6 +94,7 @@ class Lfm2Model:
         if not isinstance(recompute_mlp, bool):
             raise TypeError(f"recompute_mlp must be True or False, got {recompute_mlp!r}")
         self.recompute_mlp = recompute_mlp     # backward recomputes the MLP's a and b too (layers/mlp.py)
+        self._checkpoint_layers = _check_checkpoint_layers(checkpoint_layers, len(cfg.layer_types))
         lora_attach.check_base_dtype(base_dtype, ctx)
         tensors, buffers = _model_tensors(cfg, seed, tensors, lora_attach.is_base_linear if base_dtype == "f16" else None)
         # carved side by side (runtime/arena.py): the optimizer steps a run of them in one dispatch
@@ -103,6 +120,24 @@ class Lfm2Model:
         # found one (LFM2's end of turn, <|im_end|>, with <|endoftext|>), else config.json's
         eos = cfg.eos_token_id
         self.generation_eos: tuple[int, ...] = tuple(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        self.source_dir: Path | None = None      # the directory from_pretrained read (its tokenizer: save_gguf)
+
+    @property
+    def checkpoint_layers(self) -> int | str:
+        """Activation checkpointing: 0 (the default: off), the first N decoder layers (Megatron's
+        "block" recompute method), or "all" (every layer, as transformers' gradient checkpointing).
+        A training pass (``forward(train=True)``) keeps only each checkpointed layer's input (T, D);
+        the backward runs the layer's forward again right before its backward, for about one more
+        forward of those layers per step. Evaluation and generation passes keep what they did."""
+        return self._checkpoint_layers
+
+    @checkpoint_layers.setter
+    def checkpoint_layers(self, value: int | str) -> None:
+        self._checkpoint_layers = _check_checkpoint_layers(value, len(self.blocks))
+
+    def checkpointed(self, index: int) -> bool:
+        """Whether a training pass checkpoints decoder layer ``index`` (``checkpoint_layers``)."""
+        return self._checkpoint_layers == "all" or index < self._checkpoint_layers
 
     # ---- parameters ----
     def named_parameters(self) -> dict[str, Tensor]:
@@ -218,14 +253,17 @@ class Lfm2Model:
     # ---- checkpoints ----
     @classmethod
     def from_pretrained(cls, directory, ctx, engine, activation_dtype: str = "f32",
-                        recompute_mlp: bool = False, base_dtype: str = "f32") -> "Lfm2Model":
+                        recompute_mlp: bool = False, base_dtype: str = "f32",
+                        checkpoint_layers: int | str = 0) -> "Lfm2Model":
         directory = Path(directory)
         precision.check_activation_dtype(activation_dtype, ctx)    # before the checkpoint is read
         lora_attach.check_base_dtype(base_dtype, ctx)
         cfg = read_model_config(directory / "config.json")          # lfm2 or lfm2_moe
+        _check_checkpoint_layers(checkpoint_layers, len(cfg.layer_types))
         narrow = lora_attach.is_base_linear if base_dtype == "f16" else None      # never the whole base in f32
         model = cls(cfg, ctx, engine, tensors=load_checkpoint(directory, narrow), activation_dtype=activation_dtype,
-                    recompute_mlp=recompute_mlp, base_dtype=base_dtype)
+                    recompute_mlp=recompute_mlp, base_dtype=base_dtype, checkpoint_layers=checkpoint_layers)
+        model.source_dir = directory
         eos = read_generation_eos(directory)
         if eos:
             model.generation_eos = tuple(sorted(eos_ids(eos, cfg.vocab_size)))
@@ -248,6 +286,19 @@ class Lfm2Model:
         if self.cfg.tie_word_embeddings:
             tensors["lm_head.weight"] = tensors[EMBEDDING]   # transformers expects it
         save_checkpoint(Path(directory), self.cfg, tensors, dtype, max_shard_size)
+
+    def save_gguf(self, path, outtype: str = "f16", tokenizer=None, name: str | None = None) -> Path:
+        """One GGUF file for llama.cpp (arch lfm2 / lfm2moe; gguf_export.py): ``outtype`` "f32",
+        "f16", "bf16" or "q8_0"; ``tokenizer`` a tokenizer.json or its directory, by default the
+        directory from_pretrained read."""
+        from .gguf_export import GgufError, write_model
+        if self.lora is not None:
+            raise GgufError("this model has LoRA adapters: merge_lora() first (python -m trainer export-gguf "
+                            "--adapter DIR writes them as a LoRA GGUF)")
+        if tokenizer is None and self.source_dir is None:
+            raise GgufError("save_gguf needs tokenizer= (a tokenizer.json or its directory): llama.cpp reads the "
+                            "vocabulary from the GGUF file")
+        return write_model(path, self.cfg, self.state_dict(), tokenizer or self.source_dir, outtype, name)
 
     def load_state(self, tensors: dict[str, np.ndarray]) -> None:
         params, buffers = _model_tensors(self.cfg, 0, tensors)         # all checked before any is written
@@ -317,6 +368,7 @@ class Lfm2Model:
         never reads them, so their activations go back to the pool as the forward moves on.
         ``train``: a training pass, which applies LoRA dropout (masks from the keys of the last
         ``lora.draw_dropout``); evaluation and generation leave it out, as PEFT's eval mode does.
+        A training pass keeps only the input of each checkpointed layer (``checkpoint_layers``).
         ``segments``: the lengths of sequences concatenated in one row ([S] ids, summing to S): packing
         without padding. Each runs as it would alone: attention and the short conv stay within it and
         RoPE positions restart at its start. Uploaded ids carry their own (``upload_ids(ids, segments)``)."""
@@ -330,16 +382,37 @@ class Lfm2Model:
                              f"a multiple of {self.pack_multiple()} positions long (pad them)")
         k, rows = self.kernels, Rows(bucket, batch, seq, ids.ids, ids.segments)
         h = k.run("embedding", bucket=bucket, table=self.p(EMBEDDING), ids=ids.ids)["y"]              # (T, D)
-        trace = Trace(ids, rows, h)
-        for i, block in enumerate(self.blocks):
-            saved = []
-            for layer in block:
-                h, s = layer.forward(h, rows, train)                                                  # (T, D)
-                saved.append(s)
-            trace.layers.append(saved if i >= keep_from else None)
+        trace = Trace(ids, rows, h, train=train)
+        for i in range(len(self.blocks)):
+            h_in = h
+            h, saved = self._block_forward(i, h, rows, train)                                         # (T, D)
+            if i < keep_from:
+                saved = None
+            elif train and self.checkpointed(i):   # the rest goes back to the pool as the forward moves on
+                saved = Checkpointed(h_in)
+            trace.layers.append(saved)
         trace.h_out = h
         trace.hn, trace.inv = k.norm(h, FINAL_NORM, bucket)                                           # (T, D), (T,)
         return trace
+
+    def _block_forward(self, index: int, h: Tensor, rows: Rows, train: bool) -> tuple[Tensor, list[ResidualSaved]]:
+        """Decoder layer ``index``'s forward: its output (T, D) and what each of its layers saved."""
+        saved = []
+        for layer in self.blocks[index]:
+            h, s = layer.forward(h, rows, train)                                                      # (T, D)
+            saved.append(s)
+        return h, saved
+
+    def _rerun(self, index: int, trace: Trace) -> list[ResidualSaved]:
+        """A checkpointed layer's forward again, from its kept input, as the training pass ran it (the
+        same kernels, inputs and dropout keys: bit-identical). ``kernels.replaying`` has the layers keep
+        everything their backward reads and leave the MoE routing statistics alone (counted once)."""
+        k = self.kernels
+        k.replaying = True
+        try:
+            return self._block_forward(index, trace.layers[index].h, trace.rows, trace.train)[1]
+        finally:
+            k.replaying = False
 
     def logits(self, input_ids, bucket: int = 1) -> np.ndarray:
         """float32 [T, vocab] logits of a sequence (materialised: for checks, not for training)."""
@@ -438,6 +511,8 @@ class Lfm2Model:
         ready(0)
         for i in reversed(range(lowest, n_layers)):
             block, saved = self.blocks[i], trace.layers[i]
+            if isinstance(saved, Checkpointed):
+                saved = self._rerun(i, trace)
             # what the block's forwards did not keep, in their order; then their backwards, reversed
             for layer, s in zip(block, saved):
                 layer.recompute(s, rows)
@@ -458,3 +533,14 @@ def _model_tensors(cfg, seed: int, tensors, narrow=None) -> tuple[dict[str, np.n
     if isinstance(cfg, Lfm2MoeConfig):
         return moe_model_tensors(cfg, init_moe_tensors(cfg, seed, narrow) if tensors is None else tensors)
     return check_tensors(cfg, init_tensors(cfg, seed, narrow) if tensors is None else tensors), {}
+
+
+def _check_checkpoint_layers(value, n_layers: int) -> int | str:
+    """``checkpoint_layers`` checked: "all", or an int from 0 to the model's ``n_layers``."""
+    if value == "all":
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= value <= n_layers:
+        raise ValueError(f"checkpoint_layers must be 'all' or a number of layers from 0 to {n_layers} (this "
+                         f"model's decoder layers), got {value!r}")
+    return int(value)
+

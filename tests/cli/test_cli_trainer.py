@@ -83,7 +83,8 @@ def test_help_lists_every_flag():
               "--bucket", "--scaler", "--f16", "--pack-tokens", "--steps", "--epochs", "--max-len", "--checkpoint-every",
               "--resume",
               "--out", "--seed", "--sync-dir", "--rank", "--world-size", "--run-id", "--sync-timeout", "--adapter",
-              "--optimizer", "--weight-decay", "--momentum", "--preset", "--replay", "--recompute-mlp"}
+              "--optimizer", "--weight-decay", "--momentum", "--preset", "--replay", "--recompute-mlp",
+              "--checkpoint-layers"}
     assert wanted <= flags
     for flag in flags:
         assert flag in r.stdout, flag
@@ -202,17 +203,19 @@ def test_f16_run_tracks_the_f32_run_and_resumes_in_f16(short_run, tmp_path, ctx)
 
 
 def test_replay_and_recompute_change_nothing_but_speed_and_memory(tmp_path):
-    """--replay 0 (every step's Python runs) and --recompute-mlp (backward recomputes the MLP's
-    up-projections) run the same kernels on the same inputs: bit-identical metrics and weights."""
+    """--replay 0 (every step's Python runs), --recompute-mlp (backward recomputes the MLP's
+    up-projections) and --checkpoint-layers (backward reruns checkpointed layers' forwards) run the
+    same kernels on the same inputs: bit-identical metrics and weights."""
     common = ["--preset", "tiny", "--steps", 4, "--eval-fraction", 0, "--no-progress", "--max-len", 64]
-    runs = {"default": [], "plain": ["--replay", 0], "recompute": ["--recompute-mlp"]}
+    runs = {"default": [], "plain": ["--replay", 0], "recompute": ["--recompute-mlp"],
+            "checkpoint": ["--checkpoint-layers", "all"], "first": ["--checkpoint-layers", 1, "--replay", 0]}
     for name, flags in runs.items():
         r = cli(*common, *flags, "--out", tmp_path / name)
         assert r.returncode == 0, r.stderr
     from safetensors.numpy import load_file
     base = metrics(tmp_path / "default")
     w0 = load_file(str(tmp_path / "default" / "checkpoints" / "step-000004" / "model" / "model.safetensors"))
-    for name in ("plain", "recompute"):
+    for name in ("plain", "recompute", "checkpoint", "first"):
         got = metrics(tmp_path / name)
         assert [(m["loss"], m["grad_norm"]) for m in got] == [(m["loss"], m["grad_norm"]) for m in base], name
         w = load_file(str(tmp_path / name / "checkpoints" / "step-000004" / "model" / "model.safetensors"))
@@ -297,6 +300,11 @@ def bad_jsonl(tmp_path_factory):
     (["--packing", "tight"], "--packing must be pad or concat, got 'tight'"),
     (["--steps", "many"], "invalid int value"),
     (["--steps", "3", "--epochs", "1"], "not allowed with argument"),
+    (["--checkpoint-layers", "0"], "--checkpoint-layers must be all or a number of decoder layers >= 1, got '0'"),
+    (["--checkpoint-layers", "-1"], "--checkpoint-layers must be all or a number of decoder layers >= 1, got '-1'"),
+    (["--checkpoint-layers", "abc"], "--checkpoint-layers must be all or a number of decoder layers >= 1, got 'abc'"),
+    (["--checkpoint-layers", "5", "--preset", "tiny"], "--checkpoint-layers 5: the model has 4 decoder layers"),
+    (["--checkpoint-layers", "3"], "--checkpoint-layers 3: the model has 2 decoder layers"),
 ])
 def test_bad_input_exits_2_with_a_message(args, message, bad_jsonl, small_vocab_model):
     args = [str(bad_jsonl) if a == "BAD" else str(small_vocab_model) if a == "SMALL" else a for a in args]

@@ -3,8 +3,8 @@ leaves the old complete file or the new complete one; every reader, given a dama
 project's one-line error and changes nothing.
 
 Writers: ``Trainer.save_checkpoint``, ``model.save_pretrained`` (the model directory),
-``model.save_adapter`` (PEFT adapter files), and the CLI's run files (metrics.jsonl appended line by
-line, run.json, summary.json). GGUF export does not exist yet, so it has no cases here.
+``model.save_adapter`` (PEFT adapter files), ``model.save_gguf`` (a GGUF file for llama.cpp), and the
+CLI's run files (metrics.jsonl appended line by line, run.json, summary.json).
 A child forked from one zygote (single-threaded, as in test_checkpoint_hardening) runs a writer over
 an existing old version, alternating new and old versions, and is SIGKILLed after a seeded random
 delay; or it runs one save with RLIMIT_FSIZE = n (SIGXFSZ ignored, so writes raise EFBIG).
@@ -32,7 +32,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from lfm2jit.model import CheckpointError, ConfigError, Lfm2Config, Lfm2Model, LoraConfig
-from lfm2jit.model.checkpoint import check_tensors, load_checkpoint as read_model_dir
+from lfm2jit.model.checkpoint import EMBEDDING, check_tensors, load_checkpoint as read_model_dir
 from lfm2jit.model.lora import AdapterError, read_adapter
 from micro_model import make_data, micro
 from test_checkpoint_hardening import cli, edit_header, run_dir, truncate  # noqa: F401 (run_dir: a fixture)
@@ -62,6 +62,13 @@ def src(tmp_path_factory, ctx, engine):
     lora = Lfm2Model.from_pretrained(root / "ckpt" / "model", ctx, engine)
     lora.add_lora(LORA, seed=0)
     lora.save_adapter(root / "adapter")
+    # a character vocabulary of the micro model's size, which GGUF files carry
+    from tokenizers import Tokenizer, models
+    (root / "tok").mkdir()
+    chars = {c: i for i, c in enumerate("<" + "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 ")}
+    Tokenizer(models.BPE(vocab=chars, merges=[], unk_token="<")).save(str(root / "tok" / "tokenizer.json"))
+    (root / "gguf").mkdir()
+    model.save_gguf(root / "gguf" / "model.gguf", "f32", tokenizer=root / "tok")
     return root
 
 
@@ -126,6 +133,8 @@ def child(cmd):
         model.load_state({n: a + np.float32(0.5 * v) for n, a in W0.items()})
         if writer == "checkpoint":
             tr.save_checkpoint(dest, {"v": v})
+        elif writer == "gguf":
+            model.save_gguf(dest / "model.gguf", "f32", tokenizer=src / "tok")
         else:
             model.save_pretrained(dest)
     say(f"ready {os.getpid()}")
@@ -167,6 +176,10 @@ def read_version(writer: str, dest: Path, src: Path, loader) -> int | str:
             cfg = Lfm2Config.from_json(dest / "config.json")
             got = check_tensors(cfg, read_model_dir(dest))
             base, step, v = load_file(str(src / "ckpt" / "model" / "model.safetensors")), 0.5, None
+        elif writer == "gguf":
+            got = gguf_embedding(dest / "model.gguf")
+            base = {EMBEDDING: load_file(str(src / "ckpt" / "model" / "model.safetensors"))[EMBEDDING]}
+            step, v = 0.5, None
         else:
             _, got = read_adapter(dest)
             base, step, v = load_file(str(src / "adapter" / "adapter_model.safetensors")), 0.25, None
@@ -178,10 +191,18 @@ def read_version(writer: str, dest: Path, src: Path, loader) -> int | str:
     return matches[0]
 
 
+def gguf_embedding(path: Path) -> dict[str, np.ndarray]:
+    """The embedding a GGUF file holds (gguf's own reader; a torn file is its error)."""
+    import gguf
+    tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    return {EMBEDDING: np.array(tensors["token_embd.weight"].data).reshape(-1, micro().hidden_size)}
+
+
 def old_version(writer: str, src: Path, dest: Path) -> None:
     if dest.exists():
         shutil.rmtree(dest)
-    shutil.copytree(src / {"checkpoint": "ckpt", "pretrained": "ckpt/model", "adapter": "adapter"}[writer], dest)
+    shutil.copytree(src / {"checkpoint": "ckpt", "pretrained": "ckpt/model", "adapter": "adapter",
+                           "gguf": "gguf"}[writer], dest)
 
 
 def _gone(pid: int) -> None:
@@ -193,8 +214,8 @@ def _gone(pid: int) -> None:
         time.sleep(0.002)
 
 
-KILLS = {"checkpoint": 5, "pretrained": 6, "adapter": 6}
-DELAY = {"checkpoint": 1.5, "pretrained": 1.0, "adapter": 0.6}     # seconds: a few saves on lavapipe
+KILLS = {"checkpoint": 5, "pretrained": 6, "adapter": 6, "gguf": 6}
+DELAY = {"checkpoint": 1.5, "pretrained": 1.0, "adapter": 0.6, "gguf": 0.6}     # seconds: a few saves on lavapipe
 
 
 @pytest.mark.parametrize("writer", list(KILLS))
@@ -203,7 +224,7 @@ def test_a_writer_killed_at_random_points_leaves_the_old_or_the_new_version(writ
     loader = Trainer(Lfm2Model.from_pretrained(src / "ckpt" / "model", ctx, engine), AdamW(lr=1e-2), ctx, engine)
     dest = tmp_path / "dest"
     old_version(writer, src, dest)
-    rng = np.random.default_rng({"checkpoint": 1, "pretrained": 2, "adapter": 3}[writer])
+    rng = np.random.default_rng({"checkpoint": 1, "pretrained": 2, "adapter": 3, "gguf": 4}[writer])
     seen_versions, errors, finished = [], [], 0
     for _ in range(KILLS[writer]):
         pid, lines, seen = zygote({"writer": writer, "mode": "kill", "dest": str(dest)})
@@ -225,11 +246,12 @@ def test_a_writer_killed_at_random_points_leaves_the_old_or_the_new_version(writ
 
 def _sizes(writer: str, src: Path) -> list[int]:
     big = {"checkpoint": src / "ckpt" / "optimizer.safetensors", "pretrained": src / "ckpt" / "model" /
-           "model.safetensors", "adapter": src / "adapter" / "adapter_model.safetensors"}[writer].stat().st_size
+           "model.safetensors", "adapter": src / "adapter" / "adapter_model.safetensors",
+           "gguf": src / "gguf" / "model.gguf"}[writer].stat().st_size
     return [0, 100, 1000, big // 3, big - 1, big * 4]
 
 
-@pytest.mark.parametrize("writer", ["checkpoint", "pretrained", "adapter"])
+@pytest.mark.parametrize("writer", ["checkpoint", "pretrained", "adapter", "gguf"])
 def test_a_full_disk_leaves_the_old_or_the_new_version_and_a_clear_error(writer, src, zygote, ctx, engine, tmp_path):
     loader = Trainer(Lfm2Model.from_pretrained(src / "ckpt" / "model", ctx, engine), AdamW(lr=1e-2), ctx, engine)
     dest = tmp_path / "dest"
@@ -253,7 +275,7 @@ def test_a_full_disk_leaves_the_old_or_the_new_version_and_a_clear_error(writer,
         else:
             assert got == 0, (n, result, got)
             kind, msg = result
-            assert kind in ("OSError", "TrainError", "CheckpointError", "AdapterError"), (n, result)
+            assert kind in ("OSError", "TrainError", "CheckpointError", "AdapterError", "GgufError"), (n, result)
             assert "\n" not in msg and "too large" in msg.lower(), (n, result)
     assert rows[-1][1] is None and rows[0][1] is not None        # the roomy disk saves; no room fails
 

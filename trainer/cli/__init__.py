@@ -1,6 +1,7 @@
 """The command-line app, ``python -m trainer [COMMAND]``: one module per command. Without a command
 it trains (trainer/cli/train.py); ``dpo`` trains on preference pairs (trainer/cli/dpo.py) and ``grpo``
-with reward functions (trainer/cli/grpo.py), with the train command's machinery; ``generate`` and ``eval`` use a trained model alone."""
+with reward functions (trainer/cli/grpo.py), with the train command's machinery; ``generate`` and ``eval`` use a trained model alone;
+``export-gguf`` writes one as a GGUF file for llama.cpp (trainer/cli/export_gguf.py)."""
 from __future__ import annotations
 
 import importlib
@@ -9,7 +10,7 @@ import sys
 from lfm2jit.settings import SettingsError, settings
 
 # command word -> its module in this package; anything else is the train command's flags
-COMMANDS = {"generate": "generate", "eval": "eval", "dpo": "dpo", "grpo": "grpo"}
+COMMANDS = {"generate": "generate", "eval": "eval", "dpo": "dpo", "grpo": "grpo", "export-gguf": "export_gguf"}
 
 
 def main(argv: list[str] | None = None) -> int:

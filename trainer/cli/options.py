@@ -44,6 +44,7 @@ examples:
   python -m trainer --resume runs/tiny --steps 100    # continue a run from its latest checkpoint
   python -m trainer generate --model runs/tiny/model --prompt "What is 3 + 4?"   # talk to it (generate --help)
   python -m trainer eval --model runs/tiny/model --data held_out.jsonl            # score it alone (eval --help)
+  python -m trainer export-gguf --model runs/tiny/model --out tiny.gguf         # for llama.cpp (export-gguf --help)
   python -m trainer --model DIR --data d.jsonl --sync-dir /shared/sync --rank 0 --world-size 2 --out runs/x &
   python -m trainer --model DIR --data d.jsonl --sync-dir /shared/sync --rank 1 --world-size 2 --out runs/x
 
@@ -225,6 +226,10 @@ def _add_optimization(p: argparse.ArgumentParser) -> None:
     o.add_argument("--recompute-mlp", action="store_true", default=None,
                    help="backward recomputes each layer's MLP up-projections instead of keeping them: the largest "
                         "activations, for two more matmuls per layer. Same results")
+    o.add_argument("--checkpoint-layers", metavar="all|N",
+                   help="activation checkpointing: training passes keep only the input of each of the first N "
+                        "decoder layers (all: every layer) and the backward runs the layer's forward again, for "
+                        "about one more forward of those layers per step. Same results (default: off)")
     length = o.add_mutually_exclusive_group()
     length.add_argument("--steps", type=int, metavar="N",
                         help="train until optimizer step N (total, counting steps before a --resume)")

@@ -111,6 +111,10 @@ def _model_config(run: Run, tok, ckpt: Path | None):
     if run.router_aux_loss_coef and cfg is not None and not hasattr(cfg, "num_experts"):
         raise UsageError(f"--router-aux-loss-coef {run.router_aux_loss_coef:g}: the model is a dense LFM2, which has "
                          "no router to balance (an lfm2_moe model has)")
+    layers = run.checkpoint_layers
+    if cfg is not None and layers != "all" and layers > len(cfg.layer_types):
+        raise UsageError(f"--checkpoint-layers {layers}: the model has {len(cfg.layer_types)} decoder layers "
+                         f"(--checkpoint-layers all checkpoints every one)")
     return cfg
 
 
@@ -176,11 +180,13 @@ def _model(run: Run, cfg, ckpt: Path | None, ctx, engine):
         if ckpt is not None:
             if cfg is None:
                 raise UsageError(f"{ckpt}: no model/ directory")
-            return Lfm2Model.from_pretrained(ckpt / "model", ctx, engine, dtype, run.recompute_mlp, base)
+            return Lfm2Model.from_pretrained(ckpt / "model", ctx, engine, dtype, run.recompute_mlp, base,
+                                             run.checkpoint_layers)
         if run.source == "model":
-            return Lfm2Model.from_pretrained(run.model, ctx, engine, dtype, run.recompute_mlp, base)
+            return Lfm2Model.from_pretrained(run.model, ctx, engine, dtype, run.recompute_mlp, base,
+                                             run.checkpoint_layers)
         return Lfm2Model(cfg, ctx, engine, seed=run.seed, activation_dtype=dtype, recompute_mlp=run.recompute_mlp,
-                         base_dtype=base)
+                         base_dtype=base, checkpoint_layers=run.checkpoint_layers)
     except (CheckpointError, ConfigError) as e:
         where = ckpt / "model" if ckpt is not None else run.model
         raise UsageError(f"model: {e}" if where is None or str(where) in str(e) else f"model {where}: {e}") from None

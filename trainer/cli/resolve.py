@@ -86,6 +86,7 @@ def resolve(args: argparse.Namespace, argv_empty: bool, saved: dict | None = Non
         grad_accum=g.get("grad_accum", DEFAULT_ACCUM), pack_tokens=g.get("pack_tokens", DEFAULT_PACK_TOKENS),
         packing=g.get("packing", "pad"),
         replay=g.get("replay", DEFAULT_REPLAY_PASSES), recompute_mlp=bool(g.get("recompute_mlp", False)),
+        checkpoint_layers=_checkpoint_layers(g.get("checkpoint_layers")),
         clip=g.get("clip", 1.0), bucket=g.get("bucket", 64),
         scaler=bool(g.get("scaler", False) or g.get("f16", False)), f16=bool(g.get("f16", False)),
         steps=steps, epochs=epochs, out=g.get("out"),
@@ -194,6 +195,18 @@ def _with_saved(g: dict, saved: dict, ckpt: Path | None, notes: list[str]) -> di
     g = {**g, **base}
     _confirm_resumed_sync(cmd, g, ckpt, notes)
     return g
+
+
+def _checkpoint_layers(value: str | None) -> int | str:
+    """--checkpoint-layers all|N as Lfm2Model takes it (0 when not given); N is checked against the
+    model's layers once its config is read (prepare._model_config)."""
+    if value is None:
+        return 0
+    if value == "all":
+        return "all"
+    if not (value.isascii() and value.isdigit() and int(value) >= 1):
+        raise UsageError(f"--checkpoint-layers must be all or a number of decoder layers >= 1, got {value!r}")
+    return int(value)
 
 
 def _check_model_dir(model_dir: str) -> None:

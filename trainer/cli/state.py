@@ -54,6 +54,7 @@ class Run:
     packing: str                    # "pad" or "concat" (trainer/packing.py)
     replay: int
     recompute_mlp: bool
+    checkpoint_layers: int | str    # 0 (off), the first N decoder layers, or "all"
     clip: float
     bucket: int
     scaler: bool

@@ -49,7 +49,7 @@ class AttentionSaved(ResidualSaved):
     kr: Tensor                      # (T, G, E) rope(kn)
     o: Tensor                       # (T, H, E) attention output: out_proj's input
     lse: Tensor                     # (T, H) attention's log-sum-exp per row and head
-    xn: Tensor | None = None        # (T, D) rmsnorm(h): not kept by forward, put back by recompute
+    xn: Tensor | None = None        # (T, D) rmsnorm(h): put back by recompute (kept by a checkpoint's rerun)
 
 
 class Attention(Residual):
@@ -84,11 +84,13 @@ class Attention(Residual):
         else:
             att = kern.run("attention", bucket=rows.seq_bucket, q=by_seq(qr), k=by_seq(kr), v=by_seq(v))
         o, lse = att["o"].view(t, heads, e), att["lse"].view(t, heads)                          # (T, H, E), (T, H)
-        saved = AttentionSaved(h, inv, lora, q, k, v, q_inv, k_inv, cos, sin, qr, kr, o, lse)
+        saved = AttentionSaved(h, inv, lora, q, k, v, q_inv, k_inv, cos, sin, qr, kr, o, lse,
+                               xn if kern.replaying else None)
         return self.project(o.view(t, heads * e), h, bucket, lora), saved                      # (T, D) h + op
 
     def recompute(self, s: AttentionSaved, rows: Rows) -> None:
-        s.xn = self.normed(s.h, rows.bucket)[0]                                                 # (T, D)
+        if s.xn is None:
+            s.xn = self.normed(s.h, rows.bucket)[0]                                             # (T, D)
 
     def backward(self, s: AttentionSaved, dh: Tensor, rows: Rows) -> None:
         kern, a, bucket, cfg = self.kernels, self.attn, rows.bucket, self.cfg

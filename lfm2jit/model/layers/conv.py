@@ -13,7 +13,7 @@ from .kernels import LoraSaved, backward_of
 class ConvSaved(ResidualSaved):
     bcx: Tensor                     # (T, 3D) in_proj(xn): B, C and x side by side
     c: Tensor                       # (T, D) C * conv(B x): out_proj's input
-    xn: Tensor | None = None        # (T, D) rmsnorm(h): not kept by forward, put back by recompute
+    xn: Tensor | None = None        # (T, D) rmsnorm(h): put back by recompute (kept by a checkpoint's rerun)
 
 
 class Conv(Residual):
@@ -24,7 +24,8 @@ class Conv(Residual):
         xn, inv = self.normed(h, rows.bucket)                                                   # (T, D), (T,)
         bcx = self.kernels.linear(xn, self.pre + "conv.in_proj", rows.bucket, lora)             # (T, 3D) = B, C, x
         c = self.conv(bcx, rows)                                                                # (T, D)
-        return self.project(c, h, rows.bucket, lora), ConvSaved(h, inv, lora, bcx, c)          # (T, D) h + op
+        keep = xn if self.kernels.replaying else None
+        return self.project(c, h, rows.bucket, lora), ConvSaved(h, inv, lora, bcx, c, keep)    # (T, D) h + op
 
     def conv(self, bcx: Tensor, rows: Rows) -> Tensor:
         """c = C * conv(B x) (T, D) from in_proj's output (T, 3D)."""
@@ -41,7 +42,8 @@ class Conv(Residual):
         return {"w": w, "b": self.kernels.p(self.pre + "conv.conv.bias")} if self.cfg.conv_bias else {"w": w}
 
     def recompute(self, s: ConvSaved, rows: Rows) -> None:
-        s.xn = self.normed(s.h, rows.bucket)[0]                                                 # (T, D)
+        if s.xn is None:
+            s.xn = self.normed(s.h, rows.bucket)[0]                                             # (T, D)
 
     def backward(self, s: ConvSaved, dh: Tensor, rows: Rows) -> None:
         kern, pre, bucket = self.kernels, self.pre, rows.bucket

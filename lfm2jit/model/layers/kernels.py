@@ -29,11 +29,14 @@ class LoraSaved:
 
 class Kernels:
     """Kernel calls on ``model``'s parameters, adapters and activation dtype. ``trained_ids`` holds
-    the parameters the running backward trains (set by Lfm2Model.backward)."""
+    the parameters the running backward trains (set by Lfm2Model.backward). ``replaying``: the
+    forward running is a backward's rerun of a checkpointed layer (Lfm2Model.checkpoint_layers),
+    which keeps everything its backward reads and adds nothing to the model's routing statistics."""
 
     def __init__(self, model):
         self.model = model
         self.trained_ids: set[int] = set()
+        self.replaying = False
 
     def run(self, kernel, dtype: str | None = None, **args) -> dict[str, Tensor]:
         """engine.run with the kernel's variant for the model's activation dtype (or ``dtype``:

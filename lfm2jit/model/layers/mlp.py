@@ -12,7 +12,7 @@ from .kernels import LoraSaved
 class MlpSaved(ResidualSaved):
     a: Tensor | None                # (T, F) w1(xf); None with recompute_mlp or once a backward used it
     b: Tensor | None                # (T, F) w3(xf); likewise
-    xf: Tensor | None = None        # (T, D) rmsnorm(h): not kept by forward, put back by recompute
+    xf: Tensor | None = None        # (T, D) rmsnorm(h): put back by recompute (kept by a checkpoint's rerun)
     g: Tensor | None = None         # (T, F) silu(a) * b: likewise, when w2's backward reads it
 
 
@@ -30,7 +30,10 @@ class Mlp(Residual):
         xf, inv = self.normed(h, rows.bucket)                                                   # (T, D), (T,)
         a, b = self.up(xf, rows.bucket, lora)                                                   # (T, F), (T, F)
         g = self.kernels.run("silu_mul", bucket=rows.bucket, a=a, b=b)["y"]                     # (T, F) silu(a) * b
-        saved = MlpSaved(h, inv, lora, a, b) if self.keep_ab else MlpSaved(h, inv, lora, None, None)
+        if self.kernels.replaying:            # a checkpointed layer's rerun, right before its backward
+            saved = MlpSaved(h, inv, lora, a, b, xf)
+        else:
+            saved = MlpSaved(h, inv, lora, a, b) if self.keep_ab else MlpSaved(h, inv, lora, None, None)
         return self.project(g, h, rows.bucket, lora), saved                                    # (T, D) h + w2(g)
 
     def up(self, xf: Tensor, bucket: int, lora: LoraSaved) -> tuple[Tensor, Tensor]:
@@ -43,7 +46,8 @@ class Mlp(Residual):
         weight, bias or adapter is trained). The same kernels on the same inputs give bit-identical
         values, so gradients are unchanged."""
         kern, w2 = self.kernels, self.pre + self.out
-        s.xf = self.normed(s.h, rows.bucket)[0]                                                 # (T, D)
+        if s.xf is None:
+            s.xf = self.normed(s.h, rows.bucket)[0]                                             # (T, D)
         if s.a is None:
             s.a, s.b = self.up(s.xf, rows.bucket, s.lora)                                       # (T, F), (T, F)
         if kern.adapted(w2) or kern.trained(w2 + ".weight") or kern.trained(w2 + ".bias"):

@@ -26,7 +26,7 @@ ROUTING = "f32"         # the activation dtype of the router's and the routing's
 
 @dataclass
 class MoeSaved(ResidualSaved):
-    xf: Tensor | None               # (T, D) rmsnorm(h): not kept, recomputed for the backward
+    xf: Tensor | None               # (T, D) rmsnorm(h): recomputed for the backward (kept by a checkpoint's rerun)
     logits: Tensor                  # (T, E) the router's
     idx: Tensor                     # (T, K) i32 each token's picks
     w: Tensor                       # (T, K) their weights
@@ -36,7 +36,7 @@ class MoeSaved(ResidualSaved):
     ws: Tensor                      # (S,) each sorted slot's weight
     by_token: Tensor                # (S,) i32 the sorted slots grouped by token
     token_offsets: Tensor           # (T + 1,) i32 where each token's run of by_token starts
-    xs: Tensor | None               # (S, D) each sorted slot's xf row: not kept, gathered again
+    xs: Tensor | None               # (S, D) each sorted slot's xf row: gathered again (likewise)
     experts: ExpertActivations      # what the experts' backward reuses (h only with keep_h)
     counts: Tensor | None = None    # (E,) the pass's tokens per expert, with the balance loss on
 
@@ -71,23 +71,27 @@ class Moe(Residual):
         counts = None
         if train and rows.ids is not None:            # the step's tokens per expert (Lfm2Model.take_routed_tokens)
             count = {"bucket": bucket, "dims": {"E": cfg.num_experts}, "idx": idx, "ids": rows.ids, "pad": self._pad()}
-            route("expert_counts", out={"n": k.model.routed_tokens[self.index]}, accumulate={"n"}, **count)
+            tally = not k.replaying                   # a checkpointed layer's rerun: counted the first time
+            if tally:
+                route("expert_counts", out={"n": k.model.routed_tokens[self.index]}, accumulate={"n"}, **count)
             if k.model.router_aux_loss_coef:          # the balance loss: its value added up for the step
                 counts = route("expert_counts", **count)["n"]
-                route("moe_balance", bucket=bucket, logits=logits, counts=counts, ids=rows.ids,
-                      out={"aux": k.model.router_balance}, accumulate={"aux"}, **self._balance(rows))
+                if tally:
+                    route("moe_balance", bucket=bucket, logits=logits, counts=counts, ids=rows.ids,
+                          out={"aux": k.model.router_balance}, accumulate={"aux"}, **self._balance(rows))
         order = route("sort_keys", bucket=slot_bucket, dims={"V": cfg.num_experts}, keys=idx.view(slots))["order"]
         tokens = route("slot_tokens", bucket=bucket, idx=idx)["tok"]                            # (T, K)
         picked = route("moe_slots", bucket=slot_bucket, w=w.view(slots), tokens=tokens.view(slots), order=order)
         grouped = route("sort_keys", bucket=slot_bucket, dims={"V": n_tokens}, keys=picked["tok"])
         xs = k.run("embedding", bucket=slot_bucket, table=xf, ids=picked["tok"])["y"]          # (S, D)
         ys, acts = experts_forward(k.model.engine, xs, k.p(self.gate_up), k.p(pre + self.out), ends,
-                                   picked["ws"], bucket=slot_bucket, keep_h=self.keep_h, dtype=self._dtype,
-                                   **self._adapters())
+                                   picked["ws"], bucket=slot_bucket, keep_h=self.keep_h or k.replaying,
+                                   dtype=self._dtype, **self._adapters())
         y = k.run("scatter_rows", bucket=slot_bucket, g=ys, order=grouped["order"], offsets=grouped["offsets"],
                   r=h)["y"]                                                                     # (T, D)
-        return y, MoeSaved(h, inv, lora, None, logits, idx, w, ends, order, picked["tok"], picked["ws"],
-                           grouped["order"], grouped["offsets"], None, acts, counts)
+        kept = (xf, xs) if k.replaying else (None, None)     # a checkpointed layer's rerun keeps them
+        return y, MoeSaved(h, inv, lora, kept[0], logits, idx, w, ends, order, picked["tok"], picked["ws"],
+                           grouped["order"], grouped["offsets"], kept[1], acts, counts)
 
     def _route(self, kernel, **args):
         """A routing kernel's call: its float tensors f32 whatever the activations are."""
@@ -118,6 +122,8 @@ class Moe(Residual):
     def recompute(self, s: MoeSaved, rows: Rows) -> None:
         """xf and the slots' rows of it, as the forward computed them (bit-identical: the same
         kernels on the same inputs); the experts' backward computes h again itself."""
+        if s.xs is not None:
+            return
         s.xf = self.normed(s.h, rows.bucket)[0]                                                 # (T, D)
         s.xs = self.kernels.run("embedding", bucket=rows.bucket * self.cfg.num_experts_per_tok, table=s.xf,
                                 ids=s.tok)["y"]                                                 # (S, D)
