@@ -32,7 +32,7 @@ def per_sequence(model, data):
     return np.array(losses), {n: t.grad.numpy().copy() for n, t in model.named_parameters().items()}
 
 
-def concatenated(model, data):
+def concatenated(model, data, train: bool = False):
     """One row: per-position weights mask / tokens keep each sequence's mean; per-sequence losses summed
     from the per-position ones."""
     model.zero_grad()
@@ -40,7 +40,7 @@ def concatenated(model, data):
     targets = np.concatenate([d[1] for d in data])
     weights = np.concatenate([d[2] / d[2].sum() for d in data]).astype(np.float32)
     lengths = [len(d[0]) for d in data]
-    trace = model.forward(ids, BUCKET, segments=lengths)
+    trace = model.forward(ids, BUCKET, segments=lengths, train=train)
     res = lm_head_cross_entropy(model.engine, trace.hn, model.lm_head, targets, weights, bucket=BUCKET,
                                 dE=model.lm_head.grad, accumulate_dE=True, per_position=True)
     model.backward(trace, res.dh, model.parameters())
@@ -66,6 +66,17 @@ def test_concatenated_equals_per_sequence(ctx, engine, kind, dtype):
     for name in want:
         assert np.all(np.isfinite(got[name])), name
         assert rel_err(got[name], want[name]) < tol, f"{name}: {rel_err(got[name], want[name]):.2e}"
+
+
+def test_checkpointed_layers_rerun_the_concatenated_row(ctx, engine):
+    """Activation checkpointing reruns a layer from its input with the same segments: bit-identical."""
+    cfg = micro()
+    data = make_data(cfg, LENGTHS, seed=4)
+    plain = concatenated(Lfm2Model(cfg, ctx, engine, seed=5), data, train=True)
+    ckpt = concatenated(Lfm2Model(cfg, ctx, engine, seed=5, checkpoint_layers="all"), data, train=True)
+    np.testing.assert_array_equal(ckpt[0], plain[0])
+    for name in plain[1]:
+        np.testing.assert_array_equal(ckpt[1][name], plain[1][name], err_msg=name)
 
 
 @pytest.mark.parametrize("kind", ["dense", "moe"])
