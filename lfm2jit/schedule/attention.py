@@ -12,8 +12,8 @@ scores are q.k / sqrt(E); query t sees keys 0..t. With the optional operand ``st
 row, nondecreasing: sequences concatenated in one row) query t sees keys starts[t]..t: a query
 block's key loop starts at the tile holding starts[q0] (its first query's start), and a key block's
 query loop in dk/dv ends with the sequence of its last key (a binary search over starts), so a
-concatenated row does the work of its sequences, not of the whole row; those calls stay on the SIMT
-templates (the matrix templates have no starts mask). No T x T matrix ever reaches device memory:
+concatenated row does the work of its sequences, not of the whole row (the SIMT and the matrix
+templates alike). No T x T matrix ever reaches device memory:
 the forward keeps a running max and sum per query (online softmax) and saves lse, and the two
 backward kernels (FlashAttention-2) recompute probabilities from lse:
 
@@ -330,10 +330,7 @@ def _matrix_params(call: IntrinsicCall, target, mode: str, params: tuple[str, ..
             raise IntrinsicError(f"{call.name}: tiles {call.tiles} need a device with f16 subgroup matrices")
         return None
     multiplied = [op for name, op in zip(params, call.operands) if name in ("q", "k", "v", "do")]
-    if given and _starts(call, params) is not None:
-        raise IntrinsicError(f"{call.name}: tiles {call.tiles}: a call with starts runs on the SIMT template only")
-    if not given and (call.tiles is not None or any(op.dtype != "f16" for op in multiplied)
-                      or _starts(call, params) is not None):     # the matrix templates have no starts mask
+    if not given and (call.tiles is not None or any(op.dtype != "f16" for op in multiplied)):
         return None
     e = _sizes(call)[4]
 
