@@ -1005,7 +1005,10 @@ def packing_bench(ctx, cfg, window: int = 16, windows: int = 4, pack_tokens: int
                 group, rest = rest[:n], rest[n:]
                 size = [len(g[0]) for g in group]
                 unit = tr._pack_unit() if mode == "pad" and n > 1 else bucket
-                rows += -(-(sum(size) if mode == "concat" else max(size)) // unit) * unit * (1 if mode == "concat" else n)
+                if mode == "concat":                # one row of them all
+                    rows += -(-sum(size) // unit) * unit
+                else:                               # each as long as the longest
+                    rows += -(-max(size) // unit) * unit * n
                 passes += 1
         try:
             for w in data:                          # compiles (and the first recordings)

@@ -489,8 +489,8 @@ class Trainer:
                 staged.finish()
             return result.loss
 
-        key = ("pass", np.shape(ids), segments is not None, bucket, self.lm_head_chunk, self.lm_head_keep_bytes, head_trained,
-               _where(params, [p.grad for p in params]), id(staged) if staged is not None else None)
+        key = ("pass", np.shape(ids), segments is not None, bucket, self.lm_head_chunk, self.lm_head_keep_bytes,
+               head_trained, _where(params, [p.grad for p in params]), id(staged) if staged is not None else None)
         scalars = xent_scalars(normalizer, loss_scale)
         if segments is not None:       # per-position losses: no kernel divides by the normalizer (1 here)
             del scalars["inv_norm"]
