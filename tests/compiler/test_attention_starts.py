@@ -146,6 +146,12 @@ def test_starts_type_rule():
                        "(o: f32[T, H, E], lse: f32[T, H]) {\n    o, lse = causal_attention(q, k, v, s)\n}\n", "a.lk")
     bwd = grad(m.a, cotangents=["o"])
     assert "d_s" not in bwd.outputs
+    with pytest.raises(DslError, match=r"takes 3 to 4 operands \(q, k, v, starts\), got 2 arguments"):
+        compile_source("kernel a(q: f32[T, H, E], k: f32[T, G, E]) -> (o: f32[T, H, E], lse: f32[T, H]) {\n"
+                       "    o, lse = causal_attention(q, k)\n}\n", "a.lk")
+    with pytest.raises(DslError, match=r"starts must be i32\[T\]"):
+        compile_source("kernel a(q: f32[T, H, E], k: f32[T, G, E], v: f32[T, G, E], s: i32[T, H]) -> "
+                       "(o: f32[T, H, E], lse: f32[T, H]) {\n    o, lse = causal_attention(q, k, v, s)\n}\n", "a.lk")
 
 
 @pytest.mark.parametrize("lengths", [[20, 1, 43], [5, 70, 1, 1, 33, 40]])
