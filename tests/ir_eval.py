@@ -8,7 +8,8 @@ result, whatever order its operands use.
 
 Precision is not modelled: f32/f16 values are computed in float64 and float casts are exact;
 casts to i32/u32 truncate toward zero. LT/GT give 1.0 or 0.0, WHERE selects where its condition is
-nonzero, and integer DIV truncates toward zero, as WGSL does.
+nonzero, and integer DIV truncates toward zero, as WGSL does; the integer ops (% & | << >>) run
+on int64 and wrap to 32 bits.
 """
 from __future__ import annotations
 
@@ -53,6 +54,21 @@ BINARY = {
     Op.GT: lambda a, b: (a > b).astype(np.float64),
     Op.EQ: lambda a, b: (a == b).astype(np.float64),
 }
+
+
+INTEGER = {       # on exact integers; % truncates, shifts take the amount modulo 32, << wraps
+    Op.MOD: lambda a, b: np.fmod(a, np.where(b == 0, 1, b)) * (b != 0),
+    Op.BITAND: np.bitwise_and,
+    Op.BITOR: np.bitwise_or,
+    Op.SHL: lambda a, b: np.left_shift(a, b & 31),
+    Op.SHR: lambda a, b: np.right_shift(a, b & 31),
+}
+
+
+def _wrap(v: np.ndarray, dtype: str) -> np.ndarray:
+    """int64 values into the dtype's range, as 32-bit arithmetic wraps them."""
+    v = v & 0xFFFFFFFF
+    return v if dtype == "u32" else np.where(v >= 2**31, v - 2**32, v)
 
 
 class EvalError(ValueError):
@@ -139,6 +155,9 @@ def evaluate(ir: KernelIR, inputs: dict[str, np.ndarray], scalars: dict[str, flo
                 v = np.trunc(v)
         elif op in UNARY:
             v = UNARY[op](get(node.srcs[0], shape))
+        elif op in INTEGER:
+            a, b = (get(s, shape).astype(np.int64) for s in node.srcs)
+            v = _wrap(INTEGER[op](a, b), node.dtype).astype(np.float64)
         elif op in BINARY:
             a, b = (get(s, shape) for s in node.srcs)
             if op == Op.DIV and node.dtype in INT_DTYPES:

@@ -295,7 +295,7 @@ def trl_dpo(model, ref_model, pairs, *, beta=0.1, loss_type="sigmoid", label_smo
 
 def trl_grpo_loss(model, ref_model, prompt_ids, completion_ids, rewards, *, loss_type, beta, epsilon,
                   num_generations, old_per_token_logps=None, epsilon_high=None, max_completion_length=None,
-                  scale_rewards="group", return_details=False):
+                  scale_rewards="group", return_details=False, temperature=1.0):
     """TRL 1.16's GRPO loss and gradients for ONE batch of given (teacher-forced) completions.
 
     A real ``trl.GRPOTrainer`` is built around ``model``; generation is replaced through TRL's own
@@ -389,7 +389,7 @@ def trl_grpo_loss(model, ref_model, prompt_ids, completion_ids, rewards, *, loss
                 num_generations=G, per_device_train_batch_size=B, gradient_accumulation_steps=1,
                 steps_per_generation=1, max_completion_length=max_completion_length or max(map(len, completions)),
                 scale_rewards=scale_rewards, gradient_checkpointing=False, disable_dropout=True,
-                save_strategy="no", logging_strategy="no", seed=0, temperature=1.0, log_completions=False,
+                save_strategy="no", logging_strategy="no", seed=0, temperature=temperature, log_completions=False,
                 dataloader_num_workers=0, pad_to_multiple_of=None,
             )
             dummy = Dataset.from_dict({"prompt": ["t2"] * G})

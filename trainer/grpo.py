@@ -284,8 +284,8 @@ def read_prompts(path, tokenizer, *, chat_template=None) -> list[PromptRecord]:
 class GrpoTrainer:
     """GRPO over a Trainer: ``step(records)`` samples, scores and trains on one batch of prompts
     (``num_iterations`` optimizer steps; the Trainer's ``grad_accum_steps`` must be the batch's
-    prompt count, one group per micro-batch). ``reference(sequences) -> token log-probs`` is the
-    reference model's, needed when beta > 0 (``adapters_off`` gives it for a LoRA run)."""
+    prompt count, one group per micro-batch). ``reference(sequences, temperature) -> token log-probs``
+    is the reference model's, needed when beta > 0 (``adapters_off`` gives it for a LoRA run)."""
 
     def __init__(self, trainer, config: GrpoConfig, rewards: list[tuple[str, Callable]], tokenizer,
                  reference: Callable | None = None):
@@ -329,8 +329,9 @@ class GrpoTrainer:
             seqs.append((full[:-1], full[1:], mask))
         completion = [slice(r.ids.size - 1, None) for r in records for _ in range(g)]
         lengths = [len(x) for x in ids]
-        old = [x[s] for x, s in zip(tr.token_logps(seqs), completion)] if c.num_iterations > 1 else None
-        ref = [x[s] for x, s in zip(self.reference(seqs), completion)] if c.beta else None
+        # every log-prob at the sampling temperature, as TRL scores them (its logits divided by it)
+        old = [x[s] for x, s in zip(tr.token_logps(seqs, c.temperature), completion)] if c.num_iterations > 1 else None
+        ref = [x[s] for x, s in zip(self.reference(seqs, c.temperature), completion)] if c.beta else None
         factor = loss_scale(c, lengths, len(records))
         stats, passes = {}, []
         for _ in range(c.num_iterations):
@@ -338,7 +339,8 @@ class GrpoTrainer:
                 part = slice(k * g, (k + 1) * g)
                 objective = group_objective(c, None if old is None else old[part], None if ref is None else ref[part],
                                             adv[part], factor, stats)
-                passes.append(tr.train_token_objective(seqs[part], params, _on_completions(objective, completion[part])))
+                passes.append(tr.train_token_objective(seqs[part], params, _on_completions(objective, completion[part]),
+                                                       c.temperature))
         return passes, self._metrics(per_function, rewards, lengths, ids, stats, passes)
 
     def _metrics(self, per_function, rewards, lengths, ids, stats, passes) -> dict[str, float]:

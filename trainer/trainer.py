@@ -339,9 +339,10 @@ class Trainer:
         its masked positions, by the model as it is (no gradients): a preference run's reference."""
         return np.array([x.sum() for x in self.token_logps(sequences)], np.float64)
 
-    def token_logps(self, sequences) -> list[np.ndarray]:
+    def token_logps(self, sequences, temperature: float = 1.0) -> list[np.ndarray]:
         """Per sequence, float64 log p(target) at each position (0 where the mask is 0), by the model
-        as it is (no gradients; packed as training packs them): GRPO's old and reference log-probs."""
+        as it is (no gradients; packed as training packs them): GRPO's old and reference log-probs.
+        ``temperature``: of the softmax (the logits divided by it, as sampling at it does)."""
         checked = [self._check(i, t, m, None) for i, t, m in sequences]
         out: list[np.ndarray] = []
         while len(out) < len(checked):
@@ -350,17 +351,23 @@ class Trainer:
             ids, targets, (mask,) = pack([g[0] for g in group], [g[1] for g in group], [[g[2] for g in group]],
                                          self._pack_unit(), pad_token(self.model.cfg))
             trace = self.model.forward(self.model.upload_ids(ids), self.length_bucket)
-            out += self._position_logps(trace, targets, mask, group, ids.shape)
+            out += self._position_logps(self._tempered(trace.hn, temperature), targets, mask, group, ids.shape)
         return out
 
-    def _position_logps(self, trace, targets, mask, group, shape) -> list[np.ndarray]:
+    def _tempered(self, h, temperature: float):
+        """h / temperature: the final hidden states whose logits are the model's divided by it."""
+        if temperature == 1.0:
+            return h
+        return self.model.kernels.run("scale", bucket=self.length_bucket, x=h, alpha=1.0 / temperature)["y"]
+
+    def _position_logps(self, hn, targets, mask, group, shape) -> list[np.ndarray]:
         """The LM head's loss pass, per position: -cross-entropy = log p, per sequence."""
-        ce = lm_head_cross_entropy(self.engine, trace.hn, self.model.lm_head, targets, mask, chunk=self.lm_head_chunk,
+        ce = lm_head_cross_entropy(self.engine, hn, self.model.lm_head, targets, mask, chunk=self.lm_head_chunk,
                                    bucket=self.length_bucket, grads=False, per_position=True,
                                    check_targets=False).loss.numpy().astype(np.float64).reshape(shape)
         return [-ce[i, :len(g[0])] * (g[2] != 0) for i, g in enumerate(group)]
 
-    def train_token_objective(self, sequences, params, objective) -> StepStats:
+    def train_token_objective(self, sequences, params, objective, temperature: float = 1.0) -> StepStats:
         """One micro-batch whose loss is a function of its sequences' per-token log-probabilities
         (DPO's pair, GRPO's group). ``sequences``: (input_ids, target_ids, loss_mask) triples, run
         packed in one pass. ``objective(logps)`` gets, per sequence, float64 log p(target) at each
@@ -368,7 +375,10 @@ class Trainer:
         its gradient in each of those log-probs (arrays of the same shapes). The gradient reaches
         the parameters through the LM head's gradient pass, d_logps as per-position weights, so no
         [T, V] logits are held. Accumulation, clipping, loss scaling and sync as in train_sequences;
-        an objective that raises or returns a bad value changes nothing."""
+        an objective that raises or returns a bad value changes nothing. ``temperature``: the log-probs
+        are of the logits divided by it (GRPO's, as TRL scores completions sampled at it)."""
+        if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
+            raise TrainError(f"temperature must be a finite number > 0, got {temperature!r}")
         params = self._params(params)
         group = [self._check(i, t, m, params) for i, t, m in sequences]
         if not group:
@@ -388,7 +398,8 @@ class Trainer:
             model.lora.draw_dropout(self._steps, self._micro_index())
         tgt = engine.tensor(targets, "i32")
         trace = model.forward(model.upload_ids(ids), bucket, keep_from=model.backward_start(params), train=True)
-        logps = self._position_logps(trace, tgt, mask, group, ids.shape)     # pass 1, read back for the objective
+        hn = self._tempered(trace.hn, temperature)
+        logps = self._position_logps(hn, tgt, mask, group, ids.shape)     # pass 1, read back for the objective
         try:
             loss, d_logps = _objective_value(objective, logps)
         except BaseException:
@@ -397,12 +408,12 @@ class Trainer:
         # pass 2: the gradient of sum_t w_t CE_t with w = -d_logps is the objective's
         weights = pack([g[0] for g in group], [g[1] for g in group], [[-d * g[2] for d, g in zip(d_logps, group)]],
                        self._pack_unit(), pad_token(model.cfg))[2][0]
-        result = lm_head_cross_entropy(engine, trace.hn, head, tgt, engine.tensor(weights, "f32"), normalizer=1.0,
+        result = lm_head_cross_entropy(engine, hn, head, tgt, engine.tensor(weights, "f32"), normalizer=1.0,
                                        loss_scale=loss_scale, chunk=self.lm_head_chunk, bucket=bucket,
                                        dE=head.grad if head_trained else None, accumulate_dE=head_trained,
                                        grad_E=head_trained, keep_logits=self.lm_head_keep_bytes,
                                        check_targets=False)     # checked in _check
-        model.backward(trace, result.dh, params, aux_scale=loss_scale)
+        model.backward(trace, self._tempered(result.dh, temperature), params, aux_scale=loss_scale)
         self._step_in_accum += 1      # reaches grad_accum_steps: _finish_window resets it
         stats = StepStats(loss=loss, tokens=int(sum(g[2].sum() for g in group)), stepped=False, skipped=False,
                           grad_norm=None, lr=self.lr_at(self._steps + 1), loss_scale=self.loss_scale)

@@ -27,6 +27,8 @@ SPELLING: dict[Op, str] = {
     Op.POW: "pow({0}, {1})", Op.MAX: "max({0}, {1})", Op.MIN: "min({0}, {1})",
     Op.LT: "{t}({0} < {1})", Op.GT: "{t}({0} > {1})", Op.EQ: "{t}({0} == {1})",
     Op.COS: "cos({0})", Op.SIN: "sin({0})",
+    Op.MOD: "{0} % {1}", Op.BITAND: "{0} & {1}", Op.BITOR: "{0} | {1}",
+    Op.SHL: "{0} << (u32({1}) & 31u)", Op.SHR: "{0} >> (u32({1}) & 31u)",
     Op.WHERE: "select({2}, {1}, {0} != {c0}(0))",
 }
 

@@ -123,7 +123,8 @@ def unparse_expr(e: Expr) -> str:
     if isinstance(e, Neg):
         return f"(-{unparse_expr(e.operand)})"
     if isinstance(e, BinOp):
-        sym = {"add": "+", "sub": "-", "mul": "*", "div": "/", "pow": "**", "lt": "<", "gt": ">"}[e.op]
+        sym = {"add": "+", "sub": "-", "mul": "*", "div": "/", "pow": "**", "lt": "<", "gt": ">", "mod": "%",
+               "bitand": "&", "bitor": "|", "shl": "<<", "shr": ">>"}[e.op]
         return f"({unparse_expr(e.lhs)} {sym} {unparse_expr(e.rhs)})"
     if isinstance(e, Subscript):
         items = ", ".join(":" if isinstance(i, Full) else unparse_expr(i) for i in e.items)

@@ -150,6 +150,7 @@ class _ToAst(Transformer_NonRecursive):
 
     add, sub, mul, div = _binop("add"), _binop("sub"), _binop("mul"), _binop("div")
     pow, lt, gt = _binop("pow"), _binop("lt"), _binop("gt")
+    mod, bitand, bitor, shl, shr = _binop("mod"), _binop("bitand"), _binop("bitor"), _binop("shl"), _binop("shr")
 
 
 def _expected(exc: UnexpectedInput) -> str:

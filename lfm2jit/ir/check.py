@@ -9,7 +9,7 @@ from . import intrinsics
 from .graph import GraphBuilder
 from .nodes import ABSTRACT, SEQ_AXIS, KernelIR, Node, TensorArg
 from .shapes import is_subsequence, merge
-from .ops import (BINARY_FUNCS, BINOP_NAMES, DTYPES, FLOAT_DTYPES, FLOAT_ONLY, REDUCE_FUNCS,
+from .ops import (BINOP_SYMBOLS, INT_ONLY, BINARY_FUNCS, BINOP_NAMES, DTYPES, FLOAT_DTYPES, FLOAT_ONLY, REDUCE_FUNCS,
                   UNARY_FUNCS, Op)
 F32_OVERFLOW = 2.0**128 - 2.0**103   # the smallest magnitude that rounds to infinity in f32
 INT_RANGE = {"i32": (-2**31, 2**31 - 1), "u32": (0, 2**32 - 1)}
@@ -152,8 +152,8 @@ class _Builder:
                 raise self.error(e.loc, "cannot negate a u32 value", "a signed or float operand")
             return self.node(Op.NEG, (x,), x.shape, x.dtype)
         if isinstance(e, ast.BinOp):
-            return self.binary(e.loc, BINOP_NAMES[e.op], e.op, self.expr(e.lhs), self.expr(e.rhs),
-                               (e.lhs.loc, e.rhs.loc))
+            return self.binary(e.loc, BINOP_NAMES[e.op], BINOP_SYMBOLS.get(e.op, e.op), self.expr(e.lhs),
+                               self.expr(e.rhs), (e.lhs.loc, e.rhs.loc))
         if isinstance(e, ast.Subscript):
             return self.subscript(e)
         return self.call(e)
@@ -196,6 +196,9 @@ class _Builder:
         dtype = self.unify_dtype(loc, what, a, b)
         if op in FLOAT_ONLY and dtype not in FLOAT_DTYPES + (ABSTRACT,):
             raise self.error(loc, f"{what} needs float operands, got {dtype}", "f32 or f16 operands")
+        if op in INT_ONLY and dtype not in INT_RANGE:
+            raise self.error(loc, f"{what} needs integer operands, got {dtype if dtype != ABSTRACT else 'literals only'}",
+                             "i32 or u32 operands (cast with u32(...) or i32(...))")
         la, lb = locs or (loc, loc)
         shape = self.broadcast(loc, what, a, b)
         a, b = self.adopt(la, a, dtype), self.adopt(lb, b, dtype)
@@ -216,6 +219,8 @@ class _Builder:
             value = float(x.arg)
         elif x.op == Op.NEG and x.srcs[0].op == Op.CONST:
             value = -float(x.srcs[0].arg)
+        if x.op == Op.DIMSIZE:          # an axis' size: spelled in the consumer's type
+            return x
         if value is None:
             return self.node(Op.CAST, (x,), x.shape, dtype, dtype)
         lo, hi = INT_RANGE[dtype]
@@ -262,6 +267,9 @@ class _Builder:
             self.arity(e, 1)
             axis = self.axis_name(args[0])
             return self.node(Op.INDEX, (), (axis,), "i32", axis)
+        if f == "size":
+            self.arity(e, 1)
+            return self.node(Op.DIMSIZE, (), (), ABSTRACT, self.axis_name(args[0]))
         if f == "gather":
             self.arity(e, 2)
             table, ids = self.expr(args[0]), self.expr(args[1])
@@ -301,7 +309,7 @@ class _Builder:
         if f in REDUCE_FUNCS:
             raise self.error(e.loc, f"{f}() needs a value and an axis name", f"{f}(value, AXIS), e.g. {f}(x, D)")
         known = sorted(set(UNARY_FUNCS) | set(BINARY_FUNCS) | set(REDUCE_FUNCS) | set(DTYPES)
-                       | {"where", "index", "gather", "stack", "flip"} | set(intrinsics.names()))
+                       | {"where", "index", "size", "gather", "stack", "flip"} | set(intrinsics.names()))
         raise self.error(e.loc, f"unknown function {f!r}", "one of " + ", ".join(known))
 
     def axis_name(self, arg: ast.Expr, count: int | None = None) -> str:

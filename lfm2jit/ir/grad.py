@@ -57,6 +57,13 @@ RULES: dict[Op, Rule] = {
     Op.COS: lambda b, n, g: [b.neg(b.mul(g, b.unary(Op.SIN, n.srcs[0])))],
     Op.SIN: lambda b, n, g: [b.mul(g, b.unary(Op.COS, n.srcs[0]))],
     Op.EQ: lambda b, n, g: [None, None],
+    # integer ops: nothing is differentiable through them (no float adjoint reaches them: a cast
+    # from an integer passes none on)
+    Op.MOD: lambda b, n, g: [None, None],
+    Op.BITAND: lambda b, n, g: [None, None],
+    Op.BITOR: lambda b, n, g: [None, None],
+    Op.SHL: lambda b, n, g: [None, None],
+    Op.SHR: lambda b, n, g: [None, None],
     Op.INDEX: lambda b, n, g: [],
     # ids are integers; the table's adjoint is a deterministic scatter-add of g's rows by id
     Op.GATHER: lambda b, n, g: [_gather_back(b, n, g), None],

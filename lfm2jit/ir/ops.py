@@ -16,6 +16,9 @@ class Op(Enum):
     # binary
     ADD = auto(); SUB = auto(); MUL = auto(); DIV = auto(); POW = auto()  # noqa: E702
     MAX = auto(); MIN = auto(); LT = auto(); GT = auto(); EQ = auto()  # noqa: E702
+    # integer only: remainder (truncated, as WGSL's %), bitwise and / or, shifts (the amount taken
+    # modulo 32; >> of an i32 is arithmetic)
+    MOD = auto(); BITAND = auto(); BITOR = auto(); SHL = auto(); SHR = auto()  # noqa: E702
     # ternary
     WHERE = auto()
     # reductions over one axis; arg = axis name
@@ -44,7 +47,9 @@ class Op(Enum):
 LEAF = frozenset({Op.INPUT, Op.SCALAR, Op.CONST, Op.DIMSIZE, Op.INDEX})
 UNARY = frozenset({Op.NEG, Op.EXP, Op.LOG, Op.SQRT, Op.RSQRT, Op.ABS, Op.SIGMOID, Op.SILU, Op.TANH,
                    Op.RECIP, Op.COS, Op.SIN, Op.CAST})
-BINARY = frozenset({Op.ADD, Op.SUB, Op.MUL, Op.DIV, Op.POW, Op.MAX, Op.MIN, Op.LT, Op.GT, Op.EQ})
+BINARY = frozenset({Op.ADD, Op.SUB, Op.MUL, Op.DIV, Op.POW, Op.MAX, Op.MIN, Op.LT, Op.GT, Op.EQ,
+                    Op.MOD, Op.BITAND, Op.BITOR, Op.SHL, Op.SHR})
+INT_ONLY = frozenset({Op.MOD, Op.BITAND, Op.BITOR, Op.SHL, Op.SHR})
 COMPARE = frozenset({Op.LT, Op.GT, Op.EQ})
 REDUCE = frozenset({Op.SUM, Op.RMAX})
 FLOAT_ONLY = frozenset({Op.EXP, Op.LOG, Op.SQRT, Op.RSQRT, Op.SIGMOID, Op.SILU, Op.TANH, Op.RECIP, Op.POW,
@@ -58,7 +63,9 @@ UNARY_FUNCS = {"exp": Op.EXP, "log": Op.LOG, "sqrt": Op.SQRT, "rsqrt": Op.RSQRT,
 BINARY_FUNCS = {"max": Op.MAX, "min": Op.MIN, "eq": Op.EQ}
 REDUCE_FUNCS = {"sum": Op.SUM, "max": Op.RMAX, "mean": Op.SUM}
 BINOP_NAMES = {"add": Op.ADD, "sub": Op.SUB, "mul": Op.MUL, "div": Op.DIV, "pow": Op.POW,
-               "lt": Op.LT, "gt": Op.GT}
+               "lt": Op.LT, "gt": Op.GT, "mod": Op.MOD, "bitand": Op.BITAND, "bitor": Op.BITOR,
+               "shl": Op.SHL, "shr": Op.SHR}
+BINOP_SYMBOLS = {"mod": "%", "bitand": "&", "bitor": "|", "shl": "<<", "shr": ">>"}
 
 # Ops that read their source at another index than their own (or a table by ids).
 MOVING = frozenset({Op.SHIFT, Op.TAKE, Op.GATHER, Op.WINDOW, Op.FLIP})

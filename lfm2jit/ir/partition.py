@@ -168,6 +168,22 @@ def reduction_chain(r: Node, users: dict[int, int], stop=frozenset()) -> tuple[t
     return tuple(axes), src, links
 
 
+# What a GEMM operand's fetch may compute (a prologue): elementwise ops over tensors, indices,
+# sizes and table lookups.
+PROLOGUE_OPS = LEAF | UNARY | BINARY | {Op.WHERE, Op.BROADCAST, Op.GATHER}
+
+
+def is_prologue(x: Node, cut=frozenset()) -> bool:
+    """Whether a GEMM operand that is not a tensor is computed in the GEMM's operand fetch instead
+    of a temporary of its own: an elementwise expression that decodes tables by gather() (a packed
+    weight: its codes, their codebook, the blocks' scales), so the decoded operand never exists
+    in memory. Other expressions (silu(a) * b) are stored first: a temporary read by every tile
+    costs less than recomputing each element once per tile of the other operand."""
+    nodes = toposort([x], stop=cut)
+    return (x.op not in LEAF and all(n.op in PROLOGUE_OPS for n in nodes)
+            and any(n.op == Op.GATHER for n in nodes))
+
+
 def _is_leaf(n: Node, cut: set[int]) -> bool:
     return n.op == Op.INPUT or id(n) in cut
 
@@ -203,7 +219,7 @@ class _Planner:
         gemm = find_contraction(root, shape, cut, self.users, siblings)
         if gemm is not None:
             self.accumulators[id(root)] = gemm.acc
-            bad = [x for t in gemm.terms for x in t.srcs[0].srcs if not _is_leaf(x, cut)]
+            bad = [x for t in gemm.terms for x in t.srcs[0].srcs if not _is_leaf(x, cut) and not is_prologue(x, cut)]
             return Structure("contraction", shape, tuple(t.arg for t in gemm.terms)), bad
         inner = [n for n in group if n.op == Op.SUM and gemm_axes(n, n.shape) is not None]
         if inner:                                    # a GEMM inside an expression runs as a GEMM

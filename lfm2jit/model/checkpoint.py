@@ -161,12 +161,19 @@ def read_safetensors(path: Path, raw: bytes | None = None, narrow: Narrow | None
     """All tensors of one file as float32 arrays (bf16 and f16 widened), or as float16 those for which
     ``narrow(name, shape)`` holds (an f16 base's: narrowed one by one, so the host never holds the
     checkpoint in f32 at once)."""
-    out = {}
-    for name, arr in read_safetensors_raw(path, FLOAT_DTYPES, raw).items():
-        if arr.dtype == np.uint16:          # BF16
-            arr = (arr.astype(np.uint32) << 16).view(np.float32)
-        out[name] = arr.astype(np.float16 if narrow is not None and narrow(name, arr.shape) else np.float32)
-    return out
+    return {name: _stored(name, arr, narrow) for name, arr in read_safetensors_raw(path, FLOAT_DTYPES, raw).items()}
+
+
+def _widen(arr: np.ndarray) -> np.ndarray:
+    if arr.dtype == np.uint16:          # BF16
+        arr = (arr.astype(np.uint32) << 16).view(np.float32)
+    return arr.astype(np.float32)
+
+
+def _stored(name: str, arr: np.ndarray, narrow: Narrow | None) -> np.ndarray:
+    """``arr`` widened to float32, then narrowed to float16 where ``narrow`` says."""
+    arr = _widen(arr)
+    return arr.astype(np.float16) if narrow is not None and narrow(name, arr.shape) else arr
 
 
 def _weight_files(d: Path) -> list[Path]:
@@ -203,11 +210,24 @@ class Tensors(dict):
 
 
 def load_checkpoint(directory: Path, narrow: Narrow | None = None) -> dict[str, np.ndarray]:
-    """A model directory's tensors (every shard's), as read_safetensors gives them."""
+    """The float32 tensors of a model directory (float16 where ``narrow`` says, see read_safetensors).
+    A checkpoint transformers saved with a bitsandbytes 4-bit (NF4) quantization config has its
+    quantized weights dequantized exactly (bnb_checkpoint.py)."""
+    from .bnb_checkpoint import Bnb4bitError, dequantize_stored, quantization_config
     tensors = Tensors()
     tensors.source = Path(directory)
+    if quantization_config(directory) is None:
+        for f in _weight_files(Path(directory)):
+            tensors.update(read_safetensors(f, narrow=narrow))
+        return tensors
+    raw: dict[str, np.ndarray] = {}
     for f in _weight_files(Path(directory)):
-        tensors.update(read_safetensors(f, narrow=narrow))
+        raw.update(read_safetensors_raw(f, FLOAT_DTYPES + ("U8",)))
+    try:
+        stored = dequantize_stored(raw, str(directory))
+    except (Bnb4bitError, KeyError, ValueError) as e:
+        raise CheckpointError(f"{directory}: a bitsandbytes 4-bit checkpoint lfm2jit cannot read: {e}") from None
+    tensors.update((n, _stored(n, a, narrow)) for n, a in stored.items())
     return tensors
 
 

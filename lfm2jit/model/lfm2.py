@@ -46,6 +46,7 @@ from .config import Lfm2Config
 from .generate import Sampling, check_request, eos_ids, generate
 from .ids import DeviceIds, Segments, check_ids, check_segments
 from .layers import Kernels, ResidualSaved, Rope, Rows, decoder_block
+from .quantized_base import QuantizedWeight
 from .lora import AdapterError, LoraConfig, check_weights, init_weights, read_adapter, write_adapter
 from .moe_checkpoint import init_moe_tensors, moe_model_tensors, save_moe_pretrained
 from .moe_config import Lfm2MoeConfig, read_model_config
@@ -99,7 +100,7 @@ class Lfm2Model:
         tensors, buffers = _model_tensors(cfg, seed, tensors, lora_attach.is_base_linear if base_dtype == "f16" else None)
         # carved side by side (runtime/arena.py): the optimizer steps a run of them in one dispatch
         self._params: dict[str, Tensor] = lora_attach.upload_parameters(
-            ctx, tensors, set(lora_attach.base_linears(cfg)) if base_dtype == "f16" else set())
+            ctx, tensors, set(lora_attach.base_linears(cfg)) if base_dtype != "f32" else set(), base_dtype)
         # tensors the checkpoint holds that are never trained (an MoE router's expert_bias)
         self._buffers: dict[str, Tensor] = {n: Tensor.from_numpy(ctx, a.astype(np.float32)) for n, a in buffers.items()}
         self.lora: LoraAdapters | None = None
@@ -216,7 +217,7 @@ class Lfm2Model:
             raise AdapterError("this model already has LoRA adapters: merge_lora() folds them in first")
         self.lora = lora_attach.upload_adapters(self.ctx, config, modules, weights, seed, parameters)
         if base_dtype != self.base_dtype:
-            self._params = lora_attach.reupload(self.ctx, self._params, set(lora_attach.base_linears(self.cfg)))
+            self._params = lora_attach.reupload(self.ctx, self._params, set(lora_attach.base_linears(self.cfg)), base_dtype)
 
     @property
     def base_dtype(self) -> str:
@@ -228,9 +229,10 @@ class Lfm2Model:
         if base_dtype is None:
             return self.base_dtype
         lora_attach.check_base_dtype(base_dtype, self.ctx)
-        if base_dtype == "f32" and self.base_dtype == "f16":
-            raise ValueError("base_dtype='f32': this model's base is f16 (built with base_dtype='f16') and cannot be "
-                             "widened back; pass base_dtype='f16' or None")
+        if base_dtype != self.base_dtype and self.base_dtype != "f32":
+            raise ValueError(f"base_dtype={base_dtype!r}: this model's base is {self.base_dtype} (built with "
+                             f"base_dtype={self.base_dtype!r}) and cannot be changed again; pass "
+                             f"base_dtype={self.base_dtype!r} or None")
         return base_dtype
 
     def lora_parameters(self) -> list[Tensor]:
@@ -304,7 +306,7 @@ class Lfm2Model:
         params, buffers = _model_tensors(self.cfg, 0, tensors)         # all checked before any is written
         for name, arr in {**params, **buffers}.items():
             t = self._params[name] if name in self._params else self._buffers[name]
-            t.write(arr.astype(DTYPES[t.dtype]))
+            t.write(arr.astype(DTYPES.get(t.dtype, np.float32)))     # a quantized weight quantizes it
 
     # ---- input ----
     def check_ids(self, ids, what: str = "input_ids") -> np.ndarray:
@@ -444,7 +446,8 @@ class Lfm2Model:
         """Give each parameter (default: all) a zeroed .grad. Missing gradients are carved side by
         side out of arenas (runtime/arena.py), in the order given, so passes over every gradient
         (its zeroing here, the gradient norm) take a dispatch per arena run, not per tensor."""
-        params = list(params if params is not None else self.parameters())
+        params = [t for t in (params if params is not None else self.parameters())
+                  if not isinstance(t, QuantizedWeight)]        # a quantized base has no gradient to hold
         missing = list({id(t): t for t in params if t.grad is None}.values())
         for t, g in zip(missing, arena.carve_like(self.engine, missing)):
             t.grad = g
@@ -455,9 +458,10 @@ class Lfm2Model:
         """Refuse, before any GPU work, what backward cannot train: frozen f16 base weights."""
         ids = {id(t) for t in params}
         named = self.named_parameters()
-        halves = [n for n, t in named.items() if id(t) in ids and t.dtype == "f16"]
+        halves = [n for n, t in named.items() if id(t) in ids and t.dtype != "f32"]
         if halves:
-            raise ValueError(f"{halves[0]} is a frozen f16 base weight (add_lora(base_dtype='f16')); it cannot be "
+            raise ValueError(f"{halves[0]} is a frozen {named[halves[0]].dtype} base weight (add_lora(base_dtype="
+                             f"'{named[halves[0]].dtype}')); it cannot be "
                              "trained: train the adapters (lora_parameters()), or keep the base in f32")
 
     def backward_start(self, params) -> int:

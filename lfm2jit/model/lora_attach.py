@@ -10,8 +10,9 @@ from .adapters import LoraAdapters
 from .moe_checkpoint import model_parameter_shapes
 from .config import Lfm2Config
 from .lora import LoraConfig, experts_from_peft, is_expert_tensor, parameter_peft_names
+from .quantized_base import QUANTIZED_DTYPES, QuantizedWeight
 
-BASE_DTYPES = ("f32", "f16")
+BASE_DTYPES = ("f32", "f16") + QUANTIZED_DTYPES
 
 
 def check_base_dtype(base_dtype: str, ctx) -> None:
@@ -21,7 +22,7 @@ def check_base_dtype(base_dtype: str, ctx) -> None:
     f32: what was asked for is half the base's memory, so a silent f32 fallback would hand back a
     model twice the size that was planned for (and that may not fit), with nothing said."""
     if base_dtype not in BASE_DTYPES:
-        raise ValueError(f"base_dtype must be 'f32' or 'f16', got {base_dtype!r}")
+        raise ValueError(f"base_dtype must be one of {', '.join(map(repr, BASE_DTYPES))}, got {base_dtype!r}")
     if base_dtype == "f16" and not ctx.has_f16:
         raise ValueError(f"base_dtype='f16' (f16 base weights) needs the shader-f16 feature, which adapter "
                          f"{ctx.name!r} lacks; use base_dtype='f32'")
@@ -49,26 +50,37 @@ def is_base_linear(name: str, shape) -> bool:
     return (name.startswith("model.layers.") and name.endswith(".weight") and len(shape) == 2) or is_expert_tensor(name)
 
 
-def upload_parameters(ctx, arrays: dict[str, np.ndarray], to_f16: set[str]) -> dict[str, Tensor]:
-    """The arrays as parameters: those named in ``to_f16`` as f16 in an arena of their own, the
-    others as f32 in another, in the arrays' order. Each array is narrowed as it is written, so no
-    f32 copy of an f16 group is ever held, on the host or the device."""
-    new: dict[str, Tensor] = {}
-    for dtype, names in (("f32", [n for n in arrays if n not in to_f16]), ("f16", [n for n in arrays if n in to_f16])):
+def upload_parameters(ctx, arrays: dict[str, np.ndarray], to_f16: set[str], base_dtype: str = "f16") -> dict[str, Tensor]:
+    """The arrays as parameters: those named in ``to_f16`` as ``base_dtype`` (f16 in an arena of
+    their own; "nf4" / "int8": each quantized as it is uploaded, a QuantizedWeight), the others as
+    f32 in another, in the arrays' order. Each array is narrowed as it is written, so no f32 copy
+    of a narrowed group is ever held on the device."""
+    quantized = {n for n in to_f16 if n in arrays} if base_dtype in QUANTIZED_DTYPES else set()
+    wide = [n for n in quantized if np.ndim(arrays[n]) != 2]
+    if wide:
+        raise ValueError(f"base_dtype={base_dtype!r} holds 2-D linear weights only; {wide[0]} is "
+                         f"{list(np.shape(arrays[wide[0]]))} (an MoE model's experts are not supported yet)")
+    new: dict[str, Tensor] = {n: QuantizedWeight(ctx, n, arrays[n], base_dtype) for n in arrays if n in quantized}
+    for dtype, names in (("f32", [n for n in arrays if n not in to_f16]),
+                         ("f16", [n for n in arrays if n in to_f16 and n not in quantized])):
         new.update(zip(names, arena.upload(ctx, [arrays[n] for n in names], dtype)))
     return {n: new[n] for n in arrays}
 
 
-def reupload(ctx, params: dict[str, Tensor], to_f16: set[str]) -> dict[str, Tensor]:
+def reupload(ctx, params: dict[str, Tensor], to_f16: set[str], base_dtype: str = "f16") -> dict[str, Tensor]:
     """upload_parameters of the parameters' values (new tensors, the same order), so the old arena,
     and with it the f32 copies, is freed: an arena lives while any view of it does."""
-    return upload_parameters(ctx, {n: t.numpy() for n, t in params.items()}, to_f16)
+    return upload_parameters(ctx, {n: t.numpy() for n, t in params.items()}, to_f16, base_dtype)
 
 
 def merge(params: dict[str, Tensor], lora: LoraAdapters) -> None:
     """W += s * B A for every adapted module, in float64, stored as the weight's dtype (an f16 base
     is rounded to f16, as merging into a half-precision base in PEFT is)."""
     s = lora.config.scaling
+    held = [n for n, t in params.items() if isinstance(t, QuantizedWeight)]
+    if held:              # a quantized base is dequantized first: the merged model is a plain f32 one
+        ctx = params[held[0]].tensors["q"].ctx
+        params.update(zip(held, arena.upload(ctx, [params[n].numpy() for n in held], "f32")))
     for module, ad in lora.by_module.items():
         w = params[module + ".weight"]
         merged = w.numpy().astype(np.float64) + s * (ad.b.numpy().astype(np.float64) @ ad.a.numpy().astype(np.float64))

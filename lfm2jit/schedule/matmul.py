@@ -44,6 +44,11 @@ class Operand:
     sb: int
     vec: str | None = None
     loads: int = 0
+    # a computed operand (ir.partition.is_prologue): ``fetch`` computes its element (gr, gk) of this
+    # batch as ``value`` (f32), reading the tensors it decodes; ``tensor`` then only names it, and
+    # the strides are those of its logical layout (which invocation fetches which element)
+    fetch: tuple[Let, ...] = ()
+    value: Value | None = None
 
     @property
     def k_fast(self) -> bool:
@@ -51,7 +56,7 @@ class Operand:
 
     @property
     def convert(self) -> bool:
-        return self.dtype != "f32"
+        return self.value is None and self.dtype != "f32"
 
 
 @dataclass(frozen=True)
@@ -330,11 +335,23 @@ def plan(ir: KernelIR, sizes: dict[str, int], accumulate: frozenset[str], tiles=
 
     def operand(x, row_axis: str, rows: int, kk: str, vectors: bool = True) -> Operand:
         st = strides(x.shape, sizes)
+        if x.op != Op.INPUT:
+            return _computed(x, row_axis, rows, kk, st)
         op = Operand(x.arg, x.dtype, st[row_axis], st[kk], st[bt] if bt else 0)
         if matrix:
             return replace(op, vec=contiguity(op, row_axis, kk, sizes) if vectors else None)
         vec = vector_reads(tiles, op, row_axis, kk, sizes, rows) if vectors else None
         return replace(op, vec=vec, loads=rows * tiles.bk // (4 if vec else 1) // tiles.threads)
+
+    def _computed(x, row_axis: str, rows: int, kk: str, st: dict) -> Operand:
+        """A prologue operand: its element (gr, gk) of this batch computed by lets in the fetch."""
+        index_of = {row_axis: Var("gr"), kk: Var("gk")} | ({bt: Var("batch")} if bt else {})
+        lower = Lowerer(sizes, index_of, prefix="pf")
+        bound: dict[int, str] = {}
+        lets = tuple(lower.emit([x], bound))
+        value = lower.ref(x, "f32", bound)
+        return Operand(f"computed {'A' if row_axis == m_axis else 'B'}", "f32", st[row_axis], st[kk],
+                       st[bt] if bt else 0, None, 0 if matrix else rows * tiles.bk // tiles.threads, lets, value)
 
     rows = (tiles.wm, tiles.wn) if matrix else (tiles.bm, tiles.bn)
     pairs = [_operands(t, m_axis, n_axis) for t in terms]
@@ -351,7 +368,10 @@ def plan(ir: KernelIR, sizes: dict[str, int], accumulate: frozenset[str], tiles=
     # by element), is read element by element everywhere
     stored = [gemm.epilogue_of(ir.results[o.name]) for o in ir.outputs]      # None: the output is the sum
     by_epilogue = {n.arg for n in toposort([e for e in stored if e is not None], stop={id(gemm.acc)}) if n.op == Op.INPUT}
-    reads = term_reads(frozenset(n for n, seen in modes.items() if len(seen) > 1) | by_epilogue)
+    # ... and so is a tensor a computed operand reads (its fetch loads elements)
+    by_prologue = {n.arg for t in terms for x in t.srcs[0].srcs if x.op != Op.INPUT
+                   for n in toposort([x]) if n.op == Op.INPUT}
+    reads = term_reads(frozenset(n for n, seen in modes.items() if len(seen) > 1) | by_epilogue | by_prologue)
     ops = reads[0]
     batches = sizes[bt] if bt else 1
     lets, results = _epilogue(stored, gemm, axes, sizes)

@@ -104,6 +104,8 @@ def test_train_only_and_freeze_train_what_they_name(tmp_path, ctx, engine):
     (["--lora-target-parameters", "experts.down_proj"], "--lora-target-parameters needs --lora-r R"),
     (["--lora-r", "4", "--lora-target-parameters", "experts.down_proj"],
      "LoRA: LoRA target parameter 'experts.down_proj' matches no expert tensor; this model has no expert tensors"),
+    (["--base-dtype", "nf4"], "--base-dtype needs --lora-r R"),
+    (["--lora-r", "4", "--lora-f16-base", "--base-dtype", "nf4"], "--lora-f16-base and --base-dtype nf4 ask for two"),
     (["--train-only", "nothing.*"], "--train-only 'nothing.*' matches no parameter"),
     (["--freeze", "*"], "leave no parameter to train"),
 ])
@@ -131,3 +133,20 @@ def test_lora_dropout_trains_resumes_exactly_and_is_written_for_peft(lora_long, 
     assert got[4] != pytest.approx(plain[4], rel=1e-6)
     config = peft.PeftConfig.from_pretrained(whole / "adapter")
     assert config.lora_dropout == 0.25 and config.r == 4
+
+
+@pytest.mark.parametrize("dtype", ["nf4", "int8"])
+def test_lora_on_a_quantized_base_trains_resumes_exactly_and_writes_an_adapter(tmp_path, dtype):
+    """The checkpoints hold the base dequantized; quantizing it again on --resume gives the same
+    codes and scales, so the resumed run is the unbroken one."""
+    long_out, short = tmp_path / f"{dtype}-long", tmp_path / f"{dtype}-short"
+    r = cli(*SHORT, *LORA, "--base-dtype", dtype, "--steps", 4, "--out", long_out)
+    assert r.returncode == 0, r.stderr
+    assert f"{dtype} base" in r.stdout
+    adapter = load_file(long_out / "adapter" / "adapter_model.safetensors")
+    assert adapter and all(np.isfinite(a).all() for a in adapter.values())
+    assert cli(*SHORT, *LORA, "--base-dtype", dtype, "--steps", 2, "--checkpoint-every", 2, "--out", short).returncode == 0
+    r = cli("--resume", short, "--steps", 4, "--no-progress")
+    assert r.returncode == 0, r.stderr
+    assert_same_steps(metrics(short)[2:], metrics(long_out)[2:])
+    assert_same_adapters(short, long_out)

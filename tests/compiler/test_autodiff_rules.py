@@ -162,6 +162,10 @@ CASES = [
          {"a": normal(T, D), "b": normal(T, D)}, wrt=["b"]),
     Case("unused_input", f"kernel k({TD}) -> (y: f32[T, D]) {{ y = a * 2.0 }}",
          {"a": normal(T, D), "b": normal(T, D)}),
+    Case("integer_ops", "kernel k(a: f32[T, D], c: i32[T, D], u: u32[T, D]) -> (y: f32[T, D]) "
+         "{ y = a * a * f32(((c >> 1) & 3) | (c << 2) % 7) + a * f32((u >> 3) % 5 | (u & 6)) }",
+         lambda r: {"a": r.standard_normal((T, D)), "c": r.integers(-50, 50, (T, D)),
+                    "u": r.integers(0, 1000, (T, D))}),
     Case("identity", "kernel k(a: f32[T, D]) -> (y: f32[T, D], z: f32[T, D]) { y = a\n z = a * a }",
          {"a": normal(T, D)}),
 ]

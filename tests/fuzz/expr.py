@@ -49,7 +49,8 @@ UNARY_FUNCS = ("exp", "log", "sqrt", "rsqrt", "abs", "sigmoid", "silu", "tanh", 
 FLOAT_ONLY_FUNCS = tuple(f for f in UNARY_FUNCS if f != "abs")
 BINARY_FUNCS = ("max", "min", "eq")
 REDUCE_FUNCS = ("sum", "mean", "max")
-BINOPS = ("+", "-", "*", "/", "**", "<", ">")
+BINOPS = ("+", "-", "*", "/", "**", "<", ">", "%", "&", "|", "<<", ">>")
+INT_BINOPS = ("%", "&", "|", "<<", ">>")     # integer operands only
 INT_RANGE = {"i32": (-2**31, 2**31 - 1), "u32": (0, 2**32 - 1)}
 
 
@@ -434,7 +435,10 @@ class Checker:
                 raise ModelError("negating u32")
             return t
         if isinstance(e, Bin):
-            return self._binary(e.a, e.b, float_only=e.op == "**")
+            t = self._binary(e.a, e.b, float_only=e.op == "**")
+            if e.op in INT_BINOPS and t.dtype not in INTS:
+                raise ModelError(f"{e.op} of non-integers")
+            return t
         if isinstance(e, Fn):
             f, args = e.name, e.args
             if f in UNARY_FUNCS:
@@ -607,8 +611,10 @@ def _text(e: Expr) -> tuple[int, str]:
             return 0, f"{_p(e.a, 1)} {e.op} {_p(e.b, 1)}"
         if e.op in ("+", "-"):
             return 1, f"{_p(e.a, 1)} {e.op} {_p(e.b, 2)}"
-        if e.op in ("*", "/"):
+        if e.op in ("*", "/", "%"):
             return 2, f"{_p(e.a, 2)} {e.op} {_p(e.b, 3)}"
+        if e.op in ("&", "|", "<<", ">>"):   # below + and - (as in Python): written in parentheses
+            return 5, f"({_p(e.a, 2)} {e.op} {_p(e.b, 2)})"
         return 4, f"{_p(e.a, 5)} ** {_p(e.b, 3)}"
     if isinstance(e, Fn):
         return 5, f"{e.name}({', '.join(_p(a, 0) for a in e.args)})"
@@ -653,7 +659,7 @@ def kernel_text(k: KernelDef) -> str:
 
 # ---------------------------------------------------------------- parsing (a small recursive descent parser)
 _TOKEN = re.compile(r"\s+|#[^\n]*|(?P<num>([0-9]+\.[0-9]*|\.[0-9]+|[0-9]+)([eE][-+]?[0-9]+)?)"
-                    r"|(?P<name>[A-Za-z_][A-Za-z0-9_]*)|(?P<op>\*\*|->|[-+*/<>()\[\]{},:=?])")
+                    r"|(?P<name>[A-Za-z_][A-Za-z0-9_]*)|(?P<op>\*\*|->|<<|>>|[-+*/%&|<>()\[\]{},:=?])")
 
 
 def _tokens(text: str) -> list[tuple[str, str]]:
@@ -757,10 +763,21 @@ class _Parser:
         return out
 
     def expr(self) -> Expr:
-        a = self.sum()
+        a = self.bits()
         if self.peek()[1] in ("<", ">"):
             op = self.take()[1]
-            return Bin(op, a, self.sum())
+            return Bin(op, a, self.bits())
+        return a
+
+    def bits(self, ops=("|", "&", ("<<", ">>"))) -> Expr:
+        """| below &, & below the shifts, the shifts below + and -."""
+        if not ops:
+            return self.sum()
+        here = ops[0] if isinstance(ops[0], tuple) else (ops[0],)
+        a = self.bits(ops[1:])
+        while self.peek()[1] in here:
+            op = self.take()[1]
+            a = Bin(op, a, self.bits(ops[1:]))
         return a
 
     def sum(self) -> Expr:
@@ -772,7 +789,7 @@ class _Parser:
 
     def product(self) -> Expr:
         a = self.unary()
-        while self.peek()[1] in ("*", "/"):
+        while self.peek()[1] in ("*", "/", "%"):
             op = self.take()[1]
             a = Bin(op, a, self.unary())
         return a
@@ -1053,6 +1070,19 @@ class Evaluator:
                 r = np.trunc(x / y).astype(np.int64)
             else:
                 r = x / y
+        elif op in INT_BINOPS:    # WGSL's: % truncates, shifts take the amount modulo 32, 32 bits wrap
+            if op == "%":
+                if np.any(y == 0):
+                    raise FloatingPointError("integer remainder by zero")
+                r = np.fmod(x, y)
+            elif op == "&":
+                r = x & y
+            elif op == "|":
+                r = x | y
+            else:
+                r = (x << (y & 31)) if op == "<<" else (x >> (y & 31))
+            r = r & 0xFFFFFFFF
+            return r if dtype == "u32" else np.where(r >= 2**31, r - 2**32, r)
         elif op == "**":      # WGSL's pow is exp2(y * log2(x)): undefined (here NaN) for x < 0, and x = 0, y <= 0
             xb, yb = np.broadcast_arrays(x, y)
             r = np.where((xb > 0) | ((xb == 0) & (yb > 0)), np.power(np.abs(xb), yb), np.nan)

@@ -117,6 +117,17 @@ class Intervals:
                 if b[0] <= 0 <= b[1]:
                     return (-math.inf, math.inf)
                 return _mul(a, (1.0 / b[1], 1.0 / b[0]))
+            if e.op == "%":          # by a positive literal m: truncated, so |r| < m with a's sign
+                m = b[1]
+                return (-(m - 1) if a[0] < 0 else 0, (m - 1) if a[1] > 0 else 0)
+            if e.op == "&":          # with a non-negative literal mask c: in [0, c]
+                return (0, b[1])
+            if e.op == "|":          # with a non-negative literal c: a | c >= a, and at most a + c
+                return (a[0], max(a[1], 0) + b[1])
+            if e.op == ">>":         # arithmetic: floor(a / 2^s)
+                return (math.floor(a[0] / 2 ** b[1]), math.floor(a[1] / 2 ** b[1]))
+            if e.op == "<<":
+                return (a[0] * 2 ** b[1], a[1] * 2 ** b[1])
             if e.op == "**":
                 if a[0] <= 0:
                     return (-math.inf, math.inf)
@@ -736,7 +747,7 @@ class Generator:
 
     def gen_int(self, S, dt, depth, need):
         d = depth - 1
-        choices = ["binary"] * 6 + ["abs", "where", "cast", "cast", "shift"]
+        choices = ["binary"] * 6 + ["abs", "where", "cast", "cast", "shift", "bits", "bits"]
         if dt == "i32":
             choices += ["neg", "div"]
         if any(a in self.windows for a in S):
@@ -757,6 +768,10 @@ class Generator:
             return Bin(op, a, b)
         if kind == "div":
             return Bin("/", self.gen(S, dt, d, need), num(self.pick([2, 3]), 1))
+        if kind == "bits":       # integer bit operations, each with a literal right operand
+            op = self.pick(["%", "&", "|", ">>", "<<"])
+            c = {"%": [2, 3, 5], "&": [1, 3, 7], "|": [1, 2, 4], ">>": [1, 2], "<<": [1, 2]}[op]
+            return Bin(op, self.gen(S, dt, d, need), num(self.pick(c), 1))
         if kind == "neg":
             return Neg(self.gen(S, dt, d, need))
         if kind == "abs":

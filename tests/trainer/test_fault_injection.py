@@ -9,7 +9,8 @@ A child forked from one zygote (single-threaded, as in test_checkpoint_hardening
 an existing old version, alternating new and old versions, and is SIGKILLed after a seeded random
 delay; or it runs one save with RLIMIT_FSIZE = n (SIGXFSZ ignored, so writes raise EFBIG).
 
-Readers: ``Lfm2Model.from_pretrained``, ``model.load_adapter``, ``Trainer.load_checkpoint``, each over
+Readers: ``Lfm2Model.from_pretrained`` (of a plain model directory, and of one transformers saved
+4-bit with bitsandbytes), ``model.load_adapter``, ``Trainer.load_checkpoint``, each over
 a sweep of mutations (truncations, bit flips, header lies about offsets, shapes and dtypes, tensors
 stored in wrong dtypes, config files with wrong types). The mutation helpers are
 test_checkpoint_hardening's. ``pytest -s`` prints the table of cases."""
@@ -69,7 +70,17 @@ def src(tmp_path_factory, ctx, engine):
     Tokenizer(models.BPE(vocab=chars, merges=[], unk_token="<")).save(str(root / "tok" / "tokenizer.json"))
     (root / "gguf").mkdir()
     model.save_gguf(root / "gguf" / "model.gguf", "f32", tokenizer=root / "tok")
+    _bnb_4bit(root / "ckpt" / "model", root / "nf4")
     return root
+
+
+def _bnb_4bit(model_dir: Path, out: Path) -> None:
+    """``model_dir`` as transformers + bitsandbytes (CPU) save it 4-bit: NF4, double quantization."""
+    torch = pytest.importorskip("torch")
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+    config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                bnb_4bit_compute_dtype=torch.float32)
+    AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=config, device_map="cpu").save_pretrained(out)
 
 
 def version(base: dict, v: int, step: float) -> dict:
@@ -215,7 +226,7 @@ def _gone(pid: int) -> None:
 
 
 KILLS = {"checkpoint": 5, "pretrained": 6, "adapter": 6, "gguf": 6}
-DELAY = {"checkpoint": 1.5, "pretrained": 1.0, "adapter": 0.6, "gguf": 0.6}     # seconds: a few saves on lavapipe
+DELAY = {"checkpoint": 1.5, "pretrained": 1.0, "adapter": 0.6, "gguf": 1.2}     # seconds: a few saves on lavapipe
 
 
 @pytest.mark.parametrize("writer", list(KILLS))
@@ -436,6 +447,9 @@ CONFIG_LIES = {"hidden_size '32'": ("hidden_size", "32"), "vocab_size 64.5": ("v
                "tie_word_embeddings 'no'": ("tie_word_embeddings", "no"), "rope_theta []": ("rope_theta", []),
                "intermediate_size -1": ("intermediate_size", -1), "model_type 'llama'": ("model_type", "llama"),
                "conv_L_cache 'x'": ("conv_L_cache", "x"), "num_attention_heads 0": ("num_attention_heads", 0)}
+QUANT_LIES = {"quant_type fp4": ("bnb_4bit_quant_type", "fp4"), "quant_type 7": ("bnb_4bit_quant_type", 7),
+              "load_in_4bit false": ("load_in_4bit", False), "quant_method gptq": ("quant_method", "gptq"),
+              "a list": None, "missing": None}
 ADAPTER_LIES = {"r '2'": ("r", "2"), "r 4": ("r", 4), "r 0": ("r", 0), "lora_alpha 'x'": ("lora_alpha", "x"),
                 "target_modules 5": ("target_modules", 5), "target_modules o_proj": ("target_modules", ["o_proj"]),
                 "peft_type PREFIX": ("peft_type", "PREFIX"), "lora_dropout 2": ("lora_dropout", 2.0),
@@ -446,7 +460,27 @@ def _json_cut(rel: str):
     return truncate(rel, 0.5)
 
 
+def _quant_config(key: str, value):
+    def go(d: Path):
+        data = json.loads((d / "config.json").read_text())
+        if key == "a list":
+            data["quantization_config"] = [1]
+        elif key == "missing":
+            data.pop("quantization_config")          # the 4-bit tensors then read as a plain model's
+        else:
+            data["quantization_config"][key] = value
+        (d / "config.json").write_text(json.dumps(data))
+    return go
+
+
 def reader_cases(kind: str, d: Path) -> dict:
+    if kind == "bnb_4bit":
+        w = "model.safetensors"
+        raw = (d / w).read_bytes()
+        cases = safetensors_mutations(w, len(raw), struct.unpack("<Q", raw[:8])[0], False, 15)
+        cases.update({f"config.json quantization_config {k}": _quant_config(k, v[1] if v else k)
+                      for k, v in QUANT_LIES.items()})
+        return cases
     if kind == "from_pretrained":
         w = "model.safetensors"
         raw = (d / w).read_bytes()
@@ -475,9 +509,9 @@ def reader_cases(kind: str, d: Path) -> dict:
     return cases
 
 
-@pytest.mark.parametrize("kind", ["from_pretrained", "load_adapter", "load_checkpoint"])
+@pytest.mark.parametrize("kind", ["from_pretrained", "bnb_4bit", "load_adapter", "load_checkpoint"])
 def test_every_damaged_file_is_refused_in_one_line_and_changes_nothing(kind, src, ctx, engine, tmp_path):
-    base = {"from_pretrained": src / "ckpt" / "model", "load_adapter": src / "adapter",
+    base = {"from_pretrained": src / "ckpt" / "model", "bnb_4bit": src / "nf4", "load_adapter": src / "adapter",
             "load_checkpoint": src / "ckpt"}[kind]
     victim = Trainer(Lfm2Model.from_pretrained(src / "ckpt" / "model", ctx, engine), AdamW(lr=1e-2), ctx, engine)
     victim.model.load_state(version(load_file(str(src / "ckpt" / "model" / "model.safetensors")), 1, 0.5))
@@ -493,6 +527,8 @@ def test_every_damaged_file_is_refused_in_one_line_and_changes_nothing(kind, src
         try:
             if kind == "from_pretrained":
                 Lfm2Model.from_pretrained(d, ctx, engine)
+            elif kind == "bnb_4bit":
+                Lfm2Model.from_pretrained(d, ctx, engine, base_dtype="nf4")
             elif kind == "load_adapter":
                 victim.model.load_adapter(d)
             else:
@@ -511,15 +547,15 @@ def test_every_damaged_file_is_refused_in_one_line_and_changes_nothing(kind, src
                 got = {n: t.numpy() for n, t in victim.model.lora.named.items()}
                 want = load_file(str(base / "adapter_model.safetensors"))
                 victim.model.lora = None
-            elif kind == "from_pretrained":
-                got, want = read_model_dir(d), load_file(str(base / "model.safetensors"))
+            elif kind in ("from_pretrained", "bnb_4bit"):
+                got, want = read_model_dir(d), read_model_dir(base)
             else:
                 got, want = {}, {"": None}      # a checkpoint is checksummed: nothing may load
             if set(got) == set(want) and all(np.array_equal(got[n], want[n]) for n in want):
                 harmless.append(name)
             else:
                 tracebacks.append((name, "loaded altered tensors without an error"))
-        if kind != "from_pretrained" and ({n: t.numpy().tobytes() for n, t in victim.model.named_parameters().items()}
+        if kind not in ("from_pretrained", "bnb_4bit") and ({n: t.numpy().tobytes() for n, t in victim.model.named_parameters().items()}
                                           != before or victim.optimizer_steps() != steps_before
                                           or (kind == "load_adapter" and victim.model.lora is not None)):
             changed.append(name)

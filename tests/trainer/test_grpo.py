@@ -206,10 +206,13 @@ def test_loss_scales_make_trls_normalisations():
 trl_reference = pytest.importorskip("trl_reference", reason="TRL is the reference")
 
 
-@pytest.mark.parametrize("loss_type,beta", [("dapo", 0.0), ("grpo", 0.0), ("dr_grpo", 0.0), ("dapo", 0.1)])
-def test_a_teacher_forced_batch_equals_trls_grpo_trainer(ctx, loss_type, beta):
+@pytest.mark.parametrize("loss_type,beta,temperature", [("dapo", 0.0, 1.0), ("grpo", 0.0, 1.0), ("dr_grpo", 0.0, 1.0),
+                                                        ("dapo", 0.1, 1.0), ("dapo", 0.1, 0.7)])
+def test_a_teacher_forced_batch_equals_trls_grpo_trainer(ctx, loss_type, beta, temperature):
     """TRL's own GRPOTrainer (its advantages, padding and compute_loss) on transformers' model as the
-    reference for one batch: every parameter's gradient (equal-length prompts: TRL pads them left)."""
+    reference for one batch: every parameter's gradient (equal-length prompts: TRL pads them left).
+    At a sampling temperature other than 1, TRL's log-probs (policy and reference) are those of the
+    logits divided by it."""
     cfg = Lfm2Config.preset("tiny")
     rng = np.random.default_rng(13)
     reference, policy = hf_model(cfg, seed=12), hf_model(cfg, seed=12)
@@ -221,13 +224,14 @@ def test_a_teacher_forced_batch_equals_trls_grpo_trainer(ctx, loss_type, beta):
     rewards = [1.0, 0.0, 0.5, 0.25, 0.0, 1.0]
     _, want_grads = trl_reference.trl_grpo_loss(policy, reference if beta else None, prompts, completions, rewards,
                                                 loss_type=loss_type, beta=beta, epsilon=0.2, num_generations=g,
-                                                max_completion_length=10)
+                                                max_completion_length=10, temperature=temperature)
     engine = ComputeEngine(ctx)
     model = Lfm2Model(cfg, ctx, engine, tensors=weights_of(policy))
     ref_trainer = Trainer(Lfm2Model(cfg, ctx, engine, tensors=weights_of(reference)), SGD(lr=0.0), ctx,
                           engine).with_length_bucket(16)
     tr = Trainer(model, SGD(lr=0.0), ctx, engine).with_length_bucket(16).with_grad_accum_steps(len(prompts))
-    grpo = GrpoTrainer(tr, GrpoConfig(num_generations=g, max_completion_length=10, loss_type=loss_type, beta=beta),
+    grpo = GrpoTrainer(tr, GrpoConfig(num_generations=g, max_completion_length=10, loss_type=loss_type, beta=beta,
+                                      temperature=temperature),
                        [("fixed", _fixed(rewards))], load_tokenizer(default_tokenizer()),
                        reference=ref_trainer.token_logps if beta else None)
     records = [PromptRecord(np.array(p, np.int32), "p", {}) for p in prompts]

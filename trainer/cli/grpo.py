@@ -77,9 +77,9 @@ class GrpoTraining(Training):
         from ..grpo import adapters_off
         run, tr = self.run, self.tr
         if run.lora_r is not None:
-            def base(sequences):
+            def base(sequences, temperature=1.0):
                 with adapters_off(tr.model):
-                    return tr.token_logps(sequences)
+                    return tr.token_logps(sequences, temperature)
             return base
         from lfm2jit.model import CheckpointError, ConfigError, Lfm2Model
         from ..optim import SGD

@@ -257,7 +257,11 @@ def _add_lora_and_frozen(p: argparse.ArgumentParser) -> None:
                     help="LoRA dropout probability, PEFT's lora_dropout: each adapter's input elements dropped "
                          "with probability P in training (masks drawn on the GPU; default 0)")
     lo.add_argument("--lora-f16-base", action="store_true", default=None,
-                    help="keep the frozen base's linear weights as f16: half their memory")
+                    help="keep the frozen base's linear weights as f16: half their memory (--base-dtype f16)")
+    lo.add_argument("--base-dtype", choices=("f32", "f16", "int8", "nf4"),
+                    help="how the frozen base's decoder linear weights are held: f32 (default), f16, int8 per "
+                         "output channel, or nf4 (QLoRA's 4-bit blocks of 64), quantized as they are loaded and "
+                         "decoded inside the GEMMs")
     lo.add_argument("--merge-lora", action="store_true", default=None,
                     help="at the end, fold the adapters into the base and write the merged model to OUT/model "
                          "(default: the adapter alone, to OUT/adapter, which PeftModel.from_pretrained loads)")

@@ -12,7 +12,7 @@ from .resolve import resolve
 from .resume import find_checkpoint, read_checkpoint_meta
 from .run_dir import check_out, check_sync_dir, clear_out, default_out, model_files
 from .splits import load_data
-from .state import Data, Run, Session
+from .state import Data, Run, Session, lora_base_dtype
 from .usage import UsageError
 
 FRESH_POSITION = {"epoch": 0, "next": 0, "elapsed": 0.0, "tokens": 0}
@@ -164,9 +164,10 @@ def _device(run: Run):
         if run.f16:
             raise UsageError(f"--f16 (f16 activations): adapter {ctx.name!r} lacks the shader-f16 feature; "
                              "train without --f16")
-        if run.lora_r is not None and run.lora_f16_base:
-            raise UsageError(f"--lora-f16-base (f16 base weights): adapter {ctx.name!r} lacks the shader-f16 "
-                             "feature; train without --lora-f16-base")
+        if lora_base_dtype(run) == "f16":
+            flag = "--base-dtype f16" if run.base_dtype == "f16" else "--lora-f16-base"
+            raise UsageError(f"{flag} (f16 base weights): adapter {ctx.name!r} lacks the shader-f16 "
+                             f"feature; train without {flag}")
     return ctx, ComputeEngine(ctx)
 
 
@@ -175,7 +176,7 @@ def _model(run: Run, cfg, ckpt: Path | None, ctx, engine):
     With --lora-f16-base its base is f16 as it is uploaded: it never exists in f32 on the device."""
     from lfm2jit.model import CheckpointError, ConfigError, Lfm2Model
     dtype = "f16" if run.f16 else "f32"
-    base = "f16" if run.lora_r is not None and run.lora_f16_base else "f32"
+    base = lora_base_dtype(run)
     try:
         if ckpt is not None:
             if cfg is None:
@@ -197,7 +198,7 @@ def _attach_lora_and_choose(run: Run, model, ckpt: Path | None) -> list:
     from lfm2jit.model.lora import AdapterError, LoraConfig
     from ..subsets import trainable
     if run.lora_r is not None:
-        base = "f16" if run.lora_f16_base else "f32"
+        base = lora_base_dtype(run)
         try:
             if ckpt is not None:
                 if not (ckpt / "adapter").is_dir():

@@ -101,7 +101,7 @@ def resolve(args: argparse.Namespace, argv_empty: bool, saved: dict | None = Non
         lora_r=g.get("lora_r"), lora_alpha=g.get("lora_alpha", 2.0 * g["lora_r"] if "lora_r" in g else None),
         lora_targets=g.get("lora_targets", list(DEFAULT_TARGETS) if "lora_r" in g else None),
         lora_dropout=g.get("lora_dropout", 0.0), lora_target_parameters=g.get("lora_target_parameters"),
-        lora_f16_base=bool(g.get("lora_f16_base", False)), router_aux_loss_coef=g.get("router_aux_loss_coef", 0.0),
+        lora_f16_base=bool(g.get("lora_f16_base", False)), base_dtype=g.get("base_dtype"), router_aux_loss_coef=g.get("router_aux_loss_coef", 0.0),
         merge_lora=bool(g.get("merge_lora", False)), train_only=g.get("train_only"), freeze=g.get("freeze"),
         eval_every=g.get("eval_every", 0), save_dtype=g.get("save_dtype"), eval_data=g.get("eval_data"),
         eval_answers=g.get("eval_answers"), samples=g.get("samples", DEFAULT_SAMPLES),
@@ -336,10 +336,12 @@ def _validate(r: Run) -> None:
         raise UsageError("--world-size > 1 needs --sync-dir DIR, a directory every rank can read and write "
                          "(or launch under mpiexec with --distributed mpi)")
     lora_only = [f for f, v in (("lora-alpha", "lora_alpha"), ("lora-targets", "lora_targets"), ("lora-dropout",
-                                "lora_dropout"), ("lora-target-parameters", "lora_target_parameters"), ("lora-f16-base", "lora_f16_base"), ("merge-lora", "merge_lora"))
+                                "lora_dropout"), ("lora-target-parameters", "lora_target_parameters"), ("lora-f16-base", "lora_f16_base"), ("base-dtype", "base_dtype"), ("merge-lora", "merge_lora"))
                  if getattr(r, v) and r.lora_r is None]
     if lora_only:
         raise UsageError(f"--{lora_only[0]} needs --lora-r R (the rank of the adapters to train)")
+    if r.lora_f16_base and r.base_dtype not in (None, "f16"):
+        raise UsageError(f"--lora-f16-base and --base-dtype {r.base_dtype} ask for two base dtypes; give one")
     positive("lora_r", r.lora_r)
     positive("lora_alpha", r.lora_alpha)
     if not (0.0 <= r.lora_dropout < 1.0):

@@ -21,7 +21,7 @@ RESUMABLE = ("tokenizer", "data", "data_kind", "loss_on", "max_len", "eval_fract
              "grad_accum", "pack_tokens", "packing", "clip", "bucket", "scaler", "f16", "steps", "checkpoint_every",
              "checkpoint_minutes", "keep_checkpoints", "world_size", "sync_dir", "run_id", "sync_timeout",
              "check_loss_drop", "source", "preset", "lora_r", "lora_alpha", "lora_targets", "lora_dropout",
-             "lora_target_parameters", "lora_f16_base", "merge_lora", "train_only", "freeze", "eval_every",
+             "lora_target_parameters", "lora_f16_base", "base_dtype", "merge_lora", "train_only", "freeze", "eval_every",
              "save_dtype", "eval_data", "eval_answers", "samples", "distributed", "router_aux_loss_coef",
              "objective", "beta", "loss_type", "label_smoothing", "rewards", "num_generations",
              "max_completion_length", "temperature", "top_p", "epsilon", "epsilon_high", "num_iterations",
@@ -82,6 +82,7 @@ class Run:
     router_aux_loss_coef: float = 0.0   # an MoE model's load-balancing loss weight (0: off)
     lora_target_parameters: list[str] | None = None     # an MoE model's expert tensors (PEFT's target_parameters)
     lora_f16_base: bool = False
+    base_dtype: str | None = None     # --base-dtype; None: f16 with --lora-f16-base, else f32
     merge_lora: bool = False
     train_only: list[str] | None = None
     freeze: list[str] | None = None
@@ -181,3 +182,10 @@ class History:
     def evals(self) -> list[dict]:
         """Every evaluation of the run, by step."""
         return sorted(self.evals_at_ends + self.evals_during, key=lambda e: e["step"])
+
+
+def lora_base_dtype(run) -> str:
+    """The dtype a LoRA run holds its frozen base's linear weights in (--base-dtype, --lora-f16-base)."""
+    if run.lora_r is None:
+        return "f32"
+    return run.base_dtype or ("f16" if run.lora_f16_base else "f32")

@@ -13,7 +13,7 @@ from lfm2jit.safefiles import write_atomic
 from .held_out import print_samples
 from .resolve import reward_display_names
 from .run_dir import RunFiles, clean
-from .state import History, Session
+from .state import History, Session, lora_base_dtype
 
 
 def per_second(rate: float | None) -> str:
@@ -57,7 +57,8 @@ def print_banner(s: Session, start: int) -> None:
     if n_trained != n_params:
         lora = (f"LoRA r {run.lora_r} alpha {run.lora_alpha:g} on {', '.join(run.lora_targets)}"
                 + (f" and {', '.join(run.lora_target_parameters)}" if run.lora_target_parameters else "")
-                + (", f16 base" if run.lora_f16_base else "") if run.lora_r is not None else "a subset")
+                + (f", {lora_base_dtype(run)} base" if lora_base_dtype(run) != "f32" else "")
+                if run.lora_r is not None else "a subset")
         print(f"  training {fmt_count(n_trained)} of them ({100 * n_trained / n_params:.2f}%): {lora}")
     unit = {"dpo": "pair", "grpo": "prompt"}.get(run.objective, "sequence")
     print(f"  data: {run.data}: {len(data.train)} training {unit}s, {data.held} held out"
