@@ -32,6 +32,9 @@ Groups (``--only`` takes group names):
                adapter (both dX added into an existing gradient): what the adapters add to a
                LoRA step, dispatch by dispatch (best of 3)
   train        Trainer.train_step on an LFM2-350M-shaped model: 1x512, 1x2048, 8x512 (grad accum 8)
+  packing      mixed-length windows (lengths drawn from the shipped chat data's histogram, tokenized),
+               trained with --packing pad and concat on the train group's model: tokens/s of real
+               tokens (padding not counted), the rows each mode computes, and the speedup
 
 Ceilings: the datasheet H200 numbers (67 TFLOP/s fp32 without tensor cores, 4.8 TB/s HBM)
 unless ``ref`` ran, whose measured copy bandwidth then replaces the datasheet bandwidth.
@@ -65,7 +68,7 @@ from lfm2jit.tune.timing import warm_up
 # Datasheet ceilings per adapter-name substring: (fp32 FLOP/s without tensor cores, bytes/s)
 CEILINGS = {"H200": (67e12, 4.8e12), "H100": (67e12, 3.35e12)}
 GROUPS = ("ref", "matmul", "matrix", "tiles", "mtiles", "attention", "atiles", "conv", "rmsnorm", "pointwise", "xent", "adamw",
-          "lora", "grouped", "limits", "train")
+          "lora", "grouped", "limits", "train", "packing")
 QUICK_GROUPS = ("matmul", "attention", "conv", "rmsnorm", "pointwise", "xent", "adamw", "grouped", "limits", "train")
 GiB = float(1 << 30)
 
@@ -964,6 +967,83 @@ def train_bench(ctx, cfg, shapes, steps: int = 3, warmup: int = 1, seed: int = 0
     return lines, meta
 
 
+def shipped_lengths() -> np.ndarray:
+    """The token lengths of the shipped chat data's records (trainer/assets, its own tokenizer): the
+    packing group's length histogram."""
+    from trainer.data import Batch, default_dataset, default_tokenizer, load_tokenizer
+    batch = Batch.from_jsonl(default_dataset(), load_tokenizer(default_tokenizer()), kind="chat")
+    return np.array([len(ids) for ids, _, _ in batch.sequences()], np.int64)
+
+
+def packing_bench(ctx, cfg, window: int = 16, windows: int = 4, pack_tokens: int = 4096, bucket: int = 64,
+                  seed: int = 0, scale: int = 1, log=print) -> list[Line]:
+    """Trainer.train_sequences over ``windows`` windows of ``window`` sequences each, lengths drawn from
+    the shipped data's histogram (times ``scale``), random ids: once with packing "pad", once with
+    "concat", on one model. Each mode first runs every window once (its compiles), then is timed
+    over the same windows again. Reports real tokens (no padding) per second of wall time."""
+    from trainer import SGD, Trainer
+
+    from lfm2jit.model import Lfm2Model
+    engine = ComputeEngine(ctx)
+    model = Lfm2Model(cfg, ctx, engine, seed=seed)
+    params = model.parameters()
+    rng = np.random.default_rng(seed + 1)
+    hist = shipped_lengths() * scale
+    lengths = [rng.choice(hist, window) for _ in range(windows)]
+    data = [[(ids[:-1], ids[1:], np.ones(n, np.float32))
+             for n, ids in ((n, rng.integers(1, cfg.vocab_size, n + 1)) for n in w)] for w in lengths]
+    real = int(sum(int(w.sum()) for w in lengths))
+    lines = []
+    for mode in ("pad", "concat"):
+        tr = (Trainer(model, SGD(lr=1e-4), ctx, engine).with_grad_accum_steps(window).with_length_bucket(bucket)
+              .with_packing(pack_tokens, mode))
+        rows, passes = 0, 0
+        for w in data:                              # the rows each pass computes (lengths rounded to buckets)
+            rest = list(w)
+            while rest:
+                n = tr._packable(rest)
+                group, rest = rest[:n], rest[n:]
+                size = [len(g[0]) for g in group]
+                unit = tr._pack_unit() if mode == "pad" and n > 1 else bucket
+                if mode == "concat":                # one row of them all
+                    rows += -(-sum(size) // unit) * unit
+                else:                               # each as long as the longest
+                    rows += -(-max(size) // unit) * unit * n
+                passes += 1
+        try:
+            for w in data:                          # compiles (and the first recordings)
+                tr.train_sequences(w, params)
+            engine.synchronize()
+            t0 = time.perf_counter()
+            for w in data:
+                tr.train_sequences(w, params)
+            engine.synchronize()
+            wall = time.perf_counter() - t0
+            extra = {"real_tokens": real, "rows": rows, "passes": passes, "real_tokens_per_s": real / wall,
+                     "padding_fraction": 1 - real / rows, "window": window, "windows": windows,
+                     "mean_length": real / (window * windows), "pack_tokens": pack_tokens}
+            line = Line("packing", f"mixed_{mode}", f"{windows}x{window} seqs, {cfg.hidden_size}d", wall / windows,
+                        "wall", wall_seconds=wall / windows, extra=extra)
+        except Exception as e:   # noqa: BLE001
+            traceback.print_exc(file=sys.stderr)
+            line = Line("packing", f"mixed_{mode}", "", error=f"{type(e).__name__}: {e}".splitlines()[0][:300])
+        lines.append(line)
+        log(format_packing(line))
+    if not any(line.error for line in lines):
+        lines[1].extra["speedup_over_pad"] = lines[1].extra["real_tokens_per_s"] / lines[0].extra["real_tokens_per_s"]
+        log(f"packing   concat / pad: {lines[1].extra['speedup_over_pad']:.2f}x real tokens/s")
+    return lines
+
+
+def format_packing(line: Line) -> str:
+    if line.error:
+        return f"packing   {line.name:28s} ERROR {line.error}"
+    x = line.extra
+    return (f"packing   {line.name:28s} {x['real_tokens_per_s']:9.0f} real tok/s  window {line.seconds * 1e3:8.1f} ms  "
+            f"{x['rows']} rows for {x['real_tokens']} tokens ({100 * x['padding_fraction']:.0f}% padding) in "
+            f"{x['passes']} passes")
+
+
 # ---------------------------------------------------------------- output
 
 def _fmt_time(s):
@@ -1058,6 +1138,10 @@ def main(argv=None) -> int:
     ap.add_argument("--lora", type=int, metavar="R", help="train steps: LoRA adapters of rank R (alpha 2R) on "
                     "every linear layer, the base frozen")
     ap.add_argument("--lora-f16-base", action="store_true", help="with --lora: the frozen base's linear weights as f16")
+    ap.add_argument("--packing-window", type=int, default=16, metavar="N",
+                    help="packing: sequences per window (default 16)")
+    ap.add_argument("--length-scale", type=int, default=1, metavar="K",
+                    help="packing: the shipped data's lengths times K (a longer chat set of the same shape)")
     ap.add_argument("--tile-shapes", nargs="+", metavar="MxNxK", help="shapes for the tiles group "
                     "(default 4096x4096x4096 2048x4608x1024 2048x1024x4608)")
     ap.add_argument("--tiles-matching", nargs="+", metavar="TEXT", help="mtiles: only the candidates whose label "
@@ -1095,7 +1179,7 @@ def main(argv=None) -> int:
             json.dump(doc, f, indent=1, default=str)
 
     for group in GROUPS:
-        if group == "train" or not selected(group):
+        if group in ("train", "packing") or not selected(group):
             continue
         getattr(bench, group)()
         state["lines"] = list(bench.lines)
@@ -1116,6 +1200,15 @@ def main(argv=None) -> int:
                                                  activation_dtype="f16" if args.f16 else "f32", lora=lora,
                                                  lora_f16_base=args.lora_f16_base)
         state["lines"] = list(bench.lines) + train_lines
+        write_json()
+    if selected("packing") and "packing" in wanted:      # only when asked for: not part of the defaults' run
+        from lfm2jit.model.config import Lfm2Config
+        from lfm2jit.model.moe_config import MOE_PRESETS, Lfm2MoeConfig
+        name = args.model_preset or ("tiny" if args.quick else "350M")
+        cfg = Lfm2MoeConfig.preset(name) if name in MOE_PRESETS else Lfm2Config.preset(name)
+        state["lines"] = list(state["lines"]) + packing_bench(
+            ctx, cfg, window=4 if args.quick else args.packing_window, windows=2 if args.quick else 4,
+            scale=args.length_scale, log=lambda s: print(s, flush=True))
         write_json()
     lines = state["lines"]
     total = time.perf_counter() - t_start

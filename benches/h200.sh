@@ -39,6 +39,9 @@
 #   bash benches/h200.sh ckpt             on Dawn: activation checkpointing at LFM2-1.2B shapes, 1x2048, --f16: LoRA r = 8
 #                                         on a frozen f16 base and full fine-tuning, each without and with
 #                                         --checkpoint-layers all -> $OUT/<card>_ckpt_{lora,full}_{none,all}.json
+#   bash benches/h200.sh packing          on Dawn: the packing group at LFM2-350M shapes, windows of 16 sequences with the
+#                                         shipped chat data's token lengths times 1 and times 8 (a long-chat set of the
+#                                         same shape), --packing pad and concat -> $OUT/<card>_packing_x{1,8}.json
 #   bash benches/h200.sh mpi              the host side of the gradient exchange: benches/readback.py (1 and 4 copy threads),
 #                                         then benches/mpi_exchange.py (no GPU) with 2 ranks under MPICH's transports and
 #                                         settings, and with 4 -> $OUT/h200_readback.json, $OUT/h200_mpi_exchange.log
@@ -153,6 +156,14 @@ ckpt)
         shift 3
         timeout 140 python3 -m lfm2jit.bench --only train --f16 --model-preset 1.2B --train-shapes 1x2048 --steps 2 \
             --checkpoint-layers "$layers" "$@" --json "$OUT/${card}_ckpt_${kind}_${name}.json" 2>&1 | grep "^train"
+    done
+    ;;
+packing)
+    export LFM2JIT_WEBGPU=dawn
+    card=$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -o "H[0-9]*" | head -1 | tr A-Z a-z)
+    for scale in 1 8; do
+        timeout 280 python3 -m lfm2jit.bench --only packing --model-preset 350M --packing-window 16 \
+            --length-scale "$scale" --json "$OUT/${card}_packing_x${scale}.json" 2>&1 | grep "^packing"
     done
     ;;
 mpi)

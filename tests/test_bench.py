@@ -132,6 +132,20 @@ def test_gpu_busy_fraction_is_of_the_profiled_window_itself():
     assert 0 < x["gpu_busy_fraction"] <= 1.0
 
 
+def test_packing_group_reports_pad_and_concat_real_tokens(tmp_path):
+    """--only packing (quick: the tiny preset, 2 windows of 4 sequences with the shipped data's lengths):
+    a line per mode with real tokens/s, the rows each computes, and concat's speedup over pad."""
+    out = tmp_path / "packing.json"
+    assert bench.main(["--quick", "--only", "packing", "--json", str(out)]) == 0
+    lines = json.loads(out.read_text())["lines"]
+    assert [line["name"] for line in lines] == ["mixed_pad", "mixed_concat"]
+    pad, concat = (line["extra"] for line in lines)
+    assert pad["real_tokens"] == concat["real_tokens"] > 0
+    assert concat["rows"] <= pad["rows"] and concat["passes"] <= pad["passes"]
+    assert concat["speedup_over_pad"] == pytest.approx(concat["real_tokens_per_s"] / pad["real_tokens_per_s"])
+    assert 34 <= pad["mean_length"] <= 121       # the shipped chat records' token lengths
+
+
 def test_checkpoint_layers_lowers_the_peak_and_reports_the_reruns_flops():
     """--checkpoint-layers: the same losses, a lower pool peak, and each line's recompute_flops, the
     forward of every checkpointed layer again (2 of the 6 FLOPs per parameter and token: under a

@@ -1,7 +1,13 @@
-"""Packing consecutive sequences into one pass, as training and held-out evaluation both run them:
-padded at their ends to one length (a multiple of ``unit``) and stacked. The model mixes
-positions causally and within each sequence, so a sequence's real positions come out as they do
-alone; padded positions carry no loss."""
+"""Packing consecutive sequences into one pass, as training and held-out evaluation both run them.
+
+``pad`` (the default): padded at their ends to one length (a multiple of ``unit``) and stacked. The
+model mixes positions causally and within each sequence, so a sequence's real positions come out as
+they do alone; padded positions carry no loss.
+
+``concat`` (training passes, ``Trainer.with_packing(..., mode="concat")``): concatenated into one
+row, padded only at its end to a multiple of the length bucket, with each sequence's length
+(Lfm2Model.forward's ``segments``): attention, the short conv and RoPE restart at every sequence, so
+again each comes out as it does alone, and a window of mixed lengths computes no padding rows."""
 from __future__ import annotations
 
 import numpy as np
@@ -22,6 +28,38 @@ def packable(lengths, unit: int, max_rows: int) -> int:
             break
         n += 1
     return max(n, 1)
+
+
+PACKING_MODES = ("pad", "concat")
+
+
+def concatenable(lengths, max_rows: int) -> int:
+    """How many of the leading sequences to concatenate into one row: as many as fit ``max_rows``
+    positions; 1 at least."""
+    total = n = 0
+    for length in lengths:
+        total += length
+        if n and total > max_rows:
+            break
+        n += 1
+    return max(n, 1)
+
+
+def concat(ids, targets, masks, unit: int, pad: int):
+    """Sequences concatenated into one row: ids [L] (L their total rounded up to ``unit``, the rest
+    ``pad``), targets [L], each list of per-sequence masks in ``masks`` as [L] (0 past the end), and
+    the row's segments: each sequence's length, then the padding's when there is any."""
+    lengths = [len(row) for row in ids]
+    total = sum(lengths)
+    length = -(-total // unit) * unit
+    segments = lengths + ([length - total] if length > total else [])
+
+    def row(parts, fill, dtype):
+        out = np.full(length, fill, dtype)
+        out[:total] = np.concatenate([np.asarray(p) for p in parts])
+        return out
+    return (row(ids, pad, np.int32), row(targets, 0, np.int32),
+            tuple(row(rows, 0, np.float32) for rows in masks), segments)
 
 
 def pad_token(cfg) -> int:

@@ -19,7 +19,9 @@ each sequence in turn, but run consecutive sequences of one window packed: padde
 token, unsupervised) to one length and stacked into one forward and backward pass, up to
 ``pack_tokens`` rows. Padded positions come after every real one and carry no loss, so their
 gradients are exact zeros; each sequence's loss keeps its own normalizer through per-position
-weights (mask / supervised tokens).
+weights (mask / supervised tokens). With ``packing_mode = "concat"`` they are concatenated into one
+row instead (packing.concat; Lfm2Model.forward's segments), up to ``pack_tokens`` positions: no
+sequence is padded to another's length.
 """
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ from lfm2jit.ops.optim import F32_MAX, grad_sumsq, norm_of, step_gate, step_gate
 from . import checks
 from .errors import TrainError
 from .optim import Optimizer, recordable
-from .packing import pack, packable, pad_token
+from .packing import PACKING_MODES, concat, concatenable, pack, packable, pad_token
 from .recorded import RecordedSteps
 from .scaler import GradScaler
 from .schedules import LRScheduler
@@ -89,6 +91,7 @@ class Trainer:
         self.lm_head_chunk = 4096
         self.lm_head_keep_bytes = DEFAULT_LM_HEAD_KEEP
         self.pack_tokens = DEFAULT_PACK_TOKENS
+        self._packing_mode = "pad"
         self._steps = 0
         self._window: list[object] | None = None     # the params of the open accumulation window
         self.recorded = RecordedSteps(engine, DEFAULT_REPLAY_PASSES)
@@ -210,9 +213,27 @@ class Trainer:
         self.lr_scheduler = scheduler
         return self
 
-    def with_packing(self, max_tokens: int | None) -> "Trainer":
+    @property
+    def packing_mode(self) -> str:
+        """How train_sequences / train_batch pack a window's sequences: "pad" (padded to the longest
+        and stacked) or "concat" (concatenated into one row; see packing.py)."""
+        return self._packing_mode
+
+    @packing_mode.setter
+    def packing_mode(self, mode: str) -> None:
+        if mode not in PACKING_MODES:
+            raise ValueError(f"packing mode must be one of {', '.join(PACKING_MODES)}, got {mode!r}")
+        problem = self.model.concat_problem() if mode == "concat" else None
+        if problem:
+            raise ValueError(f"packing mode 'concat': {problem}")
+        self._packing_mode = mode
+
+    def with_packing(self, max_tokens: int | None, mode: str | None = None) -> "Trainer":
         """Pack up to ``max_tokens`` rows (padded positions included) of consecutive sequences of a
-        window into one pass in train_sequences / train_batch; None or 0 runs them one by one."""
+        window into one pass in train_sequences / train_batch; None or 0 runs them one by one.
+        ``mode``: "pad" or "concat" (``packing_mode``); None keeps the current one."""
+        if mode is not None:
+            self.packing_mode = mode
         self.pack_tokens = 0 if max_tokens is None else max_tokens
         return self
 
@@ -403,7 +424,10 @@ class Trainer:
     def _packable(self, group) -> int:
         """How many of the leading sequences of ``group`` to pack into one pass, up to pack_tokens
         rows (see packing.packable)."""
-        return packable([len(ids) for ids, *_ in group], self._pack_unit(), self.pack_tokens)
+        lengths = [len(ids) for ids, *_ in group]
+        if self.packing_mode == "concat" and self.pack_tokens:
+            return concatenable(lengths, self.pack_tokens)
+        return packable(lengths, self._pack_unit(), self.pack_tokens)
 
     def _pack_unit(self) -> int:
         """Packed sequences are padded to a multiple of this: the model's binding multiple and the
@@ -418,9 +442,15 @@ class Trainer:
             self.sync_handshake(params)     # a no-op after the first window (and without a sync)
             self._start_window(params)
         tokens = [int(mask.sum()) for _, _, mask, _ in group]
+        segments = None                       # the concatenated row's sequence lengths
         if len(group) == 1:
             ids, targets, mask, _ = group[0]
             normalizer = float(tokens[0])
+        elif self.packing_mode == "concat":   # one row; per-position weights as below
+            ids, targets, (mask,), segments = concat([g[0] for g in group], [g[1] for g in group],
+                                                     [[g[2] / n for g, n in zip(group, tokens)]], self.length_bucket,
+                                                     pad_token(model.cfg))
+            normalizer = 1.0
         else:                    # packed: per-position weights mask / tokens keep each sequence's mean
             ids, targets, (mask,) = pack([g[0] for g in group], [g[1] for g in group],
                                          [[g[2] / n for g, n in zip(group, tokens)]], self._pack_unit(),
@@ -440,11 +470,14 @@ class Trainer:
         staged = staging(engine, model.gradient_order(params)) if staging is not None else None
 
         def upload():
-            return model.upload_ids(ids), engine.tensor(targets, "i32"), engine.tensor(mask, "f32")
+            return model.upload_ids(ids, segments), engine.tensor(targets, "i32"), engine.tensor(mask, "f32")
 
         def refill(inputs):
             dev_ids, tgt, msk = inputs
-            dev_ids.write(np.asarray(ids).reshape(dev_ids.host.shape))
+            if segments is not None:
+                model.write_ids(dev_ids, ids, segments)
+            else:
+                dev_ids.write(np.asarray(ids).reshape(dev_ids.host.shape))
             tgt.write(targets)
             msk.write(mask)
 
@@ -456,7 +489,8 @@ class Trainer:
             result = lm_head_cross_entropy(
                 engine, trace.hn, head, tgt, msk, normalizer=normalizer, loss_scale=loss_scale,
                 chunk=self.lm_head_chunk, bucket=bucket, dE=head.grad if head_trained else None,
-                accumulate_dE=head_trained, grad_E=head_trained, segments=len(group),
+                accumulate_dE=head_trained, grad_E=head_trained, segments=1 if segments else len(group),
+                per_position=segments is not None,      # a concatenated row's losses are summed per sequence below
                 keep_logits=self.lm_head_keep_bytes, check_targets=False)   # checked in _check
             if staged is not None:
                 staged.start()
@@ -466,9 +500,11 @@ class Trainer:
                 staged.finish()
             return result.loss
 
-        key = ("pass", np.shape(ids), bucket, self.lm_head_chunk, self.lm_head_keep_bytes, head_trained,
-               _where(params, [p.grad for p in params]), id(staged) if staged is not None else None)
+        key = ("pass", np.shape(ids), segments is not None, bucket, self.lm_head_chunk, self.lm_head_keep_bytes,
+               head_trained, _where(params, [p.grad for p in params]), id(staged) if staged is not None else None)
         scalars = xent_scalars(normalizer, loss_scale)
+        if segments is not None:       # per-position losses: no kernel divides by the normalizer (1 here)
+            del scalars["inv_norm"]
         if getattr(model, "router_aux_loss_coef", 0.0):      # an MoE router's balance loss follows the loss scale
             scalars["aux_scale"] = model.router_aux_loss_coef * loss_scale
         loss = self.recorded.run(key, record, scalars=scalars, upload=upload,
@@ -481,6 +517,9 @@ class Trainer:
         tot = self._record_norm(params) if ends_window and sync is None else None
         gate = self._record_gated_step(params, tot, loss) if tot is not None else None
         losses = loss.numpy().astype(np.float64)   # one small read-back; also runs the recorded work
+        if segments is not None:                   # per position: each sequence's sum
+            ends = np.cumsum(segments[:len(group)])
+            losses = np.array([losses[e - len(g[0]):e].sum() for e, g in zip(ends, group)])
         if not np.isfinite(losses).all() and self.scaler is None:
             self._abandon_window(params)
             raise TrainError(f"the loss is {losses[~np.isfinite(losses)][0]} (non-finite); the accumulation window "

@@ -326,18 +326,20 @@ class _Builder:
 
     def intrinsic(self, e: ast.Call, intr) -> list[Node]:
         wanted = intr.params + intr.axes
-        if len(e.args) != len(wanted):
-            what = f"{len(intr.params)} operands" + (f" and {len(intr.axes)} axis" if intr.axes else "")
+        given = len(intr.params) - max(0, len(wanted) - len(e.args)) if intr.optional else len(intr.params)
+        if not len(wanted) - intr.optional <= len(e.args) <= len(wanted):
+            n = f"{len(intr.params) - intr.optional} to {len(intr.params)}" if intr.optional else f"{len(intr.params)}"
+            what = f"{n} operands" + (f" and {len(intr.axes)} axis" if intr.axes else "")
             raise self.error(e.loc, f"{intr.name}() takes {what} ({', '.join(wanted)}), got {len(e.args)} arguments",
                              ", ".join(wanted))
         operands = []
-        for a in e.args[:len(intr.params)]:
+        for a in e.args[:given]:
             x = self.expr(a)
             if x.op != Op.INPUT and not intr.computed_operands:
                 raise self.error(a.loc, f"{intr.name}() takes kernel inputs as operands",
                                  "a tensor parameter (compute other values in another kernel)")
             operands.append(x)
-        axes = tuple(self.intrinsic_axis(intr, name, a) for name, a in zip(intr.axes, e.args[len(intr.params):]))
+        axes = tuple(self.intrinsic_axis(intr, name, a) for name, a in zip(intr.axes, e.args[given:]))
         try:
             outs = intrinsics.call_nodes(intr, operands, axes)
             self.fixed_dims.update((a, int(a)) for p in outs for a in p.shape if a.isdigit())

@@ -9,6 +9,9 @@ intrinsics, so backward kernels still come from differentiating the IR. How each
     o, lse = causal_attention(q, k, v)     q: [T, H, E]   k, v: [T, G, E]   (G divides H)
         o: [T, H, E] (q's dtype), lse: [T, H] f32, the log-sum-exp of each query's scaled scores;
         every operand may carry a leading batch axis ([B, S, H, E]: B sequences stored back to back)
+    o, lse = causal_attention(q, k, v, starts)     starts: i32[T] (or [B, T])
+        sequences concatenated in one row: starts[t] is where row t's sequence starts (nondecreasing,
+        starts[t] <= t), and query t sees keys starts[t]..t only; no gradient reaches starts
     dE = embedding_grad(g, order, bounds, rows)     g: [T, D]   order, rows: i32[T]   bounds: i32[T, 2]
         the embedding table's gradient as a deterministic scatter-add (only ever added into)
     y = dropout(x, key)     x: float [T, D]   key: i32[4]
@@ -74,6 +77,8 @@ class Intrinsic:
     axes: tuple[str, ...] = ()
     # operands may be any value of the kernel, not only its inputs (partition computes them first)
     computed_operands: bool = False
+    # how many trailing params a call may leave out (causal_attention's starts)
+    optional: int = 0
 
 
 REGISTRY: dict[str, Intrinsic] = {}
@@ -126,15 +131,18 @@ ATTENTION = "causal_attention"
 ATTENTION_DQ = "causal_attention_bwd_dq"
 ATTENTION_DKDV = "causal_attention_bwd_dkdv"
 ATTENTION_BWD_PARAMS = ("q", "k", "v", "o", "lse", "do")
+STARTS = "starts"       # the optional last operand of all three: i32[B?, T], each row's sequence start
 
 
 def _check_attention(name: str, operands, params: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """Validate q/k/v (and o, lse, do for the backward); returns q's and k's shapes."""
-    if len(operands) != len(params):
-        raise IntrinsicError(f"{name} takes {len(params)} operands ({', '.join(params)}), got {len(operands)}")
-    by = dict(zip(params, operands))
+    """Validate q/k/v (and o, lse, do for the backward), and starts where given; returns q's and k's
+    shapes."""
+    if len(operands) not in (len(params), len(params) + 1):
+        raise IntrinsicError(f"{name} takes {len(params)} operands ({', '.join(params)}) and optionally "
+                             f"{STARTS}, got {len(operands)}")
+    by = dict(zip(params + (STARTS,), operands))
     for p, (dtype, shape) in by.items():
-        if dtype not in FLOAT_DTYPES:
+        if p != STARTS and dtype not in FLOAT_DTYPES:
             raise IntrinsicError(f"{name}: {p} must be a float tensor, got {dtype}")
     (_, q), (_, k), (_, v) = by["q"], by["k"], by["v"]
     if len(q) not in (3, 4):
@@ -153,6 +161,9 @@ def _check_attention(name: str, operands, params: tuple[str, ...]) -> tuple[tupl
     for p, want in (("o", q), ("do", q), ("lse", q[:-1])):
         if p in by and by[p][1] != want:
             raise IntrinsicError(f"{name}: {p} must be [{', '.join(want)}], got [{', '.join(by[p][1])}]")
+    if STARTS in by and (by[STARTS][0] != "i32" or by[STARTS][1] != q[:-2]):
+        raise IntrinsicError(f"{name}: {STARTS} must be i32[{', '.join(q[:-2])}] (each row's sequence start), "
+                             f"got {by[STARTS][0]}[{', '.join(by[STARTS][1])}]")
     return q, k
 
 
@@ -177,23 +188,23 @@ def _grad_attention(b: GraphBuilder, call: Node, projs: dict[int, Node], outs: l
     if d_lse is not None:
         raise IntrinsicError(f"{ATTENTION}: lse is not differentiable (it is saved for the backward); "
                              "take a cotangent for o only")
-    q, k, v = call.srcs
+    q, k, v, *starts = call.srcs
     (o_type, o_shape), (l_type, l_shape) = _infer_attention([(n.dtype, n.shape) for n in call.srcs])
     o = projs.get(0) or b.node(Op.PROJ, (call,), o_shape, o_type, 0)
     lse = projs.get(1) or b.node(Op.PROJ, (call,), l_shape, l_type, 1)
-    operands = (q, k, v, o, lse, d_o)
+    operands = (q, k, v, o, lse, d_o, *starts)
     dq_call = b.node(Op.INTRINSIC, operands, (), "tuple", ATTENTION_DQ)
     dkdv_call = b.node(Op.INTRINSIC, operands, (), "tuple", ATTENTION_DKDV)
     dq = b.node(Op.PROJ, (dq_call,), q.shape, q.dtype, 0)
     dk = b.node(Op.PROJ, (dkdv_call,), k.shape, k.dtype, 0)
     dv = b.node(Op.PROJ, (dkdv_call,), v.shape, v.dtype, 1)
-    return [dq, dk, dv]
+    return [dq, dk, dv, *(None for _ in starts)]     # positions get no gradient
 
 
-register(Intrinsic(ATTENTION, ("q", "k", "v"), ("o", "lse"), _infer_attention, grad=_grad_attention,
-                   differentiable_outputs=("o",)))
-register(Intrinsic(ATTENTION_DQ, ATTENTION_BWD_PARAMS, ("dq",), _infer_dq))
-register(Intrinsic(ATTENTION_DKDV, ATTENTION_BWD_PARAMS, ("dk", "dv"), _infer_dkdv))
+register(Intrinsic(ATTENTION, ("q", "k", "v", STARTS), ("o", "lse"), _infer_attention, grad=_grad_attention,
+                   differentiable_outputs=("o",), optional=1))
+register(Intrinsic(ATTENTION_DQ, ATTENTION_BWD_PARAMS + (STARTS,), ("dq",), _infer_dq, optional=1))
+register(Intrinsic(ATTENTION_DKDV, ATTENTION_BWD_PARAMS + (STARTS,), ("dk", "dv"), _infer_dkdv, optional=1))
 
 
 # ---- embedding_grad ----

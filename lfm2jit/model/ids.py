@@ -27,6 +27,52 @@ def check_ids(ids, vocab_size: int, what: str = "input_ids") -> np.ndarray:
     return arr.astype(np.int32)
 
 
+def check_segments(segments, length: int) -> tuple[int, ...]:
+    """Sequence lengths of a concatenated row of ``length`` positions: positive integers summing to it."""
+    try:
+        lengths = tuple(int(n) for n in segments)
+        ok = all(int(n) == n and not isinstance(n, bool) for n in segments)
+    except (TypeError, ValueError):
+        ok, lengths = False, ()
+    if not ok or not lengths or min(lengths) < 1 or sum(lengths) != length:
+        raise ValueError(f"segments must be the lengths (integers >= 1) of the sequences concatenated in the row, "
+                         f"summing to its {length} positions; got {segments!r}")
+    return lengths
+
+
+def segment_layout(lengths) -> tuple[np.ndarray, np.ndarray]:
+    """int32 [T] each row's sequence start and int32 [T] its position within that sequence."""
+    starts = np.repeat(np.cumsum((0,) + tuple(lengths))[:-1], lengths).astype(np.int32)
+    return starts, (np.arange(sum(lengths)) - starts).astype(np.int32)
+
+
+@dataclass
+class Segments:
+    """Sequences concatenated in one row (Lfm2Model.forward's ``segments``): on the device, what the
+    layers that mix positions read. Attention sees keys from starts[t] on, the short conv's taps stop
+    at the sequence start (pos), and RoPE turns by each row's own position (cos, sin)."""
+    lengths: tuple[int, ...]
+    starts: Tensor                                # (T,) i32 where row t's sequence starts
+    pos: Tensor                                   # (T,) i32 row t's position within its sequence
+    cos: Tensor                                   # (T, R) RoPE tables of those positions
+    sin: Tensor                                   # (T, R)
+
+    @classmethod
+    def upload(cls, engine, lengths, rope) -> "Segments":
+        starts, pos = segment_layout(lengths)
+        cos, sin = rope.angles(pos)
+        return cls(tuple(lengths), engine.tensor(starts, "i32"), engine.tensor(pos, "i32"), engine.tensor(cos),
+                   engine.tensor(sin))
+
+    def write(self, lengths, rope) -> None:
+        """A new layout of the same row length (checked by the caller)."""
+        starts, pos = segment_layout(lengths)
+        cos, sin = rope.angles(pos)
+        self.lengths = tuple(lengths)
+        for t, arr in ((self.starts, starts), (self.pos, pos), (self.cos, cos), (self.sin, sin)):
+            t.write(arr)
+
+
 @dataclass
 class DeviceIds:
     """A [B, S] batch of token ids on the device, with the embedding gradient's slots (see
@@ -38,6 +84,7 @@ class DeviceIds:
     bounds: Tensor                                # (T, 2) i32
     rows: Tensor                                  # (T,) i32
     skip: int | None                              # the padding token, whose row gets no gradient
+    segments: Segments | None = None              # sequences concatenated in the one row, when they are
 
     @classmethod
     def upload(cls, engine, ids: np.ndarray, skip: int | None) -> "DeviceIds":

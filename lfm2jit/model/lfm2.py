@@ -44,12 +44,15 @@ from .checkpoint import (EMBEDDING, FINAL_NORM, check_tensors, init_tensors, loa
                          save_checkpoint)
 from .config import Lfm2Config
 from .generate import Sampling, check_request, eos_ids, generate
-from .ids import DeviceIds, check_ids
+from .ids import DeviceIds, Segments, check_ids, check_segments
 from .layers import Kernels, ResidualSaved, Rope, Rows, decoder_block
 from .quantized_base import QuantizedWeight
 from .lora import AdapterError, LoraConfig, check_weights, init_weights, read_adapter, write_adapter
 from .moe_checkpoint import init_moe_tensors, moe_model_tensors, save_moe_pretrained
 from .moe_config import Lfm2MoeConfig, read_model_config
+
+
+CONCAT_STORAGE_BUFFERS = 9       # attention's dk/dv kernel with starts: q, k, v, o, lse, dO, starts, dk, dv
 
 
 @dataclass
@@ -323,12 +326,43 @@ class Lfm2Model:
             m *= 2
         return m
 
-    def upload_ids(self, input_ids) -> DeviceIds:
-        """Check ids ([S] or [B, S], as ``forward`` takes them) and upload them with their slots."""
-        return DeviceIds.upload(self.engine, self.check_ids(input_ids), self.cfg.pad_token_id)
+    def upload_ids(self, input_ids, segments=None) -> DeviceIds:
+        """Check ids ([S] or [B, S], as ``forward`` takes them) and upload them with their slots; with
+        ``segments`` (forward's), the layout of the sequences concatenated in the one row too."""
+        host = self.check_ids(input_ids)
+        ids = DeviceIds.upload(self.engine, host, self.cfg.pad_token_id)
+        if segments is not None:
+            problem = self.concat_problem()
+            if problem:
+                raise ValueError(problem)
+            if host.shape[0] != 1:
+                raise ValueError(f"input_ids: segments are the sequences concatenated in one row, got a batch of "
+                                 f"{host.shape[0]} rows")
+            ids.segments = Segments.upload(self.engine, check_segments(segments, host.shape[1]), self.rope)
+        return ids
+
+    def concat_problem(self) -> str | None:
+        """Why this device cannot run sequences concatenated in one row (forward's ``segments``), or
+        None: attention's dk/dv kernel then binds 9 storage buffers (q, k, v, o, lse, dO, starts, dk,
+        dv), one more than WebGPU's default limit."""
+        have = self.engine.target.storage_buffers
+        if have < CONCAT_STORAGE_BUFFERS:
+            return (f"sequences concatenated in one row need {CONCAT_STORAGE_BUFFERS} storage buffers per kernel "
+                    f"(attention's dk/dv with starts); adapter {self.ctx.name!r} allows {have} as opened "
+                    "(LFM2JIT_LIMITS=default?): pad packing runs within {have}".replace("{have}", str(have)))
+        return None
+
+    def write_ids(self, ids: DeviceIds, input_ids, segments=None) -> None:
+        """New ids (and, for a concatenated row, a new layout of it) into uploaded ones of the same shape."""
+        host = self.check_ids(input_ids)
+        if (segments is None) != (ids.segments is None):
+            raise ValueError("write_ids: segments must be given exactly when the uploaded ids have them")
+        ids.write(host)
+        if segments is not None:
+            ids.segments.write(check_segments(segments, host.shape[1]), self.rope)
 
     # ---- forward ----
-    def forward(self, input_ids, bucket: int = 1, keep_from: int = 0, train: bool = False) -> Trace:
+    def forward(self, input_ids, bucket: int = 1, keep_from: int = 0, train: bool = False, segments=None) -> Trace:
         """Record the forward pass up to the final norm; the trace holds what backward needs.
         ``input_ids`` is one sequence [S] or a batch [B, S] of equally long ones (packed; S a
         multiple of ``pack_multiple()`` when B > 1), or those ids already uploaded (``upload_ids``).
@@ -336,15 +370,19 @@ class Lfm2Model:
         never reads them, so their activations go back to the pool as the forward moves on.
         ``train``: a training pass, which applies LoRA dropout (masks from the keys of the last
         ``lora.draw_dropout``); evaluation and generation leave it out, as PEFT's eval mode does.
-        A training pass keeps only the input of each checkpointed layer (``checkpoint_layers``)."""
+        A training pass keeps only the input of each checkpointed layer (``checkpoint_layers``).
+        ``segments``: the lengths of sequences concatenated in one row ([S] ids, summing to S): packing
+        without padding. Each runs as it would alone: attention and the short conv stay within it and
+        RoPE positions restart at its start. Uploaded ids carry their own (``upload_ids(ids, segments)``)."""
         uploaded = isinstance(input_ids, DeviceIds)
-        host = input_ids.host if uploaded else self.check_ids(input_ids)
-        batch, seq = host.shape
+        if uploaded and segments is not None:
+            raise ValueError("forward: uploaded ids carry their segments (upload_ids(ids, segments)); pass none here")
+        ids = input_ids if uploaded else self.upload_ids(input_ids, segments)
+        batch, seq = ids.host.shape
         if batch > 1 and seq % self.pack_multiple():
             raise ValueError(f"input_ids: a batch of {batch} sequences of {seq} positions; packed sequences must be "
                              f"a multiple of {self.pack_multiple()} positions long (pad them)")
-        ids = input_ids if uploaded else DeviceIds.upload(self.engine, host, self.cfg.pad_token_id)
-        k, rows = self.kernels, Rows(bucket, batch, seq, ids.ids)
+        k, rows = self.kernels, Rows(bucket, batch, seq, ids.ids, ids.segments)
         h = k.run("embedding", bucket=bucket, table=self.p(EMBEDDING), ids=ids.ids)["y"]              # (T, D)
         trace = Trace(ids, rows, h, train=train)
         for i in range(len(self.blocks)):

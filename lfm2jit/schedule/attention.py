@@ -8,7 +8,12 @@ S positions stored one after another (packed rows), run by one dispatch (workgro
 sequence), so short packed sequences fill a big GPU. Sequence b's rows start at b * S.
 
 Roles are positional; the axis names are the caller's. Query head h reads kv head h // (H/G);
-scores are q.k / sqrt(E); query t sees keys 0..t. No T x T matrix ever reaches device memory:
+scores are q.k / sqrt(E); query t sees keys 0..t. With the optional operand ``starts`` (i32 per
+row, nondecreasing: sequences concatenated in one row) query t sees keys starts[t]..t: a query
+block's key loop starts at the tile holding starts[q0] (its first query's start), and a key block's
+query loop in dk/dv ends with the sequence of its last key (a binary search over starts), so a
+concatenated row does the work of its sequences, not of the whole row (the SIMT and the matrix
+templates alike). No T x T matrix ever reaches device memory:
 the forward keeps a running max and sum per query (online softmax) and saves lse, and the two
 backward kernels (FlashAttention-2) recompute probabilities from lse:
 
@@ -154,6 +159,7 @@ class AttentionParams:
     dq: AttnTensor | None = None
     dk: AttnTensor | None = None
     dv: AttnTensor | None = None
+    starts: AttnTensor | None = None   # i32 per row: where its sequence starts (concatenated sequences)
     split: int = 1                # dkdv: workgroups per (key block, kv head), partials summed by "reduce"
     batch: int = 1
     t_pad: int = 0
@@ -204,11 +210,20 @@ def _sizes(call: IntrinsicCall) -> tuple[int, int, int, int, int]:
 ROLES = {"q": 3, "k": 3, "v": 3, "o": 3, "do": 3, "lse": 2, "dq": 3, "dk": 3, "dv": 3}
 
 
+def _starts(call: IntrinsicCall, params: tuple[str, ...]) -> AttnTensor | None:
+    """The call's optional starts operand (after its fixed ones): one i32 per row, no head axis."""
+    if len(call.operands) <= len(params):
+        return None
+    arg = call.operands[len(params)]
+    return AttnTensor(arg.name, arg.dtype, Strides(strides(arg.shape, call.sizes)[arg.shape[-1]], 0))
+
+
 def _params(call: IntrinsicCall, mode: str, params: tuple[str, ...], outputs: tuple[str, ...]) -> AttentionParams:
     batch, t, h, g, e = _sizes(call)
     tiles = call.tiles or choose_tiles(mode, e)
     check_tiles(call.name, mode, tiles, e)
     tensors = {p: _tensor(a, call.sizes, ROLES[p]) for p, a in zip(params, call.operands)}
+    tensors["starts"] = _starts(call, params)
     for p, a in zip(outputs, call.outputs):
         tensors[p] = _tensor(a, call.sizes, ROLES[p], call.accumulate) if a is not None else None
     return AttentionParams(mode, tiles, e, h, g, extent(call.operands[0].shape[-3], call.sizes), 1.0 / math.sqrt(e),

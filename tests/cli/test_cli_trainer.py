@@ -222,6 +222,23 @@ def test_replay_and_recompute_change_nothing_but_speed_and_memory(tmp_path):
         assert all(np.array_equal(w[k], w0[k]) for k in w0), name
 
 
+def test_packing_concat_trains_as_pad_does(tmp_path):
+    """--packing concat (a step's sequences concatenated in one row) against the default pad: the same
+    losses and gradient norms to f32 rounding (the packed passes' sums run in other orders)."""
+    common = ["--preset", "tiny", "--steps", 3, "--grad-accum", 4, "--schedule", "constant", "--eval-fraction", 0,
+              "--no-progress", "--optimizer", "sgd"]
+    for mode in ("pad", "concat"):
+        r = cli(*common, "--packing", mode, "--out", tmp_path / mode)
+        assert r.returncode == 0, r.stderr
+    pad, concat = metrics(tmp_path / "pad"), metrics(tmp_path / "concat")
+    assert [m["step"] for m in pad] == [m["step"] for m in concat] == [1, 2, 3]
+    for a, b in zip(concat, pad):
+        assert a["tokens"] == b["tokens"] and a["supervised"] == b["supervised"]
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4) and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-3)
+    meta = json.loads((tmp_path / "concat" / "checkpoints" / "step-000003" / "trainer.json").read_text())
+    assert '"packing": "concat"' in json.dumps(meta)
+
+
 def test_two_ranks_with_file_sync_equal_one_process_accumulating_both(tmp_path):
     common = ["--preset", "tiny", "--steps", 2, "--schedule", "constant", "--eval-fraction", 0, "--no-progress"]
     # one sequence per pass, as each rank runs it (packing would change f32 rounding, which AdamW
@@ -280,6 +297,7 @@ def bad_jsonl(tmp_path_factory):
     (["--resume", "/no/such/run"], "--resume /no/such/run: no such directory"),
     (["--preset", "huge"], "unknown --preset 'huge'"),
     (["--steps", "0"], "--steps must be > 0"),
+    (["--packing", "tight"], "--packing must be pad or concat, got 'tight'"),
     (["--steps", "many"], "invalid int value"),
     (["--steps", "3", "--epochs", "1"], "not allowed with argument"),
     (["--checkpoint-layers", "0"], "--checkpoint-layers must be all or a number of decoder layers >= 1, got '0'"),

@@ -132,3 +132,48 @@ def test_a_short_sequence_beside_a_long_one_is_not_padded_to_it(ctx, engine, mon
     tr.train_sequences(make_data(cfg, [4 * unit - 1, 3 * unit + 1], seed=2), model.parameters())   # 4 + 4 units: packed
     tr.train_sequences(make_data(cfg, [4 * unit - 1, unit - 1], seed=3), model.parameters())       # 4 + 1 units: not
     assert passes == [(2, 4 * unit), (1, 4 * unit - 1), (1, unit - 1)]
+
+
+@pytest.mark.parametrize("replay", [0, 4])
+def test_concat_packing_matches_one_by_one(ctx, engine, monkeypatch, replay):
+    """with_packing(N, mode="concat"): a window's sequences (mixed lengths, length 1 among them)
+    concatenated into one row per pass, up to N positions; losses, steps and weights follow the
+    one-by-one run. With replay the same row length comes back with other layouts (written in)."""
+    cfg = micro()
+    lengths = [28, 1, 7, 19, 25, 1, 14, 9, 30]
+    data = make_data(cfg, lengths, seed=31)
+    runs = []
+    for mode, pack in (("pad", 0), ("concat", 64)):
+        model = Lfm2Model(cfg, ctx, engine, seed=8)
+        tr = (Trainer(model, SGD(lr=0.1, momentum=0.9), ctx, engine).with_length_bucket(BUCKET).with_grad_accum_steps(3)
+              .with_clip_grad_norm(1.0).with_packing(pack, mode=mode).with_replay(replay))
+        passes = []
+        forward = model.forward
+        monkeypatch.setattr(model, "forward", lambda ids, bucket, f=forward, **kw:
+                            passes.append((ids.host.shape, ids.segments and ids.segments.lengths)) or f(ids, bucket, **kw))
+        stats = []
+        for _ in range(2):
+            stats += tr.train_sequences(data, model.parameters())
+        runs.append((stats, snap(model), passes, tr))
+    (one, w_one, _, _), (packed, w_packed, p_packed, tr) = runs
+    assert tr.packing_mode == "concat"
+    # windows of 3: [28, 1, 7] -> 36 rows in a row of 48, [19, 25, 1] -> 45 in 48, [14, 9, 30] -> 53 in 64
+    if not replay:
+        assert p_packed[:3] == [((1, 48), (28, 1, 7, 12)), ((1, 48), (19, 25, 1, 3)), ((1, 64), (14, 9, 30, 11))]
+    assert [s.stepped for s in packed] == [s.stepped for s in one]
+    for a, b in zip(packed, one):
+        assert a.tokens == b.tokens and a.loss == pytest.approx(b.loss, rel=1e-5)
+        if a.grad_norm is not None:
+            assert a.grad_norm == pytest.approx(b.grad_norm, rel=1e-5)
+    for n in w_one:
+        assert rel_err(w_packed[n], w_one[n]) < 1e-5, n
+    if replay:
+        assert tr.recorded.replays > 0
+
+
+def test_packing_mode_is_checked(ctx, engine):
+    model = Lfm2Model(micro(), ctx, engine, seed=0)
+    tr = Trainer(model, SGD(lr=0.1), ctx, engine)
+    with pytest.raises(ValueError, match="packing mode must be one of pad, concat, got 'tight'"):
+        tr.with_packing(64, mode="tight")
+    assert tr.with_packing(64, mode="concat").packing_mode == "concat"

@@ -18,7 +18,7 @@ AS_YOU_LIKE = {"steps", "checkpoint_every", "checkpoint_minutes", "eval_every", 
 # Settings a checkpoint carries and --resume restores (flags given with --resume override them).
 RESUMABLE = ("tokenizer", "data", "data_kind", "loss_on", "max_len", "eval_fraction", "eval_max", "seed",
              "optimizer", "lr", "weight_decay", "momentum", "schedule", "warmup_steps", "min_lr",
-             "grad_accum", "pack_tokens", "clip", "bucket", "scaler", "f16", "steps", "checkpoint_every",
+             "grad_accum", "pack_tokens", "packing", "clip", "bucket", "scaler", "f16", "steps", "checkpoint_every",
              "checkpoint_minutes", "keep_checkpoints", "world_size", "sync_dir", "run_id", "sync_timeout",
              "check_loss_drop", "source", "preset", "lora_r", "lora_alpha", "lora_targets", "lora_dropout",
              "lora_target_parameters", "lora_f16_base", "base_dtype", "merge_lora", "train_only", "freeze", "eval_every",
@@ -51,6 +51,7 @@ class Run:
     min_lr: float
     grad_accum: int
     pack_tokens: int
+    packing: str                    # "pad" or "concat" (trainer/packing.py)
     replay: int
     recompute_mlp: bool
     checkpoint_layers: int | str    # 0 (off), the first N decoder layers, or "all"

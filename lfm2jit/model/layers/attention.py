@@ -69,13 +69,20 @@ class Attention(Residual):
         v = kern.linear(xn, a + "v_proj", bucket, lora).view(t, groups, e)                      # (T, G, E)
         qn, q_inv = kern.norm(q, a + "q_layernorm.weight", bucket, "head_rmsnorm")              # (T, H, E), (T, H)
         kn, k_inv = kern.norm(k, a + "k_layernorm.weight", bucket, "head_rmsnorm")              # (T, G, E), (T, G)
-        cos, sin = self.rope.tables(bucketed(t, bucket), rows.seq if rows.batch > 1 else None)
-        cos, sin = cos.rows(0, t), sin.rows(0, t)                                               # (T, R)
+        seg = rows.segments
+        if seg is not None:                        # concatenated sequences: each turns from position 0
+            cos, sin = seg.cos, seg.sin                                                         # (T, R)
+        else:
+            cos, sin = self.rope.tables(bucketed(t, bucket), rows.seq if rows.batch > 1 else None)
+            cos, sin = cos.rows(0, t), sin.rows(0, t)                                           # (T, R)
         qr = kern.run("rope", bucket=bucket, x=qn.view(t, heads, 2, e // 2), cos=cos, sin=sin)["y"]
         kr = kern.run("rope", bucket=bucket, x=kn.view(t, groups, 2, e // 2), cos=cos, sin=sin)["y"]
         qr, kr = qr.view(t, heads, e), kr.view(t, groups, e)                                    # (T, H, E), (T, G, E)
         by_seq = rows.by_sequence
-        att = kern.run("attention", bucket=rows.seq_bucket, q=by_seq(qr), k=by_seq(kr), v=by_seq(v))
+        if seg is not None:                        # query t sees keys starts[t]..t
+            att = kern.run("attention_segments", bucket=bucket, q=qr, k=kr, v=v, starts=seg.starts)
+        else:
+            att = kern.run("attention", bucket=rows.seq_bucket, q=by_seq(qr), k=by_seq(kr), v=by_seq(v))
         o, lse = att["o"].view(t, heads, e), att["lse"].view(t, heads)                          # (T, H, E), (T, H)
         saved = AttentionSaved(h, inv, lora, q, k, v, q_inv, k_inv, cos, sin, qr, kr, o, lse,
                                xn if kern.replaying else None)
@@ -92,8 +99,13 @@ class Attention(Residual):
         do = kern.linear_backward(s.o.view(t, heads * e), self.pre + self.out, dh, bucket, s.lora)  # (T, H*E)
         # o, lse = attention(qr, kr, v)
         by_seq = rows.by_sequence
-        ga = kern.run(backward_of("attention", ("q", "k", "v"), ("o",)), bucket=rows.seq_bucket, q=by_seq(s.qr),
-                      k=by_seq(s.kr), v=by_seq(s.v), o=by_seq(s.o), lse=by_seq(s.lse), d_o=by_seq(do.view(t, heads, e)))
+        if rows.segments is not None:
+            ga = kern.run(backward_of("attention_segments", ("q", "k", "v"), ("o",)), bucket=bucket, q=s.qr, k=s.kr,
+                          v=s.v, o=s.o, lse=s.lse, d_o=do.view(t, heads, e), starts=rows.segments.starts)
+        else:
+            ga = kern.run(backward_of("attention", ("q", "k", "v"), ("o",)), bucket=rows.seq_bucket, q=by_seq(s.qr),
+                          k=by_seq(s.kr), v=by_seq(s.v), o=by_seq(s.o), lse=by_seq(s.lse),
+                          d_o=by_seq(do.view(t, heads, e)))
         ga = {x: ga[x].view(t, *ga[x].shape[-2:]) for x in ("d_q", "d_k", "d_v")}             # (T, heads, E)
         d_pre = {}                                  # the gradients in q and k, before their norms
         for x, n, pre_norm, inv in (("q", heads, s.q, s.q_inv), ("k", groups, s.k, s.k_inv)):

@@ -16,6 +16,8 @@ class Rows:
     batch: int = 1
     seq: int = 0
     ids: Tensor | None = field(default=None, compare=False)   # (T,) i32 the rows' tokens, where known
+    # sequences concatenated in the one row (batch 1): the conv and attention keep within each
+    segments: object = field(default=None, compare=False)      # model/ids.Segments
 
     @property
     def seq_bucket(self) -> int:

@@ -30,6 +30,9 @@ class Conv(Residual):
     def conv(self, bcx: Tensor, rows: Rows) -> Tensor:
         """c = C * conv(B x) (T, D) from in_proj's output (T, 3D)."""
         t, d = bcx.shape[0], self.cfg.hidden_size
+        if rows.segments is not None:             # concatenated sequences: taps stop at each one's start
+            return self.kernels.run("short_conv_segments", bucket=rows.bucket, bcx=bcx.view(t, 3, d),
+                                    pos=rows.segments.pos, **self.weights())["y"]
         return self.kernels.run("short_conv", bucket=rows.seq_bucket, bcx=rows.by_sequence(bcx.view(t, 3, d)),
                                 **self.weights())["y"].view(t, d)
 
@@ -52,9 +55,13 @@ class Conv(Residual):
         trained = [x for x, name in params.items() if kern.trained(name)]
         weights = self.weights()
         out = {f"d_{x}": kern.p(params[x]).grad.view(*weights[x].shape) for x in trained}
-        g = kern.run(backward_of("short_conv", ("bcx", *trained)), bucket=rows.seq_bucket, out=out,
-                     accumulate=set(out), bcx=rows.by_sequence(s.bcx.view(t, 3, d)), d_y=rows.by_sequence(dc),
-                     **weights)
+        if rows.segments is not None:
+            g = kern.run(backward_of("short_conv_segments", ("bcx", *trained)), bucket=bucket, out=out,
+                         accumulate=set(out), bcx=s.bcx.view(t, 3, d), d_y=dc, pos=rows.segments.pos, **weights)
+        else:
+            g = kern.run(backward_of("short_conv", ("bcx", *trained)), bucket=rows.seq_bucket, out=out,
+                         accumulate=set(out), bcx=rows.by_sequence(s.bcx.view(t, 3, d)), d_y=rows.by_sequence(dc),
+                         **weights)
         # bcx = in_proj(xn)
         dxn = kern.linear_backward(s.xn, pre + "conv.in_proj", g["d_bcx"].view(t, 3 * d), bucket, s.lora)  # (T, D)
         s.xn = None
