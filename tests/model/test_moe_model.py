@@ -198,7 +198,10 @@ def routing_gaps(model, ids) -> np.ndarray:
 NEAR_TIE = 5e-4     # f16 activations move a router logit by about 3e-4 here, a score by under 1e-4
 
 
-@pytest.mark.parametrize("preset,changes", VARIANTS[:4], ids=[f"{p}-{'-'.join(c) or 'as-is'}" for p, c in VARIANTS[:4]])
+F16_VARIANTS = [VARIANTS[0], VARIANTS[2]]         # top-2 and top-1 (whose router's gradient is tiny)
+
+
+@pytest.mark.parametrize("preset,changes", F16_VARIANTS, ids=[f"{p}-{'-'.join(c) or 'as-is'}" for p, c in F16_VARIANTS])
 def test_f16_activations_match_transformers_within_f16_rounding(ctx, engine, preset, changes):
     """activation_dtype="f16": the hidden rows (normed input, the slots' rows, the experts' h, the
     outputs) are stored as f16, the router's logits and the picks' weights stay f32; logits, loss

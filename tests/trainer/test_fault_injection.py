@@ -225,7 +225,7 @@ def _gone(pid: int) -> None:
         time.sleep(0.002)
 
 
-KILLS = {"checkpoint": 5, "pretrained": 6, "adapter": 6, "gguf": 6}
+KILLS = {"checkpoint": 5, "pretrained": 6, "adapter": 6, "gguf": 4}
 DELAY = {"checkpoint": 1.5, "pretrained": 1.0, "adapter": 0.6, "gguf": 1.2}     # seconds: a few saves on lavapipe
 
 
