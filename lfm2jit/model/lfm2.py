@@ -349,7 +349,7 @@ class Lfm2Model:
         if have < CONCAT_STORAGE_BUFFERS:
             return (f"sequences concatenated in one row need {CONCAT_STORAGE_BUFFERS} storage buffers per kernel "
                     f"(attention's dk/dv with starts); adapter {self.ctx.name!r} allows {have} as opened "
-                    "(LFM2JIT_LIMITS=default?): pad packing runs within {have}".replace("{have}", str(have)))
+                    f"(LFM2JIT_LIMITS=default?): pad packing runs within {have}")
         return None
 
     def write_ids(self, ids: DeviceIds, input_ids, segments=None) -> None:
