@@ -97,8 +97,13 @@ class InferenceState:
         self.seen = e.tensor(np.array(self.lengths, np.float32))
         self.logits = e.empty((self.batch, cfg.vocab_size), "f32")
         last = e.empty((self.batch, d), dt)                     # (B, D) each prompt's last final-normed row
+        first: dict[bytes, int] = {}                            # prompt -> the sequence that prefilled it
         for b, ids in enumerate(prompts):
-            self._prefill(b, ids, last)
+            same = first.setdefault(ids.tobytes(), b)
+            if same == b:
+                self._prefill(b, ids, last)
+            else:                             # a repeated prompt (GRPO's G samples of one): its rows copied
+                self._copy_sequence(same, b, len(ids), last)
         model.head(last, out=self.logits)
 
     def _cache(self, capacity: int) -> Tensor:
@@ -126,6 +131,24 @@ class InferenceState:
                 for cache, rows in zip(self.kv[i], (s.kr, s.v)):
                     e.copy_rows(rows.view(n * g, model.cfg.head_dim), cache, n * g, 0, self._row(b, 0))
         e.copy_rows(trace.hn, last, 1, n - 1, b)
+
+    def _copy_sequence(self, src: int, dst: int, n: int, last: Tensor) -> None:
+        """Sequence ``src``'s prefilled state (``n`` positions) as sequence ``dst``'s."""
+        taps, g = self.model.cfg.conv_L_cache, self.model.cfg.num_key_value_heads
+        for now, _ in self.windows.values():
+            self._copy_within(now, taps, src * taps, dst * taps)
+        for caches in self.kv.values():
+            for cache in caches:
+                self._copy_within(cache, n * g, self._row(src, 0), self._row(dst, 0))
+        self._copy_within(last, 1, src, dst)
+
+    def _copy_within(self, t: Tensor, n: int, src: int, dst: int) -> None:
+        """Rows src..src+n-1 of ``t`` to row dst on: through a temporary, as WebGPU copies only
+        between two buffers."""
+        e = self.model.engine
+        tmp = e.empty((n,) + t.shape[1:], t.dtype)
+        e.copy_rows(t, tmp, n, src, 0)
+        e.copy_rows(tmp, t, n, 0, dst)
 
     def step(self, tokens=None) -> None:
         """Record one decode step: each sequence's token (``tokens``, written to the device first,
