@@ -12,7 +12,8 @@ replayed, their tokens read back a batch of steps at a time.
 * Decoder runs ``every`` steps per batch (choose, then the forward of the chosen tokens), the
   tokens gathered in a [every, B] history that is read back once per batch. The first batch is
   captured into a Program (engine.capture) and later batches replay it; a cache that has to grow
-  (a new capacity changes the kernels and buffers) is captured again.
+  (a new capacity changes the kernels and buffers) is captured again. Fewer steps than a batch
+  (the last of a generation) are recorded directly: the last one needs no forward.
 """
 from __future__ import annotations
 
@@ -72,14 +73,14 @@ class Decoder:
         self.program = None
 
     def run(self, wanted: int) -> np.ndarray:
-        """The next tokens of every sequence, int32 [steps, B]: ``wanted`` of them (at least 1) when
-        fewer than a batch are wanted before any capture (the last forward left out), else a batch
-        of ``every`` (tokens past ``wanted`` are the caller's to drop)."""
+        """The next tokens of every sequence, int32 [steps, B]: a batch of ``every``, or when fewer
+        are wanted (at least 1), just those, recorded without a capture and without the forward
+        of the last one: no step is run that no token needs, unless an end id comes first."""
         state = self.state
-        if self.program is None and wanted < self.every:
+        if wanted < self.every:
             self._record(wanted, last_forward=False)
             return self.history.numpy()[:wanted]
-        ahead = min(-(-wanted // self.every) * self.every, RESERVE_AHEAD)
+        ahead = min(wanted // self.every * self.every, RESERVE_AHEAD)
         if state.reserve(max(state.lengths) + max(self.every, ahead)) or self.program is None:
             self.close()
             with state.model.engine.capture() as program:
