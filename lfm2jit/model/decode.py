@@ -6,7 +6,7 @@ replayed, their tokens read back a batch of steps at a time.
   is the first of equal maxima (torch.argmax). Sampling draws from what ``Sampling.probabilities``
   describes: the logits over the temperature; top-k keeps the entries at or above the k-th
   largest, top-p then the fewest most likely whose mass reaches top_p (both thresholds found by
-  bisection on the value, ``BISECT_STEPS`` halvings); the draw is Gumbel-max over the kept ones,
+  searching the value, ``CUTS`` cuts weighed per pass); the draw is Gumbel-max over the kept ones,
   its uniforms hashed on the GPU from a per-row key (from ``seed``) and the row's position.
   Unlike the host's order by id, top-p keeps or drops logits tied at its threshold together.
 * Decoder runs ``every`` steps per batch (choose, then the forward of the chosen tokens), the
@@ -21,7 +21,8 @@ import numpy as np
 
 READBACK_EVERY = 8       # decode steps per replayed program and per readback of their tokens
 RESERVE_AHEAD = 256      # cache positions reserved ahead of a capture, so that it is rarely captured again
-BISECT_STEPS = 32        # halvings of a threshold's interval: below an f32 step of the logits it starts from
+CUTS = 15                # thresholds weighed per search step: each narrows the interval 16-fold ...
+SEARCH_STEPS = 8         # ... so 8 narrow it 2^32-fold, below an f32 step of the logits it starts from
 
 
 class TokenChoice:
@@ -47,16 +48,16 @@ class TokenChoice:
         init = e.run("threshold_init", z=z)
         m, floor, hi = init["m"], init["lo"], init["hi"]            # floor: every entry kept
         if self.top_k is not None:
-            floor = self._bisect(z, m, floor, hi, self.top_k, soft=0.0)
+            floor = self._search(z, m, floor, hi, self.top_k, soft=0.0)
         if s.top_p < 1:
             top = e.run("topp_need", z=z, m=m, floor=floor, top_p=s.top_p)
-            floor = self._bisect(z, m, floor, top["hi"], top["need"], soft=1.0)
+            floor = self._search(z, m, floor, top["hi"], top["need"], soft=1.0)
         e.run("pick_sample", z=z, floor=floor, key=self.key, n=n, out={"token": out})
 
-    def _bisect(self, z, m, lo, hi, need, soft: float):
+    def _search(self, z, m, lo, hi, need, soft: float):
         """The largest threshold whose kept set still weighs ``need`` (threshold_step), to an f32 step."""
-        for _ in range(BISECT_STEPS):
-            r = self.engine.run("threshold_step", z=z, m=m, lo=lo, hi=hi, need=need, soft=soft)
+        for _ in range(SEARCH_STEPS):
+            r = self.engine.run("threshold_step", z=z, m=m, lo=lo, hi=hi, need=need, soft=soft, dims={"Q": CUTS})
             lo, hi = r["lo2"], r["hi2"]
         return lo
 
