@@ -10,7 +10,7 @@ import pytest
 
 from lfm2jit import ComputeEngine
 from lfm2jit.model import Lfm2Config, Lfm2Model
-from lfm2jit.model.generate import InferenceState, Sampling
+from lfm2jit.model.generate import InferenceState, Sampling, generate
 
 try:
     import torch
@@ -51,16 +51,20 @@ def test_cached_decoding_equals_uncached_logits(ctx, rng, name):
 
 
 def test_cached_decoding_in_f16(ctx, rng):
+    """Each step's logits near the uncached forward's; generate (tokens chosen on the GPU, steps
+    replayed) picks what argmax over these steps' logits picks, as the host loop once did."""
     if not ctx.has_f16:
         pytest.skip(f"{ctx.name} has no shader-f16")
     model = Lfm2Model.from_pretrained(GOLDEN / GOLDEN_CONFIGS[0], ctx, ComputeEngine(ctx), activation_dtype="f16")
-    seq = _prompts(rng, model.cfg.vocab_size, (6,))[0]
-    state = InferenceState(model, [np.array(seq, np.int32)], grow=8)
-    for t in rng.integers(0, model.cfg.vocab_size, 10).tolist():
-        want = model.logits(seq)[-1]
-        assert np.abs(state.logits.numpy()[0] - want).max() <= 2e-2 * np.abs(want).max()
-        seq.append(t)
-        state.step([t])
+    prompt = _prompts(rng, model.cfg.vocab_size, (6,))[0]
+    seq = list(prompt)
+    state = InferenceState(model, [np.array(seq, np.int32)])
+    for _ in range(10):
+        logits, want = state.logits.numpy()[0], model.logits(seq)[-1]
+        assert np.abs(logits - want).max() <= 2e-2 * np.abs(want).max()
+        seq.append(int(np.argmax(logits)))
+        state.step([seq[-1]])
+    assert generate(model, [np.array(prompt, np.int32)], 10, Sampling(), frozenset(), 0, every=2)[0] == seq[6:]
 
 
 def test_batched_prompts_equal_one_at_a_time(ctx, rng):
