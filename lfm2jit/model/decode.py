@@ -67,9 +67,7 @@ class Decoder:
     even: a conv layer's windows swap buffers each step, so a replay starts where the capture did."""
 
     def __init__(self, state, choice: TokenChoice, every: int = READBACK_EVERY):
-        if not isinstance(every, int) or every < 2 or every % 2:
-            raise ValueError(f"decode steps per readback must be an even number >= 2, got {every!r}")
-        self.state, self.choice, self.every = state, choice, every
+        self.state, self.choice, self.every = state, choice, check_every(every)
         self.history = state.model.engine.empty((every, state.batch), "i32")     # (every, B) tokens per step
         self.program = None
 
@@ -105,3 +103,10 @@ class Decoder:
         if self.program is not None:
             self.program.close()
             self.program = None
+
+
+def check_every(every) -> int:
+    """Decode steps per readback, checked (before any GPU work): an even number >= 2."""
+    if not isinstance(every, int) or isinstance(every, bool) or every < 2 or every % 2:
+        raise ValueError(f"decode steps per readback must be an even number >= 2, got {every!r}")
+    return every

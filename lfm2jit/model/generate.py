@@ -28,7 +28,7 @@ from ..runtime import Tensor
 from ..schedule.layout import bucketed
 from .layers import Attention, Conv, Rows
 from .checkpoint import EMBEDDING, FINAL_NORM
-from .decode import READBACK_EVERY, Decoder, TokenChoice
+from .decode import READBACK_EVERY, Decoder, TokenChoice, check_every
 
 GROW = 64        # cache rows added at a time (and the decode attention's length bucket)
 
@@ -270,6 +270,7 @@ def generate(model, prompts, max_new_tokens: int, sampling: Sampling, eos_ids: f
     (decode.Decoder); ``on_token(b, token)`` is called for each kept token, in order, as each
     batch is read back (streaming)."""
     out: list[list[int]] = [[] for _ in prompts]
+    check_every(every)
     if max_new_tokens == 0:
         return out
     state = InferenceState(model, prompts)

@@ -10,7 +10,7 @@ import pytest
 
 from lfm2jit import ComputeEngine
 from lfm2jit.model import Lfm2Model
-from lfm2jit.model.decode import Decoder, TokenChoice
+from lfm2jit.model.decode import TokenChoice
 from lfm2jit.model.generate import Sampling, generate
 from lfm2jit.runtime.program import Program
 
@@ -67,6 +67,10 @@ def test_tokens_do_not_depend_on_the_readback_batch(ctx, rng, monkeypatch):
     assert len(got[0]) <= 6
 
 
-def test_decode_steps_per_readback_are_even(ctx):
+def test_decode_steps_per_readback_are_even_and_checked_first(ctx):
+    engine = ComputeEngine(ctx)
+    model = Lfm2Model.from_pretrained(GOLDEN / "tied_g1_attn_mid", ctx, engine)
+    before = engine.dispatches
     with pytest.raises(ValueError, match="an even number >= 2, got 3"):
-        Decoder(None, None, every=3)
+        generate(model, [np.array([1, 2], np.int32)], 4, Sampling(), frozenset(), 0, every=3)
+    assert engine.dispatches == before
