@@ -85,7 +85,7 @@ class InferenceState:
         self.lengths = [len(p) for p in prompts]
         d, taps, dt = cfg.hidden_size, cfg.conv_L_cache, model.activation_dtype
         self.capacity = 0
-        self.kv: dict[int, list[Tensor]] = {}                  # layer -> [k, v], each [B * C * G, E]
+        self.kv: dict[int, list[Tensor]] = {}                  # layer -> [k, v], each [B * C * G, E] (reserve makes them)
         self.windows: dict[int, list[Tensor]] = {}             # layer -> [this step's, the next's] [B * L, 3D]
         for i, kind in enumerate(cfg.layer_types):
             if kind == "conv":
