@@ -16,8 +16,9 @@
 #                                         tile (-> $OUT/h200_lora_mtiles.json), then LFM2-1.2B shapes at 1x2048 with
 #                                         --f16: LoRA r = 8 on a frozen f16 base, and full fine-tuning
 #                                         -> $OUT/h200_lora_1.2B.json, h200_full_1.2B.json
-#   bash benches/h200.sh decode           on Dawn: the generation tests (f16 decoding included), then benches/decode.py
-#                                         at LFM2-350M shapes, batch 1 and 8, lfm2jit f32/f16 beside transformers
+#   bash benches/h200.sh decode           on Dawn: the generation tests (f16 decoding and the GPU token choice
+#                                         included), then benches/decode.py at LFM2-350M shapes, batch 1 and 8, greedy
+#                                         and sampled, lfm2jit f32/f16 (replayed decode steps) beside transformers
 #                                         fp32/bf16 on CUDA -> $OUT/h200_generate_tests_dawn.log, $OUT/h200_decode.json
 #   bash benches/h200.sh attention        on Dawn: the attention tests (the f16 ones on the matrix units), then the attention
 #                                         group and each f16 attention kernel at every candidate tile
@@ -106,9 +107,9 @@ attention)
     ;;
 decode)
     export LFM2JIT_WEBGPU=dawn
-    python3 -m pytest -q -p no:cacheprovider -rs tests/model/test_generate.py tests/trainer/test_evaluation.py tests/cli/test_cli_generate.py \
-        2>&1 | tee "$OUT/h200_generate_tests_dawn.log" | tail -3
-    timeout 400 python3 benches/decode.py --json "$OUT/h200_decode.json" 2>&1 | grep -v "^  \|Loading\|causal_conv" | tail -14
+    python3 -m pytest -q -p no:cacheprovider -rs tests/model/test_generate.py tests/model/test_decode.py \
+        tests/trainer/test_evaluation.py tests/cli/test_cli_generate.py 2>&1 | tee "$OUT/h200_generate_tests_dawn.log" | tail -3
+    timeout 500 python3 benches/decode.py --sample --json "$OUT/h200_decode.json" 2>&1 | grep -v "^  \|Loading\|causal_conv" | tail -20
     ;;
 gradsync)
     export LFM2JIT_WEBGPU=dawn
