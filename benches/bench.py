@@ -18,6 +18,10 @@ Groups (``--only`` takes group names):
   mtiles       the matrix-unit template at each of its candidate tiles, for fwd, fwd with an f16
                weight, fwd with an f32 result, dX and dW (4096^3 and the T = 2048 MLP/QKV
                shapes; best of 3 timings)
+  staging      the matrix-unit GEMM's staging, old against new (issue 51): fwd, dX and dW at the planner's
+               tiles with f16 workgroup tiles and with vec4<f16> ones, each also with two stages, at
+               the mtiles shapes; each line's speedup over f16 staging, and its result's largest
+               difference from theirs (best of 3 timings)
   attention    causal GQA flash attention forward and backward, T = 512/2048, H=16, G=8, E=64
   atiles       the three f16 attention kernels (fwd, dq, dkdv) at the SIMT template's tiles and at each
                matrix-unit candidate, T = 512/2048 (best of 3 timings)
@@ -51,7 +55,7 @@ import statistics
 import sys
 import time
 import traceback
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
@@ -67,7 +71,7 @@ from lfm2jit.tune.timing import warm_up
 
 # Datasheet ceilings per adapter-name substring: (fp32 FLOP/s without tensor cores, bytes/s)
 CEILINGS = {"H200": (67e12, 4.8e12), "H100": (67e12, 3.35e12)}
-GROUPS = ("ref", "matmul", "matrix", "tiles", "mtiles", "attention", "atiles", "conv", "rmsnorm", "pointwise", "xent", "adamw",
+GROUPS = ("ref", "matmul", "matrix", "tiles", "mtiles", "staging", "attention", "atiles", "conv", "rmsnorm", "pointwise", "xent", "adamw",
           "lora", "grouped", "limits", "train", "packing")
 QUICK_GROUPS = ("matmul", "attention", "conv", "rmsnorm", "pointwise", "xent", "adamw", "grouped", "limits", "train")
 GiB = float(1 << 30)
@@ -372,6 +376,48 @@ class Bench:
                                       2.0 * (m * k + n * k + m * n), wall_seconds=wall,
                                       extra={"tiles": asdict(cfg), "default": cfg == spec.params.tiles}))
             self.guarded("mtiles", "matrix", shape, one)
+
+    def staging(self):
+        """The matrix GEMM's staging, old against new: each product of a linear layer in --f16 mode
+        at the planner's tiles staged through f16 workgroup tiles (four 2-byte stores a fetched vec4)
+        and through vec4<f16> ones (one store; fragments loaded in vec4 units), each with one and two
+        stages, at MTILE_SHAPES (or --tile-shapes). The f16 line at the planner's stages is the
+        baseline: every line has its speedup over it and its result's largest difference from
+        it (the same products summed in the same order: 0 where vec4 offsets mean what Dawn says)."""
+        if not self.engine.target.matrix_configs:
+            self.add(Line("staging", "matrix_tiles", "-", error="the device has no f16 subgroup matrices"))
+            return
+        lin = library.get("linear").without({"r"})
+        products = {"fwd": (lin.variant("f16", {"w"}), "y"), "dx": (grad(lin, ["x"]).variant("f16", {"w"}), "d_x"),
+                    "dw": (grad(lin, ["w"]).variant("f16", {"d_w"}), "d_w")}
+        for m, n, k in self.tile_shapes or MTILE_SHAPES:
+            shape = f"{m}x{n}x{k}"
+
+            def one(m=m, n=n, k=k, shape=shape):
+                e = self.engine
+                args = {"x": e.tensor(_rand(self.rng, (m, k)), "f16"), "w": e.tensor(_rand(self.rng, (n, k))),
+                        "d_y": e.tensor(_rand(self.rng, (m, n)), "f16")}
+                for name, (kern, out) in products.items():
+                    given = {t.name: args[t.name] for t in kern.ir.inputs}
+                    pick = kern.kernels[0].specialize({"T": m, "K": k, "N": n}, 1, target=e.target).params.tiles
+                    staged = [replace(pick, vec4=v) for v in (False, True)]
+                    other = [replace(t, stages=3 - t.stages, prefetch=True) for t in staged]
+                    base = want = None
+                    for cfg in staged + other:
+                        label = f"{name}[{cfg.label}]"
+                        try:
+                            got = e.run(kern, tiles=cfg, **given)[out].numpy().astype(np.float64)
+                        except ValueError as err:      # two stages of the largest tiles do not fit
+                            self.add(Line("staging", label, shape, error=str(err)[:300]))
+                            continue
+                        s, timer, wall = min(time_engine(e, lambda: e.run(kern, tiles=cfg, **given), self.reps)[:3]
+                                             for _ in range(MTILE_ROUNDS))
+                        base, want = (s, got) if want is None else (base, want)
+                        self.add(Line("staging", label, shape, s, timer, 2.0 * m * n * k, 2.0 * (m * k + n * k + m * n),
+                                      wall_seconds=wall, extra={"tiles": asdict(cfg), "default": cfg == pick,
+                                                                "speedup_over_f16": base / s,
+                                                                "max_diff_vs_f16": float(np.abs(got - want).max())}))
+            self.guarded("staging", "matrix", shape, one)
 
     # ---- attention ----
     def attention(self):

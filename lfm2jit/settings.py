@@ -22,7 +22,7 @@ LFM2JIT_MATRIX_STAGING  f16 or vec4: how the matrix GEMM's default tiles stage K
                    each fetched vec4 as four f16 stores, or in one store into vec4-typed tiles whose
                    fragments load in vec4 units (where every operand is read as vec4s); the
                    autotuner tries both (default: f16, until the GPU measures vec4: see
-                   docs/kernel-language.md)
+                   docs/design.md)
 LFM2JIT_DAWN_ROBUSTNESS  on, or off to ask Dawn for devices without its bounds clamping of every
                    buffer access (the device toggle disable_robustness). lfm2jit's kernels keep
                    their own reads and writes in bounds, but off trusts that: a measured, opt-in
