@@ -18,7 +18,7 @@ LFM2JIT_MATRIX_UNITS  auto (the device's subgroup matrices where it has them), o
                    subgroup-matrix operations written out in plain WGSL on any device with shader-f16:
                    slow, for testing those templates where no matrix units exist, e.g. lavapipe in
                    CI, and for differential tests against the real ones) (default: auto)
-LFM2JIT_MATRIX_STAGING  f16 or vec4: how the matrix GEMM's default tiles stage K in workgroup memory,
+LFM2JIT_MATRIX_STAGING  f16 or vec4: how the dense matrix GEMM's default tiles stage K in workgroup memory,
                    each fetched vec4 as four f16 stores, or in one store into vec4-typed tiles whose
                    fragments load in vec4 units (where every operand is read as vec4s); the
                    autotuner tries both (default: f16, until the GPU measures vec4: see
