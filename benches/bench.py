@@ -479,7 +479,7 @@ class Bench:
                     for cfg in (choose_tiles(mode, e_), *matrix):
                         s, timer, wall = min(time_engine(e, lambda: e.run(kern, tiles=cfg, **given), self.reps)[:3]
                                              for _ in range(MTILE_ROUNDS))
-                        label = (f"{mode}[matrix {cfg.rows}x{cfg.tile}]" if cfg in matrix
+                        label = (f"{mode}[matrix {cfg.rows}x{cfg.tile}{'/v4' if cfg.vec4 else ''}]" if cfg in matrix
                                  else f"{mode}[simt {cfg.rows}x{cfg.tile}x{cfg.row_threads}]")
                         self.add(Line("atiles", label, shape, s, timer, flops, wall_seconds=wall,
                                       extra={"tiles": asdict(cfg), "default": cfg == spec.params.tiles}))

@@ -18,11 +18,11 @@ LFM2JIT_MATRIX_UNITS  auto (the device's subgroup matrices where it has them), o
                    subgroup-matrix operations written out in plain WGSL on any device with shader-f16:
                    slow, for testing those templates where no matrix units exist, e.g. lavapipe in
                    CI, and for differential tests against the real ones) (default: auto)
-LFM2JIT_MATRIX_STAGING  f16 or vec4: how the dense matrix GEMM's default tiles stage K in workgroup memory,
-                   each fetched vec4 as four f16 stores, or in one store into vec4-typed tiles whose
-                   fragments load in vec4 units (where every operand is read as vec4s); the
-                   autotuner tries both (default: f16, until the GPU measures vec4: see
-                   docs/design.md)
+LFM2JIT_MATRIX_STAGING  f16 or vec4: how the default tiles of the dense matrix GEMM and the matrix
+                   attention kernels stage their f16 operands in workgroup memory, each fetched vec4
+                   as four f16 stores, or in one store into vec4-typed tiles whose fragments load in
+                   vec4 units (GEMMs: where every operand is read as vec4s); the autotuner tries
+                   both (default: f16, until the GPU measures vec4: see docs/design.md)
 LFM2JIT_DAWN_ROBUSTNESS  on, or off to ask Dawn for devices without its bounds clamping of every
                    buffer access (the device toggle disable_robustness). lfm2jit's kernels keep
                    their own reads and writes in bounds, but off trusts that: a measured, opt-in

@@ -89,8 +89,9 @@ def for_spec(spec) -> tuple:
         return matrix(spec.params)
     if spec.template in ("attention_fwd", "attention_bwd"):
         return attention(spec.params.mode, spec.params.head_dim)
-    if spec.template in MATRIX_TEMPLATES.values():   # the planner's pick first; one that does not fit scores inf
-        return (spec.params.tiles, *(t for t in MATRIX_ATTENTION_CANDIDATES if t != spec.params.tiles))
+    if spec.template in MATRIX_TEMPLATES.values():   # the planner's pick first, last with the other staging
+        pick = spec.params.tiles                         # (one that does not fit scores inf)
+        return (pick, *(t for t in MATRIX_ATTENTION_CANDIDATES if t != pick), replace(pick, vec4=not pick.vec4))
     if spec.template == "colreduce" and spec.params.split > 1:   # only what the planner found long and narrow
         return (ColumnTiles(spec.params.split), *(ColumnTiles(s) for s in COLUMN_SPLITS if s != spec.params.split))
     return ()

@@ -144,9 +144,12 @@ class AttentionTiles:
 class MatrixAttentionTiles:
     """Block sizes of the matrix-unit attention kernels: ``rows`` owned rows per workgroup
     (queries; keys for dkdv), one subgroup per fragment height of them; ``tile`` rows streamed per
-    step (keys; queries for dkdv)."""
+    step (keys; queries for dkdv). ``vec4``: the head-dim tiles (q, k, v, dO) are typed
+    array<vec4<f16>>, staged one fetched vec4 a store, fragments loaded in vec4 units (as
+    MatrixTiles.vec4); P and dS, stored a score at a time, stay f16."""
     rows: int
     tile: int
+    vec4: bool = False
 
 
 @dataclass(frozen=True)
