@@ -45,7 +45,8 @@
 #   bash benches/h200.sh staging          issue 51 in one call, on Dawn: the matrix-unit GEMM tests (vec4 staging on the real
 #                                         units against float64) and every template variant through Tint, then the staging
 #                                         group (fwd, dX, dW at 4096^3 and the LFM2-350M T = 2048 shapes, f16 and vec4 tiles,
-#                                         one and two stages), then --f16 train steps at 8x512 with each staging as the
+#                                         one and two stages; attention's three kernels at T = 2048, f16 and vec4 tiles),
+#                                         then --f16 train steps at 8x512 with each staging as the
 #                                         default -> $OUT/<card>_staging_tests_dawn.log, <card>_staging.json,
 #                                         <card>_staging_train_{f16,vec4}.json
 #   bash benches/h200.sh mpi              the host side of the gradient exchange: benches/readback.py (1 and 4 copy threads),
@@ -175,12 +176,12 @@ packing)
 staging)
     export LFM2JIT_WEBGPU=dawn
     card=$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -o "H[0-9]*" | head -1 | tr A-Z a-z)
-    timeout 200 python3 -m pytest -q -p no:cacheprovider -rs tests/compiler/test_template_variants.py \
-        tests/compiler/test_matrix_units.py -k "float64 or vec4 or accumulate or compiles" 2>&1 \
+    timeout 150 python3 -m pytest -q -p no:cacheprovider -rs tests/compiler/test_template_variants.py \
+        tests/compiler/test_matrix_units.py tests/compiler/test_attention_matrix.py -k "float64 or vec4 or accumulate or compiles" 2>&1 \
         | tee "$OUT/${card}_staging_tests_dawn.log" | tail -3
     timeout 240 python3 benches/bench.py --only staging --json "$OUT/${card}_staging.json" 2>&1 | grep "^staging"
     for staging in f16 vec4; do
-        LFM2JIT_MATRIX_STAGING=$staging timeout 80 python3 -m lfm2jit.bench --only train --f16 --train-shapes 8x512 \
+        LFM2JIT_MATRIX_STAGING=$staging timeout 70 python3 -m lfm2jit.bench --only train --f16 --train-shapes 8x512 \
             --steps 2 --json "$OUT/${card}_staging_train_$staging.json" 2>&1 | grep "^train"
     done
     ;;
