@@ -305,7 +305,7 @@ def target_of(ctx, matrix_units: str = "auto", matrix_staging: str = "f16") -> T
     configs = tuple(c for c in (_matrix_config(d) for d in getattr(ctx, "subgroup_matrix_configs", ())) if c)
     info = getattr(ctx, "info", {})
     subgroup = int(info.get("subgroup_min_size") or info.get("subgroupMinSize") or (32 if configs else 0))
-    return Target(configs, subgroup if configs else 0, vec4_staging=vec4 and bool(configs), **device)
+    return Target(configs, subgroup if configs else 0, vec4_staging=vec4, **device)
 
 
 def _matrix_config(d) -> MatrixConfig | None:
