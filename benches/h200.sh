@@ -43,6 +43,13 @@
 #   bash benches/h200.sh packing          on Dawn: the packing group at LFM2-350M shapes, windows of 16 sequences with the
 #                                         shipped chat data's token lengths times 1 and times 8 (a long-chat set of the
 #                                         same shape), --packing pad and concat -> $OUT/<card>_packing_x{1,8}.json
+#   bash benches/h200.sh staging          issue 51 in one call, on Dawn: the matrix-unit GEMM tests (vec4 staging on the real
+#                                         units against float64) and every template variant through Tint, then the staging
+#                                         group (fwd, dX, dW at 4096^3 and the LFM2-350M T = 2048 shapes, f16 and vec4 tiles,
+#                                         one and two stages; attention's three kernels at T = 2048, f16 and vec4 tiles),
+#                                         then --f16 train steps at 8x512 with each staging as the
+#                                         default -> $OUT/<card>_staging_tests_dawn.log, <card>_staging.json,
+#                                         <card>_staging_train_{f16,vec4}.json
 #   bash benches/h200.sh mpi              the host side of the gradient exchange: benches/readback.py (1 and 4 copy threads),
 #                                         then benches/mpi_exchange.py (no GPU) with 2 ranks under MPICH's transports and
 #                                         settings, and with 4 -> $OUT/h200_readback.json, $OUT/h200_mpi_exchange.log
@@ -167,6 +174,18 @@ packing)
             --length-scale "$scale" --json "$OUT/${card}_packing_x${scale}.json" 2>&1 | grep "^packing"
     done
     ;;
+staging)
+    export LFM2JIT_WEBGPU=dawn
+    card=$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -o "H[0-9]*" | head -1 | tr A-Z a-z)
+    timeout 150 python3 -m pytest -q -p no:cacheprovider -rs tests/compiler/test_template_variants.py \
+        tests/compiler/test_matrix_units.py tests/compiler/test_attention_matrix.py -k "float64 or vec4 or accumulate or compiles" 2>&1 \
+        | tee "$OUT/${card}_staging_tests_dawn.log" | tail -3
+    timeout 240 python3 benches/bench.py --only staging --json "$OUT/${card}_staging.json" 2>&1 | grep "^staging"
+    for staging in f16 vec4; do
+        LFM2JIT_MATRIX_STAGING=$staging timeout 70 python3 -m lfm2jit.bench --only train --f16 --train-shapes 8x512 \
+            --steps 2 --json "$OUT/${card}_staging_train_$staging.json" 2>&1 | grep "^train"
+    done
+    ;;
 mpi)
     export LFM2JIT_WEBGPU=dawn
     install_mpi
@@ -182,6 +201,6 @@ mpi)
     } | tee "$OUT/h200_mpi_exchange.log"
     ;;
 *)
-    echo "usage: bash benches/h200.sh tests | matrix | speed [BASE] | lora | attention | decode | gradsync | limits | moe | moelora | ckpt | mpi" >&2; exit 2 ;;
+    echo "usage: bash benches/h200.sh tests | matrix | speed [BASE] | lora | attention | decode | gradsync | limits | moe | moelora | ckpt | staging | mpi" >&2; exit 2 ;;
 esac
 echo "took $(( $(date +%s) - start )) s"
