@@ -9,6 +9,7 @@ import sys
 import weakref
 
 from ..settings import WEBGPU_IMPLEMENTATIONS, settings
+from . import driver_cache
 from .implementations import IMPLEMENTATIONS, SUBGROUP_MATRIX, is_gpu
 
 # Preference order: a discrete GPU beats an integrated one, which beats a CPU rasterizer.
@@ -153,6 +154,7 @@ class WgpuContext:
         lists a GPU, else wgpu-native)."""
         ensure_runtime_dir()
         opts = settings()
+        driver_cache.enable(opts.cache_dir)         # before a driver loads: it reads its cache's place once
         wanted = adapter_substring if adapter_substring is not None else opts.adapter
         impl = choose_implementation(webgpu or opts.webgpu)
         adapter = choose_adapter(impl.adapters(), wanted, impl.name, opts.adapter_index)
