@@ -135,7 +135,7 @@ class WgpuContext:
     """The device everything runs on, with the optional features it offers and raised limits."""
 
     def __init__(self, adapter, device, features: frozenset[str], implementation: str = "wgpu-native",
-                 subgroup_matrix_configs: tuple[dict, ...] = ()):
+                 subgroup_matrix_configs: tuple[dict, ...] = (), binaries=None):
         self.adapter = adapter
         self.device = device
         self.queue = device.queue
@@ -145,6 +145,7 @@ class WgpuContext:
         self.implementation = implementation
         self.maps_after_last_use = IMPLEMENTATIONS[implementation].maps_after_last_use
         self.subgroup_matrix_configs = subgroup_matrix_configs
+        self.binaries = binaries      # Dawn's blob cache (runtime/dawn_cache.py) where one is in use
         self._engines: weakref.WeakSet = weakref.WeakSet()
 
     @classmethod
@@ -161,8 +162,9 @@ class WgpuContext:
         features = frozenset(f for f in OPTIONAL_FEATURES if f in adapter.features)
         limits = ({k: adapter.limits[k] for k in RAISED_LIMITS if k in adapter.limits} if opts.limits == "raised"
                   else {k: v for k, v in WEBGPU_DEFAULT_LIMITS.items() if k in adapter.limits})
-        device = impl.request_device(adapter, features, limits)
-        return cls(adapter, device, features, impl.name, impl.subgroup_matrix_configs(adapter))
+        binaries = impl.binary_cache(adapter, opts.cache_dir)     # kept alive with the device
+        device = impl.request_device(adapter, features, limits, binaries)
+        return cls(adapter, device, features, impl.name, impl.subgroup_matrix_configs(adapter), binaries)
 
     @functools.cached_property
     def name(self) -> str:
