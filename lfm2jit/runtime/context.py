@@ -144,6 +144,7 @@ class WgpuContext:
         self.info = dict(adapter.info)
         self.implementation = implementation
         self.maps_after_last_use = IMPLEMENTATIONS[implementation].maps_after_last_use
+        self.compiles_async = IMPLEMENTATIONS[implementation].compiles_async
         self.subgroup_matrix_configs = subgroup_matrix_configs
         self.binaries = binaries      # Dawn's blob cache (runtime/dawn_cache.py) where one is in use
         self._engines: weakref.WeakSet = weakref.WeakSet()

@@ -24,6 +24,7 @@ class WgpuNative:
     # the copy into it that a long submission ended with had run (tests/trainer/test_sync.py read the last
     # window's gradients); its reads wait for the whole queue first.
     maps_after_last_use = False
+    compiles_async = False      # its create_compute_pipeline_async compiles on the calling thread
 
     @functools.cached_property
     def module(self):
@@ -48,6 +49,7 @@ class WgpuNative:
 class Dawn:
     name = "dawn"
     maps_after_last_use = True     # Dawn's MapAsync waits for the buffer's last usage serial
+    compiles_async = True          # CreateComputePipelineAsync compiles on Dawn's worker threads
 
     @functools.cached_property
     def module(self):

@@ -311,3 +311,22 @@ def test_a_binding_over_the_adapters_limit_is_refused_before_gpu_work(ctx, rng, 
     assert e.dispatches == before
     monkeypatch.setitem(e.ctx.limits, "max-storage-buffer-binding-size", 8192)
     assert e.run("softmax", x=x)["y"].shape == (64, 32)
+
+
+def test_async_compiles_are_all_issued_before_the_first_wait(ctx, monkeypatch):
+    """As on Dawn: build() issues each pipeline and returns; the periodic flush waits while compiles
+    are pending, so the first submission comes after every kernel of the recorded work was issued."""
+    from lfm2jit.runtime import recorder
+    monkeypatch.setattr(recorder, "SUBMIT_EVERY", 2)
+    engine = ComputeEngine(ctx)
+    engine.compiles_async = True            # wgpu-native's create_compute_pipeline_async hands back promises
+    module = compile_source("\n".join(f"kernel add{k}(x: f32[N]) -> (y: f32[N]) {{ y = x + {k}.0 }}"
+                                       for k in range(1, 5)))
+    x = np.arange(4, dtype=np.float32)
+    t = engine.tensor(x)
+    for kernel in module:                   # four kernels: four pipelines issued
+        t = engine.run(kernel, x=t)["y"]
+    assert len(engine._compiling) == 4 and all(c.pending for c in engine._compiling)
+    assert engine.dispatches == 4 and len(engine._commands) == 4       # nothing submitted yet
+    np.testing.assert_array_equal(t.numpy(), x + 10)
+    assert not engine._compiling
