@@ -179,14 +179,17 @@ class Recorder:
         """Wait for the pipelines still compiling. One the adapter refused is forgotten, and the work
         recorded since the last flush, which cannot run without it, is dropped before the error."""
         compiling, self._compiling = self._compiling, []
-        for compiled in compiling:
+        refused = None
+        for compiled in compiling:          # every one waited for, so none is left to fail mid-encoding
             try:
                 compiled.pipelines
-            except ShaderCompileError:
+            except ShaderCompileError as e:
                 self._pipelines.pop((compiled.shader.key, self.ctx.name), None)
-                self._commands, self._infos = [], []
-                self._keepalive.clear()
-                raise
+                refused = refused or e
+        if refused is not None:
+            self._commands, self._infos = [], []
+            self._keepalive.clear()
+            raise refused
 
     # ---- tensors ----
     def empty(self, shape, dtype: str = "f32", capacity: int | None = None, exact: bool = False) -> Tensor:
