@@ -138,11 +138,9 @@ def cache_lines(ctx, cache_dir) -> list[str]:
     refused = untrusted_reason(cache_dir)
     if refused:
         return [f"LFM2JIT_CACHE_DIR={cache_dir} is not used: {refused}"]
-    dawn = (f"Dawn's blob cache (SPIR-V, Vulkan pipeline cache): {ctx.binaries.cache.root}" if ctx.binaries is not None
-            else "no pipeline cache of the implementation's own (wgpu-native 0.32 exports none)")
     drivers = {os.environ.get(n) for n in ("MESA_SHADER_CACHE_DIR", "__GL_SHADER_DISK_CACHE_PATH")} - {None}
     return [f"LFM2JIT_CACHE_DIR={cache_dir}: compiled pipelines kept between processes:",
-            f"  generated WGSL: {cache_dir}", f"  {dawn}",
+            f"  generated WGSL: {cache_dir}",
             f"  the driver's shader disk cache (Mesa, NVIDIA): {', '.join(sorted(drivers))}"]
 
 

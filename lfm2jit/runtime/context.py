@@ -135,7 +135,7 @@ class WgpuContext:
     """The device everything runs on, with the optional features it offers and raised limits."""
 
     def __init__(self, adapter, device, features: frozenset[str], implementation: str = "wgpu-native",
-                 subgroup_matrix_configs: tuple[dict, ...] = (), binaries=None):
+                 subgroup_matrix_configs: tuple[dict, ...] = ()):
         self.adapter = adapter
         self.device = device
         self.queue = device.queue
@@ -146,7 +146,6 @@ class WgpuContext:
         self.maps_after_last_use = IMPLEMENTATIONS[implementation].maps_after_last_use
         self.compiles_async = IMPLEMENTATIONS[implementation].compiles_async
         self.subgroup_matrix_configs = subgroup_matrix_configs
-        self.binaries = binaries      # Dawn's blob cache (runtime/dawn_cache.py) where one is in use
         self._engines: weakref.WeakSet = weakref.WeakSet()
 
     @classmethod
@@ -163,9 +162,8 @@ class WgpuContext:
         features = frozenset(f for f in OPTIONAL_FEATURES if f in adapter.features)
         limits = ({k: adapter.limits[k] for k in RAISED_LIMITS if k in adapter.limits} if opts.limits == "raised"
                   else {k: v for k, v in WEBGPU_DEFAULT_LIMITS.items() if k in adapter.limits})
-        binaries = impl.binary_cache(adapter, opts.cache_dir)     # kept alive with the device
-        device = impl.request_device(adapter, features, limits, binaries)
-        return cls(adapter, device, features, impl.name, impl.subgroup_matrix_configs(adapter), binaries)
+        device = impl.request_device(adapter, features, limits)
+        return cls(adapter, device, features, impl.name, impl.subgroup_matrix_configs(adapter))
 
     @functools.cached_property
     def name(self) -> str:
