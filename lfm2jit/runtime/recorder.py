@@ -58,18 +58,18 @@ class Compiled:
     def __init__(self, shader: Shader, made: tuple, layout, issued: bool = False):
         self.shader = shader
         self.layout = layout
-        self._made = made
+        self.made = made          # the pipelines, or promises of them while issued
         self.pending = issued
 
     @property
     def pipelines(self) -> tuple:
         if self.pending:
             try:
-                self._made = tuple(p.sync_wait() for p in self._made)
+                self.made = tuple(p.sync_wait() for p in self.made)
             except Exception as e:  # noqa: BLE001 - the implementation's error, e.g. a workgroup over the limits
                 raise refused(self.shader, e) from None
             self.pending = False
-        return self._made
+        return self.made
 
     @property
     def wgsl(self) -> str:
@@ -179,6 +179,9 @@ class Recorder:
         """Wait for the pipelines still compiling. One the adapter refused is forgotten, and the work
         recorded since the last flush, which cannot run without it, is dropped before the error."""
         compiling, self._compiling = self._compiling, []
+        settle = getattr(self.ctx, "settle_compiles", None)
+        if settle is not None:          # all of them at once, then each is read without waiting
+            settle([p for compiled in compiling for p in compiled.made])
         refused = None
         for compiled in compiling:          # every one waited for, so none is left to fail mid-encoding
             try:
