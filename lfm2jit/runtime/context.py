@@ -144,6 +144,9 @@ class WgpuContext:
         self.info = dict(adapter.info)
         self.implementation = implementation
         self.maps_after_last_use = IMPLEMENTATIONS[implementation].maps_after_last_use
+        self.compiles_async = IMPLEMENTATIONS[implementation].compiles_async
+        if self.compiles_async:
+            self.settle_compiles = IMPLEMENTATIONS[implementation].settle
         self.subgroup_matrix_configs = subgroup_matrix_configs
         self._engines: weakref.WeakSet = weakref.WeakSet()
 
