@@ -3,8 +3,8 @@
 The driver turns each pipeline's SPIR-V (or DXIL, MSL) into machine code; that is most of a
 pipeline's compile time, and the drivers can keep the result on disk themselves. lfm2jit points
 them at ``LFM2JIT_CACHE_DIR/driver`` before a driver loads: Mesa's drivers (lavapipe, RADV, ANV)
-through MESA_SHADER_CACHE_DIR, NVIDIA's through __GL_SHADER_DISK_CACHE (off when running as root
-unless set) and __GL_SHADER_DISK_CACHE_PATH. A variable the user set is left as it is. The drivers
+through MESA_SHADER_CACHE_DIR, NVIDIA's through __GL_SHADER_DISK_CACHE=1 (said to be off for root
+by default; it was on for root on the lent H100) and __GL_SHADER_DISK_CACHE_PATH. A variable the user set is left as it is. The drivers
 key their entries by the shader's binary, the device and the driver's build, and check each entry's
 checksum (Mesa: CRC32) before use: a changed kernel is a new entry, a damaged one is compiled again.
 """
