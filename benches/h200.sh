@@ -20,6 +20,11 @@
 #                                         included), then benches/decode.py at LFM2-350M shapes, batch 1 and 8, greedy
 #                                         and sampled, lfm2jit f32/f16 (replayed decode steps) beside transformers
 #                                         fp32/bf16 on CUDA -> $OUT/h200_generate_tests_dawn.log, $OUT/h200_decode.json
+#   bash benches/h200.sh startup [BASE]   the caches' tests on Dawn, then benches/startup.py at LFM2-350M, $SHAPE (8x512), --f16: cold
+#                                         and warm start-up on Dawn and on wgpu-native -> $OUT/startup_dawn.json,
+#                                         startup_wgpu_native.json; with BASE (an older checkout) the first --f16
+#                                         8x512 window in one process on Dawn (the bench's train line), this
+#                                         checkout's and BASE's -> $OUT/startup_train.json, startup_base_train.json
 #   bash benches/h200.sh attention        on Dawn: the attention tests (the f16 ones on the matrix units), then the attention
 #                                         group and each f16 attention kernel at every candidate tile
 #                                         -> $OUT/h200_attention_tests_dawn.log, $OUT/h200_attention.json
@@ -118,6 +123,20 @@ decode)
         tests/trainer/test_evaluation.py tests/cli/test_cli_generate.py 2>&1 | tee "$OUT/h200_generate_tests_dawn.log" | tail -3
     timeout 500 python3 benches/decode.py --sample --json "$OUT/h200_decode.json" 2>&1 | grep -v "^  \|Loading\|causal_conv" | tail -20
     ;;
+startup)
+    LFM2JIT_WEBGPU=dawn timeout 120 python3 -m pytest -q -p no:cacheprovider -n 0 -rs tests/runtime/test_compile_cache.py \
+        tests/runtime/test_engine.py tests/runtime/test_program.py 2>&1 | tail -4
+    for impl in dawn wgpu-native; do
+        LFM2JIT_WEBGPU=$impl timeout 240 python3 benches/startup.py --preset 350M --shape "${SHAPE:-8x512}" --f16 \
+            --json "$OUT/startup_${impl/-/_}.json" 2>&1 | tail -3
+    done
+    if [ -n "${2:-}" ]; then      # the first window in one process, this checkout and BASE, no disk cache
+        LFM2JIT_WEBGPU=dawn timeout 200 python3 benches/bench.py --only train --f16 --train-shapes "${SHAPE:-8x512}" --steps 1 \
+            --json "$OUT/startup_train.json" 2>&1 | tail -2
+        (cd "$2" && LFM2JIT_WEBGPU=dawn PYTHONPATH=/tmp/site:$PWD timeout 200 python3 benches/bench.py --only train --f16 \
+            --train-shapes "${SHAPE:-8x512}" --steps 1 --json "$OUT/startup_base_train.json" 2>&1 | tail -2)
+    fi
+    ;;
 gradsync)
     export LFM2JIT_WEBGPU=dawn
     install_mpi
@@ -201,6 +220,6 @@ mpi)
     } | tee "$OUT/h200_mpi_exchange.log"
     ;;
 *)
-    echo "usage: bash benches/h200.sh tests | matrix | speed [BASE] | lora | attention | decode | gradsync | limits | moe | moelora | ckpt | staging | mpi" >&2; exit 2 ;;
+    echo "usage: bash benches/h200.sh tests | matrix | speed [BASE] | startup [BASE] | lora | attention | decode | gradsync | limits | moe | moelora | ckpt | staging | mpi" >&2; exit 2 ;;
 esac
 echo "took $(( $(date +%s) - start )) s"

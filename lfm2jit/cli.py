@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from .driver import STAGES, Kernel, compile_source, grad, stages
-from .safefiles import write_atomic
+from .safefiles import untrusted_reason, write_atomic
 from .dsl.errors import DslError
 from .ir.nodes import SEQ_AXIS
 from .ops import library
@@ -131,9 +131,24 @@ def feature_lines(ctx) -> list[str]:
     return [f"  {name}: {'present' if has else 'absent'}: {yes if has else no}" for name, has, yes, no in rows]
 
 
+def cache_lines(ctx, cache_dir) -> list[str]:
+    """Where each layer of compiled pipelines is kept between processes (docs/design.md)."""
+    if cache_dir is None:
+        return ["LFM2JIT_CACHE_DIR unset: a new process compiles every pipeline again"]
+    refused = untrusted_reason(cache_dir)
+    if refused:
+        return [f"LFM2JIT_CACHE_DIR={cache_dir} is not used: {refused}"]
+    drivers = {os.environ.get(n) for n in ("MESA_SHADER_CACHE_DIR", "__GL_SHADER_DISK_CACHE_PATH")} - {None}
+    return [f"LFM2JIT_CACHE_DIR={cache_dir}: compiled pipelines kept between processes:",
+            f"  generated WGSL: {cache_dir}",
+            f"  the driver's shader disk cache (Mesa, NVIDIA): {', '.join(sorted(drivers))}"]
+
+
 def cmd_info(args) -> None:
     """The WebGPU implementation and adapter lfm2jit would use, what each implementation lists, and
     the limits and features of the device it gets that decide the schedules."""
+    if args.startup:
+        return run_startup_bench()
     from .runtime.context import AdapterError, WgpuContext, _quiet_stderr, describe, ensure_runtime_dir
     from .runtime.implementations import IMPLEMENTATIONS
     from .settings import settings
@@ -160,6 +175,7 @@ def cmd_info(args) -> None:
           + {"off": "the portable SIMT path",
              "emulate": "the matrix templates, subgroup matrices emulated in plain WGSL (slow; for testing)"}.get(
               mode, "the matrix units" if ctx.subgroup_matrix_configs else "the portable SIMT path (no matrix units)"))
+    print("\n" + "\n".join(cache_lines(ctx, opts.cache_dir)))
     print("\nfeatures that decide the schedules:")
     print("\n".join(feature_lines(ctx)))
     limits_mode = getattr(opts, "limits", "raised")
@@ -170,6 +186,18 @@ def cmd_info(args) -> None:
         size = "" if not isinstance(value, int) or value < 2 ** 20 else (
             f" ({value >> 20} MiB)" if value % 2 ** 20 == 0 else f" (about {round(value / 2 ** 20)} MiB)")
         print(f"  {key}: {'(not reported)' if value is None else value}{size}: {what}")
+
+
+def run_startup_bench() -> None:
+    """benches/startup.py at its defaults: it trains (the trainer is not part of this package), so
+    it runs from a source checkout, as python -m lfm2jit.bench does."""
+    import runpy
+    script = Path(__file__).resolve().parents[1] / "benches" / "startup.py"
+    if not script.exists():
+        raise UsageError(f"--startup runs benches/startup.py, which is not here ({script}); it ships with the "
+                         "source checkout (git clone, then pip install -e .)")
+    sys.argv = [str(script)]
+    runpy.run_path(str(script), run_name="__main__")
 
 
 def cmd_list(args) -> None:
@@ -214,6 +242,9 @@ def parser() -> argparse.ArgumentParser:
     ls.set_defaults(run=cmd_list)
     info = sub.add_parser("info", help="the WebGPU implementation and adapter in use, and the features and limits that "
                                            "decide the schedules")
+    info.add_argument("--startup", action="store_true",
+                      help="instead: cold and warm start-up, the time to the first finished train step of a fresh "
+                           "process with an empty and with a warm cache (benches/startup.py; its flags there)")
     info.set_defaults(run=cmd_info)
     dump = sub.add_parser("dump", help="print (or write) what one kernel compiles to (WGSL by default)",
                           description="Print the stages one kernel (shipped, or from FILE.lk) compiles to at concrete sizes: "

@@ -75,6 +75,15 @@ class ComputeEngine(Recorder):
             write_atomic(self.dump_dir / f"{spec.kernel}-{spec.key}.wgsl", wgsl)
         return CompiledKernel(spec, compiled)
 
+    def _wait_for_compiles(self) -> None:
+        """The recorder's wait for pipelines compiling asynchronously, counted in stats.compile_seconds
+        (which is host time spent compiling: issuing compiles, and waiting for them)."""
+        if not self._compiling:
+            return
+        with Timer() as t:
+            super()._wait_for_compiles()
+        self.stats.compile_seconds += t.seconds
+
     # ---- recording ----
     def run(self, kernel: Kernel | str, *, bucket: int = 1, dims: dict[str, int] | None = None,
             out: dict[str, Tensor] | None = None, accumulate=(), tiles=None, f16=(), **args) -> dict[str, Tensor]:

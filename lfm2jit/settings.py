@@ -4,7 +4,8 @@ LFM2JIT_ADAPTER    substring of the adapter name/vendor/backend to use (default:
 LFM2JIT_ADAPTER_INDEX  N: of several equally good adapters (two GPUs of one kind), the N-th (mod
                    their number), in the order the implementation lists them; python -m trainer
                    --distributed mpi sets it to each rank's local rank, one GPU per rank (default 0)
-LFM2JIT_CACHE_DIR  directory for the on-disk cache of generated WGSL (default: no disk cache)
+LFM2JIT_CACHE_DIR  directory for the on-disk caches: generated WGSL and the GPU driver's shader
+                   cache (driver/) (default: no disk cache)
 LFM2JIT_DUMP_DIR   directory where every WGSL the engine compiles is also written (default: none)
 LFM2JIT_TIMING     1 to time every dispatch with GPU timestamp queries (default: off)
 LFM2JIT_AUTOTUNE   1 to benchmark the matmul and attention tile candidates (and the slices of long

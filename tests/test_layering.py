@@ -29,7 +29,7 @@ ALLOWED = {
     "driver": {"dsl", "ir", "schedule", "codegen", "safefiles"} | TILES,
     "settings": set(),
     "safefiles": set(),
-    "runtime": {"settings"},
+    "runtime": {"settings", "safefiles"},
     "tune": {"schedule", "settings", "ir", "dsl", "safefiles"} | TILES,
     "engine": {"driver", "dsl", "ir", "schedule", "codegen", "runtime", "settings", "tune", "safefiles"} | TILES,
 }

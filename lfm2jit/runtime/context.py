@@ -9,6 +9,7 @@ import sys
 import weakref
 
 from ..settings import WEBGPU_IMPLEMENTATIONS, settings
+from . import driver_cache
 from .implementations import IMPLEMENTATIONS, SUBGROUP_MATRIX, is_gpu
 
 # Preference order: a discrete GPU beats an integrated one, which beats a CPU rasterizer.
@@ -143,6 +144,9 @@ class WgpuContext:
         self.info = dict(adapter.info)
         self.implementation = implementation
         self.maps_after_last_use = IMPLEMENTATIONS[implementation].maps_after_last_use
+        self.compiles_async = IMPLEMENTATIONS[implementation].compiles_async
+        if self.compiles_async:
+            self.settle_compiles = IMPLEMENTATIONS[implementation].settle
         self.subgroup_matrix_configs = subgroup_matrix_configs
         self._engines: weakref.WeakSet = weakref.WeakSet()
 
@@ -153,6 +157,7 @@ class WgpuContext:
         lists a GPU, else wgpu-native)."""
         ensure_runtime_dir()
         opts = settings()
+        driver_cache.enable(opts.cache_dir)         # before a driver loads: it reads its cache's place once
         wanted = adapter_substring if adapter_substring is not None else opts.adapter
         impl = choose_implementation(webgpu or opts.webgpu)
         adapter = choose_adapter(impl.adapters(), wanted, impl.name, opts.adapter_index)

@@ -3,14 +3,18 @@
 Both packages present wgpu-py's API (their enums and flags have the same values), so everything
 but finding adapters and making a device is shared. Dawn reaches the matrix units through its
 experimental subgroup matrices; wgpu-native reaches Mesa's lavapipe, which Dawn does not list.
+Compiled pipelines persist between processes through the driver's own disk cache
+(runtime/driver_cache.py).
 """
 from __future__ import annotations
 
 import functools
+import time
 
 from ..settings import DAWN_DEVICE_DISABLED_TOGGLES, DAWN_INSTANCE_TOGGLES, settings
 
 SUBGROUP_MATRIX = "chromium-experimental-subgroup-matrix"
+SETTLE_POLL_S = 0.0005     # between Dawn's event ticks while pipelines compile
 
 
 class WgpuNative:
@@ -20,6 +24,7 @@ class WgpuNative:
     # the copy into it that a long submission ended with had run (tests/trainer/test_sync.py read the last
     # window's gradients); its reads wait for the whole queue first.
     maps_after_last_use = False
+    compiles_async = False      # its create_compute_pipeline_async compiles on the calling thread
 
     @functools.cached_property
     def module(self):
@@ -39,6 +44,7 @@ class WgpuNative:
 class Dawn:
     name = "dawn"
     maps_after_last_use = True     # Dawn's MapAsync waits for the buffer's last usage serial
+    compiles_async = True          # CreateComputePipelineAsync compiles on Dawn's worker threads
 
     @functools.cached_property
     def module(self):
@@ -61,6 +67,14 @@ class Dawn:
 
     def adapters(self) -> list:
         return list(self.module.gpu.enumerate_adapters_sync()) if self.available() else []
+
+    def settle(self, promises) -> None:
+        """Return once every promise has its result. Dawn hands a finished asynchronous pipeline to
+        its callback when the device is ticked, so a sync_wait on each in turn waited out wgpudawn's
+        100 ms wait chunks (about 0.1 s a pipeline on the H100); this ticks Dawn until none is pending."""
+        while any(p._state == "pending" for p in promises):      # wgpudawn's GPUPromise state
+            self.extras.process_events()
+            time.sleep(SETTLE_POLL_S)
 
     def request_device(self, adapter, features, limits):
         unclamped = () if settings().dawn_robustness else ("disable_robustness",)

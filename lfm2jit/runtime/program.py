@@ -85,8 +85,8 @@ class Program:
                 group = groups[key] = engine.make_bind_group(compiled, self._info_buffer, bindings)
             at = len(self._infos)              # this call's block: calls are laid out in capture order
             self._infos += info.ljust(size, b"\0")
-            for pipeline, workgroups in stages:
-                commands.append(("dispatch", compiled, pipeline, group, workgroups, at))
+            for stage, workgroups in stages:
+                commands.append(("dispatch", compiled, stage, group, workgroups, at))
         self._commands = commands
         self._entries = []
         if self._infos:                        # a capture of clears and copies alone has no info blocks

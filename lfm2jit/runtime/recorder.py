@@ -5,6 +5,11 @@ info block). What is recorded goes into one command encoder when ``flush`` is ca
 reading a tensor does by itself, and every SUBMIT_EVERY dispatches, so the GPU works through a
 step while the host is still recording it. Nothing here knows the compiler: a shader arrives as
 WGSL text with its binding table and entry points (``Shader``).
+
+Where the implementation compiles pipelines asynchronously (Dawn, on its worker threads), ``build``
+only issues the compiles; the first flush waits for them. While compiles are pending, the periodic
+flush is put off (up to RING_BLOCKS dispatches), so all of a window's compiles are issued before
+any wait and run in parallel.
 """
 from __future__ import annotations
 
@@ -24,8 +29,8 @@ from .tensor import ITEMSIZE, Tensor, buffer_bytes, infer_dtype
 
 MAX_GROUPS_PER_DIM = 65535
 INFO_BYTES = 256           # one info block (t_valid + scalars) per dispatch: the uniform offset alignment
-SUBMIT_EVERY = 32          # recorded dispatches per submission (and info blocks in the ring): the GPU starts
-                           # on them while Python records more
+SUBMIT_EVERY = 32          # recorded dispatches per submission: the GPU starts on them while Python records more
+RING_BLOCKS = 1024         # info blocks in the ring: the dispatches recorded while pipelines still compile
 MAX_QUERIES = 4096
 _ENABLES_F16 = re.compile(r"^\s*enable\b[^;]*\bf16\b", re.MULTILINE)    # WGSL's `enable f16;` directive
 
@@ -45,22 +50,41 @@ class Shader:
     entry_points: tuple[tuple[str, int | tuple[int, int, int]], ...]
 
 
-@dataclass
 class Compiled:
-    shader: Shader
-    pipelines: tuple          # one per entry point, dispatched in order ("main", then e.g. "reduce")
-    layout: object
+    """A shader's pipelines, one per entry point, dispatched in order ("main", then e.g. "reduce"),
+    and their bind group layout. Where they were issued asynchronously they are promises until
+    ``pipelines`` is first read, which waits for them."""
+
+    def __init__(self, shader: Shader, made: tuple, layout, issued: bool = False):
+        self.shader = shader
+        self.layout = layout
+        self.made = made          # the pipelines, or promises of them while issued
+        self.pending = issued
+
+    @property
+    def pipelines(self) -> tuple:
+        if self.pending:
+            try:
+                self.made = tuple(p.sync_wait() for p in self.made)
+            except Exception as e:  # noqa: BLE001 - the implementation's error, e.g. a workgroup over the limits
+                raise refused(self.shader, e) from None
+            self.pending = False
+        return self.made
 
     @property
     def wgsl(self) -> str:
         return self.shader.wgsl
 
     @functools.cached_property
-    def stages(self) -> list[tuple[object, tuple[int, int, int]]]:
-        """(pipeline, workgroups) of each dispatch one call of this shader records."""
-        groups = [grid if isinstance(grid, tuple) else fold_workgroups(grid) + (1,)
-                  for _, grid in self.shader.entry_points]
-        return list(zip(self.pipelines, groups))
+    def stages(self) -> list[tuple[int, tuple[int, int, int]]]:
+        """(entry point index, workgroups) of each dispatch one call of this shader records."""
+        return [(i, grid if isinstance(grid, tuple) else fold_workgroups(grid) + (1,))
+                for i, (_, grid) in enumerate(self.shader.entry_points)]
+
+
+def refused(shader: Shader, error: Exception) -> ShaderCompileError:
+    return ShaderCompileError(f"the adapter refused a pipeline for kernel {shader.label!r} (spec {shader.key}):\n"
+                              f"{error}\n--- WGSL ---\n{shader.wgsl}")
 
 
 class LRU:
@@ -101,6 +125,8 @@ class Recorder:
         self.timing = bool(timing and ctx.has_timestamps)
         self.timings: list[tuple[str, float]] = []   # (shader label, GPU seconds) per timed dispatch
         self._pipelines: dict[tuple[str, str], Compiled] = {}
+        self.compiles_async = getattr(ctx, "compiles_async", False)
+        self._compiling: list[Compiled] = []    # issued, not yet waited for
         self._commands: list[tuple] = []
         self._keepalive: list = []
         self.dispatches = 0
@@ -136,16 +162,37 @@ class Recorder:
             entries.append({"binding": binding, "visibility": compute, "buffer": {"type": kind}})
         layout = self.device.create_bind_group_layout(entries=entries)
         pipeline_layout = self.device.create_pipeline_layout(bind_group_layouts=[layout])
+        create = (self.device.create_compute_pipeline_async if self.compiles_async
+                  else self.device.create_compute_pipeline)
         try:
-            pipelines = tuple(self.device.create_compute_pipeline(layout=pipeline_layout, label=shader.label,
-                                                                  compute={"module": module, "entry_point": name})
-                              for name, _ in shader.entry_points)
+            made = tuple(create(layout=pipeline_layout, label=shader.label, compute={"module": module, "entry_point": name})
+                         for name, _ in shader.entry_points)
         except Exception as e:  # noqa: BLE001 - e.g. a workgroup over the adapter's limits
-            raise ShaderCompileError(f"the adapter refused a pipeline for kernel {shader.label!r} "
-                                     f"(spec {shader.key}):\n{e}\n--- WGSL ---\n{shader.wgsl}") from None
-        compiled = Compiled(shader, pipelines, layout)
+            raise refused(shader, e) from None
+        compiled = Compiled(shader, made, layout, issued=self.compiles_async)
+        if compiled.pending:
+            self._compiling.append(compiled)
         self._pipelines[(shader.key, self.ctx.name)] = compiled
         return compiled
+
+    def _wait_for_compiles(self) -> None:
+        """Wait for the pipelines still compiling. One the adapter refused is forgotten, and the work
+        recorded since the last flush, which cannot run without it, is dropped before the error."""
+        compiling, self._compiling = self._compiling, []
+        settle = getattr(self.ctx, "settle_compiles", None)
+        if settle is not None:          # all of them at once, then each is read without waiting
+            settle([p for compiled in compiling for p in compiled.made])
+        refused = None
+        for compiled in compiling:          # every one waited for, so none is left to fail mid-encoding
+            try:
+                compiled.pipelines
+            except ShaderCompileError as e:
+                self._pipelines.pop((compiled.shader.key, self.ctx.name), None)
+                refused = refused or e
+        if refused is not None:
+            self._commands, self._infos = [], []
+            self._keepalive.clear()
+            raise refused
 
     # ---- tensors ----
     def empty(self, shape, dtype: str = "f32", capacity: int | None = None, exact: bool = False) -> Tensor:
@@ -184,14 +231,14 @@ class Recorder:
                 raise ValueError(f"{compiled.shader.label}: dispatch of {groups} workgroups exceeds "
                                  f"{MAX_GROUPS_PER_DIM} per dimension")
         bind_group = self._bind_group(compiled, tensors)
-        for pipeline, groups in stages:      # every stage reads the same info block
-            self._commands.append(("dispatch", compiled, pipeline, bind_group, groups, len(self._infos) * INFO_BYTES))
+        for stage, groups in stages:      # every stage reads the same info block
+            self._commands.append(("dispatch", compiled, stage, bind_group, groups, len(self._infos) * INFO_BYTES))
         self._infos.append(info)
         if self.capturing is not None:
             self.capturing.add_call(compiled, tensors, stages, scalar_names, scalars, info)
         self._keepalive.extend(t.buffer for t in tensors)   # buffers, not tensors: freed tensors recycle at once
         self.dispatches += 1
-        if len(self._infos) == SUBMIT_EVERY:
+        if len(self._infos) == RING_BLOCKS or (len(self._infos) >= SUBMIT_EVERY and not self._compiling):
             self.flush()          # submit, so the GPU starts; the info ring is then reused
 
     def _bind_group(self, compiled: Compiled, tensors: list[Tensor]):
@@ -217,10 +264,10 @@ class Recorder:
         return self.device.create_bind_group(layout=compiled.layout, entries=entries)
 
     def _info_ring(self):
-        """The uniform ring holding one info block per recorded dispatch (SUBMIT_EVERY of them; the
+        """The uniform ring holding one info block per recorded dispatch (RING_BLOCKS of them; the
         recorder flushes when it is full, so a flush never needs more)."""
         if self._ring is None:
-            self._ring = self.device.create_buffer(size=SUBMIT_EVERY * INFO_BYTES,
+            self._ring = self.device.create_buffer(size=RING_BLOCKS * INFO_BYTES,
                                                    usage=wgpu.BufferUsage.UNIFORM | wgpu.BufferUsage.COPY_DST)
         return self._ring
 
@@ -229,6 +276,7 @@ class Recorder:
         """Encode every recorded dispatch into one command encoder and submit it."""
         if not self._commands:
             return
+        self._wait_for_compiles()
         commands, self._commands = self._commands, []
         infos, self._infos = self._infos, []
         if infos:
@@ -340,10 +388,10 @@ class Recorder:
                         cpass = None
                     _transfer(encoder, command)
                     continue
-                _, compiled, pipeline, bind_group, groups, info_at = command
+                _, compiled, stage, bind_group, groups, info_at = command
                 if cpass is None:
                     cpass = encoder.begin_compute_pass()
-                cpass.set_pipeline(pipeline)
+                cpass.set_pipeline(compiled.pipelines[stage])
                 cpass.set_bind_group(0, bind_group, [info_at])
                 cpass.dispatch_workgroups(*groups)
             if cpass is not None:
@@ -359,10 +407,10 @@ class Recorder:
             if command[0] != "dispatch":
                 _transfer(encoder, command)
                 continue
-            _, compiled, pipeline, bind_group, groups, info_at = command
+            _, compiled, stage, bind_group, groups, info_at = command
             cpass = encoder.begin_compute_pass(timestamp_writes={
                 "query_set": qs, "beginning_of_pass_write_index": 2 * i, "end_of_pass_write_index": 2 * i + 1})
-            cpass.set_pipeline(pipeline)
+            cpass.set_pipeline(compiled.pipelines[stage])
             cpass.set_bind_group(0, bind_group, [info_at])
             cpass.dispatch_workgroups(*groups)
             cpass.end()

@@ -311,3 +311,43 @@ def test_a_binding_over_the_adapters_limit_is_refused_before_gpu_work(ctx, rng, 
     assert e.dispatches == before
     monkeypatch.setitem(e.ctx.limits, "max-storage-buffer-binding-size", 8192)
     assert e.run("softmax", x=x)["y"].shape == (64, 32)
+
+
+def test_async_compiles_are_all_issued_before_the_first_wait(ctx, monkeypatch):
+    """As on Dawn: build() issues each pipeline and returns; the periodic flush waits while compiles
+    are pending, so the first submission comes after every kernel of the recorded work was issued."""
+    from lfm2jit.runtime import recorder
+    monkeypatch.setattr(recorder, "SUBMIT_EVERY", 2)
+    engine = ComputeEngine(ctx)
+    engine.compiles_async = True            # wgpu-native's create_compute_pipeline_async hands back promises
+    module = compile_source("\n".join(f"kernel add{k}(x: f32[N]) -> (y: f32[N]) {{ y = x + {k}.0 }}"
+                                       for k in range(1, 5)))
+    x = np.arange(4, dtype=np.float32)
+    t = engine.tensor(x)
+    for kernel in module:                   # four kernels: four pipelines issued
+        t = engine.run(kernel, x=t)["y"]
+    assert len(engine._compiling) == 4 and all(c.pending for c in engine._compiling)
+    assert engine.dispatches == 4 and len(engine._commands) == 4       # nothing submitted yet
+    np.testing.assert_array_equal(t.numpy(), x + 10)
+    assert not engine._compiling
+
+
+def test_a_refused_async_pipeline_fails_its_flush_and_is_not_kept(ctx, monkeypatch):
+    """Dawn reports a refused asynchronous compile when it is waited for: that flush raises, the work
+    recorded with it is dropped, and the next call compiles the kernel again."""
+    from lfm2jit.runtime.recorder import ShaderCompileError
+
+    class Refused:
+        def sync_wait(self):
+            raise RuntimeError("create_compute_pipeline failed: workgroup too large")
+    engine = ComputeEngine(ctx)
+    engine.compiles_async = True
+    kernel = compile_source("kernel twice(x: f32[N]) -> (y: f32[N]) { y = x * 2.0 }").twice
+    x = engine.tensor(np.arange(3, dtype=np.float32))
+    with monkeypatch.context() as m:
+        m.setattr(engine.device, "create_compute_pipeline_async", lambda **kw: Refused())
+        engine.run(kernel, x=x)
+        with pytest.raises(ShaderCompileError, match="(?s)refused a pipeline for kernel 'twice'.*workgroup too large"):
+            engine.flush()
+    assert not engine._commands
+    np.testing.assert_array_equal(engine.run(kernel, x=x)["y"].numpy(), [0, 2, 4])

@@ -1,0 +1,64 @@
+"""Compiled pipelines persist between processes: a second process compiles nothing the first one
+compiled (counted: WGSL renders, driver compiles, autotune trials), and a damaged cache entry is
+compiled again, never used (Mesa checks the CRC32 of each of its entries and compiles again on a
+mismatch, leaving the entry as it is)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lfm2jit.runtime import driver_cache
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = ROOT / "tests" / "compile_cache_worker.py"
+
+
+def fresh_process(cache: Path) -> dict:
+    """The worker's counts, run in a new process on wgpu-native with ``cache`` as LFM2JIT_CACHE_DIR."""
+    env = {**os.environ, "LFM2JIT_CACHE_DIR": str(cache), "LFM2JIT_AUTOTUNE": "1", "LFM2JIT_WEBGPU": "wgpu-native",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    for name in driver_cache.variables(cache):      # the test's own cache directory, not the caller's
+        env.pop(name, None)
+    done = subprocess.run([sys.executable, str(WORKER)], env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    counts = json.loads(done.stdout.strip().splitlines()[-1])
+    assert counts["correct"]
+    return counts
+
+
+def flip_bytes(path: Path) -> bytes:
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle:middle + 16] = bytes(b ^ 0xFF for b in data[middle:middle + 16])
+    path.write_bytes(bytes(data))
+    return bytes(data)
+
+
+def test_a_second_process_compiles_nothing_and_a_damaged_entry_is_compiled_again(ctx, tmp_path):
+    if "llvmpipe" not in ctx.name:
+        pytest.skip(f"the driver's disk cache is counted on lavapipe (Mesa's cache); this adapter is {ctx.name}")
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    drivers = cache / driver_cache.SUBDIR
+
+    first = fresh_process(cache)
+    compiled = driver_cache.snapshot(drivers)
+    assert first["misses"] == 2 and first["disk_hits"] == 0 and first["trials"] == 1
+    assert len(compiled) >= 2           # lavapipe kept its machine code of both pipelines
+
+    second = fresh_process(cache)
+    assert second["disk_hits"] == second["misses"]               # every WGSL read back, none rendered
+    assert second["trials"] == 0                                  # the tiles chosen by the first process
+    assert driver_cache.written_since(compiled, driver_cache.snapshot(drivers)) == 0   # no driver compile
+
+    flip_bytes(sorted(cache.glob("scale-*.wgsl"))[0])
+    for name in compiled:                 # every binary of the driver's cache damaged
+        flip_bytes(drivers / name)
+    third = fresh_process(cache)          # its results still match numpy: no damaged binary ran
+    assert third["disk_hits"] == third["misses"] - 1               # the damaged WGSL was rendered again
