@@ -223,9 +223,6 @@ class Trainer:
     def packing_mode(self, mode: str) -> None:
         if mode not in PACKING_MODES:
             raise ValueError(f"packing mode must be one of {', '.join(PACKING_MODES)}, got {mode!r}")
-        problem = self.model.concat_problem() if mode == "concat" else None
-        if problem:
-            raise ValueError(f"packing mode 'concat': {problem}")
         self._packing_mode = mode
 
     def with_packing(self, max_tokens: int | None, mode: str | None = None) -> "Trainer":
