@@ -56,10 +56,11 @@ def default_engine(default_limits_ctx):
     return ComputeEngine(default_limits_ctx)
 
 
-# each kind and dtype once, on raised limits and on WebGPU's default 8 storage buffers a kernel (where
-# attention's dk/dv with starts binds all 8, and the group's query heads run one after another)
+# each kind and dtype once; the dense f32 model on WebGPU's default 8 storage buffers a kernel (where
+# attention's dk/dv with starts binds all 8, and the group's query heads run one after another: an
+# engine of its own, whose kernels compile again, so one case)
 @pytest.mark.parametrize("kind,dtype,limits", [("dense", "f32", "default"), ("moe", "f32", "raised"),
-                                               ("dense", "f16", "raised"), ("moe", "f16", "default")])
+                                               ("dense", "f16", "raised"), ("moe", "f16", "raised")])
 def test_concatenated_equals_per_sequence(request, kind, dtype, limits):
     engine = request.getfixturevalue("default_engine" if limits == "default" else "engine")
     ctx = engine.ctx
@@ -81,10 +82,11 @@ def test_concatenated_equals_per_sequence(request, kind, dtype, limits):
 
 def test_concatenated_on_the_matrix_units(ctx, matrix_engine):
     """f16 activations on the matrix templates (emulated on lavapipe): attention with starts runs there
-    too, and concatenation still equals per-sequence training within f16 rounding."""
+    too, and concatenation still equals per-sequence training within f16 rounding. Fewer, shorter
+    sequences than LENGTHS (length 1 and one over a 16-row tile still): emulated kernels are slow."""
     cfg = micro()
     model = Lfm2Model(cfg, matrix_engine.ctx, matrix_engine, seed=5, activation_dtype="f16")
-    data = make_data(cfg, LENGTHS, seed=4)
+    data = make_data(cfg, [7, 1, 19, 12], seed=4)
     want_loss, want = per_sequence(model, data)
     got_loss, got = concatenated(model, data)
     assert rel_err(got_loss, want_loss) < 2e-2
