@@ -17,8 +17,9 @@ H = 4
 
 @pytest.fixture(scope="module")
 def raised(raised_ctx):
-    """The adapter's raised limits: the dk/dv kernel with starts binds 9 storage buffers (q, k, v, o,
-    lse, dO, starts, dk, dv), one more than WebGPU's default 8 (see test_default_limits_refuse_dkdv)."""
+    """The adapter's raised limits: there the dk/dv kernel with starts runs a group's query heads in
+    parallel (its workspace a ninth binding; one after another within WebGPU's default 8, see
+    test_default_limits_fit_dkdv)."""
     from lfm2jit import ComputeEngine
     return ComputeEngine(raised_ctx)
 
