@@ -18,6 +18,11 @@ Groups (``--only`` takes group names):
   mtiles       the matrix-unit template at each of its candidate tiles, for fwd, fwd with an f16
                weight, fwd with an f32 result, dX and dW (4096^3 and the T = 2048 MLP/QKV
                shapes; best of 3 timings)
+  staging      the matrix kernels' staging, old against new (issue 51): fwd, dX and dW at the planner's
+               tiles with f16 workgroup tiles and with vec4<f16> ones, each also with two stages, at
+               the mtiles shapes, and the f16 attention kernels at T = 2048 with each staging; each
+               line's speedup over f16 staging, and its result's largest difference from theirs
+               (best of 3 timings)
   attention    causal GQA flash attention forward and backward, T = 512/2048, H=16, G=8, E=64
   atiles       the three f16 attention kernels (fwd, dq, dkdv) at the SIMT template's tiles and at each
                matrix-unit candidate, T = 512/2048 (best of 3 timings)
@@ -51,14 +56,14 @@ import statistics
 import sys
 import time
 import traceback
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
 from lfm2jit import ComputeEngine, WgpuContext, grad
 from lfm2jit.ops import library
 from lfm2jit.schedule.attention import MATRIX_TEMPLATES, choose_tiles, matrix_tiles_problem
-from lfm2jit.tune.tiles import TileConfig
+from lfm2jit.tune.tiles import MatrixAttentionTiles, TileConfig
 from lfm2jit.settings import settings
 from lfm2jit.tune.candidates import MATMUL as CANDIDATES
 from lfm2jit.tune.candidates import for_spec
@@ -67,7 +72,7 @@ from lfm2jit.tune.timing import warm_up
 
 # Datasheet ceilings per adapter-name substring: (fp32 FLOP/s without tensor cores, bytes/s)
 CEILINGS = {"H200": (67e12, 4.8e12), "H100": (67e12, 3.35e12)}
-GROUPS = ("ref", "matmul", "matrix", "tiles", "mtiles", "attention", "atiles", "conv", "rmsnorm", "pointwise", "xent", "adamw",
+GROUPS = ("ref", "matmul", "matrix", "tiles", "mtiles", "staging", "attention", "atiles", "conv", "rmsnorm", "pointwise", "xent", "adamw",
           "lora", "grouped", "limits", "train", "packing")
 QUICK_GROUPS = ("matmul", "attention", "conv", "rmsnorm", "pointwise", "xent", "adamw", "grouped", "limits", "train")
 GiB = float(1 << 30)
@@ -373,6 +378,75 @@ class Bench:
                                       extra={"tiles": asdict(cfg), "default": cfg == spec.params.tiles}))
             self.guarded("mtiles", "matrix", shape, one)
 
+    def staging(self):
+        """The matrix kernels' staging, old against new: each product of a linear layer in --f16 mode
+        at the planner's tiles staged through f16 workgroup tiles (four 2-byte stores a fetched vec4)
+        and through vec4<f16> ones (one store; fragments loaded in vec4 units), each with one and two
+        stages, at MTILE_SHAPES (or --tile-shapes); then the three f16 attention kernels at T = 2048
+        (H = 16, G = 8, E = 64) at their picks with each staging."""
+        if not self.engine.target.matrix_configs:
+            self.add(Line("staging", "matrix_tiles", "-", error="the device has no f16 subgroup matrices"))
+            return
+        lin = library.get("linear").without({"r"})
+        products = {"fwd": (lin.variant("f16", {"w"}), "y"), "dx": (grad(lin, ["x"]).variant("f16", {"w"}), "d_x"),
+                    "dw": (grad(lin, ["w"]).variant("f16", {"d_w"}), "d_w")}
+        for m, n, k in self.tile_shapes or ([(96, 128, 160)] if self.quick else MTILE_SHAPES):
+            shape = f"{m}x{n}x{k}"
+
+            def one(m=m, n=n, k=k, shape=shape):
+                e = self.engine
+                args = {"x": e.tensor(_rand(self.rng, (m, k)), "f16"), "w": e.tensor(_rand(self.rng, (n, k))),
+                        "d_y": e.tensor(_rand(self.rng, (m, n)), "f16")}
+                for name, (kern, out) in products.items():
+                    given = {t.name: args[t.name] for t in kern.ir.inputs}
+                    pick = kern.kernels[0].specialize({"T": m, "K": k, "N": n}, 1, target=e.target).params.tiles
+                    staged = [replace(pick, vec4=v) for v in (False, True)]
+                    staged += [replace(t, stages=3 - t.stages, prefetch=True) for t in staged]
+                    self._staging_lines(name, shape, staged, pick, lambda cfg: e.run(kern, tiles=cfg, **given)[out],
+                                        2.0 * m * n * k, 2.0 * (m * k + n * k + m * n))
+            self.guarded("staging", "matrix", shape, one)
+        t, h, g, e_ = (96, 4, 2, 16) if self.quick else (2048, 16, 8, 64)
+        shape = f"T{t} H{h} G{g} E{e_}"
+
+        def attention():
+            e = self.engine
+            att = library.get("attention").variant("f16")
+            dq, dkdv = grad(att, ["q", "k", "v"], ["o"]).kernels
+            q, k, v, do = (e.tensor(_rand(self.rng, s).astype(np.float16))
+                           for s in ((t, h, e_), (t, g, e_), (t, g, e_), (t, h, e_)))
+            r = e.run(att, q=q, k=k, v=v)
+            args = {"q": q, "k": k, "v": v, "o": r["o"], "lse": r["lse"], "d_o": do}
+            flops = 2.0 * t * t * h * e_
+            for mode, kern, out, f in (("fwd", att.kernels[0], "o", flops), ("dq", dq, "d_q", flops),
+                                       ("dkdv", dkdv, "d_k", 1.5 * flops)):
+                pick = kern.kernels[0].specialize({"B": 1, "T": t, "H": h, "G": g, "E": e_}, 1, target=e.target).params.tiles
+                if not isinstance(pick, MatrixAttentionTiles):
+                    self.add(Line("staging", mode, shape, error=f"stays SIMT here ({pick})"))
+                    continue
+                given = {n: args[n] for n in kern.inputs}
+                self._staging_lines(mode, shape, [replace(pick, vec4=v) for v in (False, True)], pick,
+                                    lambda cfg: e.run(kern, tiles=cfg, **given)[out], f,
+                                    label=lambda c: f"matrix {c.rows}x{c.tile}{'/v4' if c.vec4 else ''}")
+        self.guarded("staging", "attention", shape, attention)
+
+    def _staging_lines(self, name, shape, configs, pick, run, flops, nbytes=0.0, label=lambda c: c.label):
+        """A line per tiles of ``configs`` (``run(tiles)`` records the kernel and gives its output): the
+        first that runs is the baseline, every line has its speedup over it and its result's largest
+        difference from it (the same sums in the same order: 0 where vec4 offsets mean what Dawn says)."""
+        base = want = None
+        for cfg in configs:
+            line = f"{name}[{label(cfg)}]"
+            try:
+                got = run(cfg).numpy().astype(np.float64)
+            except ValueError as err:      # e.g. two stages of the largest tiles do not fit
+                self.add(Line("staging", line, shape, error=str(err)[:300]))
+                continue
+            s, timer, wall = min(time_engine(self.engine, lambda: run(cfg), self.reps)[:3] for _ in range(MTILE_ROUNDS))
+            base, want = (s, got) if want is None else (base, want)
+            self.add(Line("staging", line, shape, s, timer, flops, nbytes, wall_seconds=wall,
+                          extra={"tiles": asdict(cfg), "default": cfg == pick, "speedup_over_f16": base / s,
+                                 "max_diff_vs_f16": float(np.abs(got - want).max())}))
+
     # ---- attention ----
     def attention(self):
         """f32 (SIMT) and f16 q, k, v (the matrix units where the device has them, else SIMT)."""
@@ -433,7 +507,7 @@ class Bench:
                     for cfg in (choose_tiles(mode, e_), *matrix):
                         s, timer, wall = min(time_engine(e, lambda: e.run(kern, tiles=cfg, **given), self.reps)[:3]
                                              for _ in range(MTILE_ROUNDS))
-                        label = (f"{mode}[matrix {cfg.rows}x{cfg.tile}]" if cfg in matrix
+                        label = (f"{mode}[matrix {cfg.rows}x{cfg.tile}{'/v4' if cfg.vec4 else ''}]" if cfg in matrix
                                  else f"{mode}[simt {cfg.rows}x{cfg.tile}x{cfg.row_threads}]")
                         self.add(Line("atiles", label, shape, s, timer, flops, wall_seconds=wall,
                                       extra={"tiles": asdict(cfg), "default": cfg == spec.params.tiles}))

@@ -16,8 +16,9 @@
 #                                         tile (-> $OUT/h200_lora_mtiles.json), then LFM2-1.2B shapes at 1x2048 with
 #                                         --f16: LoRA r = 8 on a frozen f16 base, and full fine-tuning
 #                                         -> $OUT/h200_lora_1.2B.json, h200_full_1.2B.json
-#   bash benches/h200.sh decode           on Dawn: the generation tests (f16 decoding included), then benches/decode.py
-#                                         at LFM2-350M shapes, batch 1 and 8, lfm2jit f32/f16 beside transformers
+#   bash benches/h200.sh decode           on Dawn: the generation tests (f16 decoding and the GPU token choice
+#                                         included), then benches/decode.py at LFM2-350M shapes, batch 1 and 8, greedy
+#                                         and sampled, lfm2jit f32/f16 (replayed decode steps) beside transformers
 #                                         fp32/bf16 on CUDA -> $OUT/h200_generate_tests_dawn.log, $OUT/h200_decode.json
 #   bash benches/h200.sh attention        on Dawn: the attention tests (the f16 ones on the matrix units), then the attention
 #                                         group and each f16 attention kernel at every candidate tile
@@ -48,6 +49,13 @@
 #                                         window, each run bounded (the section fits one 10-minute call); then the
 #                                         "what fits" table: peak GiB and tokens/s, or why not
 #                                         -> $OUT/<card>_longctx_<preset>_<kind>_<T>.json
+#   bash benches/h200.sh staging          issue 51 in one call, on Dawn: the matrix-unit GEMM tests (vec4 staging on the real
+#                                         units against float64) and every template variant through Tint, then the staging
+#                                         group (fwd, dX, dW at 4096^3 and the LFM2-350M T = 2048 shapes, f16 and vec4 tiles,
+#                                         one and two stages; attention's three kernels at T = 2048, f16 and vec4 tiles),
+#                                         then --f16 train steps at 8x512 with each staging as the
+#                                         default -> $OUT/<card>_staging_tests_dawn.log, <card>_staging.json,
+#                                         <card>_staging_train_{f16,vec4}.json
 #   bash benches/h200.sh mpi              the host side of the gradient exchange: benches/readback.py (1 and 4 copy threads),
 #                                         then benches/mpi_exchange.py (no GPU) with 2 ranks under MPICH's transports and
 #                                         settings, and with 4 -> $OUT/h200_readback.json, $OUT/h200_mpi_exchange.log
@@ -112,9 +120,9 @@ attention)
     ;;
 decode)
     export LFM2JIT_WEBGPU=dawn
-    python3 -m pytest -q -p no:cacheprovider -rs tests/model/test_generate.py tests/trainer/test_evaluation.py tests/cli/test_cli_generate.py \
-        2>&1 | tee "$OUT/h200_generate_tests_dawn.log" | tail -3
-    timeout 400 python3 benches/decode.py --json "$OUT/h200_decode.json" 2>&1 | grep -v "^  \|Loading\|causal_conv" | tail -14
+    python3 -m pytest -q -p no:cacheprovider -rs tests/model/test_generate.py tests/model/test_decode.py \
+        tests/trainer/test_evaluation.py tests/cli/test_cli_generate.py 2>&1 | tee "$OUT/h200_generate_tests_dawn.log" | tail -3
+    timeout 500 python3 benches/decode.py --sample --json "$OUT/h200_decode.json" 2>&1 | grep -v "^  \|Loading\|causal_conv" | tail -20
     ;;
 gradsync)
     export LFM2JIT_WEBGPU=dawn
@@ -204,6 +212,18 @@ for preset in ("350M", "1.2B"):
             print(f"{preset:6s} {kind:5s} {t:6d} {x['peak_bytes'] / 2**30:9.2f} {x['tokens_per_s']:8.0f}")
 PY
     ;;
+staging)
+    export LFM2JIT_WEBGPU=dawn
+    card=$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -o "H[0-9]*" | head -1 | tr A-Z a-z)
+    timeout 150 python3 -m pytest -q -p no:cacheprovider -rs tests/compiler/test_template_variants.py \
+        tests/compiler/test_matrix_units.py tests/compiler/test_attention_matrix.py -k "float64 or vec4 or accumulate or compiles" 2>&1 \
+        | tee "$OUT/${card}_staging_tests_dawn.log" | tail -3
+    timeout 240 python3 benches/bench.py --only staging --json "$OUT/${card}_staging.json" 2>&1 | grep "^staging"
+    for staging in f16 vec4; do
+        LFM2JIT_MATRIX_STAGING=$staging timeout 70 python3 -m lfm2jit.bench --only train --f16 --train-shapes 8x512 \
+            --steps 2 --json "$OUT/${card}_staging_train_$staging.json" 2>&1 | grep "^train"
+    done
+    ;;
 mpi)
     export LFM2JIT_WEBGPU=dawn
     install_mpi
@@ -219,6 +239,6 @@ mpi)
     } | tee "$OUT/h200_mpi_exchange.log"
     ;;
 *)
-    echo "usage: bash benches/h200.sh tests | matrix | speed [BASE] | lora | attention | decode | gradsync | limits | moe | moelora | ckpt | packing | longctx | mpi" >&2; exit 2 ;;
+    echo "usage: bash benches/h200.sh tests | matrix | speed [BASE] | lora | attention | decode | gradsync | limits | moe | moelora | ckpt | packing | longctx | staging | mpi" >&2; exit 2 ;;
 esac
 echo "took $(( $(date +%s) - start )) s"

@@ -51,7 +51,7 @@ class ComputeEngine(Recorder):
         self.stats = CacheStats()
         self.disk = WgslDiskCache(opts.cache_dir) if opts.cache_dir else None
         self.dump_dir = opts.dump_dir
-        self.target = target_of(ctx, opts.matrix_units)
+        self.target = target_of(ctx, opts.matrix_units, opts.matrix_staging)
         self.tuner = Tuner(self) if opts.autotune else None
 
     # ---- compilation ----
@@ -283,11 +283,11 @@ class ComputeEngine(Recorder):
         return result
 
 
-def target_of(ctx, matrix_units: str = "auto") -> Target:
+def target_of(ctx, matrix_units: str = "auto", matrix_staging: str = "f16") -> Target:
     """What the context's device offers the planners: its subgroup matrices (Dawn lists them per
     adapter), the subgroup size they run at, its workgroup memory and storage-binding limits.
     ``matrix_units`` is LFM2JIT_MATRIX_UNITS: "off" offers none, "emulate" the emulated ones on any
-    device with f16."""
+    device with f16; ``matrix_staging`` LFM2JIT_MATRIX_STAGING."""
     limits = ctx.limits
     device = dict(workgroup_bytes=int(limits.get("max-compute-workgroup-storage-size", 16384)),
                   storage_buffers=int(limits.get("max-storage-buffers-per-shader-stage", 8)),
@@ -296,15 +296,16 @@ def target_of(ctx, matrix_units: str = "auto") -> Target:
                   binding_align=int(limits.get("min-storage-buffer-offset-alignment", 256)))
     if matrix_units == "off":
         return Target(**device)
+    vec4 = matrix_staging == "vec4"
     if matrix_units == "emulate":
         if "shader-f16" not in {str(f) for f in getattr(ctx, "features", ())}:
             raise ValueError(f"LFM2JIT_MATRIX_UNITS=emulate: {ctx.name} has no shader-f16, which the matrix "
                              "templates need even when their subgroup matrices are emulated")
-        return Target(EMULATED_MATRIX_CONFIGS, EMULATED_SUBGROUP, emulated=True, **device)
+        return Target(EMULATED_MATRIX_CONFIGS, EMULATED_SUBGROUP, emulated=True, vec4_staging=vec4, **device)
     configs = tuple(c for c in (_matrix_config(d) for d in getattr(ctx, "subgroup_matrix_configs", ())) if c)
     info = getattr(ctx, "info", {})
     subgroup = int(info.get("subgroup_min_size") or info.get("subgroupMinSize") or (32 if configs else 0))
-    return Target(configs, subgroup if configs else 0, **device)
+    return Target(configs, subgroup if configs else 0, vec4_staging=vec4, **device)
 
 
 def _matrix_config(d) -> MatrixConfig | None:

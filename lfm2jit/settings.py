@@ -18,6 +18,11 @@ LFM2JIT_MATRIX_UNITS  auto (the device's subgroup matrices where it has them), o
                    subgroup-matrix operations written out in plain WGSL on any device with shader-f16:
                    slow, for testing those templates where no matrix units exist, e.g. lavapipe in
                    CI, and for differential tests against the real ones) (default: auto)
+LFM2JIT_MATRIX_STAGING  f16 or vec4: how the default tiles of the dense matrix GEMM and the matrix
+                   attention kernels stage their f16 operands in workgroup memory, each fetched vec4
+                   as four f16 stores, or in one store into vec4-typed tiles whose fragments load in
+                   vec4 units (GEMMs: where every operand is read as vec4s); the autotuner tries
+                   both (default: f16, until the GPU measures vec4: see docs/design.md)
 LFM2JIT_DAWN_ROBUSTNESS  on, or off to ask Dawn for devices without its bounds clamping of every
                    buffer access (the device toggle disable_robustness). lfm2jit's kernels keep
                    their own reads and writes in bounds, but off trusts that: a measured, opt-in
@@ -44,6 +49,7 @@ WEBGPU_IMPLEMENTATIONS = ("auto", "dawn", "wgpu-native")
 DAWN_INSTANCE_TOGGLES = ("allow_unsafe_apis", "vulkan_enable_f16_on_nvidia")
 DAWN_DEVICE_DISABLED_TOGGLES = ("timestamp_quantization",)
 MATRIX_UNIT_MODES = ("auto", "off", "emulate")
+MATRIX_STAGINGS = ("f16", "vec4")
 LIMIT_MODES = ("raised", "default")
 
 
@@ -62,6 +68,7 @@ class Settings:
     webgpu: str
     dawn_robustness: bool
     matrix_units: str
+    matrix_staging: str
     host_copy_threads: int
     limits: str
 
@@ -83,6 +90,7 @@ def settings() -> Settings:
         webgpu=os.environ.get("LFM2JIT_WEBGPU", "").strip().lower() or "auto",
         dawn_robustness=_on_off("LFM2JIT_DAWN_ROBUSTNESS", default=True),
         matrix_units=_choice("LFM2JIT_MATRIX_UNITS", MATRIX_UNIT_MODES),
+        matrix_staging=_choice("LFM2JIT_MATRIX_STAGING", MATRIX_STAGINGS),
         host_copy_threads=_index("LFM2JIT_HOST_COPY_THREADS", default=min(4, os.cpu_count() or 1), least=1),
         limits=_choice("LFM2JIT_LIMITS", LIMIT_MODES),
     )

@@ -45,15 +45,15 @@ def test_matrix_tiles_lines_only_for_the_candidates_asked_for(tmp_path, monkeypa
     monkeypatch.setenv("LFM2JIT_MATRIX_UNITS", "emulate")
     out = tmp_path / "mtiles.json"
     assert bench.main(["--only", "mtiles", "--tile-shapes", "64x48x32", "--reps", "1", "--tiles-matching",
-                       "64x64/sg2x2/bk32/split2", "--json", str(out)]) == 0
+                       "64x64/sg2x2/bk32/split2", "--products", "fwd", "dx", "dw", "--json", str(out)]) == 0
     lines = json.loads(out.read_text())["lines"]
     assert sorted(line["name"] for line in lines) == sorted(
-        f"{p}[64x64/sg2x2/bk32/split2/s1/g8{t}]" for p in ("fwd", "fwd_w16", "fwd_y32", "dx", "dw") for t in ("", "/noprefetch"))
+        f"{p}[64x64/sg2x2/bk32/split2/s1/g8{t}]" for p in ("fwd", "dx", "dw") for t in ("", "/noprefetch", "/v4"))
     assert all(line["error"] is None and line["seconds"] > 0 for line in lines)
     assert bench.main(["--only", "mtiles", "--tile-shapes", "64x48x32", "--reps", "1", "--tiles-matching",
-                       "64x64/sg2x2/bk32/split2/s1", "--products", "dw", "--json", str(out)]) == 0
+                       "64x64/sg2x2/bk32/split2/s1/g8/", "--products", "dw", "--json", str(out)]) == 0
     assert sorted(line["name"] for line in json.loads(out.read_text())["lines"]) == [
-        "dw[64x64/sg2x2/bk32/split2/s1/g8/noprefetch]", "dw[64x64/sg2x2/bk32/split2/s1/g8]"]
+        "dw[64x64/sg2x2/bk32/split2/s1/g8/noprefetch]", "dw[64x64/sg2x2/bk32/split2/s1/g8/v4]"]
 
 
 def test_side_by_side_quick_against_torch_on_cpu(tmp_path):

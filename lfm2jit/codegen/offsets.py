@@ -70,13 +70,16 @@ def operand_at(op) -> Sum:
 def fragment_at(p, ly, side: str, stage: int, kk: int, f: int) -> Sum:
     """Where this subgroup's fragment ``f`` of operand ``side`` ("a": along M from sm0, "b": along N
     from sn0) starts for k-step ``kk``, in stage ``stage`` of its tile laid out as ``ly``
-    (schedule/matmul.py's StageLayout: [k][rows] when by_k, else [rows][k])."""
-    k = kk * p.frag.k
+    (schedule/matmul.py's StageLayout: [k][rows] when by_k, else [rows][k]), in the tile's array
+    elements: the contiguous coordinate counts whole vec4s where the tile holds vec4s (ly.unit 4)."""
+    k, u = kk * p.frag.k, ly.unit
     if side == "a":
-        row, stride, by_k, base = plus("sm0", f * p.frag.m), ly.a_stride, ly.a_by_k, stage * ly.a_tile
+        first, row, stride, by_k, base = "sm0", f * p.frag.m, ly.a_stride, ly.a_by_k, stage * ly.a_tile
     else:
-        row, stride, by_k, base = plus("sn0", f * p.frag.n), ly.b_stride, ly.b_by_k, stage * ly.b_tile
-    return tile_at(k, row, stride, base) if by_k else tile_at(row, k, stride, base)
+        first, row, stride, by_k, base = "sn0", f * p.frag.n, ly.b_stride, ly.b_by_k, stage * ly.b_tile
+    if by_k:
+        return tile_at(k, plus(Bin("/", Var(first), Const(u)) if u > 1 else first, row // u), stride, base)
+    return tile_at(plus(first, row), k // u, stride, base)
 
 
 def ws_at(p, gm, gn) -> Sum:

@@ -408,8 +408,12 @@ class Lfm2Model:
 
     def head_logits(self, hn: Tensor, bucket: int = 1) -> np.ndarray:
         """float32 [rows, vocab] logits of final-normed hidden states [rows, D], read back."""
-        y = self.engine.empty((hn.shape[0], self.cfg.vocab_size), "f32")
-        return self.kernels.run("linear", bucket=bucket, x=hn, w=self.lm_head, out={"y": y})["y"].numpy()
+        return self.head(hn, bucket).numpy()
+
+    def head(self, hn: Tensor, bucket: int = 1, out: Tensor | None = None) -> Tensor:
+        """Record the float32 logits [rows, vocab] of final-normed hidden states [rows, D] (into ``out``)."""
+        y = self.engine.empty((hn.shape[0], self.cfg.vocab_size), "f32") if out is None else out
+        return self.kernels.run("linear", bucket=bucket, x=hn, w=self.lm_head, out={"y": y})["y"]
 
     # ---- generation ----
     def generate(self, prompt_ids, max_new_tokens: int = 32, do_sample: bool = False, temperature: float = 1.0,

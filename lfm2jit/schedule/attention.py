@@ -284,6 +284,8 @@ def matrix_tiles_problem(mode: str, t: MatrixAttentionTiles, e: int, frag, subgr
     if t.tile % frag.n or t.tile % frag.k or e % frag.n or e % frag.k or e % 4:
         return (f"the key tile ({t.tile}) and the head dim ({e}) must be multiples of the fragment's "
                 f"n = {frag.n} and k = {frag.k} (and the head dim of 4: its rows are read as vec4s)")
+    if t.vec4 and (frag.n % 4 or frag.k % 4):
+        return f"vec4 staging needs fragments (n {frag.n}, k {frag.k}) that start on whole vec4s"
     threads = t.rows // frag.m * subgroup
     if threads > MAX_THREADS:
         return f"{t.rows // frag.m} subgroups of {subgroup} invocations, expected at most {MAX_THREADS}"
@@ -317,6 +319,10 @@ class MatrixAttentionParams(AttentionParams):
     @property
     def row_stride(self) -> int:    # f16 head-dim rows in workgroup memory
         return matrix_strides(self.tiles, self.head_dim)[0]
+
+    @property
+    def unit(self) -> int:          # f16 per element of the head-dim tiles (their offsets and strides count these)
+        return 4 if self.tiles.vec4 else 1
 
     @property
     def col_stride(self) -> int:    # f16 columns of the owned block
@@ -354,6 +360,7 @@ def _matrix_params(call: IntrinsicCall, target, mode: str, params: tuple[str, ..
         tiles = heuristics.matrix_attention_tiles(mode, lambda t: not problem(t))
         if tiles is None:
             return None
+        tiles = replace(tiles, vec4=target.vec4_staging)      # LFM2JIT_MATRIX_STAGING
     simt = _params(replace(call, tiles=None), mode, params, outputs)
     fields = {f: getattr(simt, f) for f in AttentionParams.__dataclass_fields__}
     return MatrixAttentionParams(**{**fields, "tiles": tiles, **_vector_reads(simt)}, frag=frag,

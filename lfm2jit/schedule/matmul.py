@@ -141,13 +141,14 @@ class MatmulParams(GemmParams):
 @dataclass(frozen=True)
 class StageLayout:
     """One phase's workgroup tiles: whether each is staged [k][rows], and its row stride and
-    f16 elements per stage."""
+    elements per stage, counted in the tiles' array elements of ``unit`` f16 (MatrixTiles.unit)."""
     a_by_k: bool
     b_by_k: bool
     a_stride: int
     a_tile: int
     b_stride: int
     b_tile: int
+    unit: int = 1
 
 
 @dataclass(frozen=True)
@@ -157,6 +158,13 @@ class MatrixParams(GemmParams):
     subgroup_size: int
     emulated: bool = False          # subgroup-matrix operations written out in plain WGSL (Target.emulated)
     epilogue_frags: int = 1         # accumulator fragments each subgroup puts through workgroup memory at once
+
+    def __post_init__(self):
+        """vec4-typed tiles (MatrixTiles.vec4) are staged one fetched vec4 a store: every operand
+        must be read as vec4s."""
+        scalar = [op.tensor for t in self.terms for op in (t.a, t.b) if op.vec is None]
+        if self.tiles.vec4 and scalar:
+            raise ValueError(f"tiles {self.tiles.label} stage vec4s; operands read element by element: {', '.join(scalar)}")
 
     @property
     def threads(self) -> int:
@@ -173,13 +181,14 @@ class MatrixParams(GemmParams):
     def layout(self, term: Term) -> "StageLayout":
         """How one phase stages its operands: a tile [k][rows] where the operand's rows are
         contiguous in memory, [rows][k] where K is (see MatrixTiles.staged)."""
+        u = self.tiles.unit
         a_stride, a_tile = self.tiles.staged(self.tiles.wm, not term.a.k_fast)
         b_stride, b_tile = self.tiles.staged(self.tiles.wn, not term.b.k_fast)
-        return StageLayout(not term.a.k_fast, not term.b.k_fast, a_stride, a_tile, b_stride, b_tile)
+        return StageLayout(not term.a.k_fast, not term.b.k_fast, a_stride // u, a_tile // u, b_stride // u, b_tile // u, u)
 
     @property
     def stage_words(self) -> tuple[int, int]:
-        """f16 elements of one stage of As and Bs: room for every phase's layout."""
+        """Array elements of one stage of As and Bs: room for every phase's layout."""
         layouts = [self.layout(t) for t in self.terms]
         return max(ly.a_tile for ly in layouts), max(ly.b_tile for ly in layouts)
 
@@ -317,6 +326,7 @@ def plan(ir: KernelIR, sizes: dict[str, int], accumulate: frozenset[str], tiles=
         cols = min(sizes[n_axis], t.tail * t.wn) if getattr(t, "tail", 0) else sizes[n_axis]
         nbytes = t.split * products // sizes[n_axis] * cols * 4
         return f"its split-K workspace of {nbytes} bytes exceeds the device's {binding}-byte binding" if nbytes > binding else None
+    given = tiles
     if matrix:
         k_contiguous = sum(strides(x.shape, sizes)[k] == 1 for x in (a, b))
         def problem(t: MatrixTiles) -> str | None:
@@ -372,6 +382,8 @@ def plan(ir: KernelIR, sizes: dict[str, int], accumulate: frozenset[str], tiles=
     by_prologue = {n.arg for t in terms for x in t.srcs[0].srcs if x.op != Op.INPUT
                    for n in toposort([x]) if n.op == Op.INPUT}
     reads = term_reads(frozenset(n for n, seen in modes.items() if len(seen) > 1) | by_epilogue | by_prologue)
+    if matrix and given is None and target.vec4_staging and all(op.vec for pair in reads for op in pair):
+        tiles = replace(tiles, vec4=True)       # LFM2JIT_MATRIX_STAGING=vec4: the default tiles stage vec4s
     ops = reads[0]
     batches = sizes[bt] if bt else 1
     lets, results = _epilogue(stored, gemm, axes, sizes)

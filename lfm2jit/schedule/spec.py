@@ -107,6 +107,7 @@ class Target:
     subgroup_size: int = 0
     workgroup_bytes: int = 16384       # the device's maxComputeWorkgroupStorageSize
     emulated: bool = False             # the subgroup matrices are written out in plain WGSL (testing)
+    vec4_staging: bool = False         # default matrix tiles (GEMM, attention) stage vec4s (LFM2JIT_MATRIX_STAGING)
     storage_buffers: int = 8           # maxStorageBuffersPerShaderStage: storage bindings one kernel may have
     binding_bytes: int = 128 << 20     # maxStorageBufferBindingSize: larger tensors are bound in pieces
     binding_align: int = 256           # minStorageBufferOffsetAlignment: where a piece may start

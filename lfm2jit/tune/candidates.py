@@ -6,8 +6,9 @@ import math
 from dataclasses import replace
 
 from ..schedule.attention import MATRIX_TEMPLATES, choose_tiles, tiles_problem
-from .heuristics import (MATRIX_ATTENTION_CANDIDATES, NARROW, TAIL_BASE_TILES, TARGET_THREADS, narrow_matrix_tiles,
-                         tail_columns)
+from .heuristics import (JUST_OVER_A_WAVE_TILES, LARGE_MATRIX_TILES, MATRIX_ATTENTION_CANDIDATES, MATRIX_TILES, NARROW,
+                         SMALL_MATRIX_SPLIT_TILES, SMALL_MATRIX_TILES, TAIL_BASE_TILES, TARGET_THREADS,
+                         WAVE_SPLIT_TILES, narrow_matrix_tiles, tail_columns)
 from .tiles import COLUMN_SPLITS, AttentionTiles, ColumnTiles, MatrixTiles, TileConfig
 
 MIN_THREADS = 64             # fewest invocations per workgroup an attention candidate has
@@ -53,21 +54,29 @@ MATRIX = (MatrixTiles(128, 128, 2, 2, 32), MatrixTiles(128, 128, 2, 2, 32, stage
           # more workgroups for short-T products (T = 512: 4 to 36 tiles of 128x128)
           MatrixTiles(64, 64, 2, 2, 32, split=8), MatrixTiles(128, 64, 2, 2, 32, split=2),
           MatrixTiles(64, 128, 2, 2, 32, split=2), MatrixTiles(32, 64, 1, 2, 32))
+# the heuristics' picks and two stages with vec4-typed workgroup tiles (unmeasured: the GPU decides)
+VEC4_STAGED = tuple(replace(t, vec4=True) for t in (
+    MATRIX_TILES, LARGE_MATRIX_TILES, SMALL_MATRIX_TILES, SMALL_MATRIX_SPLIT_TILES, JUST_OVER_A_WAVE_TILES,
+    WAVE_SPLIT_TILES, MatrixTiles(128, 128, 2, 2, 32, stages=2)))
 
 
 def matrix(params) -> tuple[MatrixTiles, ...]:
-    """MATRIX and, where the grid of 128x128 tiles ends in a partial wave, those tiles with K split
-    in the tail's columns (or one more) over 2, 4 or 8; for an output at most NARROW thin, tiles one
-    fragment thin at every split, and two half as long along the other side."""
+    """MATRIX and VEC4_STAGED and, where the grid of 128x128 tiles ends in a partial wave, those tiles
+    with K split in the tail's columns (or one more) over 2, 4 or 8; for an output at most NARROW
+    thin, tiles one fragment thin at every split, and two half as long along the other side. Last,
+    the planner's pick with the other staging (f16 or vec4), where it is not among them."""
+    twin = (replace(params.tiles, vec4=not params.tiles.vec4),)
     if min(params.m_pad, params.n_size) > NARROW:
         tail = tail_columns(params.m_pad, params.n_size)
         cols = -(-params.n_size // TAIL_BASE_TILES.wn)
-        return MATRIX + tuple(replace(TAIL_BASE_TILES, split=s, tail=t) for t in (tail, tail + 1) if tail and t < cols
-                              for s in (2, 4, 8))
+        tails = tuple(replace(TAIL_BASE_TILES, split=s, tail=t) for t in (tail, tail + 1) if tail and t < cols
+                      for s in (2, 4, 8))
+        return tuple(dict.fromkeys(MATRIX + VEC4_STAGED + tails + twin))
     thin = "m" if params.m_pad <= params.n_size else "n"
     short = tuple(MatrixTiles(16, 64, 1, 4, bk, split=s) if thin == "m" else MatrixTiles(64, 16, 4, 1, bk, split=s)
                   for bk, s in ((32, 4), (64, 8)))     # half as long: faster on LoRA's dY B and dB (h200_lora_mtiles.json)
-    return tuple(narrow_matrix_tiles(thin, s) for s in (1, 2, 4, 8)) + short + (MatrixTiles(64, 64, 2, 2, 32),)
+    return tuple(dict.fromkeys(tuple(narrow_matrix_tiles(thin, s) for s in (1, 2, 4, 8)) + short
+                               + (MatrixTiles(64, 64, 2, 2, 32),) + twin))
 
 
 def for_spec(spec) -> tuple:
@@ -80,8 +89,9 @@ def for_spec(spec) -> tuple:
         return matrix(spec.params)
     if spec.template in ("attention_fwd", "attention_bwd"):
         return attention(spec.params.mode, spec.params.head_dim)
-    if spec.template in MATRIX_TEMPLATES.values():   # the planner's pick first; one that does not fit scores inf
-        return (spec.params.tiles, *(t for t in MATRIX_ATTENTION_CANDIDATES if t != spec.params.tiles))
+    if spec.template in MATRIX_TEMPLATES.values():   # the planner's pick first, last with the other staging
+        pick = spec.params.tiles                         # (one that does not fit scores inf)
+        return (pick, *(t for t in MATRIX_ATTENTION_CANDIDATES if t != pick), replace(pick, vec4=not pick.vec4))
     if spec.template == "colreduce" and spec.params.split > 1:   # only what the planner found long and narrow
         return (ColumnTiles(spec.params.split), *(ColumnTiles(s) for s in COLUMN_SPLITS if s != spec.params.split))
     return ()

@@ -66,6 +66,7 @@ class MatrixTiles:
     group: int = 8
     prefetch: bool = True
     tail: int = 0
+    vec4: bool = False
 
     def __post_init__(self):
         if min(self.wm, self.wn, self.sg_m, self.sg_n, self.bk, self.group) < 1 or self.split not in (1, 2, 4, 8):
@@ -81,7 +82,7 @@ class MatrixTiles:
     def label(self) -> str:
         return (f"{self.wm}x{self.wn}/sg{self.sg_m}x{self.sg_n}/bk{self.bk}" + (f"/split{self.split}" if self.split > 1 else "")
                 + (f"/tail{self.tail}" if self.tail else "") + f"/s{self.stages}" + (f"/g{self.group}" if self.group > 1 else "")
-                + ("" if self.prefetch else "/noprefetch"))
+                + ("" if self.prefetch else "/noprefetch") + ("/v4" if self.vec4 else ""))
 
     def problem(self, frag, subgroup: int, workgroup_bytes: int, n: int | None = None) -> str | None:
         """The first rule these tiles break for fragments ``frag`` (a schedule.spec.MatrixConfig), this
@@ -92,6 +93,8 @@ class MatrixTiles:
             return f"WM / SG_M and WN / SG_N must be multiples of the {frag.m}x{frag.n} fragment"
         if self.bk % frag.k or self.bk % 4:
             return f"BK must be a multiple of the fragment's K {frag.k} and of 4"
+        if self.vec4 and (frag.m % 4 or frag.n % 4 or frag.k % 4):
+            return f"vec4 staging needs fragments ({frag.m}x{frag.n}, k {frag.k}) that start on whole vec4s"
         threads = self.sg_m * self.sg_n * subgroup
         if (self.wm * self.bk) % (4 * threads) or (self.wn * self.bk) % (4 * threads):
             return f"each of the {threads} invocations must fetch the same number of vec4s of each tile"
@@ -104,9 +107,15 @@ class MatrixTiles:
     def staged(self, rows: int, by_k: bool) -> tuple[int, int]:
         """(row stride, f16 elements) of one stage of an operand's workgroup tile: [rows][BK] when
         the operand is read along K, [BK][rows] when its rows are contiguous (so staging never
-        transposes). Rows are padded by 8 f16 so the fragment loads' rows start in different banks."""
+        transposes). Rows are padded by 8 f16 (16 bytes, as NVIDIA's cooperative-matrix sample skews
+        its uvec4 tiles) so the fragment loads' rows start in different banks."""
         stride = (rows if by_k else self.bk) + 8
         return stride, stride * (self.bk if by_k else rows)
+
+    @property
+    def unit(self) -> int:
+        """f16 elements per element of the workgroup tiles' arrays (offsets and strides count these)."""
+        return 4 if self.vec4 else 1
 
     def workgroup_bytes(self, frag) -> int:
         """The most workgroup memory these tiles take (either staging layout)."""
@@ -135,9 +144,12 @@ class AttentionTiles:
 class MatrixAttentionTiles:
     """Block sizes of the matrix-unit attention kernels: ``rows`` owned rows per workgroup
     (queries; keys for dkdv), one subgroup per fragment height of them; ``tile`` rows streamed per
-    step (keys; queries for dkdv)."""
+    step (keys; queries for dkdv). ``vec4``: the head-dim tiles (q, k, v, dO) are typed
+    array<vec4<f16>>, staged one fetched vec4 a store, fragments loaded in vec4 units (as
+    MatrixTiles.vec4); P and dS, stored a score at a time, stay f16."""
     rows: int
     tile: int
+    vec4: bool = False
 
 
 @dataclass(frozen=True)

@@ -124,7 +124,8 @@ def test_lora_run_with_a_constant_reward_and_beta(base, tmp_path):
     model, prompts, rewards = base
     out = tmp_path / "lora"
     r = cli("grpo", "--model", model, "--prompts", prompts, "--reward", f"{rewards}:const", *RUN, "--steps", 2,
-            "--lora-r", 4, "--beta", 0.1, "--eval-fraction", 0.25, "--eval-every", 1, "--out", out)
+            "--lora-r", 4, "--beta", 0.1, "--eval-fraction", 0.25, "--eval-every", 1, "--eval-generations", 3,
+            "--out", out)
     assert r.returncode == 0, r.stderr
     assert "reference: the base, adapters off" in r.stdout
     for m in check_metrics(out, [1, 2]):
@@ -133,6 +134,9 @@ def test_lora_run_with_a_constant_reward_and_beta(base, tmp_path):
     (ev,) = [json.loads(x) for x in (out / "eval.jsonl").read_text().splitlines()]
     # exact match is the records' "answer" against the greedy completion, whatever the reward functions
     assert ev["step"] == 1 and ev["reward"] == 0.5 and 0 <= ev["exact_match"] <= 1 and ev["answers_scored"] == 2
+    # --eval-generations 3: 3 completions sampled per held-out prompt, each scored (6 in all)
+    assert ev["sampled/reward"] == 0.5 and (ev["sampled/exact_match"] * 6) == pytest.approx(round(ev["sampled/exact_match"] * 6))
+    assert "sampled: reward 0.50 -> 0.50, exact match" in r.stdout
     assert (out / "adapter" / "adapter_model.safetensors").is_file() and not (out / "model").exists()
 
 

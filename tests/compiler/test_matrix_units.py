@@ -23,7 +23,7 @@ from lfm2jit.engine import target_of
 from lfm2jit.schedule import EMULATED_MATRIX_CONFIGS, EMULATED_SUBGROUP, Target
 from lfm2jit.tune.heuristics import H200_WAVE, narrow_matrix_tiles, tail_columns
 from lfm2jit.tune.tiles import MatrixTiles
-from lfm2jit.tune.candidates import MATRIX, matrix as matrix_candidates
+from lfm2jit.tune.candidates import MATRIX, VEC4_STAGED, matrix as matrix_candidates
 
 LINEAR = library.get("linear").without({"r"})
 PRODUCTS = {   # the three products of a linear layer in --f16 mode: activations f16, weights and their grads f32
@@ -81,7 +81,7 @@ def test_f32_contractions_stay_simt_on_a_device_with_matrix_units():
     assert LINEAR.specialize({"T": 100, "K": 64, "N": 48}, 64, target=MATRIX_UNITS).template == "matmul"
 
 
-@pytest.mark.parametrize("tiles", MATRIX + tuple(narrow_matrix_tiles(thin, 8) for thin in "mn"))
+@pytest.mark.parametrize("tiles", MATRIX + VEC4_STAGED + tuple(narrow_matrix_tiles(thin, 8) for thin in "mn"))
 def test_every_matrix_candidate_renders(tiles):
     for k in PRODUCTS.values():
         wgsl = render(k.specialize({"T": 70, "K": 96, "N": 40}, 16, frozenset(), tiles, MATRIX_UNITS))
@@ -248,6 +248,22 @@ def test_emulated_matrix_templates_need_no_subgroup_matrix_feature():
         assert "subgroup_matrix" not in wgsl and "subgroupMatrix" not in wgsl and "enable f16;" in wgsl
 
 
+def test_vec4_staging_needs_vec4_reads_and_is_the_default_only_where_asked(ctx, monkeypatch):
+    """vec4-typed tiles take one fetched vec4 a store: refused by name where an operand is read element
+    by element (K = 42 is no multiple of 4); LFM2JIT_MATRIX_STAGING=vec4 gives the planner's tiles
+    vec4 staging where every operand allows it, and f16 staging elsewhere."""
+    with pytest.raises(ValueError, match="stage vec4s; operands read element by element: x, w"):
+        PRODUCTS["y"].specialize({"T": 64, "K": 42, "N": 48}, 64, frozenset(), MatrixTiles(64, 64, 2, 2, 32, vec4=True),
+                                 MATRIX_UNITS)
+    monkeypatch.setenv("LFM2JIT_MATRIX_UNITS", "emulate")
+    monkeypatch.setenv("LFM2JIT_MATRIX_STAGING", "vec4")
+    staged = ComputeEngine(ctx).target
+    assert staged.vec4_staging and not MATRIX_UNITS.vec4_staging
+    for k, want in ((42, False), (64, True)):
+        for out, kern in PRODUCTS.items():
+            assert kern.specialize({"T": 64, "K": k, "N": 48}, 64, target=staged).params.tiles.vec4 == want, (out, k)
+
+
 def test_matrix_units_setting(ctx, monkeypatch):
     """off: every product on the portable path; emulate: the emulated target, refused by name on a
     device without shader-f16; anything else is an error naming the variable."""
@@ -281,21 +297,23 @@ def _fits(e, tiles) -> bool:
                                               e.target.workgroup_bytes)
 
 
-@pytest.mark.parametrize("T,K,N", [(100, 64, 48), (129, 40, 132), (7, 8, 12), (256, 1024, 96), (300, 256, 520),
-                                   (300, 1040, 8)])
+@pytest.mark.parametrize("T,K,N", [(129, 40, 132), (7, 8, 12), (256, 1024, 96), (300, 256, 520), (300, 1040, 8)])
 @pytest.mark.parametrize("tiles", [None, MatrixTiles(64, 64, 2, 2, 32, split=2), MatrixTiles(128, 128, 2, 2, 64),
                                    MatrixTiles(128, 128, 2, 4, 32, group=1), MatrixTiles(128, 64, 2, 2, 32, stages=2),
-                                   MatrixTiles(64, 128, 2, 2, 32, group=3), narrow_matrix_tiles("n", 4),
-                                   narrow_matrix_tiles("m", 8), MatrixTiles(128, 64, 2, 4, 32, prefetch=False),
-                                   MatrixTiles(64, 64, 2, 2, 32, split=2, prefetch=False),
+                                   MatrixTiles(64, 128, 2, 2, 32, group=3, vec4=True), narrow_matrix_tiles("n", 4),
+                                   narrow_matrix_tiles("m", 8), MatrixTiles(128, 64, 2, 4, 32, prefetch=False, vec4=True),
+                                   MatrixTiles(64, 64, 2, 2, 32, split=2, prefetch=False, vec4=True),
+                                   MatrixTiles(64, 64, 2, 2, 32, stages=2, vec4=True),
                                    MatrixTiles(256, 128, 4, 2, 32, prefetch=False),
                                    MatrixTiles(128, 128, 2, 2, 32, split=2, prefetch=False)])
 def test_matrix_products_match_float64(units, rng, T, K, N, tiles):
     """f16 activations (x, dY), f32 weights converted as they are staged; against float64 on the same
     f16-rounded values, for all three products: ragged edges, interior tiles stored whole (f32) or
     without masks (f16), split-K,
-    one and two staging buffers, bands of tile rows that do not divide the grid, and k-steps
-    fetched while the last is multiplied or at the top of their own step (no prefetch)."""
+    one and two staging buffers, bands of tile rows that do not divide the grid, k-steps
+    fetched while the last is multiplied or at the top of their own step (no prefetch), and
+    workgroup tiles of f16 or of vec4<f16> (its emulated fragment loads count offsets and strides
+    in vec4s, as Dawn's do)."""
     e = units
     x, dy = _f16(rng, (T, K)), _f16(rng, (T, N))
     w = rng.standard_normal((N, K)).astype(np.float32)

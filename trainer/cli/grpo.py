@@ -36,6 +36,7 @@ from .state import Session
 from .train import Training, run_command
 
 EVAL_BATCH = 32          # held-out prompts generated as one batch
+EVAL_SEED_STEP = 2**31   # held-out sampling seeds: past any optimizer step, so never a training batch's draws
 
 
 def main(argv: list[str]) -> int:
@@ -139,34 +140,15 @@ class GrpoTraining(Training):
     # ---- the held-out evaluation ----
     def held_out(self, answers: bool) -> dict:
         """The greedy completions of this rank's held-out prompts scored by the reward functions (sums added
-        over the ranks): the mean reward, each function's, and the exact match of the records with an answer.
-        There is no loss ("loss" is nan); with ``answers`` the scored completions are kept as "samples"."""
-        from ..grpo import score
-        run, items, model, tok = self.run, self.my_eval, self.s.model, self.s.tok
-        texts: list[str] = []
-        lengths: list[int] = []
-        with _bar(run, len(items), "held-out completions", "prompt") as bar:
-            for i in range(0, len(items), EVAL_BATCH):
-                part = items[i:i + EVAL_BATCH]
-                out = model.generate([r.ids.tolist() for r in part], max_new_tokens=self.config.max_completion_length,
-                                     do_sample=False)
-                texts += [tok.decode(x, skip_special_tokens=True) for x in out]
-                lengths += [len(x) for x in out]
-                bar.update(len(part))
+        over the ranks): the mean reward, each function's, and the exact match of the records with an answer;
+        with --eval-generations N also N sampled completions per prompt, as "sampled/reward" and
+        "sampled/exact_match". There is no loss ("loss" is nan); with ``answers`` the greedy completions are
+        kept as "samples"."""
+        run, items = self.run, self.my_eval
+        texts, lengths = self._complete(items, 1)
+        sums, per = self._sums(items, texts, lengths)
+        n, reward, *rest = sums
         names = [name for name, _ in self.rewards]
-        if items:
-            columns = {k: [r.columns.get(k) for r in items] for k in dict.fromkeys(k for r in items for k in r.columns)}
-            per = score(self.rewards, [r.prompt for r in items], texts, columns)
-        else:
-            per = np.zeros((len(names), 0))
-        total = per.sum(axis=0)
-        with_answer = [i for i, r in enumerate(items) if "answer" in r.columns]
-        right = [texts[i].strip() == str(items[i].columns["answer"]).strip() for i in with_answer]
-        values = [float(len(items)), float(total.sum()), *(float(x.sum()) for x in per), float(len(with_answer)),
-                  float(sum(right)), float(sum(lengths))]
-        if run.world_size > 1:
-            values = self.s.sum_over_ranks(values, "the held-out sums")
-        n, reward, *rest = values
         by_function, n_answers, n_right, n_tokens = rest[:len(names)], *rest[len(names):]
         mean = (lambda x: x / n) if n else (lambda x: float("nan"))
         out = {"loss": float("nan"), "reward": mean(reward),
@@ -174,14 +156,59 @@ class GrpoTraining(Training):
                "completions/mean_length": mean(n_tokens), "prompts": int(n),
                "exact_match": n_right / n_answers if n_answers else None, "answers_scored": int(n_answers),
                "answer_loss": None}
+        if run.eval_generations:
+            g = run.eval_generations
+            sampled, _ = self._sums([r for r in items for _ in range(g)], *self._complete(items, g))
+            out["sampled/reward"] = sampled[1] / sampled[0] if sampled[0] else float("nan")
+            out["sampled/exact_match"] = sampled[-2] / sampled[-3] if sampled[-3] else None
         if answers:
-            expected = {i: str(items[i].columns["answer"]) for i in with_answer}
+            total = per.sum(axis=0)
+            expected = {i: str(r.columns["answer"]) for i, r in enumerate(items) if "answer" in r.columns}
             out["samples"] = [{"prompt": r.prompt, "completion": t, "reward": float(total[i]),
                                "expected": expected.get(i), "correct": (t.strip() == expected[i].strip())
                                if i in expected else None} for i, (r, t) in enumerate(zip(items, texts))]
         return out
 
+    def _complete(self, items, g: int) -> tuple[list[str], list[int]]:
+        """Each prompt's greedy completion (g = 1), or g completions sampled at the run's temperature and top-p,
+        each batch seeded by --seed, the rank and its place alone, so every evaluation draws alike."""
+        run, model, tok = self.run, self.s.model, self.s.tok
+        texts: list[str] = []
+        lengths: list[int] = []
+        desc = "held-out completions" if g == 1 else f"held-out samples (x{g})"
+        with _bar(run, len(items), desc, "prompt") as bar:
+            for i in range(0, len(items), EVAL_BATCH):
+                part = items[i:i + EVAL_BATCH]
+                prompts = [r.ids.tolist() for r in part for _ in range(g)]
+                sampling = {} if g == 1 else dict(do_sample=True, temperature=self.config.temperature,
+                                                  top_p=self.config.top_p,
+                                                  seed=sampling_seed(run.seed, EVAL_SEED_STEP + i, run.rank))
+                out = model.generate(prompts, max_new_tokens=self.config.max_completion_length, **sampling)
+                texts += [tok.decode(x, skip_special_tokens=True) for x in out]
+                lengths += [len(x) for x in out]
+                bar.update(len(part))
+        return texts, lengths
+
+    def _sums(self, items, texts: list[str], lengths: list[int]) -> tuple[list[float], np.ndarray]:
+        """[completions, reward, each function's reward, completions with an answer, exactly right, tokens]
+        summed over the ranks, and this rank's rewards per function and completion."""
+        from ..grpo import score
+        names = [name for name, _ in self.rewards]
+        if items:
+            columns = {k: [r.columns.get(k) for r in items] for k in dict.fromkeys(k for r in items for k in r.columns)}
+            per = score(self.rewards, [r.prompt for r in items], texts, columns)
+        else:
+            per = np.zeros((len(names), 0))
+        with_answer = [i for i, r in enumerate(items) if "answer" in r.columns]
+        right = [texts[i].strip() == str(items[i].columns["answer"]).strip() for i in with_answer]
+        values = [float(len(items)), float(per.sum()), *(float(x.sum()) for x in per), float(len(with_answer)),
+                  float(sum(right)), float(sum(lengths))]
+        if self.run.world_size > 1:
+            values = self.s.sum_over_ranks(values, "the held-out sums")
+        return values, per
+
     def kept(self, ev: dict) -> dict:
         """The held-out reward and exact match, kept in checkpoints for a resumed run's summary."""
         return {"reward": clean(ev.get("reward")), "exact_match": clean(ev.get("exact_match")),
-                "answers_scored": ev.get("answers_scored", 0)}
+                "answers_scored": ev.get("answers_scored", 0),
+                **{k: clean(ev[k]) for k in ("sampled/reward", "sampled/exact_match") if k in ev}}

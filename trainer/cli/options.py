@@ -322,6 +322,11 @@ def _add_grpo(p: argparse.ArgumentParser, objective: str) -> None:
                    help="the clip range's upper side, 1 + E (DAPO's clip-higher; default --epsilon)")
     g.add_argument("--num-iterations", type=int, metavar="K",
                    help="optimizer steps per generation batch (TRL's num_iterations, mu; default 1)")
+    g.add_argument("--eval-generations", type=int, metavar="N",
+                   help="the held-out evaluation also samples N completions per prompt at --temperature / --top-p "
+                        "(the same seed at every evaluation) and reports their mean reward and exact match, as "
+                        "TRL's sampled evaluation does; greedy answers hide a sharpened distribution (default 0: "
+                        "greedy only)")
     g.add_argument("--scale-rewards", choices=("group", "batch", "none"),
                    help="advantages divided by the group's reward std (default), the batch's, or not at all")
 

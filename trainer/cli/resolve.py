@@ -112,7 +112,7 @@ def resolve(args: argparse.Namespace, argv_empty: bool, saved: dict | None = Non
         num_generations=g.get("num_generations", 8), max_completion_length=g.get("max_completion_length", 512),
         temperature=g.get("temperature", 1.0), top_p=g.get("top_p", 1.0), epsilon=g.get("epsilon", 0.2),
         epsilon_high=g.get("epsilon_high"), num_iterations=g.get("num_iterations", 1),
-        scale_rewards=g.get("scale_rewards", "group"),
+        scale_rewards=g.get("scale_rewards", "group"), eval_generations=g.get("eval_generations", 0),
         reference_model=g.get("reference_model", model_dir if objective == "grpo" else None),
         derived={k for k in ("min_lr", "warmup_steps", "tokenizer", "data") if k not in g})
     _validate(run)
@@ -134,7 +134,7 @@ NOT_FOR_GRPO = {"data_kind": "records are prompts", "loss_on": "the reward funct
                 "check_loss_drop": "GRPO's loss is no measure of progress (the summary says whether the held-out "
                                    "reward rose)"}
 GRPO_FLAGS = ("reward", "num_generations", "max_completion_length", "temperature", "top_p", "epsilon",
-              "epsilon_high", "num_iterations", "scale_rewards")
+              "epsilon_high", "num_iterations", "scale_rewards", "eval_generations")
 COMMAND_OF = {"sft": "python -m trainer", "dpo": "python -m trainer dpo", "grpo": "python -m trainer grpo"}
 RUN_OF = {"sft": "a supervised (python -m trainer)", "dpo": "a DPO (preference tuning)", "grpo": "a GRPO"}
 
@@ -318,7 +318,7 @@ def _validate(r: Run) -> None:
     for name in ("grad_accum", "bucket", "max_len", "eval_max", "world_size"):
         positive(name, getattr(r, name))
     for name in ("checkpoint_every", "keep_checkpoints", "warmup_steps", "pack_tokens", "replay", "eval_every",
-                 "eval_answers", "samples"):
+                 "eval_answers", "samples", "eval_generations"):
         positive(name, getattr(r, name), allow_zero=True)
     positive("steps", r.steps)
     positive("epochs", r.epochs)

@@ -178,6 +178,7 @@ def saved_evals(position: dict, start: int) -> list[dict]:
         if (isinstance(e, dict) and type(e.get("step")) is int and 0 <= e["step"] <= start
                 and any(isinstance(e.get(k), (int, float)) and not isinstance(e.get(k), bool)
                         for k in ("loss", "reward"))):        # a GRPO run's: no loss, a reward
-            out.append({k: e[k] for k in ("step", "loss", "answer_loss", "exact_match", "reward", "answers_scored")
+            out.append({k: e[k] for k in ("step", "loss", "answer_loss", "exact_match", "reward", "answers_scored",
+                                           "sampled/reward", "sampled/exact_match")
                         if k in e})
     return out

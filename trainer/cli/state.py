@@ -13,7 +13,7 @@ from .options import DEFAULT_SAMPLES
 # Settings whose change on --resume does not alter the training itself (a changed --steps shows up as a
 # changed schedule, noted separately).
 AS_YOU_LIKE = {"steps", "checkpoint_every", "checkpoint_minutes", "eval_every", "keep_checkpoints",
-               "eval_max", "sync_timeout", "check_loss_drop", "eval_answers", "samples"}
+               "eval_max", "sync_timeout", "check_loss_drop", "eval_answers", "samples", "eval_generations"}
 
 # Settings a checkpoint carries and --resume restores (flags given with --resume override them).
 RESUMABLE = ("tokenizer", "data", "data_kind", "loss_on", "max_len", "eval_fraction", "eval_max", "seed",
@@ -25,7 +25,7 @@ RESUMABLE = ("tokenizer", "data", "data_kind", "loss_on", "max_len", "eval_fract
              "save_dtype", "eval_data", "eval_answers", "samples", "distributed", "router_aux_loss_coef",
              "objective", "beta", "loss_type", "label_smoothing", "rewards", "num_generations",
              "max_completion_length", "temperature", "top_p", "epsilon", "epsilon_high", "num_iterations",
-             "scale_rewards", "reference_model")
+             "scale_rewards", "eval_generations", "reference_model")
 
 
 @dataclass
@@ -107,6 +107,7 @@ class Run:
     epsilon_high: float | None = None
     num_iterations: int = 1
     scale_rewards: str = "group"
+    eval_generations: int = 0         # GRPO: completions sampled per held-out prompt (0: greedy only)
     reference_model: str | None = None   # GRPO: the --model directory the run started from (kept for --resume)
     notes: list[str] = field(default_factory=list)
     derived: set = field(default_factory=set)     # settings left to defaults that follow others

@@ -104,7 +104,10 @@ def _grpo_text(ev: dict, before: dict | None = None) -> str:
         return text if was is None or not before else f"{format(was, fmt)} -> {text}"
     return (f"held-out reward {value('reward', '.2f')}"
             + (f", exact match {value('exact_match', '.0%')} of {ev['answers_scored']}"
-               if ev.get("exact_match") is not None else "") + " (greedy)")
+               if ev.get("exact_match") is not None else "") + " (greedy)"
+            + (f"; sampled: reward {value('sampled/reward', '.2f')}"
+               + (f", exact match {value('sampled/exact_match', '.0%')}" if ev.get("sampled/exact_match") is not None
+                  else "") if "sampled/reward" in ev else ""))
 
 
 def _grpo_samples(samples: list[dict], k: int, write) -> None:
