@@ -48,6 +48,12 @@
 #   bash benches/h200.sh packing          on Dawn: the packing group at LFM2-350M shapes, windows of 16 sequences with the
 #                                         shipped chat data's token lengths times 1 and times 8 (a long-chat set of the
 #                                         same shape), --packing pad and concat -> $OUT/<card>_packing_x{1,8}.json
+#   bash benches/h200.sh longctx          on Dawn: long context, LFM2-350M and LFM2-1.2B shapes at 1x16384 and 1x32768, full
+#                                         fine-tuning and LoRA r = 8 on a frozen f16 base, each --f16 --checkpoint-layers all
+#                                         (f32 activations of a 32k row would not fit; the reruns cost a forward), one timed
+#                                         window, each run bounded (the section fits one 10-minute call); then the
+#                                         "what fits" table: peak GiB and tokens/s, or why not
+#                                         -> $OUT/<card>_longctx_<preset>_<kind>_<T>.json
 #   bash benches/h200.sh staging          issue 51 in one call, on Dawn: the matrix-unit GEMM tests (vec4 staging on the real
 #                                         units against float64) and every template variant through Tint, then the staging
 #                                         group (fwd, dX, dW at 4096^3 and the LFM2-350M T = 2048 shapes, f16 and vec4 tiles,
@@ -193,6 +199,38 @@ packing)
             --length-scale "$scale" --json "$OUT/${card}_packing_x${scale}.json" 2>&1 | grep "^packing"
     done
     ;;
+longctx)
+    export LFM2JIT_WEBGPU=dawn
+    card=$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -o "H[0-9]*" | head -1 | tr A-Z a-z)
+    for run in "350M 16384 40" "350M 32768 50" "1.2B 16384 65" "1.2B 32768 90"; do   # 490 s in all
+        set -- $run
+        preset=$1 t=$2 limit=$3
+        for kind in full lora; do
+            extra=$([ "$kind" = lora ] && echo "--lora 8 --lora-f16-base")
+            timeout "$limit" python3 -m lfm2jit.bench --only train --f16 --checkpoint-layers all --model-preset "$preset" \
+                --train-shapes "1x$t" --steps 1 $extra --json "$OUT/${card}_longctx_${preset}_${kind}_$t.json" 2>&1 \
+                | grep "^train" || echo "train     $preset $kind 1x$t: no line (timed out after ${limit}s?)"
+        done
+    done
+    python3 - "$OUT" "$card" <<'PY'
+import json, sys
+from pathlib import Path
+out, card = Path(sys.argv[1]), sys.argv[2]
+print(f"\nwhat fits on {card} (--f16 --checkpoint-layers all; LoRA r = 8 on an f16 base):")
+print(f"{'model':6s} {'kind':5s} {'T':>6s} {'peak GiB':>9s} {'tok/s':>8s}")
+for preset in ("350M", "1.2B"):
+    for kind in ("full", "lora"):
+        for t in (16384, 32768):
+            path = out / f"{card}_longctx_{preset}_{kind}_{t}.json"
+            lines = [x for x in json.loads(path.read_text())["lines"] if x["group"] == "train"] if path.exists() else []
+            if not lines or lines[0]["error"]:     # an out-of-memory error, or no line in the time given
+                why = f"failed: {lines[0]['error'][:70]}" if lines else "no result (timed out, or failed to start)"
+                print(f"{preset:6s} {kind:5s} {t:6d} {'-':>9s} {'-':>8s}  {why}")
+                continue
+            x = lines[0]["extra"]
+            print(f"{preset:6s} {kind:5s} {t:6d} {x['peak_bytes'] / 2**30:9.2f} {x['tokens_per_s']:8.0f}")
+PY
+    ;;
 staging)
     export LFM2JIT_WEBGPU=dawn
     card=$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -o "H[0-9]*" | head -1 | tr A-Z a-z)
@@ -220,6 +258,6 @@ mpi)
     } | tee "$OUT/h200_mpi_exchange.log"
     ;;
 *)
-    echo "usage: bash benches/h200.sh tests | matrix | speed [BASE] | startup [BASE] | lora | attention | decode | gradsync | limits | moe | moelora | ckpt | staging | mpi" >&2; exit 2 ;;
+    echo "usage: bash benches/h200.sh tests | matrix | speed [BASE] | startup [BASE] | lora | attention | decode | gradsync | limits | moe | moelora | ckpt | packing | longctx | staging | mpi" >&2; exit 2 ;;
 esac
 echo "took $(( $(date +%s) - start )) s"

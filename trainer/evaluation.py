@@ -15,35 +15,43 @@ from math import lcm
 
 import numpy as np
 
-from .packing import pack, packable, pad_token
+from .packing import concat, concatenable, pack, packable, pad_token
 
 ANSWER_SLACK = 8          # tokens a wrong answer may run past the expected one's length
 GENERATE_BATCH = 16       # prompts decoded together
 EVAL_PACK_ROWS = 4096     # rows of one packed evaluation pass (its activations grow with them)
 
 
-def held_out_loss(model, engine, items, bucket: int, progress=None) -> tuple[float, float]:
+def held_out_loss(model, engine, items, bucket: int, progress=None, packing: str = "pad") -> tuple[float, float]:
     """Mean cross-entropy per supervised token over ``items`` (forward only: no weight or gradient
     of the model is touched), and the same over the answer tokens of items that carry an answer
     mask (NaN when none does). Consecutive items run packed, as training packs them (up to
-    EVAL_PACK_ROWS rows a pass, see packing.py): one pass for many short records instead of one
-    each. ``progress(n)`` is told of every n items scored."""
+    EVAL_PACK_ROWS rows a pass, see packing.py; ``packing`` "pad" or "concat"): one pass for many
+    short records instead of one each. ``progress(n)`` is told of every n items scored."""
     from lfm2jit.ops.lmhead import lm_head_cross_entropy
     unit = lcm(model.pack_multiple(), bucket)
     lengths = [len(it[0]) for it in items]
     sums, counts = [0.0, 0.0], [0, 0]
     at = 0
     while at < len(items):
-        group = items[at:at + packable(lengths[at:], unit, EVAL_PACK_ROWS)]
+        rest = lengths[at:]
+        group = items[at:at + (concatenable(rest, EVAL_PACK_ROWS) if packing == "concat"
+                               else packable(rest, unit, EVAL_PACK_ROWS))]
         at += len(group)
+        segments = None
         if len(group) == 1:
             ids, targets, mask, answer = group[0]
             masks = (mask, answer)
+        elif packing == "concat":       # an absent answer mask scores none of its sequence's positions
+            ids, targets, masks, segments = concat(
+                [it[0] for it in group], [it[1] for it in group],
+                [[it[j] if it[j] is not None else np.zeros(len(it[0]), np.float32) for it in group] for j in (2, 3)],
+                bucket, pad_token(model.cfg))
         else:
             ids, targets, masks = pack([it[0] for it in group], [it[1] for it in group],
                                        [[it[j] if it[j] is not None else () for it in group] for j in (2, 3)],
                                        unit, pad_token(model.cfg))
-        trace = model.forward(ids, bucket)
+        trace = model.forward(ids, bucket, segments=segments)
         for j, m in enumerate(masks):
             if m is None or not m.any():
                 continue

@@ -4,7 +4,8 @@
 model mixes positions causally and within each sequence, so a sequence's real positions come out as
 they do alone; padded positions carry no loss.
 
-``concat`` (training passes, ``Trainer.with_packing(..., mode="concat")``): concatenated into one
+``concat`` (``Trainer.with_packing(..., mode="concat")``: training, token log-probs and token
+objectives, as DPO and GRPO run them; ``held_out_loss(..., packing="concat")``): concatenated into one
 row, padded only at its end to a multiple of the length bucket, with each sequence's length
 (Lfm2Model.forward's ``segments``): attention, the short conv and RoPE restart at every sequence, so
 again each comes out as it does alone, and a window of mixed lengths computes no padding rows."""

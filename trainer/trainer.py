@@ -223,9 +223,6 @@ class Trainer:
     def packing_mode(self, mode: str) -> None:
         if mode not in PACKING_MODES:
             raise ValueError(f"packing mode must be one of {', '.join(PACKING_MODES)}, got {mode!r}")
-        problem = self.model.concat_problem() if mode == "concat" else None
-        if problem:
-            raise ValueError(f"packing mode 'concat': {problem}")
         self._packing_mode = mode
 
     def with_packing(self, max_tokens: int | None, mode: str | None = None) -> "Trainer":
@@ -348,11 +345,19 @@ class Trainer:
         while len(out) < len(checked):
             rest = checked[len(out):]
             group = rest[:self._packable(rest)]
-            ids, targets, (mask,) = pack([g[0] for g in group], [g[1] for g in group], [[g[2] for g in group]],
-                                         self._pack_unit(), pad_token(self.model.cfg))
-            trace = self.model.forward(self.model.upload_ids(ids), self.length_bucket)
-            out += self._position_logps(self._tempered(trace.hn, temperature), targets, mask, group, ids.shape)
+            ids, targets, (mask,), segments = self._pack(group, [g[2] for g in group])
+            trace = self.model.forward(self.model.upload_ids(ids, segments), self.length_bucket)
+            out += self._position_logps(self._tempered(trace.hn, temperature), targets, mask, group, segments)
         return out
+
+    def _pack(self, group, masks):
+        """Checked sequences as one pass, as ``packing_mode`` packs them: (ids, targets, (mask,),
+        segments); ``masks`` one per sequence. Padded and stacked (segments None), or concatenated
+        into one row (segments: its lengths) when the mode is concat and there are several."""
+        ids, targets, pad = [g[0] for g in group], [g[1] for g in group], pad_token(self.model.cfg)
+        if self.packing_mode == "concat" and len(group) > 1:
+            return concat(ids, targets, [masks], self.length_bucket, pad)
+        return (*pack(ids, targets, [masks], self._pack_unit(), pad), None)
 
     def _tempered(self, h, temperature: float):
         """h / temperature: the final hidden states whose logits are the model's divided by it."""
@@ -360,12 +365,15 @@ class Trainer:
             return h
         return self.model.kernels.run("scale", bucket=self.length_bucket, x=h, alpha=1.0 / temperature)["y"]
 
-    def _position_logps(self, hn, targets, mask, group, shape) -> list[np.ndarray]:
-        """The LM head's loss pass, per position: -cross-entropy = log p, per sequence."""
+    def _position_logps(self, hn, targets, mask, group, segments) -> list[np.ndarray]:
+        """The LM head's loss pass, per position: -cross-entropy = log p, per sequence of ``group``
+        (rows of equal length, or with ``segments`` one concatenated row)."""
         ce = lm_head_cross_entropy(self.engine, hn, self.model.lm_head, targets, mask, chunk=self.lm_head_chunk,
                                    bucket=self.length_bucket, grads=False, per_position=True,
-                                   check_targets=False).loss.numpy().astype(np.float64).reshape(shape)
-        return [-ce[i, :len(g[0])] * (g[2] != 0) for i, g in enumerate(group)]
+                                   check_targets=False).loss.numpy().astype(np.float64)
+        lengths = [len(g[0]) for g in group]
+        starts = np.cumsum([0, *segments[:-1]]) if segments else np.arange(len(group)) * (len(ce) // len(group))
+        return [-ce[s:s + n] * (g[2] != 0) for s, n, g in zip(starts, lengths, group)]
 
     def train_token_objective(self, sequences, params, objective, temperature: float = 1.0) -> StepStats:
         """One micro-batch whose loss is a function of its sequences' per-token log-probabilities
@@ -389,25 +397,24 @@ class Trainer:
         if self.step_in_accum == 0:
             self.sync_handshake(params)
             self._start_window(params)
-        ids, targets, (mask,) = pack([g[0] for g in group], [g[1] for g in group], [[g[2] for g in group]],
-                                     self._pack_unit(), pad_token(model.cfg))
+        ids, targets, (mask,), segments = self._pack(group, [g[2] for g in group])
         head = model.lm_head
         head_trained = any(p is head for p in params)
         bucket, loss_scale = self.length_bucket, self.loss_scale / self.grad_accum_steps
         if model.lora is not None:
             model.lora.draw_dropout(self._steps, self._micro_index())
         tgt = engine.tensor(targets, "i32")
-        trace = model.forward(model.upload_ids(ids), bucket, keep_from=model.backward_start(params), train=True)
+        trace = model.forward(model.upload_ids(ids, segments), bucket, keep_from=model.backward_start(params),
+                              train=True)
         hn = self._tempered(trace.hn, temperature)
-        logps = self._position_logps(hn, tgt, mask, group, ids.shape)     # pass 1, read back for the objective
+        logps = self._position_logps(hn, tgt, mask, group, segments)     # pass 1, read back for the objective
         try:
             loss, d_logps = _objective_value(objective, logps)
         except BaseException:
             self._abandon_window(params)
             raise
         # pass 2: the gradient of sum_t w_t CE_t with w = -d_logps is the objective's
-        weights = pack([g[0] for g in group], [g[1] for g in group], [[-d * g[2] for d, g in zip(d_logps, group)]],
-                       self._pack_unit(), pad_token(model.cfg))[2][0]
+        weights = self._pack(group, [-d * g[2] for d, g in zip(d_logps, group)])[2][0]
         result = lm_head_cross_entropy(engine, hn, head, tgt, engine.tensor(weights, "f32"), normalizer=1.0,
                                        loss_scale=loss_scale, chunk=self.lm_head_chunk, bucket=bucket,
                                        dE=head.grad if head_trained else None, accumulate_dE=head_trained,

@@ -238,8 +238,10 @@ def grad_ir(ir: KernelIR, wrt: list[str] | None = None, cotangents: list[str] | 
         + tuple(outputs[o] for o in outputs if o in used) \
         + tuple(s for s in seeds if s.name in used)
     kept = {t.name for t in new_inputs} | scalars_used
+    # integer axes a gradient rule introduced (attention's stats [T, 2, H]) are fixed as the source's are
+    fixed = {**{a: int(a) for n in toposort(results.values()) for a in n.shape if a.isdigit()}, **ir.fixed_dims}
     return KernelIR(f"{ir.name}_bwd", new_inputs, tuple(s for s in ir.scalars if s in scalars_used),
-                    tuple(grad_outputs), results, ir.source, ir.filename, ir.line, dict(ir.fixed_dims),
+                    tuple(grad_outputs), results, ir.source, ir.filename, ir.line, fixed,
                     defaults={n: v for n, v in ir.defaults.items() if n in kept})
 
 

@@ -12,6 +12,10 @@ intrinsics, so backward kernels still come from differentiating the IR. How each
     o, lse = causal_attention(q, k, v, starts)     starts: i32[T] (or [B, T])
         sequences concatenated in one row: starts[t] is where row t's sequence starts (nondecreasing,
         starts[t] <= t), and query t sees keys starts[t]..t only; no gradient reaches starts
+    Its backward: dq = causal_attention_bwd_dq(q, k, v, o, lse, dO[, starts]) and
+        dk, dv = causal_attention_bwd_dkdv(q, k, v, stats, dO[, starts]), stats: f32[T, 2, H] the lse
+        and D = sum(dO * O, E) of each query stacked (plain IR before the call), so that dk/dv binds
+        8 storage buffers with starts, WebGPU's default limit
     dE = embedding_grad(g, order, bounds, rows)     g: [T, D]   order, rows: i32[T]   bounds: i32[T, 2]
         the embedding table's gradient as a deterministic scatter-add (only ever added into)
     y = dropout(x, key)     x: float [T, D]   key: i32[4]
@@ -130,12 +134,14 @@ def kernel_ir(name: str, intrinsic: str, inputs: list[TensorArg], outputs: list[
 ATTENTION = "causal_attention"
 ATTENTION_DQ = "causal_attention_bwd_dq"
 ATTENTION_DKDV = "causal_attention_bwd_dkdv"
-ATTENTION_BWD_PARAMS = ("q", "k", "v", "o", "lse", "do")
+ATTENTION_DQ_PARAMS = ("q", "k", "v", "o", "lse", "do")
+ATTENTION_DKDV_PARAMS = ("q", "k", "v", "stats", "do")
+STATS_AXIS = "2"        # stats [B?, T, 2, H]: lse at 0, D = dO . O at 1
 STARTS = "starts"       # the optional last operand of all three: i32[B?, T], each row's sequence start
 
 
 def _check_attention(name: str, operands, params: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """Validate q/k/v (and o, lse, do for the backward), and starts where given; returns q's and k's
+    """Validate q/k/v (and o, lse or stats, do for the backward), and starts where given; returns q's and k's
     shapes."""
     if len(operands) not in (len(params), len(params) + 1):
         raise IntrinsicError(f"{name} takes {len(params)} operands ({', '.join(params)}) and optionally "
@@ -158,7 +164,7 @@ def _check_attention(name: str, operands, params: tuple[str, ...]) -> tuple[tupl
         raise IntrinsicError(f"{name}: q and k must share the sequence axis, got {q[-3]} and {k[-3]}")
     if k[-1] != q[-1]:
         raise IntrinsicError(f"{name}: q and k must share the head-dim axis, got {q[-1]} and {k[-1]}")
-    for p, want in (("o", q), ("do", q), ("lse", q[:-1])):
+    for p, want in (("o", q), ("do", q), ("lse", q[:-1]), ("stats", q[:-2] + (STATS_AXIS, q[-2]))):
         if p in by and by[p][1] != want:
             raise IntrinsicError(f"{name}: {p} must be [{', '.join(want)}], got [{', '.join(by[p][1])}]")
     if STARTS in by and (by[STARTS][0] != "i32" or by[STARTS][1] != q[:-2]):
@@ -173,17 +179,18 @@ def _infer_attention(operands):
 
 
 def _infer_dq(operands):
-    q, _ = _check_attention(ATTENTION_DQ, operands, ATTENTION_BWD_PARAMS)
+    q, _ = _check_attention(ATTENTION_DQ, operands, ATTENTION_DQ_PARAMS)
     return [(operands[0][0], q)]
 
 
 def _infer_dkdv(operands):
-    _, k = _check_attention(ATTENTION_DKDV, operands, ATTENTION_BWD_PARAMS)
+    _, k = _check_attention(ATTENTION_DKDV, operands, ATTENTION_DKDV_PARAMS)
     return [(operands[1][0], k), (operands[2][0], k)]
 
 
 def _grad_attention(b: GraphBuilder, call: Node, projs: dict[int, Node], outs: list) -> list:
-    """Adjoints of (q, k, v): the dq and dkdv calls over the forward's saved o and lse."""
+    """Adjoints of (q, k, v): the dq and dkdv calls over the forward's saved o and lse (dkdv's as
+    stats: lse and D = sum(dO * O, E) stacked, one binding for both)."""
     d_o, d_lse = outs
     if d_lse is not None:
         raise IntrinsicError(f"{ATTENTION}: lse is not differentiable (it is saved for the backward); "
@@ -192,9 +199,12 @@ def _grad_attention(b: GraphBuilder, call: Node, projs: dict[int, Node], outs: l
     (o_type, o_shape), (l_type, l_shape) = _infer_attention([(n.dtype, n.shape) for n in call.srcs])
     o = projs.get(0) or b.node(Op.PROJ, (call,), o_shape, o_type, 0)
     lse = projs.get(1) or b.node(Op.PROJ, (call,), l_shape, l_type, 1)
-    operands = (q, k, v, o, lse, d_o, *starts)
-    dq_call = b.node(Op.INTRINSIC, operands, (), "tuple", ATTENTION_DQ)
-    dkdv_call = b.node(Op.INTRINSIC, operands, (), "tuple", ATTENTION_DKDV)
+    e = q.shape[-1]
+    d = b.sum(b.mul(b.cast(d_o, "f32"), b.cast(o, "f32")), e)                       # (.., T, H) D = dO . O
+    stats_shape = l_shape[:-1] + (STATS_AXIS,) + l_shape[-1:]
+    stats = b.add(*(b.node(Op.EMBED, (x,), stats_shape, "f32", (STATS_AXIS, i)) for i, x in enumerate((lse, d))))
+    dq_call = b.node(Op.INTRINSIC, (q, k, v, o, lse, d_o, *starts), (), "tuple", ATTENTION_DQ)
+    dkdv_call = b.node(Op.INTRINSIC, (q, k, v, stats, d_o, *starts), (), "tuple", ATTENTION_DKDV)
     dq = b.node(Op.PROJ, (dq_call,), q.shape, q.dtype, 0)
     dk = b.node(Op.PROJ, (dkdv_call,), k.shape, k.dtype, 0)
     dv = b.node(Op.PROJ, (dkdv_call,), v.shape, v.dtype, 1)
@@ -203,8 +213,8 @@ def _grad_attention(b: GraphBuilder, call: Node, projs: dict[int, Node], outs: l
 
 register(Intrinsic(ATTENTION, ("q", "k", "v", STARTS), ("o", "lse"), _infer_attention, grad=_grad_attention,
                    differentiable_outputs=("o",), optional=1))
-register(Intrinsic(ATTENTION_DQ, ATTENTION_BWD_PARAMS + (STARTS,), ("dq",), _infer_dq, optional=1))
-register(Intrinsic(ATTENTION_DKDV, ATTENTION_BWD_PARAMS + (STARTS,), ("dk", "dv"), _infer_dkdv, optional=1))
+register(Intrinsic(ATTENTION_DQ, ATTENTION_DQ_PARAMS + (STARTS,), ("dq",), _infer_dq, optional=1))
+register(Intrinsic(ATTENTION_DKDV, ATTENTION_DKDV_PARAMS + (STARTS,), ("dk", "dv"), _infer_dkdv, optional=1))
 
 
 # ---- embedding_grad ----

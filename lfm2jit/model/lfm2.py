@@ -52,7 +52,6 @@ from .moe_checkpoint import init_moe_tensors, moe_model_tensors, save_moe_pretra
 from .moe_config import Lfm2MoeConfig, read_model_config
 
 
-CONCAT_STORAGE_BUFFERS = 9       # attention's dk/dv kernel with starts: q, k, v, o, lse, dO, starts, dk, dv
 
 
 @dataclass
@@ -332,25 +331,11 @@ class Lfm2Model:
         host = self.check_ids(input_ids)
         ids = DeviceIds.upload(self.engine, host, self.cfg.pad_token_id)
         if segments is not None:
-            problem = self.concat_problem()
-            if problem:
-                raise ValueError(problem)
             if host.shape[0] != 1:
                 raise ValueError(f"input_ids: segments are the sequences concatenated in one row, got a batch of "
                                  f"{host.shape[0]} rows")
             ids.segments = Segments.upload(self.engine, check_segments(segments, host.shape[1]), self.rope)
         return ids
-
-    def concat_problem(self) -> str | None:
-        """Why this device cannot run sequences concatenated in one row (forward's ``segments``), or
-        None: attention's dk/dv kernel then binds 9 storage buffers (q, k, v, o, lse, dO, starts, dk,
-        dv), one more than WebGPU's default limit."""
-        have = self.engine.target.storage_buffers
-        if have < CONCAT_STORAGE_BUFFERS:
-            return (f"sequences concatenated in one row need {CONCAT_STORAGE_BUFFERS} storage buffers per kernel "
-                    f"(attention's dk/dv with starts); adapter {self.ctx.name!r} allows {have} as opened "
-                    f"(LFM2JIT_LIMITS=default?): pad packing runs within {have}")
-        return None
 
     def write_ids(self, ids: DeviceIds, input_ids, segments=None) -> None:
         """New ids (and, for a concatenated row, a new layout of it) into uploaded ones of the same shape."""

@@ -18,11 +18,15 @@ the forward keeps a running max and sum per query (online softmax) and saves lse
 backward kernels (FlashAttention-2) recompute probabilities from lse:
 
     P = exp(S - lse)   D_i = sum_e dO*O   dS = P * (dO V^T - D)
-    dQ = dS K / sqrt(E)      (causal_attention_bwd_dq:   a workgroup per query block and head)
+    dQ = dS K / sqrt(E)      (causal_attention_bwd_dq:   a workgroup per query block and head; D
+                              from its rows of o and dO)
     dK = dS^T Q / sqrt(E), dV = P^T dO
                              (causal_attention_bwd_dkdv: a workgroup per key block, kv head and
                               query head of its group; a second pass sums the group's partials
-                              in a fixed order, no atomics)
+                              in a fixed order, no atomics. lse and D come stacked in one
+                              tensor, stats [T, 2, H], computed before it by plain IR: with
+                              starts it binds q, k, v, stats, dO, starts, dk, dv, within WebGPU's
+                              default 8 storage buffers)
 
 Thread layout (the same in all three kernels): a workgroup owns a block of rows (queries, or keys
 for dk/dv); each row is served by ``row_threads`` adjacent invocations. The row being dotted
@@ -41,9 +45,7 @@ D and o stay f32 (o rescaled, then P v added, per key tile), P and dS are rounde
 their products, dq, dk and dv accumulate in f32 fragments across the tiles, and the grouped heads'
 partial dk, dv meet in the same workspace and fixed-order second pass. Their workgroup tiles have
 padded rows (``matrix_strides``: a fragment's rows in different banks) and they read q, k, v, dO
-and o as vec4s. The matrix dk/dv kernel
-takes D from a first pass ("prep", one invocation per query and head) instead of summing it again
-in every key block that streams the query.
+and o as vec4s.
 
 Block sizes (AttentionTiles, MatrixAttentionTiles) come from tune/heuristics.py unless the caller
 passes tiles (``engine.run(..., tiles=...)``, the autotuner); ``tiles_problem`` and
@@ -55,7 +57,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from ..ir.intrinsics import ATTENTION_BWD_PARAMS, IntrinsicError
+from ..ir.intrinsics import ATTENTION_DKDV_PARAMS, ATTENTION_DQ_PARAMS, STATS_AXIS, IntrinsicError
 from ..tune import heuristics
 from ..tune.tiles import AttentionTiles, MatrixAttentionTiles
 from .code import Index
@@ -76,8 +78,8 @@ def workgroup_words(mode: str, t: AttentionTiles, e: int) -> int:
         return t.tile * (e + 1) + t.tile * e + t.rows * (t.tile + 1)
     if mode == "dq":       # k, v tiles [tile][E+1], dS [rows][tile+1]
         return 2 * t.tile * (e + 1) + t.rows * (t.tile + 1)
-    # q, dO tiles [tile][E+1], P and dS [rows][tile+1], lse [tile], D partial sums [threads]
-    return 2 * t.tile * (e + 1) + 2 * t.rows * (t.tile + 1) + t.tile + t.threads
+    # q, dO tiles [tile][E+1], P and dS [rows][tile+1], lse and D [tile]
+    return 2 * t.tile * (e + 1) + 2 * t.rows * (t.tile + 1) + 2 * t.tile
 
 
 def tiles_problem(mode: str, t: AttentionTiles, e: int) -> str | None:
@@ -91,9 +93,6 @@ def tiles_problem(mode: str, t: AttentionTiles, e: int) -> str | None:
         return "row_threads must divide tile (each invocation of a row takes tile / row_threads of its rows)"
     if t.threads > MAX_THREADS:
         return f"rows * row_threads = {t.threads} invocations, expected at most {MAX_THREADS}"
-    if mode == "dkdv" and t.threads % t.tile:
-        return (f"tile must divide rows * row_threads = {t.threads} "
-                "(threads / tile invocations sum each query's D = dO.O)")
     need = 4 * workgroup_words(mode, t, e)
     if need > WORKGROUP_BYTES:
         return f"{need} bytes of workgroup memory, expected at most {WORKGROUP_BYTES}"
@@ -155,6 +154,7 @@ class AttentionParams:
     v: AttnTensor
     o: AttnTensor | None = None
     lse: AttnTensor | None = None
+    stats: AttnTensor | None = None    # dkdv: lse (stats.strides.e = 0) and D (e = 1) of each query and head
     do: AttnTensor | None = None
     dq: AttnTensor | None = None
     dk: AttnTensor | None = None
@@ -210,6 +210,14 @@ def _sizes(call: IntrinsicCall) -> tuple[int, int, int, int, int]:
 ROLES = {"q": 3, "k": 3, "v": 3, "o": 3, "do": 3, "lse": 2, "dq": 3, "dk": 3, "dv": 3}
 
 
+def _stats(arg, sizes: dict[str, int]) -> AttnTensor:
+    """stats [B?, T, 2, H] as the templates see it: strides t and h, and e stepping from lse to D."""
+    st = strides(arg.shape, sizes)
+    t, two, h = arg.shape[-3:]
+    assert two == STATS_AXIS, arg.shape
+    return AttnTensor(arg.name, arg.dtype, Strides(st[t], st[h], st[two]))
+
+
 def _starts(call: IntrinsicCall, params: tuple[str, ...]) -> AttnTensor | None:
     """The call's optional starts operand (after its fixed ones): one i32 per row, no head axis."""
     if len(call.operands) <= len(params):
@@ -222,7 +230,8 @@ def _params(call: IntrinsicCall, mode: str, params: tuple[str, ...], outputs: tu
     batch, t, h, g, e = _sizes(call)
     tiles = call.tiles or choose_tiles(mode, e)
     check_tiles(call.name, mode, tiles, e)
-    tensors = {p: _tensor(a, call.sizes, ROLES[p]) for p, a in zip(params, call.operands)}
+    tensors = {p: _stats(a, call.sizes) if p == "stats" else _tensor(a, call.sizes, ROLES[p])
+               for p, a in zip(params, call.operands)}
     tensors["starts"] = _starts(call, params)
     for p, a in zip(outputs, call.outputs):
         tensors[p] = _tensor(a, call.sizes, ROLES[p], call.accumulate) if a is not None else None
@@ -359,7 +368,7 @@ def _matrix_params(call: IntrinsicCall, target, mode: str, params: tuple[str, ..
 
 
 def _read(p: AttentionParams) -> tuple[str, ...]:
-    """The tensors the matrix templates fetch tiles of (and, backward, o for D = dO . O)."""
+    """The tensors the matrix templates fetch tiles of (and, dq, o for D = dO . O)."""
     return ("q", "k", "v") if p.mode == "fwd" else ("q", "k", "v", "do", "o")
 
 
@@ -399,35 +408,26 @@ def plan_forward(call: IntrinsicCall, target=None) -> Plan:
 
 
 def plan_dq(call: IntrinsicCall, target=None) -> Plan:
-    return _plan_rows(call, target, "dq", ATTENTION_BWD_PARAMS, ("dq",), "attention_bwd")
+    return _plan_rows(call, target, "dq", ATTENTION_DQ_PARAMS, ("dq",), "attention_bwd")
 
 
 def plan_dkdv(call: IntrinsicCall, target=None) -> Plan:
     """One workgroup per (key block, kv head, query head of its group), so a group's heads run in
     parallel rather than one after another (a short sequence otherwise leaves most of a big GPU
     idle); their partial dk, dv meet in a workspace and a second pass sums them in a fixed order."""
-    template, p = _choose(call, target, "dkdv", ATTENTION_BWD_PARAMS, ("dk", "dv"), "attention_bwd")
+    template, p = _choose(call, target, "dkdv", ATTENTION_DKDV_PARAMS, ("dk", "dv"), "attention_bwd")
     budget = target.storage_buffers if target is not None else 8
     tensors = len(call.operands) + sum(o is not None for o in call.outputs)
-    if isinstance(p, MatrixAttentionParams) and tensors + 1 > budget:    # no room for its D = dO . O buffer
-        if isinstance(call.tiles, MatrixAttentionTiles):
-            raise IntrinsicError(f"{call.name}: tiles {call.tiles} need {tensors + 1} storage bindings (D = dO . O "
-                                 f"has one of its own); the device allows {budget}")
-        template, p = "attention_bwd", _params(call, "dkdv", ATTENTION_BWD_PARAMS, ("dk", "dv"))
     t_pad = call.sizes[call.operands[0].shape[-3]]
     blocks = -(-t_pad // p.tiles.rows)
     # the heads of a group in parallel need a workspace binding; without room for it, one after another
-    split = p.group if tensors + (p.group > 1) + isinstance(p, MatrixAttentionParams) <= budget else 1
+    split = p.group if tensors + (p.group > 1) <= budget else 1
     p = replace(p, t_pad=t_pad)
     main = EntryPoint("main", (blocks, p.kv_heads, p.batch * split))
-    passes, scratch = (main,), ()
-    if isinstance(p, MatrixAttentionParams):    # D = dO . O once per query, not once per key block streaming it
-        rows = p.batch * t_pad * p.heads
-        passes, scratch = (EntryPoint("prep", -(-rows // REDUCE_THREADS)), main), (Scratch("dsum", "f32", rows),)
     if split == 1:
-        return Plan(template, p, passes, scratch, vectors=_vectors(p))
+        return Plan(template, p, (main,), vectors=_vectors(p))
     elements = p.batch * t_pad * p.kv_heads * p.head_dim
     p = replace(p, split=split, workspace=2 * split * elements)
-    return Plan(template, p, (*passes, EntryPoint("reduce", -(-elements // REDUCE_THREADS))),
-                (*scratch, Scratch("ws", "f32", 2 * split * elements)), vectors=_vectors(p))
+    return Plan(template, p, (main, EntryPoint("reduce", -(-elements // REDUCE_THREADS))),
+                (Scratch("ws", "f32", 2 * split * elements),), vectors=_vectors(p))
 

@@ -27,6 +27,12 @@ def attention_kernel(axes=("T", "H", "G", "E")) -> Kernel:
     return Kernel(kernel_ir("attn", "causal_attention", inputs, ["o", "lse"]))
 
 
+def attention_parts(kernel: Kernel) -> list[Kernel]:
+    """fwd, dq and dk/dv: ``kernel`` and its backward's parts that run an attention template (not
+    the plain kernel stacking lse and D for dk/dv)."""
+    return [kernel, *(k for k in grad(kernel, cotangents=["o"]).kernels if k.ir.structure.kind == "intrinsic")]
+
+
 @pytest.fixture(scope="module")
 def attn() -> Kernel:
     return attention_kernel()
@@ -195,8 +201,12 @@ def test_packed_sequences_in_one_dispatch(engine, rng):
 
 
 def test_backward_structure(attn, attn_bwd):
-    """The gradient rule: one dq call and one dk/dv call, reading the saved o and lse."""
-    assert [k.name for k in attn_bwd.kernels] == ["attn_bwd_d_q", "attn_bwd_d_k_d_v"]
+    """The gradient rule: one dq call reading the saved o and lse, a plain kernel stacking lse and
+    D = dO . O (stats), and one dk/dv call reading stats in place of o and lse (a binding fewer)."""
+    assert [k.name for k in attn_bwd.kernels] == ["attn_bwd_d_q", "attn_bwd_tmp0", "attn_bwd_d_k_d_v"]
+    stats = attn_bwd.kernels[1].ir.outputs[0]
+    assert (stats.dtype, stats.shape) == ("f32", ("T", "2", "H"))
+    assert [t.name for t in attn_bwd.kernels[2].ir.inputs] == ["q", "k", "v", "d_o", stats.name]
     assert attn_bwd.inputs == ["q", "k", "v", "o", "lse", "d_o"]
     assert attn_bwd.outputs == ["d_q", "d_k", "d_v"]
     only_q = grad(attn, wrt=["q"], cotangents=["o"])
@@ -230,7 +240,7 @@ def test_workgroup_memory_fits_and_wgsl_validates(ctx, attn, attn_bwd, E):
     for mode in ("fwd", "dq", "dkdv"):
         assert 4 * workgroup_words(mode, choose_tiles(mode, E), E) <= WORKGROUP_BYTES
     dims = {"T": 40, "H": 4, "G": 2, "E": E}
-    kernels = [attn, *attn_bwd.kernels, attn.variant("f16"), *grad(attn.variant("f16"), cotangents=["o"]).kernels]
+    kernels = [*attention_parts(attn), *attention_parts(attn.variant("f16"))]
     for kernel in kernels:
         spec = kernel.specialize(dims, 16)
         wgsl = render(spec)

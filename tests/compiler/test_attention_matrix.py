@@ -22,7 +22,7 @@ from lfm2jit.ir.intrinsics import IntrinsicError
 from lfm2jit.schedule.attention import matrix_tiles_problem
 from lfm2jit.tune.heuristics import MATRIX_ATTENTION_CANDIDATES
 from lfm2jit.tune.tiles import MatrixAttentionTiles
-from test_attention import H, _check, _inputs, _run, attention_kernel, reference
+from test_attention import H, _check, _inputs, _run, attention_kernel, attention_parts, reference
 
 TOL = 4e-3
 
@@ -47,7 +47,7 @@ def test_f16_attention_goes_to_the_matrix_units_and_f32_stays_simt(matrix_engine
     assert attention_kernel().specialize(dims, 16, target=matrix_engine.target).template == "attention_fwd"
     assert fwd16.specialize(dims, 16, target=engine.target).template == (
         "attention_fwd_matrix" if engine.target.matrix_configs else "attention_fwd")
-    dq, dkdv = grad(fwd16, cotangents=["o"]).kernels
+    dq, _, dkdv = grad(fwd16, cotangents=["o"]).kernels   # dq, stats, dk/dv
     assert dq.specialize(dims, 16, target=matrix_engine.target).template == "attention_dq_matrix"
     assert dkdv.specialize(dims, 16, target=matrix_engine.target).template == "attention_dkdv_matrix"
 
@@ -77,13 +77,14 @@ def test_every_fitting_tile_candidate(matrix_engine, rng, fwd16):
         out = e.run(fwd16, bucket=16, tiles=t, q=args["q"], k=args["k"], v=args["v"])
         assert rel_err(out["o"].numpy(), want[0]) < TOL, t
         assert rel_err(out["lse"].numpy(), want[1]) < TOL, t
-    dq, dkdv = grad(fwd16, cotangents=["o"]).kernels
+    dq, stats, dkdv = grad(fwd16, cotangents=["o"]).kernels
     assert _fitting(e, E, "dkdv")
+    (st,) = e.run(stats, bucket=16, o=out["o"], lse=out["lse"], d_o=args["d_o"]).values()
     for t in _fitting(e, E, "dq"):
         got = e.run(dq, bucket=16, tiles=t, o=out["o"], lse=out["lse"], **args)["d_q"]
         assert rel_err(got.numpy(), want[2]) < TOL, t
     for t in _fitting(e, E, "dkdv"):
-        got = e.run(dkdv, bucket=16, tiles=t, o=out["o"], lse=out["lse"], **args)
+        got = e.run(dkdv, bucket=16, tiles=t, **{stats.ir.outputs[0].name: st}, **args)
         assert rel_err(got["d_k"].numpy(), want[3]) < TOL and rel_err(got["d_v"].numpy(), want[4]) < TOL, t
 
 
@@ -102,10 +103,11 @@ def test_vec4_staging_matches_float64(matrix_engine, rng, fwd16):
         return replace(kernel.specialize(dims, 16, target=e.target).params.tiles, vec4=True)
     out = e.run(fwd16, bucket=16, tiles=restaged(fwd16), q=args["q"], k=args["k"], v=args["v"])
     assert rel_err(out["o"].numpy(), want[0]) < TOL and rel_err(out["lse"].numpy(), want[1]) < TOL
-    dq, dkdv = grad(fwd16, cotangents=["o"]).kernels
+    dq, stats, dkdv = grad(fwd16, cotangents=["o"]).kernels
     got = e.run(dq, bucket=16, tiles=restaged(dq), o=out["o"], lse=out["lse"], **args)["d_q"]
     assert rel_err(got.numpy(), want[2]) < TOL
-    got = e.run(dkdv, bucket=16, tiles=restaged(dkdv), o=out["o"], lse=out["lse"], **args)
+    (st,) = e.run(stats, bucket=16, o=out["o"], lse=out["lse"], d_o=args["d_o"]).values()
+    got = e.run(dkdv, bucket=16, tiles=restaged(dkdv), **{stats.ir.outputs[0].name: st}, **args)
     assert rel_err(got["d_k"].numpy(), want[3]) < TOL and rel_err(got["d_v"].numpy(), want[4]) < TOL
 
 
@@ -138,8 +140,7 @@ def test_declared_workgroup_memory_is_what_the_planner_counts(E):
     matrix template declares must add up to exactly that (else the device refuses the pipeline)."""
     import re
     from lfm2jit.schedule import EMULATED_MATRIX_CONFIGS, Target
-    kernels = dict(zip(("fwd", "dq", "dkdv"), [attention_kernel().variant("f16"),
-                                               *grad(attention_kernel().variant("f16"), cotangents=["o"]).kernels]))
+    kernels = dict(zip(("fwd", "dq", "dkdv"), attention_parts(attention_kernel().variant("f16"))))
     for emulated in (False, True):
         target = Target(EMULATED_MATRIX_CONFIGS, 32, 1 << 20, emulated=emulated, storage_buffers=16)
         for mode, kernel in kernels.items():
@@ -175,28 +176,27 @@ def test_autotuned_matrix_attention_is_correct_and_cached(raised_ctx, matrix_eng
     assert again.tuner.trials == 0
 
 
-def test_picks_follow_the_h200_and_dkdv_takes_d_from_its_own_pass(fwd16):
+def test_picks_follow_the_h200_and_dkdv_takes_d_from_stats(fwd16):
     """On a device with 48 KiB of workgroup memory the forward takes 64x32 tiles, dq and dk/dv
-    32x16; dk/dv runs a first pass ("prep") that writes each query's D = dO . O into a scratch buffer once."""
+    32x16; dk/dv reads each query's lse and D = dO . O from stats (a kernel before it), not from o."""
     from lfm2jit.cli import MATRIX_UNITS
     dims = {"T": 2048, "H": H, "G": 2, "E": 64}
     assert fwd16.specialize(dims, 64, target=MATRIX_UNITS).params.tiles == MatrixAttentionTiles(64, 32)
-    dq, dkdv = grad(fwd16, cotangents=["o"]).kernels
+    dq, _, dkdv = grad(fwd16, cotangents=["o"]).kernels   # dq, stats, dk/dv
     assert dq.specialize(dims, 64, target=MATRIX_UNITS).params.tiles == MatrixAttentionTiles(32, 16)
     spec = dkdv.specialize(dims, 64, target=MATRIX_UNITS)
     assert spec.params.tiles == MatrixAttentionTiles(32, 16)
-    assert [e.name for e in spec.entry_points][:2] == ["prep", "main"]
-    assert "dsum" in {s.tensor for s in spec.scratch}
-    assert "fn prep(" in render(spec) and "tile_dpart" not in render(spec)
+    assert [e.name for e in spec.entry_points][:1] == ["main"] and not {s.tensor for s in spec.scratch} - {"ws"}
+    assert "o" not in {b.tensor for b in spec.bindings} and "tile_d[i] = " in render(spec)
 
 
 def test_tiles_are_padded_against_bank_conflicts_and_read_as_vectors(fwd16):
     """Every candidate's workgroup rows are padded so a fragment's rows fall in different banks: f16
     rows an odd number of 16-byte units apart (a fragment load reads 8 such rows at once), f32 columns
     4 words past a multiple of 16 (a fragment store's lanes, two columns apart, 8 banks apart); q, k, v
-    (and the backward's dO and o) are bound as vec4s, the outputs as scalars."""
+    (and the backward's dO, and dq's o) are bound as vec4s, the outputs as scalars."""
     from lfm2jit.cli import MATRIX_UNITS
-    kernels = dict(zip(("fwd", "dq", "dkdv"), [fwd16, *grad(fwd16, cotangents=["o"]).kernels]))
+    kernels = dict(zip(("fwd", "dq", "dkdv"), attention_parts(fwd16)))
     for mode, kernel in kernels.items():
         for tiles in MATRIX_ATTENTION_CANDIDATES:
             for E in (16, 64, 128):
@@ -207,4 +207,5 @@ def test_tiles_are_padded_against_bank_conflicts_and_read_as_vectors(fwd16):
                 assert (2 * p.col_stride // 16) % 2 == 1 and 2 * p.col_stride % 16 == 0, (mode, tiles, E)
                 assert p.acc_stride % 16 == 4, (mode, tiles, E)
                 vec = {b.tensor for b in spec.bindings if b.vector == 4}
-                assert vec == ({"q", "k", "v"} if mode == "fwd" else {"q", "k", "v", "d_o", "o"}), (mode, vec)
+                want = {"fwd": {"q", "k", "v"}, "dq": {"q", "k", "v", "d_o", "o"}, "dkdv": {"q", "k", "v", "d_o"}}
+                assert vec == want[mode], (mode, vec)

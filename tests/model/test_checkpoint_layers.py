@@ -5,6 +5,8 @@ gradient and an MoE model's routing statistics are bit-identical to a run that k
 while the pool's peak is lower."""
 from __future__ import annotations
 
+import gc
+
 import numpy as np
 import pytest
 
@@ -23,10 +25,9 @@ def _config(kind: str):
     return Lfm2MoeConfig.preset("tiny-moe") if kind == "moe" else Lfm2Config.preset("tiny")
 
 
-def _model(ctx, cfg, checkpoint_layers, lora: bool, dtype: str = "f32", recompute_mlp: bool = False):
-    """A fresh model on its own engine (its own pool, so peaks compare), seeded alike."""
-    engine = ComputeEngine(ctx)
-    model = Lfm2Model(cfg, ctx, engine, seed=1, activation_dtype=dtype, recompute_mlp=recompute_mlp,
+def _model(engine, cfg, checkpoint_layers, lora: bool, dtype: str = "f32", recompute_mlp: bool = False):
+    """A fresh model, seeded alike, on ``engine`` (its kernels compile once per engine)."""
+    model = Lfm2Model(cfg, engine.ctx, engine, seed=1, activation_dtype=dtype, recompute_mlp=recompute_mlp,
                       checkpoint_layers=checkpoint_layers)
     if isinstance(cfg, Lfm2MoeConfig):
         model.router_aux_loss_coef = 0.01           # the balance loss's statistics and gradient too
@@ -46,6 +47,7 @@ def _pass(model, ids):
     params = model.lora_parameters() or model.parameters()
     model.zero_grad(params)
     engine.synchronize()
+    gc.collect()          # an earlier model's buffers go back now, not during the pass (the peak's base)
     engine.pool.peak_bytes = base = engine.pool.in_use_bytes
     loss, grads = run_loss_and_grads(model, ids, np.roll(ids, -1), np.ones(len(ids), np.float32), params=params,
                                      train=True)
@@ -67,29 +69,29 @@ def _assert_same(got, want):
 
 @pytest.mark.parametrize("kind", ["dense", "moe"])
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_checkpointed_training_is_bit_identical(ctx, kind, lora):
+def test_checkpointed_training_is_bit_identical(engine, kind, lora):
     """'all', the first layer, and all but the last: loss, every gradient, the routed-token counts
     and the balance loss equal the uncheckpointed pass's bit for bit (counted once, not again by the
     backward's rerun). With recompute_mlp too, whose layers a rerun gives their MLP's a and b."""
     cfg = _config(kind)
     ids = np.random.default_rng(0).integers(1, cfg.vocab_size, 40)
-    want = _pass(_model(ctx, cfg, 0, lora), ids)
+    want = _pass(_model(engine, cfg, 0, lora), ids)
     if kind == "moe":
         assert want[2] and all(c.sum() == len(ids) * cfg.num_experts_per_tok for c in want[2].values())
         assert want[3] > 0
     for checkpoint_layers in ("all", 1, cfg.num_hidden_layers - 1):
-        _assert_same(_pass(_model(ctx, cfg, checkpoint_layers, lora), ids), want)
-    _assert_same(_pass(_model(ctx, cfg, "all", lora, recompute_mlp=True), ids), want)
+        _assert_same(_pass(_model(engine, cfg, checkpoint_layers, lora), ids), want)
+    _assert_same(_pass(_model(engine, cfg, "all", lora, recompute_mlp=True), ids), want)
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_checkpointed_training_in_f16_is_bit_identical(ctx, lora):
+def test_checkpointed_training_in_f16_is_bit_identical(ctx, engine, lora):
     if not ctx.has_f16:
         pytest.skip("adapter has no shader-f16")
     cfg = _config("dense")
     ids = np.random.default_rng(1).integers(1, cfg.vocab_size, 40)
-    want = _pass(_model(ctx, cfg, 0, lora, "f16"), ids)
-    _assert_same(_pass(_model(ctx, cfg, "all", lora, "f16"), ids), want)
+    want = _pass(_model(engine, cfg, 0, lora, "f16"), ids)
+    _assert_same(_pass(_model(engine, cfg, "all", lora, "f16"), ids), want)
 
 
 def test_the_peak_drops_to_the_layer_inputs_and_one_layer(ctx):
@@ -101,7 +103,8 @@ def test_the_peak_drops_to_the_layer_inputs_and_one_layer(ctx):
                      layer_types=["conv", "conv", "full_attention", "conv", "conv", "full_attention", "conv", "conv"],
                      block_multiple_of=16)
     ids = np.random.default_rng(2).integers(1, cfg.vocab_size, 256)
-    passes = {n: _pass(_model(ctx, cfg, n, False), ids) for n in (0, 4, "all")}
+    engine = ComputeEngine(ctx)         # its own pool: the module's holds other tests' buffers
+    passes = {n: _pass(_model(engine, cfg, n, False), ids) for n in (0, 4, "all")}
     for n in (4, "all"):
         _assert_same(passes[n], passes[0])
     peak = {n: p[4] for n, p in passes.items()}
@@ -109,7 +112,7 @@ def test_the_peak_drops_to_the_layer_inputs_and_one_layer(ctx):
     assert peak["all"] < 0.5 * peak[0], peak
 
 
-def test_trainer_steps_with_packing_dropout_and_accumulation_are_bit_identical(ctx):
+def test_trainer_steps_with_packing_dropout_and_accumulation_are_bit_identical(ctx, engine):
     """The trainer's path (recorded passes replayed, packed sequences, LoRA dropout keys drawn per
     pass, two passes a step): three optimizer steps, the adapters equal bit for bit."""
     cfg = _config("dense")
@@ -117,7 +120,7 @@ def test_trainer_steps_with_packing_dropout_and_accumulation_are_bit_identical(c
     seqs = [rng.integers(1, cfg.vocab_size, n + 1) for n in (30, 17, 9, 24, 30, 12)]
     adapters = {}
     for checkpoint_layers in (0, 2):
-        model = _model(ctx, cfg, checkpoint_layers, True)
+        model = _model(engine, cfg, checkpoint_layers, True)
         params = model.lora_parameters()
         tr = (Trainer(model, AdamW(lr=1e-2), ctx, model.engine).with_length_bucket(BUCKET)
               .with_grad_accum_steps(2).with_replay(2))

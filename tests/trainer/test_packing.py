@@ -177,3 +177,41 @@ def test_packing_mode_is_checked(ctx, engine):
     with pytest.raises(ValueError, match="packing mode must be one of pad, concat, got 'tight'"):
         tr.with_packing(64, mode="tight")
     assert tr.with_packing(64, mode="concat").packing_mode == "concat"
+
+
+def test_concat_equals_pad_in_evaluation_and_token_objectives(ctx, engine, monkeypatch):
+    """Held-out loss, per-token log-probs (DPO's and GRPO's reference and old log-probs) and a
+    token objective's update (their training pass) come out the same with concat packing as with
+    pad packing, to f32 rounding, on mixed lengths with length 1 and an item without answers."""
+    from trainer.evaluation import held_out_loss
+    cfg = micro()
+    data = make_data(cfg, [9, 1, 20, 5, 12], seed=12)
+    items = [(i, t, m, (m > 0).astype(np.float32) if k % 2 else None) for k, (i, t, m) in enumerate(data)]
+    weights = np.array([1.0, -0.5, 2.0, 0.25, -1.0])
+
+    def objective(logps):        # a nonlinear loss of the per-token log-probs, as DPO's and GRPO's are
+        sums = np.array([x.sum() for x in logps])
+        return float(np.log1p(np.exp(-weights @ sums))), [-w / (1 + np.exp(weights @ sums)) * np.ones_like(x)
+                                                          for w, x in zip(weights, logps)]
+    runs = []
+    for mode in ("pad", "concat"):
+        model = Lfm2Model(cfg, ctx, engine, seed=3)
+        tr = Trainer(model, SGD(lr=0.1), ctx, engine).with_length_bucket(BUCKET).with_packing(64, mode=mode)
+        rows, forward = [], model.forward
+        monkeypatch.setattr(model, "forward", lambda ids, bucket, f=forward, **kw: rows.append(
+            list(kw.get("segments") or getattr(ids, "segments", None) and ids.segments.lengths or []) or None)
+            or f(ids, bucket, **kw))
+        loss = held_out_loss(model, engine, items, BUCKET, packing=mode)
+        logps = tr.token_logps(data, temperature=0.7)
+        stats = tr.train_token_objective(data, model.parameters(), objective)
+        runs.append((loss, logps, stats, snap(model)))
+        # concat: each pass one row of all five (47 positions, padded to 48); pad: rows of like lengths
+        assert rows == ([[9, 1, 20, 5, 12, 1]] * 3 if mode == "concat" else [None] * len(rows)), rows
+    (pad_loss, pad_logps, pad_stats, pad_w), (cat_loss, cat_logps, cat_stats, cat_w) = runs
+    np.testing.assert_allclose(cat_loss, pad_loss, rtol=1e-5)
+    for a, b in zip(cat_logps, pad_logps):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert cat_stats.stepped and cat_stats.loss == pytest.approx(pad_stats.loss, rel=1e-5)
+    assert cat_stats.grad_norm == pytest.approx(pad_stats.grad_norm, rel=1e-5)
+    for n in pad_w:
+        assert rel_err(cat_w[n], pad_w[n]) < 1e-5, n

@@ -92,7 +92,7 @@ class GrpoTraining(Training):
         except (CheckpointError, ConfigError, OSError) as e:
             raise UsageError(f"--beta {run.beta:g}: the reference model {run.reference_model}: {e}") from None
         frozen = (Trainer(model, SGD(lr=0.0), self.s.ctx, self.s.engine).with_length_bucket(run.bucket)
-                  .with_packing(run.pack_tokens))
+                  .with_packing(run.pack_tokens, run.packing))
         return frozen.token_logps
 
     def train(self) -> int:

@@ -19,7 +19,8 @@ def evaluate(s: Session, items, answers: bool) -> dict:
     from ..evaluation import answer_cases, exact_match, greedy_answers, held_out_loss, perplexity
     run, data, model = s.run, s.data, s.model
     with _bar(run, len(items), "held-out loss", "sequence") as bar:
-        loss, answer_loss = held_out_loss(model, s.engine, items, run.bucket, progress=bar.update)
+        loss, answer_loss = held_out_loss(model, s.engine, items, run.bucket, progress=bar.update,
+                                          packing=run.packing)
     out = {"loss": loss, "perplexity": perplexity(loss), "answer_loss": answer_loss,
            "answer_perplexity": perplexity(answer_loss), "exact_match": None, "answers_scored": 0}
     if answers and run.eval_answers != 0:

@@ -221,11 +221,7 @@ def _trainer(run: Run, model, ctx, engine, schedule):
            else SGD(lr=run.lr, momentum=run.momentum, weight_decay=run.weight_decay))
     tr = (Trainer(model, opt, ctx, engine).with_length_bucket(run.bucket)
           .with_clip_grad_norm(run.clip if run.clip > 0 else None).with_grad_accum_steps(run.grad_accum)
-          .with_replay(run.replay).with_lr_scheduler(schedule))
-    try:
-        tr.with_packing(run.pack_tokens, run.packing)
-    except ValueError as e:          # concat on a device opened with too few storage buffers
-        raise UsageError(f"--packing {run.packing}: {e}") from None
+          .with_replay(run.replay).with_lr_scheduler(schedule).with_packing(run.pack_tokens, run.packing))
     if run.scaler:
         tr.with_grad_scaler(GradScaler())
     if run.world_size > 1 and run.distributed == "mpi":
