@@ -214,7 +214,6 @@ def test_a_split_k_workspace_that_would_be_a_ninth_binding_is_left_out(engine, r
     np.testing.assert_allclose(got["d_a"].numpy(), dg * b * sig * (1 + a * (1 - sig)), rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.xfail(strict=True, reason="pieces.ranges refuses a tensor shorter than its bucket's pieces")
 @pytest.mark.parametrize("dtype", ["f32", "f16"])
 def test_every_length_in_a_bucket_binds_whatever_its_piece_split(small_engine, dtype):
     """A kernel of a length bucket is planned (its pieces counted) for the bucket's rows, but a
