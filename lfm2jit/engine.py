@@ -164,9 +164,9 @@ class ComputeEngine(Recorder):
             if len(spans) == 1:
                 out.append(t if spans[0][1] == t.binding_size else t.bytes_view(*spans[0]))
                 continue
-            # a piece past the tensor's end (a tensor of fewer rows than the bucket planned for):
-            # only padded rows reach it, so it binds a stand-in of its own (written to, for an
-            # output, by nothing that is read back), never an alias of the tensor
+            # a piece past the tensor's end (a tensor of fewer rows than the bucket planned for)
+            # holds only rows past t_valid, which no template touches: it binds a stand-in of its
+            # own, never an alias of the tensor (two writable bindings of one range)
             out += [t.bytes_view(*span) if span else self.empty((STAND_IN_BYTES // ITEMSIZE[t.dtype],), t.dtype)
                     for span in spans]
         return out

@@ -84,8 +84,9 @@ def ranges(binding: Binding, offset: int, nbytes: int, most: int) -> list[tuple[
 
     A kernel of a length bucket is planned for the bucket's rows, but the tensor may hold fewer (a
     caller's real rows) or more (a buffer reserved for a longer bucket): each planned piece binds what
-    of the tensor it covers, cut to the planned piece length, and a piece past the tensor's end (only
-    padded rows, which never change the real ones, reach it) binds a stand-in (engine.py)."""
+    of the tensor it covers, cut to the planned piece length, and a piece past the tensor's end binds
+    a stand-in (engine.py): only rows past the real length lie there, which no template reads or
+    writes (schedule/layout.py), but the kernel's layout has a binding for it all the same."""
     if binding.pieces == 1:
         return [(offset, min(nbytes, most))]
     out = []
