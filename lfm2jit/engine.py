@@ -19,12 +19,16 @@ from .driver import Backward, CacheStats, Kernel, Timer, WgslDiskCache, generate
 from .ir.nodes import SEQ_AXIS
 from .ir.shapes import derived_size
 from .runtime.recorder import Compiled, Recorder, Shader
-from .runtime.tensor import Tensor
+from .runtime.tensor import ITEMSIZE, Tensor
 from .safefiles import write_atomic
 from .schedule import pieces
 from .schedule import EMULATED_MATRIX_CONFIGS, EMULATED_SUBGROUP, KernelSpec, MatrixConfig, Target, bucketed
 from .settings import settings
 from .tune.autotune import Tuner
+
+# bytes of the stand-in bound for a piece past a tensor's end (_pieces): a binding offset alignment,
+# at least one element of any binding's type (vec4<f32>)
+STAND_IN_BYTES = 256
 
 
 @dataclass
@@ -157,15 +161,23 @@ class ComputeEngine(Recorder):
         """The tensors to bind, in binding order: a tensor the spec binds in pieces becomes one flat
         view per piece. Refuses, before any GPU work, a binding larger than the device allows."""
         limit = self.ctx.limits.get("max-storage-buffer-binding-size")
+        most = pieces.piece_bytes(self.target)
         out = []
         for b, t in zip(spec.bindings, tensors):
-            spans = pieces.ranges(b, t.offset, t.binding_size)
-            for at, nbytes in spans:
+            spans = pieces.ranges(b, t.offset, t.binding_size, most)
+            for at, nbytes in filter(None, spans):
                 if limit and nbytes > limit:     # wgpu would fail inside the dispatch: refuse first
                     raise ValueError(f"{kernel}: {b.tensor} binds {nbytes} bytes ({t.dtype}{list(t.shape)}); the "
                                      f"adapter binds at most {limit} (max-storage-buffer-binding-size): split the "
                                      "work or use a smaller length bucket")
-            out += [t] if len(spans) == 1 else [t.bytes_view(at, nbytes) for at, nbytes in spans]
+            if len(spans) == 1:
+                out.append(t if spans[0][1] == t.binding_size else t.bytes_view(*spans[0]))
+                continue
+            # a piece past the tensor's end (a tensor of fewer rows than the bucket planned for)
+            # holds only rows past t_valid, which no template touches: it binds a stand-in of its
+            # own, never an alias of the tensor (two writable bindings of one range)
+            out += [t.bytes_view(*span) if span else self.empty((STAND_IN_BYTES // ITEMSIZE[t.dtype],), t.dtype)
+                    for span in spans]
         return out
 
     def _leading_axes(self, ir, args: dict) -> tuple[dict, set[str]]:

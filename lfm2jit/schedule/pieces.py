@@ -77,16 +77,21 @@ def assign(kernel: str, template: str, bindings: tuple[Binding, ...], elements: 
     return tuple(out)
 
 
-def ranges(binding: Binding, offset: int, nbytes: int) -> list[tuple[int, int]]:
-    """(byte offset, bytes) of each piece of a tensor bound from ``offset`` for ``nbytes`` bytes."""
+def ranges(binding: Binding, offset: int, nbytes: int, most: int) -> list[tuple[int, int] | None]:
+    """(byte offset, bytes) of each piece of a tensor bound from ``offset`` for ``nbytes`` bytes,
+    or None for a piece that lies wholly past the tensor's end. ``most``: the bytes of one piece
+    (piece_bytes), the longest binding a kernel planned with one piece needs.
+
+    A kernel of a length bucket is planned for the bucket's rows, but the tensor may hold fewer (a
+    caller's real rows) or more (a buffer reserved for a longer bucket): each planned piece binds what
+    of the tensor it covers, cut to the planned piece length, and a piece past the tensor's end binds
+    a stand-in (engine.py): only rows past the real length lie there, which no template reads or
+    writes (schedule/layout.py), but the kernel's layout has a binding for it all the same."""
     if binding.pieces == 1:
-        return [(offset, nbytes)]
+        return [(offset, min(nbytes, most))]
     out = []
     for i in range(binding.pieces):
         start = i * binding.piece_bytes
         size = min(binding.piece_bytes, nbytes - start)
-        if size <= 0:
-            raise BindingLimitError(f"{binding.tensor}: a tensor of {nbytes} bytes is too short for the "
-                                    f"{binding.pieces} pieces its kernel was planned with")
-        out.append((offset + start, size))
+        out.append((offset + start, size) if size > 0 else None)
     return out

@@ -211,3 +211,32 @@ def test_a_split_k_workspace_that_would_be_a_ninth_binding_is_left_out(engine, r
     sig = 1 / (1 + np.exp(-a))
     np.testing.assert_allclose(got["d_b"].numpy(), dg * a * sig, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(got["d_a"].numpy(), dg * b * sig * (1 + a * (1 - sig)), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16"])
+def test_every_length_in_a_bucket_binds_whatever_its_piece_split(small_engine, dtype):
+    """A kernel of a length bucket is planned (its pieces counted) for the bucket's rows, but a
+    tensor may hold only its real rows (a caller's, or logits made at their real length), or more
+    than the bucket's (a buffer reserved for a longer one). A tensor short of the planned pieces
+    (3 rows of a 48-row bucket: 1 piece of 3 planned) or past them binds all the same, for
+    lengths at and one over a piece boundary; padded rows never change the real ones."""
+    if dtype == "f16" and not getattr(small_engine.ctx, "has_f16", True):
+        pytest.skip("no shader-f16")
+    k = compile_source("kernel scale(x: f32[T, D]) -> (y: f32[T, D]) {\n  y = x * 2.0 + 1.0\n}")["scale"]
+    f16 = {"x", "y"} if dtype == "f16" else set()
+    np_dtype = np.float16 if dtype == "f16" else np.float32
+    D = 256 // np.dtype(np_dtype).itemsize                      # 256 bytes a row: 16 rows a 4 KiB piece
+    rng = np.random.default_rng(7)
+    for T, bucket in [(3, 48), (16, 48), (17, 48), (32, 48), (33, 48), (47, 48), (48, 48), (5, 8)]:
+        x = rng.standard_normal((T, D)).astype(np_dtype)
+        want = x.astype(np.float32) * 2 + 1
+        got = small_engine.run(k, bucket=bucket, f16=f16, x=small_engine.tensor(x))["y"].numpy()
+        np.testing.assert_allclose(got, want, rtol=1e-3, err_msg=f"T={T} bucket={bucket}")
+        y = small_engine.empty((T, D), dtype)                   # out= of the real rows only
+        small_engine.run(k, bucket=bucket, f16=f16, x=small_engine.tensor(x), out={"y": y})
+        np.testing.assert_allclose(y.numpy(), want, rtol=1e-3, err_msg=f"out= T={T} bucket={bucket}")
+    T = 4                                                       # 1 piece planned, 3 in the tensor's buffer
+    x = small_engine.empty((T, D), dtype, capacity=40 * D)
+    x.write(rng.standard_normal((T, D)).astype(np_dtype))
+    got = small_engine.run(k, bucket=4, f16=f16, x=x)["y"].numpy()
+    np.testing.assert_allclose(got, x.numpy().astype(np.float32) * 2 + 1, rtol=1e-3)
