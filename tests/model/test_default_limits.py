@@ -25,6 +25,7 @@ transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.large
 T = 12
 LAYERS_1_2B = 3     # LFM2-1.2B's first conv, conv and attention layers: its 16 add time, not new sizes
+LAYERS_350M = 4     # LFM2-350M's first four (conv, conv, attention, conv), for the same reason
 
 
 def shapes(preset: str, layers: int | None = None) -> Lfm2Config:
@@ -87,20 +88,21 @@ def check_first_adamw_step(before, after, grads, lr: float, scale: float, exact:
 
 
 def test_350m_logits_and_full_training_steps_under_default_limits(default_limits_ctx):
-    """LFM2-350M (its f32 embedding is two bindings) gives transformers' logits, and one full
-    training step, f32 and with f16 activations (--f16), moves every checked weight as
-    transformers' gradients say."""
-    hf = hf_model(shapes("350M"), seed=3)
+    """LFM2-350M's shapes (its first LAYERS_350M layers; its f32 embedding is two bindings) give
+    transformers' logits, and one full training step, f32 and with f16 activations (--f16), moves
+    every checked weight as transformers' gradients say."""
+    cfg = shapes("350M", LAYERS_350M)
+    hf = hf_model(cfg, seed=3)
     ids, targets = inputs(hf.config.vocab_size, seed=4)
     names = ["model.embed_tokens.weight", "model.layers.0.conv.in_proj.weight",
-             "model.layers.2.self_attn.q_proj.weight", "model.layers.15.feed_forward.w2.weight"]
+             "model.layers.2.self_attn.q_proj.weight", "model.layers.3.feed_forward.w2.weight"]
     want_logits, want_loss, want_grads = hf_loss_and_grads(hf, ids, targets, names)
     tensors = weights(hf)
     del hf
     ctx, lr = default_limits_ctx, 1e-3
     for activations, tol in (("f32", 1e-4), ("f16", 2e-2)):
         engine = ComputeEngine(ctx)
-        model = Lfm2Model(Lfm2Config.preset("350M"), ctx, engine, tensors=tensors, activation_dtype=activations)
+        model = Lfm2Model(cfg, ctx, engine, tensors=tensors, activation_dtype=activations)
         assert embedding(model).nbytes > piece_bytes(engine.target)          # bound in pieces
         if activations == "f32":
             assert rel_err(model.logits(ids, bucket=16), want_logits) < tol
