@@ -147,20 +147,17 @@ class GrpoTraining(Training):
         run, items = self.run, self.my_eval
         texts, lengths = self._complete(items, 1)
         sums, per = self._sums(items, texts, lengths)
-        n, reward, *rest = sums
-        names = [name for name, _ in self.rewards]
-        by_function, n_answers, n_right, n_tokens = rest[:len(names)], *rest[len(names):]
+        n = sums["completions"]
         mean = (lambda x: x / n) if n else (lambda x: float("nan"))
-        out = {"loss": float("nan"), "reward": mean(reward),
-               **{f"rewards/{name}/mean": mean(v) for name, v in zip(names, by_function)},
-               "completions/mean_length": mean(n_tokens), "prompts": int(n),
-               "exact_match": n_right / n_answers if n_answers else None, "answers_scored": int(n_answers),
-               "answer_loss": None}
+        out = {"loss": float("nan"), "reward": mean(sums["reward"]),
+               **{f"rewards/{name}/mean": mean(v) for name, v in sums["by_function"].items()},
+               "completions/mean_length": mean(sums["tokens"]), "prompts": int(n),
+               "exact_match": sums["exact_match"], "answers_scored": int(sums["answers"]), "answer_loss": None}
         if run.eval_generations:
             g = run.eval_generations
             sampled, _ = self._sums([r for r in items for _ in range(g)], *self._complete(items, g))
-            out["sampled/reward"] = sampled[1] / sampled[0] if sampled[0] else float("nan")
-            out["sampled/exact_match"] = sampled[-2] / sampled[-3] if sampled[-3] else None
+            out["sampled/reward"] = sampled["reward"] / sampled["completions"] if sampled["completions"] else float("nan")
+            out["sampled/exact_match"] = sampled["exact_match"]
         if answers:
             total = per.sum(axis=0)
             expected = {i: str(r.columns["answer"]) for i, r in enumerate(items) if "answer" in r.columns}
@@ -189,9 +186,10 @@ class GrpoTraining(Training):
                 bar.update(len(part))
         return texts, lengths
 
-    def _sums(self, items, texts: list[str], lengths: list[int]) -> tuple[list[float], np.ndarray]:
-        """[completions, reward, each function's reward, completions with an answer, exactly right, tokens]
-        summed over the ranks, and this rank's rewards per function and completion."""
+    def _sums(self, items, texts: list[str], lengths: list[int]) -> tuple[dict, np.ndarray]:
+        """The completions, their reward, each function's ("by_function"), those with an answer, the share of
+        those exactly right ("exact_match", None without any) and their tokens, summed over the ranks; and
+        this rank's rewards per function and completion."""
         from ..grpo import score
         names = [name for name, _ in self.rewards]
         if items:
@@ -205,7 +203,10 @@ class GrpoTraining(Training):
                   float(sum(right)), float(sum(lengths))]
         if self.run.world_size > 1:
             values = self.s.sum_over_ranks(values, "the held-out sums")
-        return values, per
+        n, reward, *rest = values
+        by_function, (answers, exact, tokens) = rest[:len(names)], rest[len(names):]
+        return {"completions": n, "reward": reward, "by_function": dict(zip(names, by_function)), "answers": answers,
+                "exact_match": exact / answers if answers else None, "tokens": tokens}, per
 
     def kept(self, ev: dict) -> dict:
         """The held-out reward and exact match, kept in checkpoints for a resumed run's summary."""
