@@ -1069,22 +1069,22 @@ def packing_bench(ctx, cfg, window: int = 16, windows: int = 4, pack_tokens: int
     real = int(sum(int(w.sum()) for w in lengths))
     lines = []
     for mode in ("pad", "concat"):
-        tr = (Trainer(model, SGD(lr=1e-4), ctx, engine).with_grad_accum_steps(window).with_length_bucket(bucket)
-              .with_packing(pack_tokens, mode))
-        rows, passes = 0, 0
-        for w in data:                              # the rows each pass computes (lengths rounded to buckets)
-            rest = list(w)
-            while rest:
-                n = tr._packable(rest)
-                group, rest = rest[:n], rest[n:]
-                size = [len(g[0]) for g in group]
-                unit = tr._pack_unit() if mode == "pad" and n > 1 else bucket
-                if mode == "concat":                # one row of them all
-                    rows += -(-sum(size) // unit) * unit
-                else:                               # each as long as the longest
-                    rows += -(-max(size) // unit) * unit * n
-                passes += 1
-        try:
+        try:                                        # a mode that fails is a line with its error
+            tr = (Trainer(model, SGD(lr=1e-4), ctx, engine).with_grad_accum_steps(window).with_length_bucket(bucket)
+                  .with_packing(pack_tokens, mode))
+            rows, passes = 0, 0
+            for w in data:                              # the rows each pass computes (lengths rounded to buckets)
+                rest = list(w)
+                while rest:
+                    n = tr._packable(rest)
+                    group, rest = rest[:n], rest[n:]
+                    size = [len(g[0]) for g in group]
+                    unit = tr._pack_unit() if mode == "pad" and n > 1 else bucket
+                    if mode == "concat":                # one row of them all
+                        rows += -(-sum(size) // unit) * unit
+                    else:                               # each as long as the longest
+                        rows += -(-max(size) // unit) * unit * n
+                    passes += 1
             for w in data:                          # compiles (and the first recordings)
                 tr.train_sequences(w, params)
             engine.synchronize()

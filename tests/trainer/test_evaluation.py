@@ -158,9 +158,18 @@ def test_eval_command_scores_a_model_alone(data_files, tmp_path, ctx, capsys):
     samples = greedy_answers(model, tok, answer_cases(items, False), {tok.token_to_id("<|im_end|>"), 2})
     assert got["answers"] == samples and got["exact_match"] == exact_match(samples)
     assert f"{got['records']} records" in capsys.readouterr().out
+    # --packing concat: the same losses (one concatenated row per pass), no answers decoded again
+    assert main(["eval", "--model", str(tmp_path / "m"), "--data", str(data_files / "held.jsonl"), "--no-answers",
+                 "--packing", "concat", "--json", str(tmp_path / "c.json")]) == 0
+    concat = json.loads((tmp_path / "c.json").read_text())
+    assert concat["packing"] == "concat" and concat["records"] == got["records"]
+    assert concat["loss"] == pytest.approx(loss, rel=1e-5) and concat["answer_loss"] == pytest.approx(answer_loss, rel=1e-5)
     for argv, match in ([["--model", str(tmp_path), "--data", str(data_files / "held.jsonl")], "not a model directory"],
                         [["--model", str(tmp_path / "m"), "--data", str(tmp_path / "none.jsonl")], "no such file"],
                         [["--model", str(tmp_path / "m"), "--data", str(data_files / "held.jsonl"),
                           "--max-records", "0"], "--max-records must be at least 1"]):
         assert main(["eval", *argv]) == 2
         assert match in capsys.readouterr().err
+    with pytest.raises(SystemExit) as bad:     # argparse's usage error: exit 2 naming the choices
+        main(["eval", "--model", str(tmp_path / "m"), "--data", str(data_files / "held.jsonl"), "--packing", "rows"])
+    assert bad.value.code == 2 and "invalid choice: 'rows'" in capsys.readouterr().err
