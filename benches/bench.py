@@ -879,7 +879,7 @@ def checkpoint_layers_arg(value: str) -> int | str:
 def train_bench(ctx, cfg, shapes, steps: int = 3, warmup: int = 1, seed: int = 0, log=print,
                 profile: bool = True, clip: float | None = 1.0, probe=None,
                 activation_dtype: str = "f32", replay: int | None = None,
-                recompute_mlp: bool = False, lora=None, lora_f16_base: bool = False,
+                recompute_mlp: bool = False, lora=None, lora_base_dtype: str = "f32",
                 lm_head_keep_bytes: int | None = None, checkpoint_layers: int | str = 0) -> tuple[list[Line], dict]:
     """Trainer.train_sequences on a fresh random-init model, for each (batch, T) in ``shapes``, in order.
 
@@ -894,8 +894,9 @@ def train_bench(ctx, cfg, shapes, steps: int = 3, warmup: int = 1, seed: int = 0
     (activation checkpointing: "all" or the first N layers) build the model with them; a line then
     also gives the FLOPs the backward's reruns of checkpointed layers add (``recompute_flops``, not
     in the line's model FLOPs; ``recompute_fraction`` of them), to read beside tokens/s and peak.
-    ``lora`` (a LoraConfig) trains adapters alone, on a frozen base kept as f16 with ``lora_f16_base``;
-    FLOPs then count the forward and the input gradients only (4 per parameter and token).
+    ``lora`` (a LoraConfig) trains adapters alone, on a frozen base held as ``lora_base_dtype`` (f32,
+    f16, or nf4 / int8 decoded in the GEMMs); FLOPs then count the forward and the input gradients
+    only (4 per parameter and token).
     ``lm_head_keep_bytes`` sets Trainer.lm_head_keep_bytes (None: the trainer's default).
     """
     from trainer import AdamW, GradScaler, Trainer
@@ -905,19 +906,20 @@ def train_bench(ctx, cfg, shapes, steps: int = 3, warmup: int = 1, seed: int = 0
     engine = ComputeEngine(ctx)
     t0 = time.perf_counter()
     model = Lfm2Model(cfg, ctx, engine, seed=seed, activation_dtype=activation_dtype, recompute_mlp=recompute_mlp,
-                      base_dtype="f16" if lora is not None and lora_f16_base else "f32",
+                      base_dtype=lora_base_dtype if lora is not None else "f32",
                       checkpoint_layers=checkpoint_layers)
     if lora is not None:
         model.add_lora(lora, seed=seed)
     init_s = time.perf_counter() - t0
     params = model.lora_parameters() if lora is not None else model.parameters()
-    n_params = sum(p.size for p in model.parameters())
+    n_params = sum(math.prod(p.shape) for p in model.parameters())
     # the checkpointed layers: their parameters and attention layers, whose forward the backward runs again
     rerun = [i for i in range(len(model.blocks)) if model.checkpointed(i)]
-    rerun_params = sum(p.size for n, p in model.named_parameters().items()
+    rerun_params = sum(math.prod(p.shape) for n, p in model.named_parameters().items()
                        if n.startswith("model.layers.") and int(n.split(".")[2]) in rerun)
     rerun_attention = sum(1 for i in rerun if i in cfg.attention_layers)
-    param_bytes = sum({id(p.buffer): p.buffer.size for p in model.parameters()}.values())   # arenas: buffers shared
+    held = {id(p.buffer): p.buffer.size for p in model.parameters() if hasattr(p, "buffer")}   # arenas: buffers shared
+    param_bytes = sum(held.values()) + sum(p.nbytes for p in model.parameters() if not hasattr(p, "buffer"))
     opt = AdamW(lr=1e-4, weight_decay=0.01)
     rng = np.random.default_rng(seed + 1)
     lines: list[Line] = []
@@ -925,7 +927,7 @@ def train_bench(ctx, cfg, shapes, steps: int = 3, warmup: int = 1, seed: int = 0
             "config": cfg.to_dict(), "clip_grad_norm": clip, "activation_dtype": activation_dtype, "replay": replay,
             "recompute_mlp": recompute_mlp, "checkpoint_layers": checkpoint_layers,
             "checkpointed_layers": len(rerun), "trained_params": sum(p.size for p in params),
-            "lora": asdict(lora) if lora is not None else None, "lora_f16_base": lora_f16_base,
+            "lora": asdict(lora) if lora is not None else None, "lora_base_dtype": lora_base_dtype,
             "lm_head_keep_bytes": lm_head_keep_bytes}
     log(f"# model: {n_params / 1e6:.1f}M parameters, host init + upload {init_s:.1f}s")
 
@@ -1212,6 +1214,9 @@ def main(argv=None) -> int:
     ap.add_argument("--lora", type=int, metavar="R", help="train steps: LoRA adapters of rank R (alpha 2R) on "
                     "every linear layer, the base frozen")
     ap.add_argument("--lora-f16-base", action="store_true", help="with --lora: the frozen base's linear weights as f16")
+    ap.add_argument("--base-dtype", choices=("f32", "f16", "int8", "nf4"), default=None,
+                    help="with --lora: how the frozen base's linear weights (and experts) are held; f16 is "
+                         "--lora-f16-base, int8 / nf4 decoded in the GEMMs")
     ap.add_argument("--packing-window", type=int, default=16, metavar="N",
                     help="packing: sequences per window (default 16)")
     ap.add_argument("--length-scale", type=int, default=1, metavar="K",
@@ -1272,7 +1277,8 @@ def main(argv=None) -> int:
                                                  recompute_mlp=args.recompute_mlp,
                                                  checkpoint_layers=args.checkpoint_layers,
                                                  activation_dtype="f16" if args.f16 else "f32", lora=lora,
-                                                 lora_f16_base=args.lora_f16_base)
+                                                 lora_base_dtype=args.base_dtype
+                                                 or ("f16" if args.lora_f16_base else "f32"))
         state["lines"] = list(bench.lines) + train_lines
         write_json()
     if selected("packing") and "packing" in wanted:      # only when asked for: not part of the defaults' run

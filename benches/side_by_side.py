@@ -1,14 +1,15 @@
 """Train the same LFM2-shaped model with lfm2jit and with PyTorch + transformers, in one run.
 
     python benches/side_by_side.py [--quick] [--preset 350M] [--ours fp32 f16] [--torch fp32 bf16]
-                                   [--torch-compile] [--lora R [--lora-f16-base]]
+                                   [--torch-compile] [--lora R [--lora-f16-base | --base-dtype nf4]]
                                    [--steps N] [--json PATH] [--shapes 1x512 8x512 1x2048]
 
 ``--preset`` names a dense or an MoE preset (350M by default; "8B-A1B" runs transformers'
 Lfm2MoeForCausalLM on the PyTorch side). ``--lora R`` trains LoRA adapters of rank R (alpha 2R) on
 every decoder linear of a frozen base, PEFT's on the PyTorch side; with ``--lora-f16-base``
 lfm2jit's base is f16 and the PyTorch bf16 and f16 sides hold theirs in that dtype, as a LoRA
-recipe loads it.
+recipe loads it; ``--base-dtype nf4|int8`` holds lfm2jit's base quantized (QLoRA), the PyTorch
+half-precision sides' as with ``--lora-f16-base``.
 
 Every side: random init (one seed), AdamW(lr=1e-4, weight_decay=0.01), gradient clipping at 1.0,
 random token ids, a loss read back every sequence, one optimizer step per window. A shape BxT is B
@@ -186,6 +187,9 @@ def main(argv=None) -> int:
     ap.add_argument("--lora", type=int, metavar="R", help="train LoRA adapters of rank R (alpha 2R) on a frozen base")
     ap.add_argument("--lora-f16-base", action="store_true",
                     help="with --lora: lfm2jit's base as f16, PyTorch's half-precision sides' as their dtype")
+    ap.add_argument("--base-dtype", choices=("f16", "int8", "nf4"), default=None,
+                    help="with --lora: lfm2jit's base as this (f16 is --lora-f16-base; int8 / nf4 decoded in the "
+                         "GEMMs), PyTorch's half-precision sides' as their dtype")
     ap.add_argument("--steps", type=int, default=3, help="timed windows per shape")
     ap.add_argument("--warmup", type=int, default=1, help="windows after the first before timing")
     ap.add_argument("--json", metavar="PATH")
@@ -213,15 +217,16 @@ def main(argv=None) -> int:
     from lfm2jit.model.moe_config import MOE_PRESETS, Lfm2MoeConfig
     name = args.preset or ("tiny" if args.quick else "350M")
     cfg = Lfm2MoeConfig.preset(name) if name in MOE_PRESETS else Lfm2Config.preset(name)
-    if args.lora_f16_base and not args.lora:
-        ap.error("--lora-f16-base needs --lora R")
+    if (args.lora_f16_base or args.base_dtype) and not args.lora:
+        ap.error("--lora-f16-base and --base-dtype need --lora R")
+    base_dtype = args.base_dtype or ("f16" if args.lora_f16_base else "f32")
     lora = LoraConfig(r=args.lora, alpha=2.0 * args.lora) if args.lora else None
     shapes = [parse_shape(s) for s in (args.shapes or (["1x64", "4x64", "1x128"] if args.quick
                                                        else ["1x512", "8x512", "1x2048"]))]
     torch, why = (None, "no PyTorch side asked for") if not torch_sides else torch_available(args.torch_device)
     doc: dict = {"argv": sys.argv[1:] if argv is None else list(argv), "shapes": [f"{b}x{t}" for b, t in shapes],
                  "preset": name, "config": cfg.to_dict(), "lora": asdict(lora) if lora else None,
-                 "lora_f16_base": args.lora_f16_base, "time": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+                 "lora_base_dtype": base_dtype, "time": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
     cuda = torch is not None and args.torch_device == "cuda"
     if cuda:
         torch.cuda.init()
@@ -244,7 +249,7 @@ def main(argv=None) -> int:
                                       lm_head_keep_bytes=None if args.lm_head_keep_mib is None
                                       else args.lm_head_keep_mib << 20,
                                       activation_dtype="f16" if side == "f16" else "f32", lora=lora,
-                                      lora_f16_base=args.lora_f16_base)
+                                      lora_base_dtype=base_dtype)
             doc["lfm2jit"][side] = {"meta": meta, "lines": [asdict(l) for l in lines]}
             ours[side] = {l.shape: l for l in lines}
 
@@ -254,7 +259,7 @@ def main(argv=None) -> int:
     for side in torch_sides if torch is not None else []:
         results, meta = run_torch(torch, cfg, shapes, args.steps, args.warmup, args.torch_device,
                                   log=lambda s: print(s, flush=True), side=side, lora=lora,
-                                  half_base=args.lora_f16_base)
+                                  half_base=base_dtype != "f32")
         doc["torch"][side] = {"meta": meta, "results": results}
         theirs[side] = {r["shape"]: r for r in results}
     doc["torch_skipped"] = why if torch is None else None

@@ -83,9 +83,15 @@ def test_side_by_side_lora_on_an_moe_preset_trains_the_same_adapters_as_peft(tmp
                         "--json", str(out)]) == 0
     doc = json.loads(out.read_text())
     ours, theirs = doc["lfm2jit"]["fp32"]["meta"], doc["torch"]["bf16"]["meta"]
-    assert doc["preset"] == "tiny-moe" and ours["lora_f16_base"] and theirs["base_dtype"] == "torch.bfloat16"
+    assert doc["preset"] == "tiny-moe" and ours["lora_base_dtype"] == "f16" and theirs["base_dtype"] == "torch.bfloat16"
     assert theirs["n_params"] == ours["trained_params"] > 0
     assert doc["table"][0]["speed_ratio"]["fp32/bf16"] > 0
+    # --base-dtype nf4 (QLoRA): the same adapters on a base held in 4 bits, experts included
+    assert script.main(["--quick", "--preset", "tiny-moe", "--lora", "2", "--base-dtype", "nf4", "--steps", "1",
+                        "--shapes", "1x64", "--ours", "fp32", "--torch", "--json", str(tmp_path / "nf4.json")]) == 0
+    nf4 = json.loads((tmp_path / "nf4.json").read_text())["lfm2jit"]["fp32"]
+    assert nf4["meta"]["lora_base_dtype"] == "nf4" and nf4["meta"]["trained_params"] == ours["trained_params"]
+    assert nf4["meta"]["param_bytes"] < ours["param_bytes"] and nf4["lines"][0]["error"] is None
 
 
 @pytest.mark.parametrize("kernel,cls", [

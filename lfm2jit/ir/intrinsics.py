@@ -81,6 +81,9 @@ class Intrinsic:
     axes: tuple[str, ...] = ()
     # operands may be any value of the kernel, not only its inputs (partition computes them first)
     computed_operands: bool = False
+    # operands the planner computes in its GEMM's operand fetch when they are prologues
+    # (ir.partition.is_prologue: a weight decoded from a packed format), never stored whole
+    prologue: tuple[str, ...] = ()
     # how many trailing params a call may leave out (causal_attention's starts)
     optional: int = 0
 
@@ -446,10 +449,11 @@ def _grad_grouped(b: GraphBuilder, call: Node, projs: dict[int, Node], outs: lis
 
 
 register(Intrinsic(GROUPED_MATMUL, GROUPED_PARAMS, ("y",), lambda ops: _infer_grouped(GROUPED_MATMUL, ops),
-                   grad=_grad_grouped, differentiable_outputs=("y",)))
+                   grad=_grad_grouped, differentiable_outputs=("y",), computed_operands=True, prologue=("w",)))
 register(Intrinsic(GROUPED_MATMUL_SCALED, GROUPED_SCALED_PARAMS, ("y",),
                    lambda ops: _infer_grouped(GROUPED_MATMUL_SCALED, ops, scaled=True),
-                   grad=_grad_grouped, differentiable_outputs=("y",)))
+                   grad=_grad_grouped, differentiable_outputs=("y",), computed_operands=True, prologue=("w",)))
 register(Intrinsic(GROUPED_MATMUL_DX, GROUPED_DX_PARAMS, ("dx",),
-                   lambda ops: _infer_grouped(GROUPED_MATMUL_DX, ops, transposed=True)))
+                   lambda ops: _infer_grouped(GROUPED_MATMUL_DX, ops, transposed=True), computed_operands=True,
+                   prologue=("w",)))
 register(Intrinsic(GROUPED_MATMUL_DW, GROUPED_DW_PARAMS, ("dw",), _infer_grouped_dw))

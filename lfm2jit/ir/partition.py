@@ -23,6 +23,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, replace
 
+from . import intrinsics
 from .nodes import ABSTRACT, SEQ_AXIS, KernelIR, Node, Structure, TensorArg, substitute, toposort
 from .ops import BINARY, LEAF, MOVING, REDUCE, UNARY, Op
 
@@ -207,8 +208,10 @@ class _Planner:
 
     def classify(self, root: Node, shape: tuple[str, ...], cut: set[int]) -> tuple[Structure | None, list[Node]]:
         group = toposort([root], stop=cut)
-        if root.op == Op.PROJ:                       # an intrinsic call: operands must be tensors
-            return Structure("intrinsic", shape), [s for s in root.srcs[0].srcs if not _is_leaf(s, cut)]
+        if root.op == Op.PROJ:                       # an intrinsic call: operands are tensors or prologues
+            call, intr = root.srcs[0], intrinsics.get(root.srcs[0].arg)
+            return Structure("intrinsic", shape), [s for p, s in zip(intr.params, call.srcs) if not _is_leaf(s, cut)
+                                                   and not (p in intr.prologue and is_prologue(s, cut))]
         projs = [n for n in group if n.op == Op.PROJ]
         if projs:                                    # an intrinsic's result used in an expression
             return None, projs

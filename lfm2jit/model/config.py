@@ -241,6 +241,9 @@ class Lfm2Config:
 _PUBLISHED_LAYERS = ["conv", "conv", "full_attention", "conv", "conv", "full_attention", "conv", "conv",
                      "full_attention", "conv", "full_attention", "conv", "full_attention", "conv",
                      "full_attention", "conv"]
+# LFM2-2.6B: 30 layers, 8 of them attention, its MLP width used as given (2.6B parameters; the
+# attention layers' positions are not checked against its config.json, which a checkpoint brings)
+_LAYERS_2_6B = ["full_attention" if i in (2, 6, 10, 14, 18, 21, 24, 27) else "conv" for i in range(30)]
 PRESETS: dict[str, dict] = {
     "350M": dict(hidden_size=1024, intermediate_size=6656, num_hidden_layers=16, num_attention_heads=16,
                  num_key_value_heads=8, layer_types=_PUBLISHED_LAYERS),
@@ -248,6 +251,8 @@ PRESETS: dict[str, dict] = {
                  num_key_value_heads=8, layer_types=_PUBLISHED_LAYERS),
     "1.2B": dict(hidden_size=2048, intermediate_size=12288, num_hidden_layers=16, num_attention_heads=32,
                  num_key_value_heads=8, layer_types=_PUBLISHED_LAYERS),
+    "2.6B": dict(hidden_size=2048, intermediate_size=10752, num_hidden_layers=30, num_attention_heads=32,
+                 num_key_value_heads=8, layer_types=_LAYERS_2_6B, block_auto_adjust_ff_dim=False),
     "tiny": dict(vocab_size=256, hidden_size=64, intermediate_size=192, num_hidden_layers=4, num_attention_heads=4,
                  num_key_value_heads=2, layer_types=["conv", "full_attention", "conv", "full_attention"],
                  block_multiple_of=16),

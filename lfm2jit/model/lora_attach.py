@@ -50,16 +50,20 @@ def is_base_linear(name: str, shape) -> bool:
     return (name.startswith("model.layers.") and name.endswith(".weight") and len(shape) == 2) or is_expert_tensor(name)
 
 
+def is_router(name: str) -> bool:
+    """Whether ``name`` is an MoE block's router weight (feed_forward.gate: [E, D])."""
+    return name.endswith(".feed_forward.gate.weight")
+
+
 def upload_parameters(ctx, arrays: dict[str, np.ndarray], to_f16: set[str], base_dtype: str = "f16") -> dict[str, Tensor]:
     """The arrays as parameters: those named in ``to_f16`` as ``base_dtype`` (f16 in an arena of
-    their own; "nf4" / "int8": each quantized as it is uploaded, a QuantizedWeight), the others as
+    their own; "nf4" / "int8": each quantized as it is uploaded, a QuantizedWeight, except an MoE
+    router's), the others as
     f32 in another, in the arrays' order. Each array is narrowed as it is written, so no f32 copy
     of a narrowed group is ever held on the device."""
+    if base_dtype in QUANTIZED_DTYPES:      # an MoE router stays f32: 4-bit rounding would move its top-k picks
+        to_f16 = {n for n in to_f16 if not is_router(n)}
     quantized = {n for n in to_f16 if n in arrays} if base_dtype in QUANTIZED_DTYPES else set()
-    wide = [n for n in quantized if np.ndim(arrays[n]) != 2]
-    if wide:
-        raise ValueError(f"base_dtype={base_dtype!r} holds 2-D linear weights only; {wide[0]} is "
-                         f"{list(np.shape(arrays[wide[0]]))} (an MoE model's experts are not supported yet)")
     new: dict[str, Tensor] = {n: QuantizedWeight(ctx, n, arrays[n], base_dtype) for n in arrays if n in quantized}
     for dtype, names in (("f32", [n for n in arrays if n not in to_f16]),
                          ("f16", [n for n in arrays if n in to_f16 and n not in quantized])):

@@ -226,7 +226,8 @@ def dequantize_nf4(q: Nf4Weight) -> np.ndarray:
 
 @dataclass(frozen=True)
 class Int8Weight:
-    """A 2-D weight [N, K] in int8 per output channel: `codes` int8 [N, K], `scale` float32 [N]."""
+    """A weight [N, K] (or an experts' [E, N, K]) in int8 per output channel: `codes` int8 in its
+    shape, `scale` float32 [N] ([E, N]), one per row of the last axis."""
     codes: np.ndarray
     scale: np.ndarray
 
@@ -244,13 +245,14 @@ class Int8Weight:
 
 def quantize_int8(w, name: str = "weight") -> Int8Weight:
     w = _check_finite(w, name)
-    if w.ndim != 2:
-        raise QuantizeError(f"{name}: int8 per output channel needs a 2-D weight, got shape {w.shape}")
-    absmax = np.abs(w).max(axis=1).astype(np.float64)
+    if w.ndim not in (2, 3):
+        raise QuantizeError(f"{name}: int8 per output channel needs a 2-D weight (or an experts' 3-D one), "
+                            f"got shape {w.shape}")
+    absmax = np.abs(w).max(axis=-1).astype(np.float64)
     safe = np.where(absmax > 0, absmax, 1.0)
-    codes = np.clip(np.rint(w.astype(np.float64) * 127.0 / safe[:, None]), -127, 127).astype(np.int8)
+    codes = np.clip(np.rint(w.astype(np.float64) * 127.0 / safe[..., None]), -127, 127).astype(np.int8)
     return Int8Weight(codes, (absmax / 127.0).astype(np.float32))
 
 
 def dequantize_int8(q: Int8Weight) -> np.ndarray:
-    return (q.codes.astype(np.float32) * q.scale[:, None]).astype(np.float32)
+    return (q.codes.astype(np.float32) * q.scale[..., None]).astype(np.float32)

@@ -12,17 +12,18 @@ QUANTIZED_DTYPES = ("nf4", "int8")
 
 
 class QuantizedWeight:
-    """A 2-D weight [out, in] quantized as ``dtype`` ("nf4": blocks of 64 with a float32 absmax each;
-    "int8": per output row) and uploaded packed: u32 words of codes ``q``, float32 scales ``s`` and,
-    for NF4, the codebook ``c``."""
+    """A 2-D weight [out, in] (or an MoE block's experts [E, out, in]) quantized as ``dtype`` ("nf4":
+    blocks of 64 with a float32 absmax each; "int8": per output row) and uploaded packed: u32 words
+    of codes ``q``, float32 scales ``s`` and, for NF4, the codebook ``c``."""
 
     grad = None          # frozen: backward computes no gradient for it
 
     def __init__(self, ctx, name: str, array: np.ndarray, dtype: str):
         if dtype not in QUANTIZED_DTYPES:
             raise ValueError(f"{name}: quantized dtype must be one of {', '.join(QUANTIZED_DTYPES)}, got {dtype!r}")
-        if np.ndim(array) != 2:
-            raise ValueError(f"{name}: only 2-D linear weights can be held as {dtype}, this one is {np.shape(array)}")
+        if np.ndim(array) not in (2, 3):
+            raise ValueError(f"{name}: only linear weights (2-D) and experts (3-D) can be held as {dtype}, this "
+                             f"one is {np.shape(array)}")
         self.name, self.dtype, self.shape = name, dtype, tuple(np.shape(array))
         self.tensors = {k: Tensor.from_numpy(ctx, v) for k, v in self._quantized(array).items()}
 
@@ -46,7 +47,7 @@ class QuantizedWeight:
         return sum(t.nbytes for t in self.tensors.values())
 
     def numpy(self) -> np.ndarray:
-        """The dequantized weight, float32 [out, in]."""
+        """The dequantized weight, float32 in its shape."""
         return dequantize_nf4(self.host) if self.dtype == "nf4" else dequantize_int8(self.host)
 
     def args(self, param: str) -> dict[str, Tensor]:

@@ -3,8 +3,8 @@ sorted by expert, forward and backward (kernels/experts.lk; the backward is grad
 
     x        f32 [S, D]     each slot's token (the hidden states gathered in expert order)
     gate_up  [E, 2I, D]     transformers' experts.gate_up_proj: each expert's w1 rows, then its w3 rows
-                            (f32, or f16 for a frozen base)
-    down     [E, D, I]      experts.down_proj (w2), f32 or f16
+                            (f32; a frozen base also f16, or packed NF4 / int8 decoded in the GEMMs)
+    down     [E, D, I]      experts.down_proj (w2), as gate_up
     ends     i32 [E]        where each expert's slots end: expert e owns slots ends[e-1] .. ends[e] - 1
     scale    f32 [S]        each slot's combine weight, applied in the down GEMM's epilogue
     y        f32 [S, D]     scale[s] * (silu(x w1^T) * (x w3^T)) w2^T for slot s's expert
@@ -29,7 +29,7 @@ from functools import lru_cache
 from typing import Callable
 
 from ..driver import Backward, grad
-from . import library, precision
+from . import library, precision, quantized
 
 
 @dataclass
@@ -57,8 +57,10 @@ def _backward(kernel: str, wrt: tuple[str, ...]) -> Backward:
 
 def _runner(engine, dtype: str) -> Callable:
     """engine.run of a kernel with activations of ``dtype``: the variant the tensors given make (a
-    frozen f16 base's; with f16 activations, every tensor not given as f32)."""
+    frozen f16 base's; with f16 activations, every tensor not given as f32; a quantized base's
+    decoding variant, quantized.unpacked)."""
     def run(kernel, **args):
+        kernel, args = quantized.unpacked(kernel, args)
         return precision.run(engine, kernel, dtype, **args)
     return run
 

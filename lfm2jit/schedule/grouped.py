@@ -30,8 +30,8 @@ from ..tune import heuristics
 from ..tune.tiles import MatrixTiles
 from .code import Apply, Const, Let, Load, Ref, Var
 from .layout import extent, strides
-from .matmul import (REDUCE_THREADS, Grouping, MatmulParams, MatrixParams, Operand, Output, contiguity, epilogue_frags,
-                     vector_reads)
+from .matmul import (REDUCE_THREADS, Grouping, MatmulParams, MatrixParams, Operand, Output, computed_operand,
+                     contiguity, epilogue_frags, vector_reads)
 from .pieces import binding_bytes
 from .spec import EntryPoint, IntrinsicCall, Plan
 
@@ -62,9 +62,13 @@ def _tiles(call: IntrinsicCall, m: int, n: int, k: int, k_contiguous: int, frag,
 
 
 def _operand(x, row_axis: str, k_axis: str, batch_axis: str | None, sizes, tiles, rows: int,
-             split: str | None) -> Operand:
+             split: str | None, computed: dict | None = None) -> Operand:
     """A GEMM operand; ``split`` names the axis the experts split ("m": its rows, "k": the sum's),
-    which starts where the device data says: no vec4 reads along it (they would not be aligned)."""
+    which starts where the device data says: no vec4 reads along it (they would not be aligned).
+    An operand in ``computed`` (name -> IR node) is computed in the fetch (a decoded weight)."""
+    if computed and x.name in computed:
+        loads = 0 if isinstance(tiles, MatrixTiles) else rows * tiles.bk // tiles.threads
+        return computed_operand(computed[x.name], x.name, row_axis, k_axis, batch_axis, sizes, loads)
     st = strides(x.shape, sizes)
     op = Operand(x.name, x.dtype, st[row_axis], st[k_axis], st[batch_axis] if batch_axis else 0)
     if isinstance(tiles, MatrixTiles):
@@ -118,7 +122,7 @@ def plan(call: IntrinsicCall, target=None) -> Plan:
     tiles = _tiles(call, sizes[s_axis], sizes[n_axis], sizes[k_axis], k_contiguous, frag, target)
     tile_m, tile_n = _rows(tiles)
     a = _operand(x, s_axis, k_axis, None, sizes, tiles, tile_m, split="m")
-    b = _operand(w, n_axis, k_axis, e_axis, sizes, tiles, tile_n, split=None)
+    b = _operand(w, n_axis, k_axis, e_axis, sizes, tiles, tile_n, split=None, computed=dict(call.computed))
     yst = strides(y.shape, sizes)
     c = Output(y.name, y.dtype, yst[s_axis], yst[n_axis], 0, y.name in call.accumulate)
     epilogue, result = (), None

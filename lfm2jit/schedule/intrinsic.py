@@ -10,6 +10,7 @@ from typing import Callable
 
 from ..ir import intrinsics
 from ..ir.nodes import KernelIR, TensorArg
+from ..ir.ops import Op
 from ..tune.tiles import AttentionTiles, MatrixAttentionTiles, MatrixTiles, TileConfig
 from . import attention, dropout, grouped, scatter, sort, topk
 from .spec import IntrinsicCall, Plan
@@ -46,8 +47,12 @@ def call_of(ir: KernelIR):
 
 def plan(ir: KernelIR, sizes: dict[str, int], accumulate: frozenset[str], tiles=None, target=None) -> Plan:
     call = call_of(ir)
-    operands = tuple(TensorArg(src.arg, src.dtype, src.shape) for src in call.srcs)
+    intr = intrinsics.get(call.arg)
+    # an operand that is not a tensor is a prologue (partition.py): named for the planner, which computes it
+    operands = tuple(TensorArg(src.arg if src.op == Op.INPUT else f"computed {param}", src.dtype, src.shape)
+                     for param, src in zip(intr.params, call.srcs))
+    computed = tuple((t.name, src) for t, src in zip(operands, call.srcs) if src.op != Op.INPUT)
     by_index = {ir.results[o.name].arg: o for o in ir.outputs}
-    outputs = tuple(by_index.get(i) for i in range(len(intrinsics.get(call.arg).outputs)))
-    return PLANNERS[call.arg].plan(IntrinsicCall(call.arg, operands, outputs, sizes, accumulate, tiles, call.shape),
-                                   target)
+    outputs = tuple(by_index.get(i) for i in range(len(intr.outputs)))
+    return PLANNERS[call.arg].plan(IntrinsicCall(call.arg, operands, outputs, sizes, accumulate, tiles, call.shape,
+                                                 computed), target)

@@ -247,6 +247,19 @@ def epilogue_frags(p: MatrixParams, workgroup_bytes: int) -> int:
     return max(d for d in range(1, p.fn + 1) if p.fn % d == 0 and (d - 1) * per_frag <= room)
 
 
+def computed_operand(x, label: str, row_axis: str, k_axis: str, batch_axis: str | None, sizes: dict[str, int],
+                     loads: int) -> Operand:
+    """A prologue operand (ir.partition.is_prologue): its element (gr, gk) of batch ``batch`` computed
+    by lets in the fetch, reading the tensors it decodes; ``loads`` scalar reads per invocation a k-step."""
+    st = strides(x.shape, sizes)
+    index_of = {row_axis: Var("gr"), k_axis: Var("gk")} | ({batch_axis: Var("batch")} if batch_axis else {})
+    lower = Lowerer(sizes, index_of, prefix="pf")
+    bound: dict[int, str] = {}
+    lets = tuple(lower.emit([x], bound))
+    return Operand(label, "f32", st[row_axis], st[k_axis], st[batch_axis] if batch_axis else 0, None, loads, lets,
+                   lower.ref(x, "f32", bound))
+
+
 def contiguity(op: Operand, row_axis: str, k: str, sizes: dict[str, int]) -> str | None:
     """Which axis of an operand vec4 reads can run along: "k" when k is contiguous, "m" when the
     rows are, or None. The contiguous axis' size must be a known multiple of 4 (so a vec4 is wholly
@@ -346,22 +359,16 @@ def plan(ir: KernelIR, sizes: dict[str, int], accumulate: frozenset[str], tiles=
     def operand(x, row_axis: str, rows: int, kk: str, vectors: bool = True) -> Operand:
         st = strides(x.shape, sizes)
         if x.op != Op.INPUT:
-            return _computed(x, row_axis, rows, kk, st)
+            return _computed(x, row_axis, rows, kk)
         op = Operand(x.arg, x.dtype, st[row_axis], st[kk], st[bt] if bt else 0)
         if matrix:
             return replace(op, vec=contiguity(op, row_axis, kk, sizes) if vectors else None)
         vec = vector_reads(tiles, op, row_axis, kk, sizes, rows) if vectors else None
         return replace(op, vec=vec, loads=rows * tiles.bk // (4 if vec else 1) // tiles.threads)
 
-    def _computed(x, row_axis: str, rows: int, kk: str, st: dict) -> Operand:
-        """A prologue operand: its element (gr, gk) of this batch computed by lets in the fetch."""
-        index_of = {row_axis: Var("gr"), kk: Var("gk")} | ({bt: Var("batch")} if bt else {})
-        lower = Lowerer(sizes, index_of, prefix="pf")
-        bound: dict[int, str] = {}
-        lets = tuple(lower.emit([x], bound))
-        value = lower.ref(x, "f32", bound)
-        return Operand(f"computed {'A' if row_axis == m_axis else 'B'}", "f32", st[row_axis], st[kk],
-                       st[bt] if bt else 0, None, 0 if matrix else rows * tiles.bk // tiles.threads, lets, value)
+    def _computed(x, row_axis: str, rows: int, kk: str) -> Operand:
+        return computed_operand(x, f"computed {'A' if row_axis == m_axis else 'B'}", row_axis, kk, bt, sizes,
+                                0 if matrix else rows * tiles.bk // tiles.threads)
 
     rows = (tiles.wm, tiles.wn) if matrix else (tiles.bm, tiles.bn)
     pairs = [_operands(t, m_axis, n_axis) for t in terms]

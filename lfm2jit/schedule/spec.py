@@ -137,3 +137,4 @@ class IntrinsicCall:
     accumulate: frozenset[str] = frozenset()
     tiles: object = None                     # the caller's tiles override (of the planner's tiles class)
     axes: tuple[str, ...] = ()               # the call's axis arguments (topk's K, bucket_sort's V)
+    computed: tuple = ()                     # (operand name, IR node) of operands computed in the fetch

@@ -108,6 +108,25 @@ def test_f16_activations_train_the_moe_checkpoint_as_f32_does(moe_run, tmp_path)
     assert len(got) == 3 and np.allclose(got, want, rtol=1e-2), (got, want)
 
 
+def test_a_4bit_base_fine_tunes_the_moe_checkpoint_and_merges(moe_run, tmp_path, ctx, engine):
+    """--base-dtype nf4 on an MoE checkpoint (experts held 4-bit): the run's first loss is the f32
+    run's within the weights' 4-bit rounding, it trains, and --merge-lora writes a plain model whose
+    logits equal the 4-bit base plus the adapter (what the run ended with)."""
+    base, out, _ = moe_run
+    q = tmp_path / "nf4"
+    r = cli("--model", base, *RUN, "--base-dtype", "nf4", "--merge-lora", "--steps", 3, "--eval-answers", 0,
+            "--out", q)
+    assert r.returncode == 0, r.stderr
+    got, want = [m["loss"] for m in metrics(q)], [m["loss"] for m in metrics(out)][:3]
+    assert len(got) == 3 and abs(got[0] - want[0]) < 0.05 * want[0] and got[0] != want[0], (got, want)
+    assert got[-1] < got[0]
+    merged = Lfm2Model.from_pretrained(q / "model", ctx, ComputeEngine(ctx))
+    adapted = Lfm2Model.from_pretrained(base, ctx, ComputeEngine(ctx), base_dtype="nf4")
+    adapted.load_adapter(q / "checkpoints" / "step-000003" / "adapter")      # the final checkpoint's
+    ids = np.arange(3, 40, dtype=np.int32) % merged.cfg.vocab_size
+    assert rel_err(merged.logits(ids), adapted.logits(ids)) < 1e-4
+
+
 def test_the_balance_loss_is_logged_and_refused_on_a_dense_model(moe_run, tmp_path):
     base, _, _ = moe_run
     out = tmp_path / "aux"

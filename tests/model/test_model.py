@@ -493,7 +493,7 @@ FF_RULE_CASES = {  # beyond the presets: the other branches of the rule (transfo
 
 
 @needs_torch
-@pytest.mark.parametrize("preset", ["350M", "700M", "1.2B", "tiny", "tiny-untied", *FF_RULE_CASES])
+@pytest.mark.parametrize("preset", ["350M", "700M", "1.2B", "2.6B", "tiny", "tiny-untied", *FF_RULE_CASES])
 def test_ff_dim_matches_transformers(preset):
     """Our effective MLP width equals what transformers' own Lfm2MLP builds from the same config
     (instantiated on the meta device: shapes only, no memory)."""

@@ -277,6 +277,53 @@ def test_f16_base_narrows_the_experts_and_trains_only_the_adapters(ctx, engine):
         assert named[n].grad is None or not np.any(named[n].grad.numpy()), n
 
 
+@pytest.mark.parametrize("dtype", ["nf4", "int8"])
+def test_a_quantized_base_packs_the_experts_and_equals_peft_on_the_dequantized_weights(ctx, engine, dtype):
+    """base_dtype nf4/int8 on an MoE model: the experts (3-D) and the decoder linears held packed and
+    decoded in the GEMMs, the routers f32; logits, loss and adapter gradients equal PEFT's on a base
+    holding the dequantized weights; merging gives a plain f32 model with the same logits."""
+    from lfm2jit.model.lora_attach import is_router
+    from lfm2jit.model.quantized_base import QuantizedWeight
+    cfg = Lfm2MoeConfig.preset("tiny-moe")
+    hf = moe_hf_model(cfg, seed=23)
+    ours = ours_from_hf(hf, cfg, ctx, engine)
+    params = ours.add_lora(LoraConfig(r=4, alpha=8, target_modules=("q_proj", "w1"), target_parameters=EXPERTS),
+                           base_dtype=dtype)
+    named = ours.named_parameters()
+    held = [n for n in base_linears(cfg) if not is_router(n)]
+    assert [n for n in held if n.endswith(EXPERTS)] and all(isinstance(named[n], QuantizedWeight) for n in held)
+    routers = [n for n in base_linears(cfg) if is_router(n)]
+    assert routers and all(named[n].dtype == "f32" for n in routers)
+    experts = [n for n in held if n.endswith(EXPERTS)]
+    assert sum(named[n].nbytes for n in experts) < sum(named[n].numpy().size for n in experts) * 4 / 3.5
+    dequantized = copy.deepcopy(hf)
+    with torch.no_grad():
+        for n in held:
+            dequantized.get_parameter(n).copy_(torch.from_numpy(named[n].numpy()))
+    theirs = peft_model(dequantized, 4, 8, EXPERTS, ("q_proj", "w1"), seed=4)
+    state = {n.replace(".default", ""): p.detach().numpy() for n, p in theirs.named_parameters() if "lora_" in n}
+    for n, t in ours.lora.named.items():
+        if n in state and t.shape == state[n].shape:
+            t.write(state[n])
+    for a, b in parameter_peft_names(ours.lora.by_parameter).values():
+        for name, array in zip((a, b), experts_from_peft(state[a], state[b], cfg.num_experts)):
+            ours.lora.named[name].write(array)
+    ids, targets, mask = masked_inputs(cfg.vocab_size, 27, 3)
+    want_logits, want_loss, want_grads = peft_reference(theirs, ids, targets, mask)
+    assert rel_err(ours.logits(ids, bucket=BUCKET), want_logits) < 1e-4
+    loss, grads = loss_and_grads(ours, ids, targets, mask, params)
+    assert abs(loss - want_loss) < 1e-5
+    assert set(grads) == set(want_grads)
+    err, name = worst(grads, want_grads)
+    assert err < 1e-3, f"worst gradient {name}: rel err {err:.2e}"
+    with pytest.raises(ValueError, match=f"frozen {dtype} base weight"):
+        loss_and_grads(ours, ids, targets, mask, params + [named[experts[0]]])
+    before = ours.logits(ids, bucket=BUCKET)
+    ours.merge_lora()
+    assert ours.base_dtype == "f32" and all(ours.p(n).dtype == "f32" for n in held)
+    assert rel_err(ours.logits(ids, bucket=BUCKET), before) < 1e-4
+
+
 @pytest.mark.parametrize("make,match", [
     (lambda: LoraConfig(target_modules=(), target_parameters=("experts.up_proj",)), "matches no expert tensor.*gate_up_proj"),
     (lambda: LoraConfig(target_modules=(), target_parameters=("q_proj.weight",)), "target_modules instead"),

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from lfm2jit import grad, library
 from lfm2jit.ops.experts import experts_backward, experts_forward
 
 
@@ -117,3 +118,62 @@ def test_weight_gradients_accumulate_into_the_tensors_given(engine):
     assert grads["d_gate_up"] is out["d_gate_up"] and grads["d_down"] is out["d_down"]
     _close(out["d_gate_up"].numpy(), old["d_gate_up"] + want["gate_up"], 1e-5)
     _close(out["d_down"].numpy(), old["d_down"] + want["down"], 1e-5)
+
+
+@pytest.mark.parametrize("fmt,seed", [("nf4", 0), ("nf4", 1), ("int8", 2), ("int8", 3)])
+def test_a_quantized_base_is_decoded_in_the_grouped_gemms(engine, fmt, seed):
+    """Experts held as NF4 / int8 (QuantizedWeight): y, d_x and d_scale equal torch on the dequantized
+    weights; the kernels bind the packed words and no temporary of the weights' size."""
+    from lfm2jit.model.quantized_base import QuantizedWeight
+    from lfm2jit.ops import quantized
+    rng = np.random.default_rng(20 + seed)
+    E, S, D, I = int(rng.integers(2, 7)), int(rng.integers(20, 90)), int(rng.choice([24, 36])), int(rng.choice([12, 20]))
+    case = _case(rng, E, S, D, I, S - seed)
+    held = {n: QuantizedWeight(engine.ctx, n, case[n], fmt) for n in ("gate_up", "down")}
+    t = {k: engine.tensor(v) for k, v in case.items() if k not in ("d_y", "gate_up", "down")}
+    y, saved = experts_forward(engine, t["x"], held["gate_up"], held["down"], t["ends"], t["scale"], bucket=16)
+    grads = experts_backward(engine, t["x"], held["gate_up"], held["down"], t["ends"], t["scale"], saved,
+                             engine.tensor(case["d_y"]), bucket=16, weights=False)
+    want_y, want = _torch({**case, **{n: w.numpy() for n, w in held.items()}})
+    v = int(case["ends"][-1])
+    _close(y.numpy()[:v], want_y, 1e-5)
+    _close(grads["d_x"].numpy()[:v], want["x"][:v], 1e-5)
+    _close(grads["d_scale"].numpy()[:v], want["scale"][:v], 1e-5)
+    packed = {f"gate_up_{k}": v.shape[0] for k, v in held["gate_up"].tensors.items()}
+    sizes = {"T": 32, "E": E, "F": 2 * I, "D": D} | ({"gate_up_P": packed["gate_up_q"], "gate_up_B": packed["gate_up_s"],
+                                                     "gate_up_C": 16} if fmt == "nf4" else {"gate_up_P": packed["gate_up_q"]})
+    for k in (quantized.decoded("expert_gate_up", "gate_up", fmt),
+              quantized.decoded(grad(library.get("expert_gate_up"), wrt=["x"]), "gate_up", fmt)):
+        (part,) = k.kernels
+        names = {b.tensor for b in part.specialize(sizes, 16).bindings}
+        assert "gate_up_q" in names and not any(n.startswith("tmp") for n in names), names
+
+
+@pytest.mark.parametrize("fmt", ["nf4", "int8"])
+def test_a_quantized_base_with_f16_activations_runs_on_the_matrix_template(matrix_engine, fmt):
+    """--f16 on a quantized base: the grouped GEMMs on the matrix units (emulated on lavapipe), the
+    decoded weight staged as f16; against torch on the dequantized weights within f16 rounding."""
+    from lfm2jit.model.quantized_base import QuantizedWeight
+    engine = matrix_engine
+    rng = np.random.default_rng(31)
+    case = _case(rng, 4, 70, 32, 16, 66)
+    held = {n: QuantizedWeight(engine.ctx, n, case[n], fmt) for n in ("gate_up", "down")}
+    t = {k: engine.tensor(v) for k, v in case.items() if k not in ("d_y", "gate_up", "down")}
+    x16 = engine.tensor(case["x"].astype(np.float16))
+    y, saved = experts_forward(engine, x16, held["gate_up"], held["down"], t["ends"], t["scale"], bucket=16,
+                               dtype="f16")
+    grads = experts_backward(engine, x16, held["gate_up"], held["down"], t["ends"], t["scale"], saved,
+                             engine.tensor(case["d_y"].astype(np.float16)), bucket=16, weights=False, dtype="f16")
+    assert y.dtype == "f16"
+    from lfm2jit.ops import quantized
+    packed = {f"gate_up_{k}": v for k, v in held["gate_up"].tensors.items()}
+    kernel = quantized.decoded("expert_gate_up", "gate_up", fmt).variant("f16", set(packed) | {"ends"})
+    sizes = {"E": 4, "F": 32, "D": 32, "gate_up_P": packed["gate_up_q"].shape[0]}
+    sizes |= {"gate_up_B": packed["gate_up_s"].shape[0], "gate_up_C": 16} if fmt == "nf4" else {}
+    assert kernel.specialize(sizes | {"T": 70}, 16, target=engine.target).template == "matmul_matrix"
+    want_y, want = _torch({**case, "x": case["x"].astype(np.float16).astype(np.float32),
+                           **{n: w.numpy() for n, w in held.items()}})
+    v = int(case["ends"][-1])
+    _close(y.numpy()[:v].astype(np.float64), want_y, 1e-2)
+    _close(grads["d_x"].numpy()[:v].astype(np.float64), want["x"][:v], 1e-2)
+    _close(grads["d_scale"].numpy()[:v], want["scale"][:v], 1e-2)

@@ -135,7 +135,7 @@ def _add_model_and_data(p: argparse.ArgumentParser) -> None:
                         "sharded index) and tokenizer.json in DIR. Without it a model is trained from scratch")
     m.add_argument("--preset", metavar="NAME",
                    help="shape of a model trained from scratch: demo (hidden 64, 2 layers: conv + attention; "
-                        "the default), tiny, tiny-untied, 350M, 700M, 1.2B; vocab_size is set to the "
+                        "the default), tiny, tiny-untied, 350M, 700M, 1.2B, 2.6B; vocab_size is set to the "
                         "tokenizer's size")
     m.add_argument("--tokenizer", metavar="FILE",
                    help="tokenizer.json (or a directory holding one); default: DIR/tokenizer.json with "

@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 from ... import grad
 from ...ops import library, precision, quantized
 from ...runtime import Tensor
-from ..quantized_base import QuantizedWeight
 
 _BACKWARDS: dict[tuple, object] = {}
 
@@ -43,13 +42,7 @@ class Kernels:
         """engine.run with the kernel's variant for the model's activation dtype (or ``dtype``:
         "f32" stores only the f16 tensors given as f16, as an MoE router's calls do); a weight held
         quantized (QuantizedWeight) is passed packed, to the kernel's variant decoding it."""
-        for name, value in list(args.items()):
-            if isinstance(value, QuantizedWeight):
-                axes = quantized.weight_axes(kernel, name)
-                kernel = quantized.decoded(kernel, name, value.dtype)
-                del args[name]
-                args.update(value.args(name))
-                args["dims"] = {**args.get("dims", {}), **dict(zip(axes, value.shape))}
+        kernel, args = quantized.unpacked(kernel, args)
         return precision.run(self.model.engine, kernel, dtype or self.model.activation_dtype, **args)
 
     def p(self, name: str) -> Tensor:
