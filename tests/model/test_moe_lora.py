@@ -79,6 +79,21 @@ def loss_and_grads(model: Lfm2Model, ids, targets, mask, params):
     return res.loss_value(), in_peft_layout(model, grads)
 
 
+def assert_like_peft(ours: Lfm2Model, theirs, params, length: int, seed: int, logits_tol: float, loss_tol: float,
+                     grad_tol: float):
+    """Logits, loss and every adapter gradient of ``ours`` against PEFT's on masked inputs of ``length``
+    tokens; returns the inputs."""
+    ids, targets, mask = masked_inputs(ours.cfg.vocab_size, length, seed)
+    want_logits, want_loss, want_grads = peft_reference(theirs, ids, targets, mask)
+    assert rel_err(ours.logits(ids, bucket=BUCKET), want_logits) < logits_tol
+    loss, grads = loss_and_grads(ours, ids, targets, mask, params)
+    assert abs(loss - want_loss) < loss_tol
+    assert set(grads) == set(want_grads)
+    err, name = worst(grads, want_grads)
+    assert err < grad_tol, f"worst gradient {name}: rel err {err:.2e}"
+    return ids, targets, mask
+
+
 # (preset, changes, r, alpha, rslora, target_parameters, target_modules)
 CASES = [
     ("tiny-moe", {}, 4, 8, False, EXPERTS, ()),
@@ -101,14 +116,7 @@ def test_peft_adapter_logits_and_gradients(ctx, engine, tmp_path, preset, change
     trained = ours.load_adapter(tmp_path)
     assert len(trained) == sum("lora_" in n for n, _ in theirs.named_parameters()) > 0
     assert len(ours.lora.by_parameter) == len(params) * (cfg.num_hidden_layers - cfg.num_dense_layers)
-    ids, targets, mask = masked_inputs(cfg.vocab_size, 29, 5)        # 29: slots and tokens padded in their buckets
-    want_logits, want_loss, want_grads = peft_reference(theirs, ids, targets, mask)
-    assert rel_err(ours.logits(ids, bucket=BUCKET), want_logits) < 1e-5
-    loss, grads = loss_and_grads(ours, ids, targets, mask, trained)
-    assert abs(loss - want_loss) < 1e-5
-    assert set(grads) == set(want_grads)
-    err, name = worst(grads, want_grads)
-    assert err < 2e-5, f"worst gradient {name}: rel err {err:.2e}"
+    assert_like_peft(ours, theirs, trained, 29, 5, 1e-5, 1e-5, 2e-5)     # 29: slots and tokens padded in their buckets
 
 
 def test_adapter_written_here_loads_in_peft_and_merges_as_peft_does(ctx, engine, tmp_path):
@@ -262,15 +270,10 @@ def test_f16_base_narrows_the_experts_and_trains_only_the_adapters(ctx, engine):
     for a, b in parameter_peft_names(ours.lora.by_parameter).values():
         for name, array in zip((a, b), experts_from_peft(state[a], state[b], cfg.num_experts)):
             ours.lora.named[name].write(array)
-    ids, targets, mask = masked_inputs(cfg.vocab_size, 27, 3)
-    want_logits, want_loss, want_grads = peft_reference(theirs, ids, targets, mask)
     # on the matrix units a product with the f16 base stages its f32 input as f16 (test_lora.py's bounds)
     matrix = bool(engine.target.matrix_configs)
-    assert rel_err(ours.logits(ids, bucket=BUCKET), want_logits) < (3e-3 if matrix else 1e-4)
-    loss, grads = loss_and_grads(ours, ids, targets, mask, params)
-    assert abs(loss - want_loss) < (1e-3 if matrix else 1e-5)
-    err, name = worst(grads, want_grads)
-    assert err < (2e-2 if matrix else 1e-3), f"worst gradient {name}: rel err {err:.2e}"
+    ids, targets, mask = assert_like_peft(ours, theirs, params, 27, 3, 3e-3 if matrix else 1e-4,
+                                          1e-3 if matrix else 1e-5, 2e-2 if matrix else 1e-3)
     with pytest.raises(ValueError, match="frozen f16 base weight"):
         loss_and_grads(ours, ids, targets, mask, params + [named[narrowed[-1]]])
     for n in narrowed:                      # frozen: no gradient
@@ -308,14 +311,7 @@ def test_a_quantized_base_packs_the_experts_and_equals_peft_on_the_dequantized_w
     for a, b in parameter_peft_names(ours.lora.by_parameter).values():
         for name, array in zip((a, b), experts_from_peft(state[a], state[b], cfg.num_experts)):
             ours.lora.named[name].write(array)
-    ids, targets, mask = masked_inputs(cfg.vocab_size, 27, 3)
-    want_logits, want_loss, want_grads = peft_reference(theirs, ids, targets, mask)
-    assert rel_err(ours.logits(ids, bucket=BUCKET), want_logits) < 1e-4
-    loss, grads = loss_and_grads(ours, ids, targets, mask, params)
-    assert abs(loss - want_loss) < 1e-5
-    assert set(grads) == set(want_grads)
-    err, name = worst(grads, want_grads)
-    assert err < 1e-3, f"worst gradient {name}: rel err {err:.2e}"
+    ids, targets, mask = assert_like_peft(ours, theirs, params, 27, 3, 1e-4, 1e-5, 1e-3)
     with pytest.raises(ValueError, match=f"frozen {dtype} base weight"):
         loss_and_grads(ours, ids, targets, mask, params + [named[experts[0]]])
     before = ours.logits(ids, bucket=BUCKET)
