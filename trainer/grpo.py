@@ -19,6 +19,11 @@ Trainer averages micro-batches):
     dr_grpo   the sum over tokens / (completions x max_completion_length)
     dapo      the sum over tokens / (the step's completion tokens / groups per step)
 
+With a data-parallel sync of several ranks (each sampling its own prompts' groups), the batch is every
+rank's: the ranks gather their rewards, so that the batch std, dapo's completion tokens (and groups) and
+the metrics are the whole batch's, and the averaged gradient is the one of a single process that
+accumulates every rank's groups.
+
 Reward functions are called as ``f(prompts, completions, **columns) -> list[float]`` (TRL's
 signature; ``columns`` holds the prompt records' other keys, each repeated per completion).
 Built in: ``exact_match`` (the completion, stripped, equals the ``answer`` column) and
@@ -319,8 +324,13 @@ class GrpoTrainer:
         columns = {k: [r.columns.get(k) for r in records for _ in range(g)]
                    for k in dict.fromkeys(k for r in records for k in r.columns)}
         per_function = score(self.rewards, [r.prompt for r in records for _ in range(g)], texts, columns)
-        rewards = per_function.sum(axis=0)
-        adv = advantages(rewards, g, c.scale_rewards)
+        lengths = [len(x) for x in ids]
+        eos = set(tr.model.generation_eos)
+        clipped = [float(x[-1] not in eos) for x in ids]
+        # with several ranks, every rank's completions: the batch's std, dapo's token count and the metrics
+        # are the whole batch's, as one process accumulating every rank's groups has them
+        batch, mine = self._whole_batch(params, per_function, lengths, clipped)
+        adv = advantages(batch["per_function"].sum(axis=0), g, c.scale_rewards)[mine]
         seqs = []
         for r, x in zip((r for r in records for _ in range(g)), ids):
             full = np.concatenate([r.ids, np.asarray(x, np.int32)])
@@ -328,11 +338,10 @@ class GrpoTrainer:
             mask[r.ids.size - 1:] = 1.0
             seqs.append((full[:-1], full[1:], mask))
         completion = [slice(r.ids.size - 1, None) for r in records for _ in range(g)]
-        lengths = [len(x) for x in ids]
         # every log-prob at the sampling temperature, as TRL scores them (its logits divided by it)
         old = [x[s] for x, s in zip(tr.token_logps(seqs, c.temperature), completion)] if c.num_iterations > 1 else None
         ref = [x[s] for x, s in zip(self.reference(seqs, c.temperature), completion)] if c.beta else None
-        factor = loss_scale(c, lengths, len(records))
+        factor = loss_scale(c, batch["lengths"], len(records) * batch["ranks"])
         stats, passes = {}, []
         for _ in range(c.num_iterations):
             for k in range(len(records)):
@@ -341,22 +350,43 @@ class GrpoTrainer:
                                             adv[part], factor, stats)
                 passes.append(tr.train_token_objective(seqs[part], params, _on_completions(objective, completion[part]),
                                                        c.temperature))
-        return passes, self._metrics(per_function, rewards, lengths, ids, stats, passes)
+        sums = [sum(p.loss for p in passes), len(passes), *(sum(stats.get(k, [])) for k in ("low", "high", "kl", "tokens"))]
+        if batch["ranks"] > 1:
+            sums = self.trainer.distributed_grad_sync.allreduce_sum(sums, "the GRPO batch's losses and clip ratios")
+        return passes, self._metrics(batch, dict(zip(("loss", "passes", "low", "high", "kl", "tokens"), sums)))
 
-    def _metrics(self, per_function, rewards, lengths, ids, stats, passes) -> dict[str, float]:
-        g, eos = self.config.num_generations, set(self.trainer.model.generation_eos)
-        tokens = max(sum(stats["tokens"]), 1.0)
-        out = {"loss": float(np.mean([p.loss for p in passes])), "reward": float(rewards.mean()), "reward_std": float(_std(rewards.reshape(-1, g), axis=1).mean()),
+    def _whole_batch(self, params, per_function: np.ndarray, lengths: list[int], clipped: list[float]):
+        """The batch's rewards per function [functions, completions], completion lengths and clipped flags
+        over every rank (in rank order) with the trainer's data-parallel sync, and the slice of them that is
+        this rank's; alone, this rank's own."""
+        sync, n = self.trainer.distributed_grad_sync, len(lengths)
+        if sync is None or sync.world_size == 1:
+            return {"per_function": per_function, "lengths": list(lengths), "clipped": list(clipped), "ranks": 1}, slice(None)
+        self.trainer.sync_handshake(params)          # the CLI has done it; a first step from Python has not
+        rows = sync.gather([*per_function.ravel(), *lengths, *clipped], "the GRPO batch's rewards")
+        f = per_function.shape[0]
+        return ({"per_function": np.concatenate([np.reshape(row[:f * n], (f, n)) for row in rows], axis=1),
+                 "lengths": [int(v) for row in rows for v in row[f * n:f * n + n]],
+                 "clipped": [v for row in rows for v in row[f * n + n:]], "ranks": len(rows)},
+                slice(sync.rank * n, (sync.rank + 1) * n))
+
+    def _metrics(self, batch: dict, sums: dict) -> dict[str, float]:
+        """TRL's metrics of the whole batch (every rank's completions) and of its passes."""
+        g, per_function, lengths = self.config.num_generations, batch["per_function"], batch["lengths"]
+        rewards = per_function.sum(axis=0)
+        tokens = max(sums["tokens"], 1.0)
+        out = {"loss": sums["loss"] / sums["passes"], "reward": float(rewards.mean()),
+               "reward_std": float(_std(rewards.reshape(-1, g), axis=1).mean()),
                "frac_reward_zero_std": float(np.mean(np.isclose(_std(rewards.reshape(-1, g), axis=1), 0.0))),
                "completions/mean_length": float(np.mean(lengths)), "completions/min_length": float(min(lengths)),
                "completions/max_length": float(max(lengths)),
-               "completions/clipped_ratio": float(np.mean([x[-1] not in eos for x in ids])),
-               "clip_ratio/low_mean": sum(stats["low"]) / tokens, "clip_ratio/high_mean": sum(stats["high"]) / tokens,
-               "clip_ratio/region_mean": (sum(stats["low"]) + sum(stats["high"])) / tokens}
+               "completions/clipped_ratio": float(np.mean(batch["clipped"])),
+               "clip_ratio/low_mean": sums["low"] / tokens, "clip_ratio/high_mean": sums["high"] / tokens,
+               "clip_ratio/region_mean": (sums["low"] + sums["high"]) / tokens}
         for (name, _), values in zip(self.rewards, per_function):
             out[f"rewards/{name}/mean"], out[f"rewards/{name}/std"] = float(values.mean()), float(_std(values))
-        if "kl" in stats:
-            out["kl"] = sum(stats["kl"]) / tokens
+        if self.config.beta:
+            out["kl"] = sums["kl"] / tokens
         return out
 
 

@@ -113,7 +113,8 @@ class GrpoTraining(Training):
     def train_window(self, window: np.ndarray) -> tuple[list, int, dict]:
         """This rank's prompts of the window as one generation batch: --num-iterations optimizer steps (only
         those left to --steps); the passes' StepStats, the positions trained and TRL's metrics times the
-        passes (Training.step divides the sums by them)."""
+        passes (Training.step divides the sums over the ranks by them: the metrics are the whole batch's,
+        the same on every rank, so this gives them back)."""
         run, tr = self.run, self.tr
         records = [self.s.data.train[i] for i in window]
         left = run.steps - tr.optimizer_steps()
@@ -124,11 +125,12 @@ class GrpoTraining(Training):
                                                                                 run.rank))
         self.flat = metrics["frac_reward_zero_std"] == 1.0 and not metrics.get("kl")
         g = self.config.num_generations
-        completion_tokens = round(metrics["completions/mean_length"] * g * len(records))
-        positions = sum(g * (r.ids.size - 1) for r in records) + completion_tokens
         iterations = len(passes) // max(len(records), 1)
+        # this rank's positions (the metrics are the whole batch's, over every rank): its prompts' and the
+        # completion tokens its passes trained on (each pass counted)
+        positions = iterations * sum(g * (r.ids.size - 1) for r in records) + sum(p.tokens for p in passes)
         n = len(passes)
-        return passes, positions * iterations, {k: v * n for k, v in metrics.items() if k != "loss"}
+        return passes, positions, {k: v * n for k, v in metrics.items() if k != "loss"}
 
     def check_stepping(self, last) -> None:
         """As the train command, except that a batch whose every group scored its completions alike (no
