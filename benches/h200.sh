@@ -48,9 +48,10 @@
 #   bash benches/h200.sh packing          on Dawn: the packing group at LFM2-350M shapes, windows of 16 sequences with the
 #                                         shipped chat data's token lengths times 1 and times 8 (a long-chat set of the
 #                                         same shape), --packing pad and concat -> $OUT/<card>_packing_x{1,8}.json
-#   bash benches/h200.sh qlora            on Dawn: LoRA r = 8 at 1x2048 --f16 on a frozen base held as f16, int8 and nf4:
-#                                         LFM2-2.6B shapes (tokens/s and peak per base), then LFM2-8B-A1B with nf4 experts
-#                                         -> $OUT/<card>_qlora_{2.6B_f16,2.6B_int8,2.6B_nf4,8B-A1B_nf4}.json
+#   bash benches/h200.sh qlora [8B-A1B]   on Dawn: LoRA r = 8 at 1x2048 --f16 on a frozen base held as f16, int8 and nf4
+#                                         at LFM2-2.6B shapes (tokens/s and peak per base); with 8B-A1B, that model with
+#                                         its experts in nf4 alone (host init and quantizing take minutes)
+#                                         -> $OUT/<card>_qlora_{2.6B_f16,2.6B_int8,2.6B_nf4 | 8B-A1B_nf4}.json
 #   bash benches/h200.sh longctx          on Dawn: long context, LFM2-350M and LFM2-1.2B shapes at 1x16384 and 1x32768, full
 #                                         fine-tuning and LoRA r = 8 on a frozen f16 base, each --f16 --checkpoint-layers all
 #                                         (f32 activations of a 32k row would not fit; the reruns cost a forward), one timed
@@ -205,7 +206,9 @@ packing)
 qlora)
     export LFM2JIT_WEBGPU=dawn
     card=$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -o "H[0-9]*" | head -1 | tr A-Z a-z)
-    for run in "2.6B f16 90" "2.6B int8 110" "2.6B nf4 110" "8B-A1B nf4 280"; do   # host init + quantizing: minutes at 8B
+    runs=("2.6B f16 150" "2.6B int8 170" "2.6B nf4 170")
+    [ "${2:-}" = 8B-A1B ] && runs=("8B-A1B nf4 560")
+    for run in "${runs[@]}"; do
         set -- $run
         timeout "$3" python3 -m lfm2jit.bench --only train --f16 --model-preset "$1" --train-shapes 1x2048 --steps 2 \
             --lora 8 --base-dtype "$2" --json "$OUT/${card}_qlora_$1_$2.json" 2>&1 | grep "^train\|^# model" \
@@ -271,6 +274,6 @@ mpi)
     } | tee "$OUT/h200_mpi_exchange.log"
     ;;
 *)
-    echo "usage: bash benches/h200.sh tests | matrix | speed [BASE] | startup [BASE] | lora | attention | decode | gradsync | limits | moe | moelora | qlora | ckpt | packing | longctx | staging | mpi" >&2; exit 2 ;;
+    echo "usage: bash benches/h200.sh tests | matrix | speed [BASE] | startup [BASE] | lora | attention | decode | gradsync | limits | moe | moelora | qlora [8B-A1B] | ckpt | packing | longctx | staging | mpi" >&2; exit 2 ;;
 esac
 echo "took $(( $(date +%s) - start )) s"

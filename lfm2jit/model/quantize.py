@@ -145,6 +145,19 @@ class Nf4Weight:
         return b.view("<u4").astype(np.uint32)
 
 
+NF4_CHUNK = 1 << 22        # values quantized at a time
+
+
+def _nf4_codes(scaled: np.ndarray) -> np.ndarray:
+    """The NF4 code of each value already divided by its block's absmax: clamped to [-1, 1], the
+    first codebook midpoint >= the value (ties at a midpoint take the lower code)."""
+    scaled = np.clip(scaled, np.float32(-1.0), np.float32(1.0)).reshape(-1)
+    codes = np.zeros(scaled.size, np.uint8)
+    for mid in (NF4_CODE[:-1] + NF4_CODE[1:]) / np.float32(2.0):     # the count of midpoints below the value
+        codes += scaled > mid
+    return codes
+
+
 def quantize_nf4(w, name: str = "weight", blocksize: int = 64, double_quant: bool = False) -> Nf4Weight:
     """NF4 of `w` (any shape; float16/32/64, held as float32 first) as bitsandbytes stores it."""
     if blocksize not in NF4_BLOCKSIZES:
@@ -154,22 +167,21 @@ def quantize_nf4(w, name: str = "weight", blocksize: int = 64, double_quant: boo
     flat = w.reshape(-1)
     if flat.size == 0:
         raise QuantizeError(f"{name}: cannot quantize an empty tensor")
-    mids = (NF4_CODE[:-1] + NF4_CODE[1:]) / np.float32(2.0)
     absmax = np.empty(-(-flat.size // blocksize), np.float32)
     q = np.empty(flat.size + flat.size % 2, np.uint8)
     q[flat.size:] = 7                                     # pad: 0.0's code (bitsandbytes pads 0.0)
+    whole = flat.size // blocksize
+    step = max(1, NF4_CHUNK // blocksize)                 # whole blocks a chunk: bounded temporaries
     with np.errstate(over="ignore", under="ignore"):
-        for b, block in enumerate(_blocks(flat, blocksize)):
-            absmax[b] = np.abs(block).max()
-            div = max(absmax[b], np.float32(1e-38))
-            if block.size == blocksize:
-                scaled = block * (np.float32(1.0) / div)
-            else:                                         # bitsandbytes keeps this one clamped
-                absmax[b] = div
-                scaled = block / div
-            scaled = np.clip(scaled, np.float32(-1.0), np.float32(1.0))
-            # the first midpoint >= the value: ties at a midpoint take the lower code
-            q[b * blocksize:b * blocksize + block.size] = np.searchsorted(mids, scaled, side="left")
+        for b0 in range(0, whole, step):
+            blocks = flat[b0 * blocksize:min(whole, b0 + step) * blocksize].reshape(-1, blocksize)
+            absmax[b0:b0 + len(blocks)] = top = np.abs(blocks).max(axis=1)
+            inverse = np.float32(1.0) / np.maximum(top, np.float32(1e-38))
+            q[b0 * blocksize:(b0 + len(blocks)) * blocksize] = _nf4_codes(blocks * inverse[:, None])
+        if whole < absmax.size:                           # a short last block: bitsandbytes keeps it clamped
+            block = flat[whole * blocksize:]
+            absmax[-1] = div = max(np.abs(block).max(), np.float32(1e-38))
+            q[whole * blocksize:flat.size] = _nf4_codes(block / div)
     packed = (q[0::2] << 4) | q[1::2]
     if not double_quant:
         return Nf4Weight(tuple(w.shape), packed.astype(np.uint8), blocksize, absmax=absmax)
