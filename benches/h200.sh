@@ -39,9 +39,10 @@
 #                                         (the experts' grouped GEMMs at LFM2-8B-A1B shapes beside a dense GEMM of the
 #                                         same FLOPs) -> $OUT/h200_moe_tests_dawn.log, $OUT/h200_grouped.json
 #   bash benches/h200.sh moelora          on Dawn: benches/side_by_side.py with LoRA r = 8 on a frozen f16 base at 1x2048,
-#                                         lfm2jit (f32 and f16 activations) beside PyTorch + PEFT with a bf16 base, at
-#                                         LFM2-1.2B and LFM2-8B-A1B shapes, then 8B-A1B f16 with --recompute-mlp (alone)
-#                                         -> $OUT/<card>_moe_lora_{1.2B,8B-A1B,8B-A1B_recompute}.json
+#                                         lfm2jit (f32 and f16 activations; at 8B-A1B f16 only, its host init is long)
+#                                         beside PyTorch + PEFT with a bf16 base, at LFM2-1.2B and LFM2-8B-A1B shapes,
+#                                         then 8B-A1B f16 with --recompute-mlp (alone)
+#                                         -> $OUT/<card>_moe_lora_{1.2B,8B-A1B_f16,8B-A1B_recompute}.json
 #   bash benches/h200.sh ckpt             on Dawn: activation checkpointing at LFM2-1.2B shapes, 1x2048, --f16: LoRA r = 8
 #                                         on a frozen f16 base and full fine-tuning, each without and with
 #                                         --checkpoint-layers all -> $OUT/<card>_ckpt_{lora,full}_{none,all}.json
@@ -175,7 +176,7 @@ moe)
 moelora)
     export LFM2JIT_WEBGPU=dawn
     card=$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -o "H[0-9]*" | head -1 | tr A-Z a-z)
-    for run in "1.2B 130" "8B-A1B 300" "8B-A1B 120 _recompute --recompute-mlp --ours f16 --torch"; do
+    for run in "1.2B 130" "8B-A1B 300 _f16 --ours f16" "8B-A1B 120 _recompute --recompute-mlp --ours f16 --torch"; do
         set -- $run
         preset=$1 limit=$2 suffix=${3:-}
         shift 3 2>/dev/null || shift $#
