@@ -8,7 +8,16 @@ Features, each drawn per kernel (RATES): window axes (25% of the kernels have so
 using a window: values x[T - L], x[D + L], convolutions sum(flip(w, L) * x[T - L, :], L), means and
 maxima over windows), flip() (about 12%), gather(table, ids) of an input table [V, ...] at ids clamped into [0, |V|)
 (15% of the kernels may use it), a statement ``v, i = topk(x, K)`` whose values and indices later
-statements (and outputs) read (12%), inputs with defaults (12%: tensors and scalars, each
+statements (and outputs) read (12%), a grouped GEMM ``g0 = grouped_matmul(x, w, ends)`` or
+``grouped_matmul_scaled(x, w, ends, scale)`` (20% of the kernels may have one, about 12% do; from a stream of its own: see
+Generator.grouped_statement) whose result later statements read (else it is an output): x [S, K] an
+input or computed, w [E, N, K] an input, a prologue the GEMM computes in its operand fetch (a
+decode gather(table, codes) * scale, ...) or another expression partition stores first, E new
+(1..4 experts), ends a new i32[E] input that run.py draws as a running sum of row counts (empty
+experts included) ending at |S|; half of the calls are masked to their owned rows,
+where(sum(f32(index(S) < ends), E) > 0.5, call, 0.0), and only for those may the last end fall below
+|S| (the product, and its gradient in x and scale, are unspecified past it: such a call's backward
+is skipped), inputs with defaults (12%: tensors and scalars, each
 defaulted input left out at run time with probability 1/2), optional leading batch axes (12%:
 x: f32[B?, T, D]; B, or B and C, left out at run time, passed as size 1, or of size 2..3, when T fills
 whole buckets), and padding poison (half of the kernels: T-leading tensors live in buffers of
@@ -35,7 +44,7 @@ FLOAT_DEFAULTS = (0.0, 0.5, -2.0, 1.0, 0.25, 1.5, -0.75, 2.0, -1.0)
 INT_DEFAULTS = {"i32": (0, 1, 2, -1, 3, -3), "u32": (0, 1, 2, 5)}
 RATES = {"window": 0.25, "flip": 0.06, "defaults": 0.12, "batch": 0.12, "poison": 0.5}
 # routing features, drawn from a stream of their own so the kernels of seeds without them stay as they were
-ROUTING_RATES = {"gather": 0.15, "topk": 0.12, "grouped": 0.12}
+ROUTING_RATES = {"gather": 0.15, "topk": 0.12, "grouped": 0.2}
 ROWS = "V"                  # a gathered table's row axis
 EXPERTS = "E"               # a grouped GEMM's experts (w [E, N, K], ends i32[E])
 INPUT_RANGE = {"f32": (-2.0, 2.0), "f16": (-2.0, 2.0), "i32": (-3, 3), "u32": (0, 5)}
