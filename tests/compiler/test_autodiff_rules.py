@@ -144,6 +144,10 @@ CASES = [
     Case("grouped_matmul_scaled", "kernel k(x: f32[T, K], w: f32[E, N, K], ends: i32[E], s: f32[T]) -> (y: f32[T, N]) "
          "{ y = tanh(grouped_matmul_scaled(x, w, ends, s)) }",
          {"x": normal(T, K), "w": normal(E, N, K), "ends": lambda r: np.array([0.0, 2.0, T]), "s": normal(T)}),
+    # dy arrives as a broadcast of sum(y, T)'s adjoint [N]: dy * scale must still be laid out [T, N]
+    Case("grouped_matmul_scaled_summed", "kernel k(x: f32[T, K], w: f32[E, N, K], ends: i32[E], s: f32[T]) -> (y: f32[N]) "
+         "{ y = sum(grouped_matmul_scaled(x, w, ends, s), T) }",
+         {"x": normal(T, K), "w": normal(E, N, K), "ends": lambda r: np.array([1.0, 1.0, T]), "s": normal(T)}),
     Case("grouped_matmul_decoded", "kernel k(x: f32[T, K], tab: f32[V], c: i32[E, N, K], b: f32[E, N], ends: i32[E], "
          "s: f32[T]) -> (y: f32[T, N]) { y = grouped_matmul_scaled(x, gather(tab, c) * b, ends, s) }",
          {"x": normal(T, K), "tab": normal(4), "c": lambda r: r.integers(0, 4, (E, N, K)).astype(np.float64),
