@@ -13,7 +13,7 @@ statements (and outputs) read (12%), a grouped GEMM ``g0 = grouped_matmul(x, w, 
 Generator.grouped_statement) whose result later statements read (else it is an output): x [S, K] an
 input or computed, w [E, N, K] an input, a prologue the GEMM computes in its operand fetch (a
 decode gather(table, codes) * scale, ...) or another expression partition stores first, E new
-(1..4 experts), ends a new i32[E] input that run.py draws as a running sum of row counts (empty
+(1..4 experts; a quarter of the calls over 33..79 rows, a fifth over a K of 17..40), ends a new i32[E] input that run.py draws as a running sum of row counts (empty
 experts included) ending at |S|; half of the calls are masked to their owned rows,
 where(sum(f32(index(S) < ends), E) > 0.5, call, 0.0), and only for those may the last end fall below
 |S| (the product, and its gradient in x and scale, are unspecified past it: such a call's backward
@@ -686,6 +686,11 @@ class Generator:
         i, j = sorted(int(v) for v in r.choice(len(after), 2, replace=False))
         n_axis, k_axis = after[i], after[j]
         self.sizes[EXPERTS] = int(r.integers(1, 5))
+        packed = math.prod(self.sizes[a] for a in self.batch) > 1
+        if r.random() < 0.25 and not (rows == SEQ and packed):   # rows over several tiles (experts split inside them)
+            self.sizes[rows] = int(r.choice([t for t in range(33, 80) if rows != SEQ or t % self.bucket]))
+        if r.random() < 0.2 and not is_fixed(k_axis) and not self.topk:    # a K loop of several steps (topk: sized already)
+            self.sizes[k_axis] = int(r.integers(17, 41))
         xdt, wdt = (("f16" if self.has_f16 and r.random() < 0.3 else "f32") for _ in range(2))
         x_shape, w_shape = (rows, k_axis), (EXPERTS, n_axis, k_axis)
         x = self.plain_input(x_shape, xdt)
