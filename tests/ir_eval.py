@@ -261,4 +261,29 @@ def intrinsic(node: Node, operands: list[np.ndarray], sizes: dict[str, int]) -> 
         bounds = offsets.astype(np.int64)
         out = np.stack([rows[flat[bounds[i]:bounds[i + 1]]].sum(axis=0) for i in range(len(bounds) - 1)])
         return (out,)
+    if name in ("grouped_matmul", "grouped_matmul_scaled", "grouped_matmul_dx"):
+        # y[s] = x[s] w[e]^T (dx: dy[s] w[e]) times scale[s], for expert e's rows ends[e-1] <= s < ends[e]
+        # (ends clamped to the rows); rows past ends[E-1] are left as they were: unspecified, NaN here
+        x, w, ends = operands[:3]
+        mats = w if name == "grouped_matmul_dx" else np.swapaxes(w, 1, 2)
+        y = np.full((x.shape[0], mats.shape[2]), np.nan)
+        lo = 0
+        for e, end in enumerate(ends.astype(np.int64)):
+            a, b = min(max(lo, 0), x.shape[0]), min(max(int(end), 0), x.shape[0])
+            if b > a:
+                y[a:b] = x[a:b] @ mats[e]
+            lo = int(end)
+        if name == "grouped_matmul_scaled":
+            y = y * operands[3][:, None]
+        return (y,)
+    if name == "grouped_matmul_dw":     # dw[e] = sum over e's rows of dy[s]^T x[s]; an empty expert's is zero
+        dy, x, ends = operands
+        dw = np.zeros((len(ends), dy.shape[1], x.shape[1]))
+        lo = 0
+        for e, end in enumerate(ends.astype(np.int64)):
+            a, b = min(max(lo, 0), x.shape[0]), min(max(int(end), 0), x.shape[0])
+            if b > a:
+                dw[e] = dy[a:b].T @ x[a:b]
+            lo = int(end)
+        return (dw,)
     raise EvalError(f"no semantics for intrinsic {name}")

@@ -429,6 +429,9 @@ def _grad_grouped(b: GraphBuilder, call: Node, projs: dict[int, Node], outs: lis
     (dy,) = outs
     x, w, ends = call.srcs[:3]
     scale = call.srcs[3] if len(call.srcs) > 3 else None
+    # products below keep the rows first: dy may arrive as a broadcast (of sum(y, S)'s adjoint [N]),
+    # which dy * scale would otherwise lay out as [N, S]
+    b.order = (x.shape[0],) + w.shape[1:]
 
     def result(name: str, *srcs: Node) -> Node:
         """The one result of a call of intrinsic ``name``, typed by its own rule."""

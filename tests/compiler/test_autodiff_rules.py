@@ -137,6 +137,21 @@ CASES = [
     # the gradient flows to the picked entries only (distinct values: no ties for the differences to cross)
     Case("topk", "kernel k(x: f32[T, E], s: f32[T, J]) -> (y: f32[T, J]) { v, i = topk(x, J)\n y = tanh(v) * s }",
          {"x": lambda r: r.permutation(T * E).reshape(T, E) * 0.37, "s": normal(T, 2)}),
+    # experts over their own rows (ends: running sums, expert 1 empty); w a decode gather(table, codes) * s
+    Case("grouped_matmul", "kernel k(x: f32[T, K], w: f32[E, N, K], ends: i32[E]) -> (y: f32[T, N]) "
+         "{ y = grouped_matmul(x, w, ends) }",
+         {"x": normal(T, K), "w": normal(E, N, K), "ends": lambda r: np.array([1.0, 1.0, T])}),
+    Case("grouped_matmul_scaled", "kernel k(x: f32[T, K], w: f32[E, N, K], ends: i32[E], s: f32[T]) -> (y: f32[T, N]) "
+         "{ y = tanh(grouped_matmul_scaled(x, w, ends, s)) }",
+         {"x": normal(T, K), "w": normal(E, N, K), "ends": lambda r: np.array([0.0, 2.0, T]), "s": normal(T)}),
+    # dy arrives as a broadcast of sum(y, T)'s adjoint [N]: dy * scale must still be laid out [T, N]
+    Case("grouped_matmul_scaled_summed", "kernel k(x: f32[T, K], w: f32[E, N, K], ends: i32[E], s: f32[T]) -> (y: f32[N]) "
+         "{ y = sum(grouped_matmul_scaled(x, w, ends, s), T) }",
+         {"x": normal(T, K), "w": normal(E, N, K), "ends": lambda r: np.array([1.0, 1.0, T]), "s": normal(T)}),
+    Case("grouped_matmul_decoded", "kernel k(x: f32[T, K], tab: f32[V], c: i32[E, N, K], b: f32[E, N], ends: i32[E], "
+         "s: f32[T]) -> (y: f32[T, N]) { y = grouped_matmul_scaled(x, gather(tab, c) * b, ends, s) }",
+         {"x": normal(T, K), "tab": normal(4), "c": lambda r: r.integers(0, 4, (E, N, K)).astype(np.float64),
+          "b": normal(E, N), "ends": lambda r: np.array([2.0, 2.0, T]), "s": normal(T)}),
     Case("contraction", "kernel k(x: f32[T, K], w: f32[N, K]) -> (y: f32[T, N]) { y = sum(x * w, K) }",
          {"x": normal(T, K), "w": normal(N, K)}),
     Case("contraction_kn", "kernel k(x: f32[T, K], w: f32[K, N]) -> (y: f32[T, N]) { y = sum(x * w, K) }",

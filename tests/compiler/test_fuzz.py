@@ -192,6 +192,27 @@ def test_model_rejects_what_the_language_rejects():
             check(parse(src)[0])
 
 
+def test_reference_grouped_matmul_and_drawn_ends():
+    """y[s] = x[s] w[e]^T over expert e's rows ends[e-1] <= s < ends[e] (an empty expert owns none),
+    times scale[s]; rows past ends[E-1] are NaN (unspecified) unless masked to the owned rows."""
+    rng = np.random.default_rng(3)
+    x, w, s = rng.standard_normal((6, 4)), rng.standard_normal((3, 2, 4)), rng.standard_normal(6)
+    ends = np.array([2, 2, 5])
+    out = _eval("kernel k(x: f32[T, K], w: f32[E, N, K], e: i32[E], s: f32[T]) -> (y: f32[T, N], z: f32[T, N]) {\n"
+                " y = grouped_matmul_scaled(x, w, e, s)\n"
+                " z = where(sum(f32(index(T) < e), E) > 0.5, grouped_matmul(x, w, e), 0.0)\n}",
+                {"T": 6, "K": 4, "N": 2, "E": 3}, {"x": x, "w": w, "e": ends, "s": s})
+    want = np.concatenate([x[:2] @ w[0].T, x[2:5] @ w[2].T])
+    np.testing.assert_allclose(out["y"][:5], want * s[:5, None], rtol=1e-12)
+    assert np.isnan(out["y"][5]).all()
+    np.testing.assert_allclose(out["z"], np.concatenate([want, np.zeros((1, 2))]), rtol=1e-12)
+    from tests.fuzz.run import draw_ends
+    for short in (False, True):
+        for i in range(50):
+            e = draw_ends(np.random.default_rng(i), 1 + i % 4, 1 + i % 7, short)
+            assert (np.diff(e) >= 0).all() and e[0] >= 0 and (e[-1] < 1 + i % 7 if short else e[-1] == 1 + i % 7)
+
+
 def test_generated_kernels_are_well_typed_and_print_parse_round_trip():
     seen = collections.Counter()
     for i in range(300):
@@ -210,6 +231,7 @@ def test_generated_kernels_are_well_typed_and_print_parse_round_trip():
     assert 20 <= seen["default"] <= 60 and seen["left out"] >= 10, seen
     assert 20 <= seen["optional"] <= 60 and seen["dropped"] >= 5 and seen["packed"] >= 5, seen
     assert 90 <= seen["poison"] <= 180, seen
+    assert 20 <= seen["grouped"] <= 75 and seen["grouped computed w"] >= 8, seen
 
 
 def test_case_files_round_trip():

@@ -27,6 +27,11 @@ restated from the language's documentation (docs/kernel-language.md, grammar.lar
 - ``v, i = topk(x, K)`` (a statement of its own, targets written "v, i") takes a value x [R, E] of
   floats and gives the K largest of each row (K a new axis, or an integer, at most |E|) in descending
   order, equal values by lower index, and their indices (i32);
+- ``grouped_matmul(x, w, ends)`` (x float [S, K], w float [E, N, K], ends i32[E], the running sum of
+  the experts' row counts) is [S, N]: row s of expert e (ends[e-1] <= s < ends[e], ends[-1] = 0)
+  is x[s] w[e]^T; rows past ends[E-1] are unspecified (the evaluator gives NaN there, so a value
+  read from them shows). ``grouped_matmul_scaled(x, w, ends, scale)`` (scale float [S]) times
+  scale[s]. f32 when x or w is f32, else f16;
 - a tensor may mark leading axes optional (``x: f32[B?, T, D]``): optional axes come first, T is never
   optional and, when present, is the first axis after them. A caller may pass the tensor without a
   prefix of its optional axes (they are then size 1); an output is returned without the prefix of its
@@ -52,6 +57,7 @@ REDUCE_FUNCS = ("sum", "mean", "max")
 BINOPS = ("+", "-", "*", "/", "**", "<", ">", "%", "&", "|", "<<", ">>")
 INT_BINOPS = ("%", "&", "|", "<<", ">>")     # integer operands only
 INT_RANGE = {"i32": (-2**31, 2**31 - 1), "u32": (0, 2**32 - 1)}
+GROUPED = ("grouped_matmul", "grouped_matmul_scaled")
 
 
 class ModelError(Exception):
@@ -481,6 +487,21 @@ class Checker:
                 if set(ids.shape) & set(table.shape[1:]) or merge(ids.shape, table.shape[1:]) is None:
                     raise ModelError("gather() ids share an axis with the table's rows")
                 return Ty(ids.shape + table.shape[1:], table.dtype)
+            if f in GROUPED:
+                if len(args) != (4 if f == "grouped_matmul_scaled" else 3):
+                    raise ModelError("arity")
+                x, w, ends = (self.ty(a) for a in args[:3])
+                if x.dtype not in FLOATS or w.dtype not in FLOATS or len(x.shape) != 2 or len(w.shape) != 3:
+                    raise ModelError(f"{f}: x float [S, K], w float [E, N, K]")
+                if w.shape[2] != x.shape[1] or ends.dtype != "i32" or ends.shape != w.shape[:1]:
+                    raise ModelError(f"{f}: x [S, K], w [E, N, K], ends i32[E]")
+                if len(set(x.shape + w.shape)) != 4:
+                    raise ModelError(f"{f}: S, E, N and K are four axes")
+                if len(args) == 4:
+                    sc = self.ty(args[3])
+                    if sc.dtype not in FLOATS or sc.shape != x.shape[:1]:
+                        raise ModelError(f"{f}: scale float [S]")
+                return Ty((x.shape[0], w.shape[1]), "f32" if "f32" in (x.dtype, w.dtype) else "f16")
             raise ModelError(f"unknown function {f}")
         if isinstance(e, Red):
             t = self.ty(e.x)
@@ -1030,6 +1051,32 @@ class Evaluator:
         shape = (x.axes[0], e.k)
         return Val(vals, shape, x.dtype), Val(idx.astype(np.int64), shape, "i32")
 
+    def grouped(self, e: Fn, t: Ty, args: list) -> Val:
+        """y[s] = x[s] w[e]^T (times scale[s]) over expert e's rows ends[e-1] <= s < ends[e]; NaN on
+        rows past ends[E-1] (left as they were: unspecified). Rounding: a sum's, then the scale's,
+        then an f16 result's store."""
+        x, w, ends = args[:3]
+        xs, ws = self.types[e.args[0]].shape, self.types[e.args[1]].shape
+        X, W = self.full(x, xs), self.full(w, ws)
+        bounds = np.asarray(ends.arr, dtype=np.int64).reshape(-1)
+        S = X.shape[0]
+        y = np.full((S, W.shape[1]), np.nan)
+        mag = np.zeros_like(y)
+        lo = 0
+        for i, end in enumerate(bounds):
+            a, b = min(max(int(lo), 0), S), min(max(int(end), 0), S)
+            if b > a:
+                y[a:b] = X[a:b] @ W[i].T
+                mag[a:b] = np.abs(X[a:b]) @ np.abs(W[i]).T
+            lo = end
+        if self.noise is not None:
+            y = y + 2.0 * mag * self.noise.absolute(e, y.shape, "f32")
+        if len(args) == 4:
+            y = self.rounded(("scale", e), y * self.full(args[3], xs[:1])[:, None], "f32")
+        if t.dtype == "f16":
+            y = self.rounded(("store", e), y, "f16")
+        return Val(y, t.shape, t.dtype)
+
     def assign(self, target: str, v: Val, env, decl, outs) -> None:
         env[target] = v
         if target in decl:
@@ -1171,6 +1218,8 @@ class Evaluator:
                 if np.any(rows < 0) or np.any(rows >= table.arr.shape[0]):
                     raise ModelError("gather() id out of range")
                 return Val(table.arr[rows], t.shape, t.dtype)
+            if f in GROUPED:
+                return self.grouped(e, t, [self.ev(a, env) for a in e.args])
             raise ValueError(f)
         if isinstance(e, Red):
             x = self.ev(e.x, env)

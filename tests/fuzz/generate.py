@@ -8,7 +8,16 @@ Features, each drawn per kernel (RATES): window axes (25% of the kernels have so
 using a window: values x[T - L], x[D + L], convolutions sum(flip(w, L) * x[T - L, :], L), means and
 maxima over windows), flip() (about 12%), gather(table, ids) of an input table [V, ...] at ids clamped into [0, |V|)
 (15% of the kernels may use it), a statement ``v, i = topk(x, K)`` whose values and indices later
-statements (and outputs) read (12%), inputs with defaults (12%: tensors and scalars, each
+statements (and outputs) read (12%), a grouped GEMM ``g0 = grouped_matmul(x, w, ends)`` or
+``grouped_matmul_scaled(x, w, ends, scale)`` (20% of the kernels may have one, about 12% do; from a stream of its own: see
+Generator.grouped_statement) whose result later statements read (else it is an output): x [S, K] an
+input or computed, w [E, N, K] an input, a prologue the GEMM computes in its operand fetch (a
+decode gather(table, codes) * scale, ...) or another expression partition stores first, E new
+(1..4 experts; a quarter of the calls over 33..79 rows, a fifth over a K of 17..40), ends a new i32[E] input that run.py draws as a running sum of row counts (empty
+experts included) ending at |S|; half of the calls are masked to their owned rows,
+where(sum(f32(index(S) < ends), E) > 0.5, call, 0.0), and only for those may the last end fall below
+|S| (the product, and its gradient in x and scale, are unspecified past it: such a call's backward
+is skipped), inputs with defaults (12%: tensors and scalars, each
 defaulted input left out at run time with probability 1/2), optional leading batch axes (12%:
 x: f32[B?, T, D]; B, or B and C, left out at run time, passed as size 1, or of size 2..3, when T fills
 whole buckets), and padding poison (half of the kernels: T-leading tensors live in buffers of
@@ -25,7 +34,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .expr import (ABSTRACT, FLOATS, INTS, SEQ, UNARY_FUNCS, Bin, Checker, Expr, Flip, Fn, Idx, KernelDef,
+from .expr import (ABSTRACT, FLOATS, GROUPED, INTS, SEQ, UNARY_FUNCS, Bin, Checker, Expr, Flip, Fn, Idx, KernelDef,
                    ModelError, Neg, Num, Param, Red, Ref, Stk, Sub, TopK, Ty, is_fixed, is_subseq, kernel_text, walk)
 
 SYMBOLIC = ("D", "N", "K", "M", "H")
@@ -35,8 +44,9 @@ FLOAT_DEFAULTS = (0.0, 0.5, -2.0, 1.0, 0.25, 1.5, -0.75, 2.0, -1.0)
 INT_DEFAULTS = {"i32": (0, 1, 2, -1, 3, -3), "u32": (0, 1, 2, 5)}
 RATES = {"window": 0.25, "flip": 0.06, "defaults": 0.12, "batch": 0.12, "poison": 0.5}
 # routing features, drawn from a stream of their own so the kernels of seeds without them stay as they were
-ROUTING_RATES = {"gather": 0.15, "topk": 0.12}
+ROUTING_RATES = {"gather": 0.15, "topk": 0.12, "grouped": 0.2}
 ROWS = "V"                  # a gathered table's row axis
+EXPERTS = "E"               # a grouped GEMM's experts (w [E, N, K], ends i32[E])
 INPUT_RANGE = {"f32": (-2.0, 2.0), "f16": (-2.0, 2.0), "i32": (-3, 3), "u32": (0, 5)}
 SCALAR_RANGE = (-2.0, 2.0)
 CAP = 1e3
@@ -136,6 +146,8 @@ class Intervals:
             return (0.0, 1.0)
         if isinstance(e, Fn):
             f, args = e.name, e.args
+            if f in GROUPED:         # bounded where it is generated (Generator.grouped_statement)
+                return (-math.inf, math.inf)
             if f in ("max", "min"):
                 a, b = self.of(args[0]), self.of(args[1])
                 return (max(a[0], b[0]), max(a[1], b[1])) if f == "max" else (min(a[0], b[0]), min(a[1], b[1]))
@@ -267,6 +279,9 @@ class Generator:
         self.topk = routing.random() < ROUTING_RATES["topk"]
         if self.gathers:
             self.sizes[ROWS] = int(routing.integers(1, 7))
+        # grouped GEMMs: a stream of their own (the gather and topk draws above stay as they were)
+        self.grouped_rng = np.random.default_rng([seed, 53])
+        self.grouped = self.grouped_rng.random() < ROUTING_RATES["grouped"]
         self.inputs: list[Param] = []
         self.reserved: set[str] = set()          # names leaves may not read (an in-place input)
         self.temps: list[tuple[str, object]] = []  # (name, Ty) readable by later statements
@@ -644,6 +659,107 @@ class Generator:
             self.temps.append((name, ty))
         return "v0, i0", TopK(x, k_axis)
 
+    def plain_input(self, shape, dt) -> Ref:
+        """A new input of exactly this shape: no default, no optional axes."""
+        x = self.new_input(shape, dt)
+        self.inputs[-1] = Param(x.name, dt, tuple(shape))
+        return x
+
+    def grouped_statement(self) -> tuple[str, Expr] | None:
+        """``g0 = grouped_matmul(x, w, ends)`` (or ``grouped_matmul_scaled(x, w, ends, scale)``): rows
+        S the sequence axis (or the first symbolic one), N and K two axes after it (N first), E a new
+        axis of 1..4 experts, ends a new input i32[E] (run.py draws a running sum of row counts, some
+        experts empty). x an input [S, K] or a value computed from others; w an input [E, N, K], or
+        a prologue computed in the GEMM's operand fetch (elementwise, reading tables by gather(): a
+        decode gather(table, codes) * scale, ...), or another expression (stored first). Half of
+        the calls are masked to the owned rows, where(sum(f32(index(S) < ends), E) > 0.5, .., 0.0):
+        only those may meet ends[E-1] < |S| at run time (rows past it are unspecified); g0 becomes a
+        temporary later statements (and maybe the outputs) read."""
+        r = self.grouped_rng
+        plain = [a for a in self.axes if a not in self.batch and a not in self.windows]
+        rows = SEQ if SEQ in plain else next((a for a in plain if not is_fixed(a)), None)
+        if rows is None:
+            return None
+        after = plain[plain.index(rows) + 1:]
+        if len(after) < 2:
+            return None
+        i, j = sorted(int(v) for v in r.choice(len(after), 2, replace=False))
+        n_axis, k_axis = after[i], after[j]
+        self.sizes[EXPERTS] = int(r.integers(1, 5))
+        packed = math.prod(self.sizes[a] for a in self.batch) > 1
+        if r.random() < 0.25 and not (rows == SEQ and packed):   # rows over several tiles (experts split inside them)
+            self.sizes[rows] = int(r.choice([t for t in range(33, 80) if rows != SEQ or t % self.bucket]))
+        if r.random() < 0.2 and not is_fixed(k_axis) and not self.topk:    # a K loop of several steps (topk: sized already)
+            self.sizes[k_axis] = int(r.integers(17, 41))
+        xdt, wdt = (("f16" if self.has_f16 and r.random() < 0.3 else "f32") for _ in range(2))
+        x_shape, w_shape = (rows, k_axis), (EXPERTS, n_axis, k_axis)
+        x = self.plain_input(x_shape, xdt)
+        if r.random() < 0.35:                    # a computed x
+            e = self.gen(x_shape, xdt, 2, x_shape)
+            if self.ty(e).shape == x_shape:
+                x = e
+        w, wb = self.grouped_weight(w_shape, wdt, n_axis, k_axis)
+        ends = Ref(f"e{len([p for p in self.inputs if p.name.startswith('e')])}")
+        self.inputs.append(Param(ends.name, "i32", (EXPERTS,)))
+        self.checker.env[ends.name] = Ty((EXPERTS,), "i32")
+        self.iv.env[ends.name] = (0, self.sizes[rows])
+        bound = self.bound(x) * wb * (int(k_axis) if is_fixed(k_axis) else self.sizes[k_axis])
+        if r.random() < 0.4:
+            sdt = "f16" if self.has_f16 and r.random() < 0.2 else "f32"
+            scale = self.plain_input((rows,), sdt)
+            if r.random() < 0.35:
+                e = self.gen((rows,), sdt, 2, (rows,))
+                if self.ty(e).shape == (rows,):
+                    scale = e
+            bound *= self.bound(scale)
+            call = Fn("grouped_matmul_scaled", (x, w, ends, scale))
+        else:
+            call = Fn("grouped_matmul", (x, w, ends))
+        if r.random() < 0.5:                     # masked to the owned rows
+            owned = Bin(">", Red("sum", Fn("f32", (Bin("<", Idx(rows), ends),)), EXPERTS), num(0.5))
+            call = Fn("where", (owned, call, num(0.0)))
+        t = self.ty(call)
+        self.checker.env["g0"] = t
+        self.iv.env["g0"] = (-bound, bound)
+        self.temps.append(("g0", t))
+        return "g0", call
+
+    def grouped_weight(self, shape, dt, n_axis, k_axis) -> tuple[Expr, float]:
+        """w [E, N, K] and a bound of its values: an input (45%), a prologue (35%), another value (20%)."""
+        r = self.grouped_rng
+        u = r.random()
+        if u < 0.45:
+            return self.plain_input(shape, dt), 2.0
+        if u < 0.8:                              # a prologue: elementwise, reading tables by gather()
+            if ROWS not in self.sizes:
+                self.sizes[ROWS] = int(r.integers(1, 7))
+            top = self.sizes[ROWS] - 1
+            table = self.plain_input((ROWS,) + (shape[2:] if r.random() < 0.3 else ()), dt)
+            ids_shape = shape[:3 - len(self.checker.env[table.name].shape) + 1]
+            if r.random() < 0.5:
+                codes = self.plain_input(ids_shape, "u32")      # packed codes: 0..5, masked or clamped
+                ids = Bin("&", codes, num(3, 1)) if top >= 3 and r.random() < 0.5 else Fn("min", (codes, num(top, 1)))
+            else:
+                codes = self.plain_input(ids_shape, "i32")
+                ids = Fn("max", (Fn("min", (codes, num(top, 1))), num(0, 1)))
+            dec = Fn("gather", (table, ids))
+            kind = r.integers(4)
+            if kind == 0:
+                return dec, 2.0
+            if kind == 1:                        # blocks' scales [E, N]
+                return Bin("*", dec, self.plain_input(shape[:2], dt)), 4.0
+            if kind == 2:                        # a scale and an offset
+                s = self.plain_input(shape[:2], dt)
+                return Bin("-", Bin("*", dec, s), Fn("gather", (table, Fn("min", (Fn("abs", (codes,)), num(top, 1)))))), 6.0
+            return Bin("+", self.plain_input(shape, dt), Bin("*", dec, num(0.5))), 3.0     # a base plus a decoded delta
+        kind = r.integers(3)                     # not a prologue: stored before the GEMM
+        w = self.plain_input(shape, dt)
+        if kind == 0:
+            return Fn("tanh", (w,)), 1.0
+        if kind == 1 and not is_fixed(k_axis):
+            return Bin("-", w, Red("mean", w, k_axis)), 4.0
+        return Bin("*", w, Fn("sigmoid", (self.plain_input(shape[:2], dt),))), 2.0
+
     def split_need(self, need):
         na = tuple(a for a in need if self.p(0.5))
         return na, tuple(a for a in need if a not in na)
@@ -843,6 +959,13 @@ class Generator:
                     outs.append(Param(v, self.checker.env[v].dtype, self.checker.env[v].shape))
                     if self.routing_rng.random() < 0.4:
                         outs.append(Param(i, "i32", self.checker.env[i].shape))
+        if self.grouped:
+            stmt = self.grouped_statement()
+            if stmt is not None:
+                body.append(stmt)
+                if self.grouped_rng.random() < 0.4:      # the product itself as an output too
+                    t = self.checker.env["g0"]
+                    outs.append(Param("g0", t.dtype, t.shape))
         ti = 0
         for slot in slots:
             if slot == "t":
@@ -871,12 +994,17 @@ class Generator:
             val = self.capped(val)
             body.append(("p", val))
             outs.append(p)
+        if body and body[0][0] == "g0" or len(body) > 1 and body[1][0] == "g0":
+            read = any(isinstance(n, Ref) and n.name == "g0" for t, e in body if t != "g0" for n in walk(e))
+            if not read and "g0" not in {o.name for o in outs}:      # a product nothing reads: an output
+                t = self.checker.env["g0"]
+                outs.append(Param("g0", t.dtype, t.shape))
         self.kernel.outputs = outs
         self.kernel.body = body
         self.kernel.inputs = self.inputs
         # sizes of every symbolic axis the kernel names (an output-only axis comes from dims=)
         axes = self.kernel.axes()
-        sizes = {a: self.sizes[a] for a in list(self.axes) + [ROWS] if a in axes and a in self.sizes and not is_fixed(a)}
+        sizes = {a: self.sizes[a] for a in list(self.axes) + [ROWS, EXPERTS] if a in axes and a in self.sizes and not is_fixed(a)}
         left_out = tuple(p.name for p in self.inputs if p.default is not None and self.p(0.5))
         return Case(self.kernel, sizes, self.bucket, seed=self.seed,
                     data_seed=int(r.integers(2**31)), left_out=left_out,
@@ -885,7 +1013,7 @@ class Generator:
 
 
 FEATURES = ("window", "flip", "default", "left out", "optional", "dropped", "packed", "poison", "gemm epilogue",
-            "sum of gemms", "shared gemm", "gather", "topk")
+            "sum of gemms", "shared gemm", "gather", "topk", "grouped", "grouped computed w")
 
 
 def features(case: Case) -> set[str]:
@@ -901,6 +1029,11 @@ def features(case: Case) -> set[str]:
         out.add("gather")
     if any(isinstance(n, TopK) for n in nodes):
         out.add("topk")
+    grouped = [n for n in nodes if isinstance(n, Fn) and n.name in GROUPED]
+    if grouped:
+        out.add("grouped")
+    if any(not isinstance(n.args[1], Ref) for n in grouped):
+        out.add("grouped computed w")
     if any(p.default is not None for p in k.inputs):
         out.add("default")
     if case.left_out:
