@@ -876,6 +876,11 @@ def checkpoint_layers_arg(value: str) -> int | str:
     return int(value)
 
 
+def lora_base_dtype(args) -> str:
+    """The LoRA base dtype a bench command line asks for: --base-dtype, or f16 with --lora-f16-base."""
+    return args.base_dtype or ("f16" if args.lora_f16_base else "f32")
+
+
 def train_bench(ctx, cfg, shapes, steps: int = 3, warmup: int = 1, seed: int = 0, log=print,
                 profile: bool = True, clip: float | None = 1.0, probe=None,
                 activation_dtype: str = "f32", replay: int | None = None,
@@ -1277,8 +1282,7 @@ def main(argv=None) -> int:
                                                  recompute_mlp=args.recompute_mlp,
                                                  checkpoint_layers=args.checkpoint_layers,
                                                  activation_dtype="f16" if args.f16 else "f32", lora=lora,
-                                                 lora_base_dtype=args.base_dtype
-                                                 or ("f16" if args.lora_f16_base else "f32"))
+                                                 lora_base_dtype=lora_base_dtype(args))
         state["lines"] = list(bench.lines) + train_lines
         write_json()
     if selected("packing") and "packing" in wanted:      # only when asked for: not part of the defaults' run

@@ -179,7 +179,7 @@ def _version(package: str) -> str | None:
 
 
 def main(argv=None) -> int:
-    from bench import checkpoint_layers_arg
+    from bench import checkpoint_layers_arg, lora_base_dtype
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="the tiny preset and short sequences (runs on lavapipe)")
     ap.add_argument("--preset", default=None, help="a dense or MoE preset (default 350M; tiny with --quick)")
@@ -219,7 +219,7 @@ def main(argv=None) -> int:
     cfg = Lfm2MoeConfig.preset(name) if name in MOE_PRESETS else Lfm2Config.preset(name)
     if (args.lora_f16_base or args.base_dtype) and not args.lora:
         ap.error("--lora-f16-base and --base-dtype need --lora R")
-    base_dtype = args.base_dtype or ("f16" if args.lora_f16_base else "f32")
+    base_dtype = lora_base_dtype(args)
     lora = LoraConfig(r=args.lora, alpha=2.0 * args.lora) if args.lora else None
     shapes = [parse_shape(s) for s in (args.shapes or (["1x64", "4x64", "1x128"] if args.quick
                                                        else ["1x512", "8x512", "1x2048"]))]

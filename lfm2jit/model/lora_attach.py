@@ -58,9 +58,8 @@ def is_router(name: str) -> bool:
 def upload_parameters(ctx, arrays: dict[str, np.ndarray], to_f16: set[str], base_dtype: str = "f16") -> dict[str, Tensor]:
     """The arrays as parameters: those named in ``to_f16`` as ``base_dtype`` (f16 in an arena of
     their own; "nf4" / "int8": each quantized as it is uploaded, a QuantizedWeight, except an MoE
-    router's), the others as
-    f32 in another, in the arrays' order. Each array is narrowed as it is written, so no f32 copy
-    of a narrowed group is ever held on the device."""
+    router's), the others as f32 in another, in the arrays' order. Each array is narrowed as it is
+    written, so no f32 copy of a narrowed group is ever held on the device."""
     if base_dtype in QUANTIZED_DTYPES:      # an MoE router stays f32: 4-bit rounding would move its top-k picks
         to_f16 = {n for n in to_f16 if not is_router(n)}
     quantized = {n for n in to_f16 if n in arrays} if base_dtype in QUANTIZED_DTYPES else set()

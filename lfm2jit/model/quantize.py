@@ -146,6 +146,7 @@ class Nf4Weight:
 
 
 NF4_CHUNK = 1 << 22        # values quantized at a time
+_NF4_MIDS = (NF4_CODE[:-1] + NF4_CODE[1:]) / np.float32(2.0)     # float32, between neighbouring codes
 
 
 def _nf4_codes(scaled: np.ndarray) -> np.ndarray:
@@ -153,7 +154,7 @@ def _nf4_codes(scaled: np.ndarray) -> np.ndarray:
     first codebook midpoint >= the value (ties at a midpoint take the lower code)."""
     scaled = np.clip(scaled, np.float32(-1.0), np.float32(1.0)).reshape(-1)
     codes = np.zeros(scaled.size, np.uint8)
-    for mid in (NF4_CODE[:-1] + NF4_CODE[1:]) / np.float32(2.0):     # the count of midpoints below the value
+    for mid in _NF4_MIDS:                 # the count of midpoints below the value
         codes += scaled > mid
     return codes
 

@@ -634,11 +634,10 @@ class Generator:
         the sequence axis (or the first symbolic one), E an axis after it, K an axis after R with |K| <= |E| (a fixed one, or a
         symbolic one); v and i become temporaries later statements may read."""
         r = self.routing_rng
-        plain = [a for a in self.axes if a not in self.batch and a not in self.windows]
-        rows = SEQ if SEQ in plain else next((a for a in plain if not is_fixed(a)), None)
-        if rows is None:
+        found = self.row_axes()
+        if found is None:
             return None
-        after = plain[plain.index(rows) + 1:]
+        rows, after = found
         size = {a: int(a) if is_fixed(a) else self.sizes[a] for a in after}
         pairs = [(e, k) for e in after for k in after if k != e and size[k] <= size[e]]
         if not pairs:
@@ -646,8 +645,7 @@ class Generator:
         e_axis, k_axis = pairs[int(r.integers(len(pairs)))]
         dt = "f16" if self.has_f16 and r.random() < 0.3 else "f32"     # f16: exact ties, by index
         x_shape = self.order((rows, e_axis))
-        x = self.new_input(x_shape, dt)
-        self.inputs[-1] = Param(x.name, dt, x_shape)      # no default, no optional axes
+        x = self.plain_input(x_shape, dt)
         if r.random() < 0.4:                     # a computed value (scores + bias) instead of the input itself
             e = self.gen(x_shape, dt, 2, x_shape)
             if self.ty(e).shape == x_shape:
@@ -658,6 +656,13 @@ class Generator:
             self.iv.env[name] = iv
             self.temps.append((name, ty))
         return "v0, i0", TopK(x, k_axis)
+
+    def row_axes(self) -> tuple[str, list[str]] | None:
+        """The rows of a routing statement (the sequence axis, or the first symbolic one; not a batch
+        or window axis) and the plain axes after them, or None without such an axis."""
+        plain = [a for a in self.axes if a not in self.batch and a not in self.windows]
+        rows = SEQ if SEQ in plain else next((a for a in plain if not is_fixed(a)), None)
+        return None if rows is None else (rows, plain[plain.index(rows) + 1:])
 
     def plain_input(self, shape, dt) -> Ref:
         """A new input of exactly this shape: no default, no optional axes."""
@@ -676,11 +681,10 @@ class Generator:
         only those may meet ends[E-1] < |S| at run time (rows past it are unspecified); g0 becomes a
         temporary later statements (and maybe the outputs) read."""
         r = self.grouped_rng
-        plain = [a for a in self.axes if a not in self.batch and a not in self.windows]
-        rows = SEQ if SEQ in plain else next((a for a in plain if not is_fixed(a)), None)
-        if rows is None:
+        found = self.row_axes()
+        if found is None:
             return None
-        after = plain[plain.index(rows) + 1:]
+        rows, after = found
         if len(after) < 2:
             return None
         i, j = sorted(int(v) for v in r.choice(len(after), 2, replace=False))
