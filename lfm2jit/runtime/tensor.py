@@ -152,9 +152,9 @@ class Tensor:
         if arr.size != self.size:
             raise ValueError(f"cannot write {arr.size} elements {list(arr.shape)} into {self!r}")
         self.ctx.flush()   # recorded work that reads the old contents must run first
-        data = arr.tobytes()
-        if len(data) % 4:
-            data += b"\0" * (4 - len(data) % 4)
+        data = memoryview(arr.reshape(-1)).cast("B")       # the array's own bytes: no copy of a large one
+        if len(data) % 4:                                   # an odd count of f16s: padded to whole words
+            data = memoryview(data.tobytes() + b"\0" * (4 - len(data) % 4))
         for at, size in self._spans(len(data)):
             buffer, offset = self._locate(self.offset + at, size)
             self.ctx.queue.write_buffer(buffer, offset, data[at:at + size])
