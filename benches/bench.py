@@ -1086,11 +1086,10 @@ def packing_bench(ctx, cfg, window: int = 16, windows: int = 4, pack_tokens: int
                     n = tr._packable(rest)
                     group, rest = rest[:n], rest[n:]
                     size = [len(g[0]) for g in group]
-                    unit = tr._pack_unit() if mode == "pad" and n > 1 else bucket
-                    if mode == "concat":                # one row of them all
-                        rows += -(-sum(size) // unit) * unit
-                    else:                               # each as long as the longest
-                        rows += -(-max(size) // unit) * unit * n
+                    unit = tr._pack_unit() if n > 1 else bucket
+                    stacked = -(-max(size) // unit) * unit * n          # each as long as the longest
+                    # concat: one row of them all, unless stacking them pads nothing (Trainer._pack)
+                    rows += min(stacked, -(-sum(size) // bucket) * bucket) if mode == "concat" else stacked
                     passes += 1
             for w in data:                          # compiles (and the first recordings)
                 tr.train_sequences(w, params)

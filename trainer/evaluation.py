@@ -15,7 +15,7 @@ from math import lcm
 
 import numpy as np
 
-from .packing import concat, concatenable, pack, packable, pad_token
+from .packing import concat, concatenable, concatenating_saves_rows, pack, packable, pad_token
 
 ANSWER_SLACK = 8          # tokens a wrong answer may run past the expected one's length
 GENERATE_BATCH = 16       # prompts decoded together
@@ -42,7 +42,8 @@ def held_out_loss(model, engine, items, bucket: int, progress=None, packing: str
         if len(group) == 1:
             ids, targets, mask, answer = group[0]
             masks = (mask, answer)
-        elif packing == "concat":       # an absent answer mask scores none of its sequence's positions
+        elif packing == "concat" and concatenating_saves_rows([len(it[0]) for it in group], unit, bucket):
+            # an absent answer mask scores none of its sequence's positions
             ids, targets, masks, segments = concat(
                 [it[0] for it in group], [it[1] for it in group],
                 [[it[j] if it[j] is not None else np.zeros(len(it[0]), np.float32) for it in group] for j in (2, 3)],

@@ -1,14 +1,15 @@
 """Packing consecutive sequences into one pass, as training and held-out evaluation both run them.
 
-``pad`` (the default): padded at their ends to one length (a multiple of ``unit``) and stacked. The
-model mixes positions causally and within each sequence, so a sequence's real positions come out as
-they do alone; padded positions carry no loss.
+``pad`` (the default on a CPU adapter): padded at their ends to one length (a multiple of ``unit``)
+and stacked. The model mixes positions causally and within each sequence, so a sequence's real
+positions come out as they do alone; padded positions carry no loss.
 
-``concat`` (``Trainer.with_packing(..., mode="concat")``: training, token log-probs and token
-objectives, as DPO and GRPO run them; ``held_out_loss(..., packing="concat")``): concatenated into one
-row, padded only at its end to a multiple of the length bucket, with each sequence's length
-(Lfm2Model.forward's ``segments``): attention, the short conv and RoPE restart at every sequence, so
-again each comes out as it does alone, and a window of mixed lengths computes no padding rows."""
+``concat`` (the default on a GPU; ``Trainer.with_packing(..., mode="concat")``: training, token
+log-probs and token objectives, as DPO and GRPO run them; ``held_out_loss(..., packing="concat")``):
+concatenated into one row, padded only at its end to a multiple of the length bucket, with each
+sequence's length (Lfm2Model.forward's ``segments``): attention, the short conv and RoPE restart at
+every sequence, so again each comes out as it does alone, and a window of mixed lengths computes no
+padding rows."""
 from __future__ import annotations
 
 import numpy as np
@@ -32,6 +33,21 @@ def packable(lengths, unit: int, max_rows: int) -> int:
 
 
 PACKING_MODES = ("pad", "concat")
+PACKING_CHOICES = PACKING_MODES + ("auto",)     # "auto": the adapter's default_mode
+
+
+def default_mode(ctx) -> str:
+    """The packing a run on ``ctx`` gets unless it asks: "concat" on a GPU, where it was faster at
+    every length measured, "pad" on a CPU adapter, where a row of many sequences costs more than a
+    batch of them at the shipped data's short lengths (docs/data.md, Packing)."""
+    return "pad" if str(ctx.info.get("adapter_type", "")).lower() == "cpu" else "concat"
+
+
+def resolve_mode(mode: str, ctx) -> str:
+    """``mode`` checked ("pad", "concat" or "auto"), "auto" replaced by ``default_mode(ctx)``."""
+    if mode not in PACKING_CHOICES:
+        raise ValueError(f"packing mode must be one of {', '.join(PACKING_CHOICES)}, got {mode!r}")
+    return default_mode(ctx) if mode == "auto" else mode
 
 
 def concatenable(lengths, max_rows: int) -> int:
@@ -44,6 +60,15 @@ def concatenable(lengths, max_rows: int) -> int:
             break
         n += 1
     return max(n, 1)
+
+
+def concatenating_saves_rows(lengths, unit: int, bucket: int) -> bool:
+    """Whether sequences of these lengths take fewer rows concatenated (their total, rounded up to
+    ``bucket``) than stacked (each padded to the longest, rounded up to ``unit``): concat mode
+    stacks a group that stacks without padding (equal lengths, a multiple of the unit), keeping
+    the batched layout, as the results are the same either way."""
+    stacked = len(lengths) * -(-max(lengths) // unit) * unit
+    return -(-sum(lengths) // bucket) * bucket < stacked
 
 
 def concat(ids, targets, masks, unit: int, pad: int):

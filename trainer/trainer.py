@@ -37,7 +37,7 @@ from lfm2jit.ops.optim import F32_MAX, grad_sumsq, norm_of, step_gate, step_gate
 from . import checks
 from .errors import TrainError
 from .optim import Optimizer, recordable
-from .packing import PACKING_MODES, concat, concatenable, pack, packable, pad_token
+from .packing import concat, concatenable, concatenating_saves_rows, default_mode, pack, packable, pad_token, resolve_mode
 from .recorded import RecordedSteps
 from .scaler import GradScaler
 from .schedules import LRScheduler
@@ -91,7 +91,7 @@ class Trainer:
         self.lm_head_chunk = 4096
         self.lm_head_keep_bytes = DEFAULT_LM_HEAD_KEEP
         self.pack_tokens = DEFAULT_PACK_TOKENS
-        self._packing_mode = "pad"
+        self._packing_mode = default_mode(ctx)
         self._steps = 0
         self._window: list[object] | None = None     # the params of the open accumulation window
         self.recorded = RecordedSteps(engine, DEFAULT_REPLAY_PASSES)
@@ -216,19 +216,18 @@ class Trainer:
     @property
     def packing_mode(self) -> str:
         """How train_sequences / train_batch pack a window's sequences: "pad" (padded to the longest
-        and stacked) or "concat" (concatenated into one row; see packing.py)."""
+        and stacked) or "concat" (concatenated into one row; see packing.py). Set to "auto", or by
+        default: concat on a GPU, pad on a CPU adapter (packing.default_mode)."""
         return self._packing_mode
 
     @packing_mode.setter
     def packing_mode(self, mode: str) -> None:
-        if mode not in PACKING_MODES:
-            raise ValueError(f"packing mode must be one of {', '.join(PACKING_MODES)}, got {mode!r}")
-        self._packing_mode = mode
+        self._packing_mode = resolve_mode(mode, self.ctx)
 
     def with_packing(self, max_tokens: int | None, mode: str | None = None) -> "Trainer":
         """Pack up to ``max_tokens`` rows (padded positions included) of consecutive sequences of a
         window into one pass in train_sequences / train_batch; None or 0 runs them one by one.
-        ``mode``: "pad" or "concat" (``packing_mode``); None keeps the current one."""
+        ``mode``: "pad", "concat" or "auto" (``packing_mode``); None keeps the current one."""
         if mode is not None:
             self.packing_mode = mode
         self.pack_tokens = 0 if max_tokens is None else max_tokens
@@ -353,9 +352,10 @@ class Trainer:
     def _pack(self, group, masks):
         """Checked sequences as one pass, as ``packing_mode`` packs them: (ids, targets, (mask,),
         segments); ``masks`` one per sequence. Padded and stacked (segments None), or concatenated
-        into one row (segments: its lengths) when the mode is concat and there are several."""
+        into one row (segments: its lengths) when the mode is concat and that saves rows."""
         ids, targets, pad = [g[0] for g in group], [g[1] for g in group], pad_token(self.model.cfg)
-        if self.packing_mode == "concat" and len(group) > 1:
+        if (self.packing_mode == "concat" and len(group) > 1
+                and concatenating_saves_rows([len(i) for i in ids], self._pack_unit(), self.length_bucket)):
             return concat(ids, targets, [masks], self.length_bucket, pad)
         return (*pack(ids, targets, [masks], self._pack_unit(), pad), None)
 

@@ -28,6 +28,7 @@ def test_train_takes_gpu_and_refuses_adapter_for_it(tmp_path, capsys):
     assert rc == 0, capsys.readouterr().err
     settings = json.loads((out / "run.json").read_text())
     assert settings["gpu"] == "llvmpipe" and "adapter" not in settings
+    assert settings["packing"] == "pad"         # --packing auto (the default), resolved for a CPU adapter
     assert os.environ.get("LFM2JIT_ADAPTER") == "llvmpipe"
     os.environ.pop("LFM2JIT_ADAPTER")
 

@@ -297,7 +297,7 @@ def bad_jsonl(tmp_path_factory):
     (["--resume", "/no/such/run"], "--resume /no/such/run: no such directory"),
     (["--preset", "huge"], "unknown --preset 'huge'"),
     (["--steps", "0"], "--steps must be > 0"),
-    (["--packing", "tight"], "--packing must be pad or concat, got 'tight'"),
+    (["--packing", "tight"], "--packing must be pad, concat or auto, got 'tight'"),
     (["--steps", "many"], "invalid int value"),
     (["--steps", "3", "--epochs", "1"], "not allowed with argument"),
     (["--checkpoint-layers", "0"], "--checkpoint-layers must be all or a number of decoder layers >= 1, got '0'"),

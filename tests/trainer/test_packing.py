@@ -7,6 +7,7 @@ within 1e-6 relative, gradients within 1e-5.
 from __future__ import annotations
 
 from math import lcm
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ import pytest
 from lfm2jit.ops.lmhead import lm_head_cross_entropy
 from lfm2jit.model import Lfm2Model
 from trainer import SGD, Trainer
+from trainer.packing import concatenating_saves_rows, default_mode, resolve_mode
 from numerics import rel_err
 from micro_model import make_data, micro, snap
 
@@ -174,9 +176,19 @@ def test_concat_packing_matches_one_by_one(ctx, engine, monkeypatch, replay):
 def test_packing_mode_is_checked(ctx, engine):
     model = Lfm2Model(micro(), ctx, engine, seed=0)
     tr = Trainer(model, SGD(lr=0.1), ctx, engine)
-    with pytest.raises(ValueError, match="packing mode must be one of pad, concat, got 'tight'"):
+    assert tr.packing_mode == default_mode(ctx)
+    with pytest.raises(ValueError, match="packing mode must be one of pad, concat, auto, got 'tight'"):
         tr.with_packing(64, mode="tight")
     assert tr.with_packing(64, mode="concat").packing_mode == "concat"
+    assert tr.with_packing(64, mode="auto").packing_mode == default_mode(ctx)
+
+
+@pytest.mark.parametrize("adapter_type, mode", [("CPU", "pad"), ("cpu", "pad"), ("DiscreteGPU", "concat"),
+                                                ("IntegratedGPU", "concat"), ("VirtualGPU", "concat")])
+def test_auto_packing_is_concat_on_a_gpu_and_pad_on_a_cpu(adapter_type, mode):
+    ctx = SimpleNamespace(info={"adapter_type": adapter_type})
+    assert default_mode(ctx) == resolve_mode("auto", ctx) == mode
+    assert resolve_mode("pad", ctx) == "pad" and resolve_mode("concat", ctx) == "concat"
 
 
 def test_concat_equals_pad_in_evaluation_and_token_objectives(ctx, engine, monkeypatch):
@@ -215,3 +227,15 @@ def test_concat_equals_pad_in_evaluation_and_token_objectives(ctx, engine, monke
     assert cat_stats.grad_norm == pytest.approx(pad_stats.grad_norm, rel=1e-5)
     for n in pad_w:
         assert rel_err(cat_w[n], pad_w[n]) < 1e-5, n
+
+
+@pytest.mark.parametrize("lengths, unit, bucket, saves", [
+    ([64, 64, 64], 64, 64, False),      # 192 rows either way: concat mode keeps the batched layout
+    ([128, 128], 64, 32, False),        # 256 either way
+    ([500] * 8, 64, 64, True),          # 8 x 512 = 4096 stacked, 4000 -> 4032 concatenated
+    ([64, 1], 64, 64, False),           # 2 x 64 stacked, 65 -> 128 concatenated
+    ([70, 10, 30], 64, 64, True),       # 3 x 128 stacked, 110 -> 128 concatenated
+    ([70, 10, 30], 128, 32, True),      # 3 x 128 stacked, 110 -> 128 concatenated
+])
+def test_concat_mode_stacks_a_group_that_pads_nothing(lengths, unit, bucket, saves):
+    assert concatenating_saves_rows(lengths, unit, bucket) == saves

@@ -19,7 +19,7 @@ from pathlib import Path
 from lfm2jit.safefiles import write_atomic
 
 from ..open_model import load_model, open_tokenizer
-from ..packing import PACKING_MODES
+from ..packing import PACKING_CHOICES, resolve_mode
 from .held_out import print_samples
 from .splits import count
 from .options import DEFAULT_MAX_LEN, DEFAULT_SAMPLES
@@ -40,10 +40,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-answers", action="store_true", help="the losses only (no greedy decoding)")
     p.add_argument("--samples", type=int, default=DEFAULT_SAMPLES, metavar="K", help="sample answers to print")
     p.add_argument("--bucket", type=int, default=64, metavar="N", help="length bucket (default 64)")
-    p.add_argument("--packing", choices=PACKING_MODES, default="pad",
-                   help="how the loss passes pack the records: pad (padded to the longest and stacked; default) "
-                        "or concat (concatenated into one row, as python -m trainer --packing concat); the same "
-                        "losses up to f32 rounding")
+    p.add_argument("--packing", choices=PACKING_CHOICES, default="auto",
+                   help="how the loss passes pack the records: pad (padded to the longest and stacked) or concat "
+                        "(concatenated into one row, as python -m trainer --packing concat); auto (default): concat "
+                        "on a GPU, pad on a CPU adapter; the same losses up to f32 rounding")
     p.add_argument("--json", metavar="PATH", help="write the metrics and every scored answer here")
     p.add_argument("--gpu", metavar="SUBSTRING", help="use the GPU adapter whose name contains this")
     return p
@@ -85,6 +85,7 @@ def _run(args) -> int:
 
     model = load_model(model_dir, tok, args.adapter, args.gpu)
     engine = model.engine
+    args.packing = resolve_mode(args.packing, model.ctx)
     loss, answer_loss = held_out_loss(model, engine, items, args.bucket, packing=args.packing)
     result = {"model": str(model_dir), "adapter": args.adapter, "data": args.data, "records": len(items),
               "packing": args.packing,

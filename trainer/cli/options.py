@@ -197,10 +197,10 @@ def _add_optimization(p: argparse.ArgumentParser) -> None:
     o.add_argument("--pack-tokens", type=int, metavar="N",
                    help="run the sequences of a step packed, up to N positions per pass (padded to the longest); "
                         f"0 = one sequence per pass (default {DEFAULT_PACK_TOKENS})")
-    o.add_argument("--packing", metavar="pad|concat",
-                   help="how a pass packs its sequences: pad (padded to the longest and stacked; default) or concat "
+    o.add_argument("--packing", metavar="pad|concat|auto",
+                   help="how a pass packs its sequences: pad (padded to the longest and stacked) or concat "
                         "(concatenated into one row with no padding between them: attention, the short conv and "
-                        "RoPE restart at every sequence)")
+                        "RoPE restart at every sequence); auto (default): concat on a GPU, pad on a CPU adapter")
     o.add_argument("--replay", type=int, metavar="N",
                    help="record the forward/backward pass of up to N input shapes and replay them (with the norm "
                         "and optimizer steps) instead of running Python per kernel; each kept pass holds its "

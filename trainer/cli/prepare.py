@@ -7,6 +7,7 @@ import os
 import sys
 from pathlib import Path
 
+from ..packing import resolve_mode
 from .options import DEMO_PRESET, DEMO_SHAPE
 from .resolve import resolve
 from .resume import find_checkpoint, read_checkpoint_meta
@@ -35,6 +36,7 @@ def prepare(args, argv_empty: bool) -> Session:
     _resolve_length(run, len(data.train))
     schedule = make_schedule(run, run.steps)
     ctx, engine = _device(run)
+    run.packing = resolve_mode(run.packing, ctx)      # "auto": the adapter's; run.json says which ran
     model = _model(run, cfg, ckpt, ctx, engine)
     model.router_aux_loss_coef = run.router_aux_loss_coef     # checked: an MoE model, a finite C >= 0
     params = _attach_lora_and_choose(run, model, ckpt)

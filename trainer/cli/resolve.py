@@ -84,7 +84,7 @@ def resolve(args: argparse.Namespace, argv_empty: bool, saved: dict | None = Non
         weight_decay=g.get("weight_decay", 0.01 if optimizer == "adamw" else 0.0), momentum=g.get("momentum", 0.9),
         schedule=g.get("schedule", "cosine"), warmup_steps=g.get("warmup_steps"), min_lr=g.get("min_lr", lr / 10),
         grad_accum=g.get("grad_accum", DEFAULT_ACCUM), pack_tokens=g.get("pack_tokens", DEFAULT_PACK_TOKENS),
-        packing=g.get("packing", "pad"),
+        packing=g.get("packing", "auto"),
         replay=g.get("replay", DEFAULT_REPLAY_PASSES), recompute_mlp=bool(g.get("recompute_mlp", False)),
         checkpoint_layers=_checkpoint_layers(g.get("checkpoint_layers")),
         clip=g.get("clip", 1.0), bucket=g.get("bucket", 64),
@@ -308,8 +308,8 @@ def _validate(r: Run) -> None:
             return
         if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
             raise UsageError(f"--{name.replace('_', '-')} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
-    if r.packing not in ("pad", "concat"):
-        raise UsageError(f"--packing must be pad or concat, got {r.packing!r}")
+    if r.packing not in ("pad", "concat", "auto"):
+        raise UsageError(f"--packing must be pad, concat or auto, got {r.packing!r}")
     if r.distributed not in ("file", "mpi"):         # a checkpoint's value: the flag's choices are argparse's
         raise UsageError(f"--distributed must be file or mpi, got {r.distributed!r}")
     for name in ("lr", "min_lr", "weight_decay", "momentum", "clip", "eval_fraction", "sync_timeout",

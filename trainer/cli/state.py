@@ -51,7 +51,7 @@ class Run:
     min_lr: float
     grad_accum: int
     pack_tokens: int
-    packing: str                    # "pad" or "concat" (trainer/packing.py)
+    packing: str                    # "pad", "concat" or "auto" until the device is known (trainer/packing.py)
     replay: int
     recompute_mlp: bool
     checkpoint_layers: int | str    # 0 (off), the first N decoder layers, or "all"
