@@ -1057,16 +1057,18 @@ def shipped_lengths() -> np.ndarray:
 
 
 def packing_bench(ctx, cfg, window: int = 16, windows: int = 4, pack_tokens: int = 4096, bucket: int = 64,
-                  seed: int = 0, scale: int = 1, log=print) -> list[Line]:
+                  seed: int = 0, scale: int = 1, activation_dtype: str = "f32", repeats: int = 1,
+                  log=print) -> list[Line]:
     """Trainer.train_sequences over ``windows`` windows of ``window`` sequences each, lengths drawn from
     the shipped data's histogram (times ``scale``), random ids: once with packing "pad", once with
     "concat", on one model. Each mode first runs every window once (its compiles), then is timed
-    over the same windows again. Reports real tokens (no padding) per second of wall time."""
-    from trainer import SGD, Trainer
+    over the same windows ``repeats`` times. Reports real tokens (no padding) per second of wall time.
+    ``activation_dtype="f16"`` trains with f16 activations and loss scaling (as --f16)."""
+    from trainer import SGD, GradScaler, Trainer
 
     from lfm2jit.model import Lfm2Model
     engine = ComputeEngine(ctx)
-    model = Lfm2Model(cfg, ctx, engine, seed=seed)
+    model = Lfm2Model(cfg, ctx, engine, seed=seed, activation_dtype=activation_dtype)
     params = model.parameters()
     rng = np.random.default_rng(seed + 1)
     hist = shipped_lengths() * scale
@@ -1079,6 +1081,8 @@ def packing_bench(ctx, cfg, window: int = 16, windows: int = 4, pack_tokens: int
         try:                                        # a mode that fails is a line with its error
             tr = (Trainer(model, SGD(lr=1e-4), ctx, engine).with_grad_accum_steps(window).with_length_bucket(bucket)
                   .with_packing(pack_tokens, mode))
+            if activation_dtype == "f16":
+                tr.with_grad_scaler(GradScaler())
             rows, passes = 0, 0
             for w in data:                              # the rows each pass computes (lengths rounded to buckets)
                 rest = list(w)
@@ -1095,13 +1099,15 @@ def packing_bench(ctx, cfg, window: int = 16, windows: int = 4, pack_tokens: int
                 tr.train_sequences(w, params)
             engine.synchronize()
             t0 = time.perf_counter()
-            for w in data:
-                tr.train_sequences(w, params)
+            for _ in range(repeats):
+                for w in data:
+                    tr.train_sequences(w, params)
             engine.synchronize()
-            wall = time.perf_counter() - t0
+            wall = (time.perf_counter() - t0) / repeats
             extra = {"real_tokens": real, "rows": rows, "passes": passes, "real_tokens_per_s": real / wall,
                      "padding_fraction": 1 - real / rows, "window": window, "windows": windows,
-                     "mean_length": real / (window * windows), "pack_tokens": pack_tokens}
+                     "mean_length": real / (window * windows), "pack_tokens": pack_tokens,
+                     "activation_dtype": activation_dtype, "repeats": repeats}
             line = Line("packing", f"mixed_{mode}", f"{windows}x{window} seqs, {cfg.hidden_size}d", wall / windows,
                         "wall", wall_seconds=wall / windows, extra=extra)
         except Exception as e:   # noqa: BLE001
@@ -1200,9 +1206,10 @@ def main(argv=None) -> int:
     ap.add_argument("--json", metavar="PATH", help="write every line (and the environment) as JSON")
     ap.add_argument("--only", nargs="+", metavar="NAME", help=f"groups: {', '.join(GROUPS)}")
     ap.add_argument("--reps", type=int, default=None, help="timed calls per kernel line (default 10, quick 3)")
-    ap.add_argument("--steps", type=int, default=None, help="timed train windows per shape (default 3, quick 2)")
+    ap.add_argument("--steps", type=int, default=None, help="timed train windows per shape (default 3, quick 2); packing: timed runs over its windows "
+                    "(default 1)")
     ap.add_argument("--no-tiles", action="store_true", help="skip the tile-configuration sweep")
-    ap.add_argument("--f16", action="store_true", help="train steps with f16 activations (mixed precision, "
+    ap.add_argument("--f16", action="store_true", help="train steps (and the packing group's) with f16 activations (mixed precision, "
                     "loss scaling on), as python -m trainer --f16 runs them")
     ap.add_argument("--replay", type=int, metavar="N", default=None,
                     help="train steps: Trainer.with_replay(N); 0 runs every step's Python (default: the trainer's)")
@@ -1291,7 +1298,8 @@ def main(argv=None) -> int:
         cfg = Lfm2MoeConfig.preset(name) if name in MOE_PRESETS else Lfm2Config.preset(name)
         state["lines"] = list(state["lines"]) + packing_bench(
             ctx, cfg, window=4 if args.quick else args.packing_window, windows=2 if args.quick else 4,
-            scale=args.length_scale, log=lambda s: print(s, flush=True))
+            scale=args.length_scale, activation_dtype="f16" if args.f16 else "f32", repeats=args.steps or 1,
+            log=lambda s: print(s, flush=True))
         write_json()
     lines = state["lines"]
     total = time.perf_counter() - t_start

@@ -48,7 +48,8 @@
 #                                         --checkpoint-layers all -> $OUT/<card>_ckpt_{lora,full}_{none,all}.json
 #   bash benches/h200.sh packing          on Dawn: the packing group at LFM2-350M shapes, windows of 16 sequences with the
 #                                         shipped chat data's token lengths times 1 and times 8 (a long-chat set of the
-#                                         same shape), --packing pad and concat -> $OUT/<card>_packing_x{1,8}.json
+#                                         same shape), --f16, 3 timed runs, --packing pad and concat
+#                                         -> $OUT/<card>_packing_f16_x{1,8}.json
 #   bash benches/h200.sh qlora [8B-A1B]   on Dawn: LoRA r = 8 at 1x2048 --f16 on a frozen base held as f16, int8 and nf4
 #                                         at LFM2-2.6B shapes (tokens/s and peak per base); with 8B-A1B, that model with
 #                                         its experts in nf4 alone (host init and quantizing take minutes)
@@ -200,8 +201,8 @@ packing)
     export LFM2JIT_WEBGPU=dawn
     card=$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -o "H[0-9]*" | head -1 | tr A-Z a-z)
     for scale in 1 8; do
-        timeout 280 python3 -m lfm2jit.bench --only packing --model-preset 350M --packing-window 16 \
-            --length-scale "$scale" --json "$OUT/${card}_packing_x${scale}.json" 2>&1 | grep "^packing"
+        timeout 280 python3 -m lfm2jit.bench --only packing --model-preset 350M --packing-window 16 --f16 --steps 3 \
+            --length-scale "$scale" --json "$OUT/${card}_packing_f16_x${scale}.json" 2>&1 | grep "^packing"
     done
     ;;
 qlora)
