@@ -37,7 +37,9 @@
 #                                         wgpu-native, then the default-limits model tests -> $OUT/h200_limits{,_wgpu_native}.json
 #   bash benches/h200.sh moe              on Dawn: the routing, grouped-GEMM and LFM2-MoE tests, then the grouped group
 #                                         (the experts' grouped GEMMs at LFM2-8B-A1B shapes beside a dense GEMM of the
-#                                         same FLOPs) -> $OUT/h200_moe_tests_dawn.log, $OUT/h200_grouped.json
+#                                         same FLOPs) -> $OUT/h200_moe_tests_dawn.log, $OUT/h200_grouped.json; with
+#                                         TUNED=1 only the grouped group, autotuned (grouped and dense alike)
+#                                         -> $OUT/<card>_grouped_tuned.json
 #   bash benches/h200.sh moelora          on Dawn: benches/side_by_side.py with LoRA r = 8 on a frozen f16 base at 1x2048,
 #                                         lfm2jit (f32 and f16 activations; at 8B-A1B f16 only, its host init is long)
 #                                         beside PyTorch + PEFT with a bf16 base, at LFM2-1.2B and LFM2-8B-A1B shapes,
@@ -169,6 +171,12 @@ limits)
     ;;
 moe)
     export LFM2JIT_WEBGPU=dawn
+    if [ -n "${TUNED:-}" ]; then
+        card=$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -o "H[0-9]*" | head -1 | tr A-Z a-z)
+        LFM2JIT_AUTOTUNE=1 LFM2JIT_CACHE_DIR="$OUT/tune" python3 -m lfm2jit.bench --only grouped \
+            --json "$OUT/${card}_grouped_tuned.json" 2>&1 | grep -v "^#   " | tail -24
+        exit 0
+    fi
     python3 -m pytest -q -p no:cacheprovider -rs tests/compiler/test_grouped_matmul.py tests/compiler/test_topk.py \
         tests/compiler/test_bucket_sort.py tests/compiler/test_gather_grad.py tests/ops/test_experts.py \
         tests/model/test_moe_model.py 2>&1 | tee "$OUT/h200_moe_tests_dawn.log" | tail -3

@@ -13,7 +13,10 @@ import os
 from dataclasses import asdict
 from pathlib import Path
 
+import numpy as np
+
 from ..safefiles import read_own_file, untrusted_reason, write_atomic
+from ..schedule.matmul import Grouping
 from ..settings import settings
 from . import candidates
 from .tiles import AttentionTiles, ColumnTiles, MatrixAttentionTiles, MatrixTiles, TileConfig
@@ -36,6 +39,14 @@ def _decode(entry) -> object | None:
         return KINDS[entry["kind"]](**entry["tiles"])
     except (KeyError, TypeError, ValueError):
         return None
+
+
+def even_ends(params, dims: dict[str, int]) -> np.ndarray:
+    """A grouped GEMM's ``ends`` [E] with its rows (the slots: M, or K for the weight gradient; see
+    schedule/grouped.py's axes) split as evenly as can be among the experts, as a balanced router's."""
+    group = params.group
+    rows = dims[params.axes[0] if group.over == "m" else params.axes[2]]
+    return ((np.arange(1, group.experts + 1) * rows) // group.experts).astype(np.int32)
 
 
 class Tuner:
@@ -77,6 +88,9 @@ class Tuner:
             return engine.zero_(engine.empty(tuple(dims[a] if a in dims else int(a) for a in t.shape), t.dtype))
 
         args = {t.name: scratch(t) for t in kernel.ir.inputs}       # shared: the tiles do not change them
+        params = kernel.specialize(dims, bucket, accumulate, target=engine.target).params
+        if isinstance(getattr(params, "group", None), Grouping):     # a grouped GEMM's work is its routing: a balanced one
+            args[params.group.ends] = engine.tensor(even_ends(params, dims))
         out = {t.name: scratch(t) for t in kernel.ir.outputs if t.name in accumulate}
         runs = {c: self._compiled_run(kernel, dims, bucket, accumulate, c, args, out) for c in options}
         ready = [run for run in runs.values() if run is not None]

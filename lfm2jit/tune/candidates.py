@@ -79,10 +79,17 @@ def matrix(params) -> tuple[MatrixTiles, ...]:
                                + (MatrixTiles(64, 64, 2, 2, 32),) + twin))
 
 
+def grouped(params, matrix_units: bool) -> tuple:
+    """A grouped GEMM's: the planner's pick, then the candidates of its template that sum each
+    output whole (no split-K) and stage f16 as the grouped GEMMs do (not vec4)."""
+    pool = MATRIX if matrix_units else MATMUL
+    return tuple(dict.fromkeys((params.tiles,) + tuple(t for t in pool if t.split == 1 and not getattr(t, "vec4", False))))
+
+
 def for_spec(spec) -> tuple:
     """The tiles worth trying for an (untuned) specialization; empty where its template has no knobs."""
     if spec.template in ("matmul", "matmul_matrix") and spec.params.group is not None:
-        return ()        # a grouped GEMM's work is its routing, which the tuner's zero inputs leave empty
+        return grouped(spec.params, spec.template == "matmul_matrix")
     if spec.template == "matmul":
         return MATMUL
     if spec.template == "matmul_matrix":

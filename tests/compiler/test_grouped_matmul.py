@@ -246,7 +246,7 @@ def test_dw_accumulates_in_a_fixed_order(engine):
                                    TileConfig(128, 64, 8, 8, 8, vec=True, double=True)])
 def test_every_tile_shape_gives_the_same_products(engine, tiles):
     """The caller's tiles (vec4 reads where they line up, two stages) give numpy's numbers; a split
-    of K is refused (each output is one sum), and the autotuner leaves the grouped GEMM alone."""
+    of K is refused (each output is one sum), and the autotuner tries none that splits it."""
     rng = np.random.default_rng(70)
     E, S, K, N = 6, 190, 48, 72
     ends = _ends(rng, S, E)
@@ -258,7 +258,43 @@ def test_every_tile_shape_gives_the_same_products(engine, tiles):
     _close(dw.numpy(), _grads(x, w, ends, dy)[1])
     with pytest.raises(ValueError, match="sums each output whole"):
         K_.gmm.kernels[0].specialize({"S": S, "K": K, "N": N, "E": E}, tiles=replace(tiles, split=2))
-    assert candidates.for_spec(K_.gmm.kernels[0].specialize({"S": S, "K": K, "N": N, "E": E})) == ()
+    spec = K_.gmm.kernels[0].specialize({"S": S, "K": K, "N": N, "E": E})
+    tried = candidates.for_spec(spec)
+    assert tried[0] == spec.params.tiles and len(tried) > 1 and all(t.split == 1 for t in tried)
+
+
+def test_autotuned_grouped_gemms_time_a_balanced_routing_and_compute_the_same(ctx, tmp_path, monkeypatch):
+    """With LFM2JIT_AUTOTUNE the grouped GEMMs are tuned on a balanced routing (the tuner's zero
+    inputs would route nothing, so every candidate would time an empty grid) and the winner gives
+    numpy's numbers on a random one."""
+    from lfm2jit import ComputeEngine
+    monkeypatch.setenv("LFM2JIT_AUTOTUNE", "1")
+    monkeypatch.setenv("LFM2JIT_CACHE_DIR", str(tmp_path))
+    few = (TileConfig(32, 32, 16, 2, 2), TileConfig(64, 64, 16, 4, 4, vec=True))
+    monkeypatch.setattr(candidates, "MATMUL", few + (replace(few[1], split=2),))
+    eng = ComputeEngine(ctx)
+    rng = np.random.default_rng(71)
+    E, S, K, N = 5, 150, 40, 56
+    ends = _ends(rng, S, E)
+    x, dy = rng.standard_normal((S, K)).astype(np.float32), rng.standard_normal((S, N)).astype(np.float32)
+    w = rng.standard_normal((E, N, K)).astype(np.float32)
+    y = eng.run(K_.gmm, x=eng.tensor(x), w=eng.tensor(w), ends=eng.tensor(ends))["y"]
+    dw = eng.run(K_.gmm_dw, dy=eng.tensor(dy), x=eng.tensor(x), ends=eng.tensor(ends))["dw"]
+    _close(y.numpy(), _reference(x, w, ends))
+    _close(dw.numpy(), _grads(x, w, ends, dy)[1])
+    assert len(eng.tuner.best) == 2 and all(len(b["seconds"]) >= 2 for b in eng.tuner.best.values())
+    for b in eng.tuner.best.values():       # no split-K candidate was tried; every one ran
+        assert all('"split": 1' in k.replace("'", '"') for k in b["seconds"]) and max(b["seconds"].values()) < float("inf")
+
+
+def test_the_tuners_routing_splits_the_rows_evenly():
+    from lfm2jit.tune.autotune import even_ends
+    for kernel, dims, rows in ((K_.gmm, {"S": 10, "K": 8, "N": 8, "E": 4}, 10),
+                               (K_.gmm_dw, {"S": 1001, "K": 16, "N": 24, "E": 7}, 1001)):
+        params = kernel.kernels[0].specialize(dims).params
+        ends = even_ends(params, dims)
+        counts = np.diff(np.concatenate([[0], ends]))
+        assert ends.dtype == np.int32 and ends[-1] == rows and counts.max() - counts.min() <= 1
 
 
 def test_no_dense_compute_the_grid_covers_each_experts_rows_once(engine):
