@@ -180,8 +180,10 @@ def _rand(rng, shape, scale=1.0):
 # ---------------------------------------------------------------- kernel benchmarks
 
 class Bench:
-    def __init__(self, ctx, quick: bool, reps: int, log=print, tile_shapes=None, tiles_matching=None, products=None):
+    def __init__(self, ctx, quick: bool, reps: int, log=print, tile_shapes=None, tiles_matching=None, products=None,
+                 grouped_dtypes=("f32", "f16")):
         self.ctx = ctx
+        self.grouped_dtypes = grouped_dtypes
         self.tile_shapes = tile_shapes
         self.tiles_matching = tiles_matching
         self.products = products
@@ -713,7 +715,7 @@ class Bench:
         kinds = {"grouped": ((gmm, grad(gmm, ["x"]), grad(gmm, ["gate_up"])), "gate_up", "d_h"),
                  "dense": ((lin, grad(lin, ["x"]), grad(lin, ["w"])), "w", "d_y")}
         for proj, n, k in (("gate_up", 2 * width, d), ("down", d, width)):
-            for dtype in ("f32", "f16"):
+            for dtype in self.grouped_dtypes:
                 shape = f"S{slots} E{experts} {n}x{k}"
 
                 def one(proj=proj, n=n, k=k, dtype=dtype, shape=shape):
@@ -1237,6 +1239,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tiles-matching", nargs="+", metavar="TEXT", help="mtiles: only the candidates whose label "
                     "contains one of these (e.g. noprefetch 128x128/sg2x2)")
     ap.add_argument("--products", nargs="+", choices=MTILE_PRODUCTS, help="mtiles: only these products")
+    ap.add_argument("--grouped-dtypes", nargs="+", choices=("f32", "f16"), help="grouped: only these operand dtypes")
     args = ap.parse_args(argv)
     reps = args.reps or (3 if args.quick else 10)
     ctx = WgpuContext.create()
@@ -1251,7 +1254,8 @@ def main(argv=None) -> int:
 
     tile_shapes = [tuple(int(v) for v in t.lower().split("x")) for t in args.tile_shapes] if args.tile_shapes else None
     bench = Bench(ctx, args.quick, reps, log=lambda s: print(s, flush=True), tile_shapes=tile_shapes,
-                  tiles_matching=args.tiles_matching, products=args.products)
+                  tiles_matching=args.tiles_matching, products=args.products,
+                  grouped_dtypes=tuple(args.grouped_dtypes or ("f32", "f16")))
     t_start = time.perf_counter()
     state = {"lines": [], "meta": {}}
 

@@ -38,7 +38,7 @@
 #   bash benches/h200.sh moe              on Dawn: the routing, grouped-GEMM and LFM2-MoE tests, then the grouped group
 #                                         (the experts' grouped GEMMs at LFM2-8B-A1B shapes beside a dense GEMM of the
 #                                         same FLOPs) -> $OUT/h200_moe_tests_dawn.log, $OUT/h200_grouped.json; with
-#                                         TUNED=1 only the grouped group, autotuned (grouped and dense alike)
+#                                         TUNED=1 only the grouped group of f16 operands, autotuned (grouped and dense alike)
 #                                         -> $OUT/<card>_grouped_tuned.json
 #   bash benches/h200.sh moelora          on Dawn: benches/side_by_side.py with LoRA r = 8 on a frozen f16 base at 1x2048,
 #                                         lfm2jit (f32 and f16 activations; at 8B-A1B f16 only, its host init is long)
@@ -173,7 +173,8 @@ moe)
     export LFM2JIT_WEBGPU=dawn
     if [ -n "${TUNED:-}" ]; then
         card=$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -o "H[0-9]*" | head -1 | tr A-Z a-z)
-        LFM2JIT_AUTOTUNE=1 LFM2JIT_CACHE_DIR="$OUT/tune" python3 -m lfm2jit.bench --only grouped \
+        mkdir -p -m 700 "$OUT/tune"
+        LFM2JIT_AUTOTUNE=1 LFM2JIT_CACHE_DIR="$OUT/tune" python3 -m lfm2jit.bench --only grouped --grouped-dtypes f16 \
             --json "$OUT/${card}_grouped_tuned.json" 2>&1 | grep -v "^#   " | tail -24
         exit 0
     fi

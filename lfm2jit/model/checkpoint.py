@@ -7,6 +7,7 @@ f16 / bf16 rounded to nearest even) that transformers' Lfm2ForCausalLM loads.
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import struct
 from concurrent.futures import ThreadPoolExecutor
@@ -17,11 +18,14 @@ import numpy as np
 
 from ..safefiles import replace_with
 from .config import Lfm2Config
+from .quantize import quantize_as
 from .shards import write_weights
 
 SAVE_DTYPES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}     # ours -> safetensors' names
 _STORED = {"F32": "f32", "F64": "f32", "F16": "f16", "BF16": "bf16"}
-Narrow = Callable[[str, tuple], bool]   # (name, shape) -> whether the tensor is held as f16 (an f16 base's)
+# (name, shape) -> how a tensor is held as it is read or drawn: float32 (a false value), float16 (True,
+# an f16 base's) or quantized ("nf4", "int8": a quantized base's, see ``hold``)
+Narrow = Callable[[str, tuple], "bool | str | None"]
 
 
 EMBEDDING, FINAL_NORM = "model.embed_tokens.weight", "model.embedding_norm.weight"
@@ -145,10 +149,24 @@ def read_file_bytes(path) -> bytes:
         raise CheckpointError(f"{path}: cannot be read ({e.strerror or e})") from None
 
 
+def map_file(path):
+    """The file's bytes mapped read-only (the page cache's, not copies on the heap: a shard of a
+    large checkpoint is never held twice while its tensors are widened or quantized); an empty
+    file, which cannot be mapped, as b""."""
+    try:
+        with open(path, "rb") as f:
+            return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if os.fstat(f.fileno()).st_size else b""
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: no such file") from None
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot be read ({e.strerror or e})") from None
+
+
 def read_safetensors_raw(path, dtypes=FLOAT_DTYPES, raw: bytes | None = None) -> dict[str, np.ndarray]:
     """All tensors of one file in their stored dtypes (BF16 as its uint16 bits), checked as
-    ``parse_safetensors_header`` describes; ``raw``: the file's bytes, if already read."""
-    raw = read_file_bytes(path) if raw is None else raw
+    ``parse_safetensors_header`` describes; ``raw``: the file's bytes, if already read (else the
+    file is mapped, and the arrays are read-only views of it)."""
+    raw = map_file(path) if raw is None else raw
     entries, base = parse_safetensors_header(raw, path, dtypes)
     out = {}
     for name, meta in entries.items():
@@ -160,9 +178,9 @@ def read_safetensors_raw(path, dtypes=FLOAT_DTYPES, raw: bytes | None = None) ->
 
 
 def read_safetensors(path: Path, raw: bytes | None = None, narrow: Narrow | None = None) -> dict[str, np.ndarray]:
-    """All tensors of one file as float32 arrays (bf16 and f16 widened), or as float16 those for which
-    ``narrow(name, shape)`` holds (an f16 base's: narrowed one by one, so the host never holds the
-    checkpoint in f32 at once)."""
+    """All tensors of one file as float32 arrays (bf16 and f16 widened), or as ``narrow(name, shape)``
+    says (``hold``: an f16 or quantized base's, one by one, so the host never holds the checkpoint in
+    f32 at once)."""
     return {name: _stored(name, arr, narrow) for name, arr in read_safetensors_raw(path, FLOAT_DTYPES, raw).items()}
 
 
@@ -172,10 +190,21 @@ def _widen(arr: np.ndarray) -> np.ndarray:
     return arr.astype(np.float32)
 
 
-def _stored(name: str, arr: np.ndarray, narrow: Narrow | None) -> np.ndarray:
-    """``arr`` widened to float32, then narrowed to float16 where ``narrow`` says."""
+def _stored(name: str, arr: np.ndarray, narrow: Narrow | None):
+    """``arr`` widened to float32, then held as ``narrow`` says (``hold``)."""
     arr = _widen(arr)
-    return arr.astype(np.float16) if narrow is not None and narrow(name, arr.shape) else arr
+    return hold(name, arr, narrow(name, arr.shape) if narrow is not None else None)
+
+
+def hold(name: str, arr: np.ndarray, form):
+    """A float32 array as a ``Narrow`` form says: itself, float16, or quantized ("nf4", "int8": the
+    host form model/quantize.py gives, which the model uploads as is), so a base too large for the
+    host in float32 is never held whole in it."""
+    if not form:
+        return arr
+    if form is True or form == "f16":
+        return arr.astype(np.float16, copy=False)
+    return quantize_as(arr, form, name)
 
 
 def _weight_files(d: Path) -> list[Path]:
@@ -212,7 +241,8 @@ class Tensors(dict):
 
 
 def load_checkpoint(directory: Path, narrow: Narrow | None = None) -> dict[str, np.ndarray]:
-    """The float32 tensors of a model directory (float16 where ``narrow`` says, see read_safetensors).
+    """The float32 tensors of a model directory (float16 or quantized where ``narrow`` says, each as
+    it is read: ``hold``).
     A checkpoint transformers saved with a bitsandbytes 4-bit (NF4) quantization config has its
     quantized weights dequantized exactly (bnb_checkpoint.py)."""
     from .bnb_checkpoint import Bnb4bitError, dequantize_stored, quantization_config
@@ -356,8 +386,8 @@ def _fill_normal(rng: np.random.Generator, out: np.ndarray, std: float) -> None:
 
 def init_tensors(cfg: Lfm2Config, seed: int, narrow: Narrow | None = None) -> dict[str, np.ndarray]:
     """As transformers initialises LFM2: normal(0, initializer_range) for linear, conv and embedding
-    weights, zeros for biases and the padding token's embedding row, ones for norm weights. Those
-    for which ``narrow(name, shape)`` holds are narrowed to float16 as each is drawn."""
+    weights, zeros for biases and the padding token's embedding row, ones for norm weights, each held
+    as ``narrow(name, shape)`` says as it is drawn (float16, quantized: ``hold``)."""
     rng = np.random.default_rng(seed)
     out = {}
     for name, shape in parameter_shapes(cfg).items():
@@ -366,7 +396,8 @@ def init_tensors(cfg: Lfm2Config, seed: int, narrow: Narrow | None = None) -> di
         elif name.endswith(".bias"):
             out[name] = np.zeros(shape, np.float32)
         else:
-            out[name] = normal(rng, shape, cfg.initializer_range, narrow is not None and narrow(name, shape))
+            form = narrow(name, shape) if narrow is not None else None
+            out[name] = hold(name, normal(rng, shape, cfg.initializer_range, form in (True, "f16")), form)
     pad = cfg.pad_token_id
     if pad is not None and 0 <= pad < cfg.vocab_size:      # nn.Embedding(padding_idx) starts at zero
         out[EMBEDDING][pad] = 0.0

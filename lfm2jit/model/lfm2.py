@@ -82,9 +82,10 @@ class Lfm2Model:
     def __init__(self, cfg: Lfm2Config | Lfm2MoeConfig, ctx, engine, seed: int = 0, tensors: dict[str, np.ndarray] | None = None,
                  activation_dtype: str = "f32", recompute_mlp: bool = False, base_dtype: str = "f32",
                  checkpoint_layers: int | str = 0):
-        """``base_dtype="f16"`` keeps the decoder's linear weights (and an MoE model's expert
-        tensors) as frozen f16 from the start, for LoRA on a base too large to hold in f32 even
-        for a moment (add_lora(base_dtype="f16") narrows an f32 base after the fact).
+        """``base_dtype="f16"`` (or "nf4", "int8") keeps the decoder's linear weights (and an MoE
+        model's expert tensors) as frozen f16 (or quantized) from the start, each as it is drawn or
+        read, for LoRA on a base too large to hold in f32 even for a moment (add_lora(base_dtype=...)
+        narrows an f32 base after the fact).
         ``checkpoint_layers``: activation checkpointing of the first N decoder layers, or "all" (the
         ``checkpoint_layers`` property)."""
         self.cfg = cfg
@@ -96,7 +97,7 @@ class Lfm2Model:
         self.recompute_mlp = recompute_mlp     # backward recomputes the MLP's a and b too (layers/mlp.py)
         self._checkpoint_layers = _check_checkpoint_layers(checkpoint_layers, len(cfg.layer_types))
         lora_attach.check_base_dtype(base_dtype, ctx)
-        tensors, buffers = _model_tensors(cfg, seed, tensors, lora_attach.is_base_linear if base_dtype == "f16" else None)
+        tensors, buffers = _model_tensors(cfg, seed, tensors, lora_attach.held_as(base_dtype))
         # carved side by side (runtime/arena.py): the optimizer steps a run of them in one dispatch
         self._params: dict[str, Tensor] = lora_attach.upload_parameters(
             ctx, tensors, set(lora_attach.base_linears(cfg)) if base_dtype != "f32" else set(), base_dtype)
@@ -261,7 +262,7 @@ class Lfm2Model:
         lora_attach.check_base_dtype(base_dtype, ctx)
         cfg = read_model_config(directory / "config.json")          # lfm2 or lfm2_moe
         _check_checkpoint_layers(checkpoint_layers, len(cfg.layer_types))
-        narrow = lora_attach.is_base_linear if base_dtype == "f16" else None      # never the whole base in f32
+        narrow = lora_attach.held_as(base_dtype)         # never the whole base in f32
         model = cls(cfg, ctx, engine, tensors=load_checkpoint(directory, narrow), activation_dtype=activation_dtype,
                     recompute_mlp=recompute_mlp, base_dtype=base_dtype, checkpoint_layers=checkpoint_layers)
         model.source_dir = directory

@@ -10,6 +10,7 @@ from .adapters import LoraAdapters
 from .moe_checkpoint import model_parameter_shapes
 from .config import Lfm2Config
 from .lora import LoraConfig, experts_from_peft, is_expert_tensor, parameter_peft_names
+from .quantize import nf4_splits_whole
 from .quantized_base import QUANTIZED_DTYPES, QuantizedWeight
 
 BASE_DTYPES = ("f32", "f16") + QUANTIZED_DTYPES
@@ -50,6 +51,26 @@ def is_base_linear(name: str, shape) -> bool:
     return (name.startswith("model.layers.") and name.endswith(".weight") and len(shape) == 2) or is_expert_tensor(name)
 
 
+def held_as(base_dtype: str):
+    """The ``Narrow`` (model/checkpoint.py) that holds a base of ``base_dtype`` as it is read or drawn:
+    f16 or quantized base linears and expert tensors (an MoE router stays float32, and so does an
+    expert tensor whose experts do not split into whole NF4 blocks: quantized after fusing, on
+    upload), or None for an f32 base."""
+    if base_dtype == "f16":
+        return is_base_linear
+    if base_dtype not in QUANTIZED_DTYPES:
+        return None
+
+    def form(name: str, shape) -> str | None:
+        if not is_base_linear(name, shape) or is_router(name):
+            return None
+        if base_dtype == "nf4" and is_expert_tensor(name):
+            pieces = shape[0] * (2 if name.endswith("gate_up_proj") else 1) if len(shape) == 3 else 1
+            return base_dtype if nf4_splits_whole(shape, pieces) else None
+        return base_dtype
+    return form
+
+
 def is_router(name: str) -> bool:
     """Whether ``name`` is an MoE block's router weight (feed_forward.gate: [E, D])."""
     return name.endswith(".feed_forward.gate.weight")
@@ -58,8 +79,9 @@ def is_router(name: str) -> bool:
 def upload_parameters(ctx, arrays: dict[str, np.ndarray], to_f16: set[str], base_dtype: str = "f16") -> dict[str, Tensor]:
     """The arrays as parameters: those named in ``to_f16`` as ``base_dtype`` (f16 in an arena of
     their own; "nf4" / "int8": each quantized as it is uploaded, a QuantizedWeight, except an MoE
-    router's), the others as f32 in another, in the arrays' order. Each array is narrowed as it is
-    written, so no f32 copy of a narrowed group is ever held on the device."""
+    router's; one already quantized as it was read is uploaded as it is), the others as f32 in another,
+    in the arrays' order. Each array is narrowed as it is written, so no f32 copy of a narrowed group
+    is ever held on the device."""
     if base_dtype in QUANTIZED_DTYPES:      # an MoE router stays f32: 4-bit rounding would move its top-k picks
         to_f16 = {n for n in to_f16 if not is_router(n)}
     quantized = {n for n in to_f16 if n in arrays} if base_dtype in QUANTIZED_DTYPES else set()

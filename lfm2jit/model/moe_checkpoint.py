@@ -23,9 +23,10 @@ from pathlib import Path
 
 import numpy as np
 
-from .checkpoint import (SAVE_DTYPES, CheckpointError, Narrow, Tensors, _narrow, check_tensors, load_checkpoint, normal,
-                         parameter_shapes, write_config)
+from .checkpoint import (SAVE_DTYPES, CheckpointError, Narrow, Tensors, _narrow, check_tensors, hold, load_checkpoint,
+                         normal, parameter_shapes, write_config)
 from .moe_config import Lfm2MoeConfig
+from .quantize import QuantizedHost, quantized_concat, quantized_reshape, quantized_rows
 from .shards import write_weights
 
 EXPERT_BIAS = "feed_forward.expert_bias"
@@ -123,10 +124,10 @@ def unfuse_experts(cfg: Lfm2MoeConfig, tensors: dict) -> dict[str, np.ndarray]:
             out[name] = value
             continue
         layer, kind = int(m.group(1)), m.group(2)
-        a = _numpy(value)
+        a = value if isinstance(value, QuantizedHost) else _numpy(value)
         want = (n_exp, 2 * i_moe, d) if kind == "gate_up_proj" else (n_exp, d, i_moe)
         if a.shape != want:
-            what = (f"{a.shape[0]} experts but num_experts is {n_exp}" if a.ndim == 3 and a.shape[0] != n_exp
+            what = (f"{a.shape[0]} experts but num_experts is {n_exp}" if len(a.shape) == 3 and a.shape[0] != n_exp
                     else f"shape {list(a.shape)}, expected {list(want)} ([num_experts, "
                          + ("2*moe_intermediate_size, hidden_size])" if kind == "gate_up_proj"
                             else "hidden_size, moe_intermediate_size])"))
@@ -135,10 +136,10 @@ def unfuse_experts(cfg: Lfm2MoeConfig, tensors: dict) -> dict[str, np.ndarray]:
         p = f"model.layers.{layer}.feed_forward.experts."
         for e in range(n_exp):
             if kind == "gate_up_proj":
-                out[p + f"{e}.w1.weight"] = a[e, :i_moe]
-                out[p + f"{e}.w3.weight"] = a[e, i_moe:]
+                out[p + f"{e}.w1.weight"] = _expert_rows(a, e, 0, i_moe)
+                out[p + f"{e}.w3.weight"] = _expert_rows(a, e, i_moe, 2 * i_moe)
             else:
-                out[p + f"{e}.w2.weight"] = a[e]
+                out[p + f"{e}.w2.weight"] = _expert_rows(a, e, 0, d)
     both = sorted({int(m.group(1)) for n in tensors if (m := _PER_EXPERT.fullmatch(n))} & fused_layers)
     if both:
         raise CheckpointError(f"{_where(tensors)}layers {both} hold their experts both fused (gate_up_proj/"
@@ -161,10 +162,26 @@ def fuse_experts(cfg: Lfm2MoeConfig, tensors: dict[str, np.ndarray]) -> dict[str
             continue
         p = f"model.layers.{layer}.feed_forward.experts."
         ex = range(cfg.num_experts)
-        out[p + "gate_up_proj"] = np.stack([np.concatenate([tensors[p + f"{k}.w1.weight"],
-                                                            tensors[p + f"{k}.w3.weight"]]) for k in ex])
-        out[p + "down_proj"] = np.stack([tensors[p + f"{k}.w2.weight"] for k in ex])
+        out[p + "gate_up_proj"] = _stacked([[tensors[p + f"{k}.w1.weight"], tensors[p + f"{k}.w3.weight"]] for k in ex])
+        out[p + "down_proj"] = _stacked([[tensors[p + f"{k}.w2.weight"]] for k in ex])
     return out
+
+
+def _expert_rows(a, e: int, lo: int, hi: int):
+    """``a[e, lo:hi]`` of a fused expert tensor [E, R, C], a float array or a quantized one."""
+    if not isinstance(a, QuantizedHost):
+        return a[e, lo:hi]
+    rows = a.shape[1]
+    return quantized_rows(quantized_reshape(a, (a.shape[0] * rows,) + tuple(a.shape[2:])), e * rows + lo, e * rows + hi)
+
+
+def _stacked(experts: list[list]):
+    """Each expert's pieces joined along their rows, the experts stacked: [E, rows, C] (float arrays
+    or quantized ones, as the pieces are)."""
+    if not isinstance(experts[0][0], QuantizedHost):
+        return np.stack([np.concatenate(pieces) for pieces in experts])
+    joined = quantized_concat([p for pieces in experts for p in pieces])
+    return quantized_reshape(joined, (len(experts), joined.shape[0] // len(experts)) + tuple(joined.shape[1:]))
 
 
 def check_moe_tensors(cfg: Lfm2MoeConfig, tensors: dict) -> dict[str, np.ndarray]:
@@ -188,8 +205,8 @@ def check_moe_tensors(cfg: Lfm2MoeConfig, tensors: dict) -> dict[str, np.ndarray
                               + f" but num_experts is {cfg.num_experts}")
     missing = [n for n in want if n not in have]
     unexpected = [n for n in have if n not in want]
-    misshaped = [f"{n}: {list(np.shape(have[n]))} (expected {list(want[n])})"
-                 for n in want if n in have and tuple(np.shape(have[n])) != want[n]]
+    misshaped = [f"{n}: {list(_shape(have[n]))} (expected {list(want[n])})"
+                 for n in want if n in have and _shape(have[n]) != want[n]]
     if missing or unexpected or misshaped:
         parts = []
         if missing:
@@ -203,8 +220,15 @@ def check_moe_tensors(cfg: Lfm2MoeConfig, tensors: dict) -> dict[str, np.ndarray
     return {n: _float(have[n]) for n in want}
 
 
+def _shape(value) -> tuple[int, ...]:
+    return tuple(value.shape) if hasattr(value, "shape") else np.shape(value)
+
+
 def _float(value) -> np.ndarray:
-    """float32, or float16 as given (an f16 base read narrowed: widening it would undo that)."""
+    """float32, or float16 or quantized as given (an f16 or quantized base read so: widening it
+    would undo that)."""
+    if isinstance(value, QuantizedHost):
+        return value
     a = _numpy(value)
     return a if a.dtype == np.float16 else a.astype(np.float32, copy=False)
 
@@ -252,7 +276,7 @@ def save_moe_pretrained(directory, cfg: Lfm2MoeConfig, tensors: dict, dtype: str
 def init_moe_tensors(cfg: Lfm2MoeConfig, seed: int, narrow: Narrow | None = None) -> dict[str, np.ndarray]:
     """As transformers initialises LFM2-MoE: normal(0, initializer_range) for linear, conv, router,
     expert and embedding weights, zeros for biases, the expert_bias buffers and the padding token's
-    embedding row, ones for norm weights; float16 where ``narrow(name, shape)`` holds."""
+    embedding row, ones for norm weights; each held as ``narrow(name, shape)`` says (``hold``)."""
     rng = np.random.default_rng(seed)
     out = {}
     for name, shape in moe_tensor_shapes(cfg).items():
@@ -261,7 +285,8 @@ def init_moe_tensors(cfg: Lfm2MoeConfig, seed: int, narrow: Narrow | None = None
         elif name.endswith(".bias") or is_buffer(name):
             out[name] = np.zeros(shape, np.float32)
         else:
-            out[name] = normal(rng, shape, cfg.initializer_range, narrow is not None and narrow(name, shape))
+            form = narrow(name, shape) if narrow is not None else None
+            out[name] = hold(name, normal(rng, shape, cfg.initializer_range, form in (True, "f16")), form)
     pad = cfg.pad_token_id
     if pad is not None:
         out["model.embed_tokens.weight"][pad] = 0.0

@@ -145,7 +145,7 @@ class Nf4Weight:
         return b.view("<u4").astype(np.uint32)
 
 
-NF4_CHUNK = 1 << 22        # values quantized at a time
+NF4_CHUNK = 1 << 18        # values quantized at a time: small temporaries
 _NF4_MIDS = (NF4_CODE[:-1] + NF4_CODE[1:]) / np.float32(2.0)     # float32, between neighbouring codes
 
 
@@ -256,16 +256,97 @@ class Int8Weight:
         return b.view("<u4").astype(np.uint32)
 
 
+INT8_CHUNK = 1 << 16       # values quantized at a time (whole rows)
+
+
 def quantize_int8(w, name: str = "weight") -> Int8Weight:
     w = _check_finite(w, name)
     if w.ndim not in (2, 3):
         raise QuantizeError(f"{name}: int8 per output channel needs a 2-D weight (or an experts' 3-D one), "
                             f"got shape {w.shape}")
     absmax = np.abs(w).max(axis=-1).astype(np.float64)
-    safe = np.where(absmax > 0, absmax, 1.0)
-    codes = np.clip(np.rint(w.astype(np.float64) * 127.0 / safe[..., None]), -127, 127).astype(np.int8)
-    return Int8Weight(codes, (absmax / 127.0).astype(np.float32))
+    safe = np.where(absmax > 0, absmax, 1.0).reshape(-1)
+    rows = w.reshape(-1, w.shape[-1])
+    codes = np.empty(rows.shape, np.int8)
+    step = max(1, INT8_CHUNK // rows.shape[1])
+    for r0 in range(0, len(rows), step):          # in float64, a chunk of whole rows at a time
+        block = rows[r0:r0 + step].astype(np.float64)
+        block *= 127.0
+        block /= safe[r0:r0 + step, None]
+        codes[r0:r0 + step] = np.clip(np.rint(block, out=block), -127, 127, out=block)
+    return Int8Weight(codes.reshape(w.shape), (absmax / 127.0).astype(np.float32))
 
 
 def dequantize_int8(q: Int8Weight) -> np.ndarray:
     return (q.codes.astype(np.float32) * q.scale[..., None]).astype(np.float32)
+
+
+# A quantized weight read from a checkpoint is quantized as it is read (checkpoint.py ``hold``), so the
+# host never holds the base in float32; an MoE checkpoint's experts are then split or joined in that
+# form (moe_checkpoint.py). These keep the meaning of numpy's reshape, leading-axis slice and
+# concatenate, and give the codes quantizing the joined float tensor would: NF4's blocks run over
+# row-major elements, so a piece must start and end on a block boundary (int8's scales are per row).
+
+QuantizedHost = Nf4Weight | Int8Weight
+
+
+def quantized_reshape(q: QuantizedHost, shape: tuple[int, ...]) -> QuantizedHost:
+    """``q`` seen in another shape of as many elements (int8: the last axis, the scales' row, kept)."""
+    shape = tuple(int(s) for s in shape)
+    if int(np.prod(shape)) != int(np.prod(q.shape)):
+        raise QuantizeError(f"cannot view a {list(q.shape)} quantized weight as {list(shape)}")
+    if isinstance(q, Int8Weight):
+        if shape[-1] != q.shape[-1]:
+            raise QuantizeError(f"an int8 weight keeps its last axis (its scales' rows): {list(q.shape)} -> {list(shape)}")
+        return Int8Weight(q.codes.reshape(shape), q.scale.reshape(shape[:-1]))
+    return Nf4Weight(shape, q.packed, q.blocksize, absmax=q.absmax, absmax_codes=q.absmax_codes,
+                     absmax_scales=q.absmax_scales, offset=q.offset)
+
+
+def quantized_rows(q: QuantizedHost, start: int, stop: int) -> QuantizedHost:
+    """Rows ``start:stop`` of ``q``'s leading axis, as ``q[start:stop]`` of the float weight."""
+    row = int(np.prod(q.shape[1:]))
+    if isinstance(q, Int8Weight):
+        return Int8Weight(q.codes[start:stop], q.scale[start:stop])
+    first, last = start * row, stop * row
+    _check_nf4_piece(q, first, last)
+    return Nf4Weight((stop - start,) + tuple(q.shape[1:]), q.packed[first // 2:last // 2], q.blocksize,
+                     absmax=q.absmax[first // q.blocksize:-(-last // q.blocksize)])
+
+
+def quantized_concat(parts: list[QuantizedHost]) -> QuantizedHost:
+    """``parts`` joined along their leading axis, as np.concatenate of the float weights."""
+    head = parts[0]
+    shape = (sum(p.shape[0] for p in parts),) + tuple(head.shape[1:])
+    if isinstance(head, Int8Weight):
+        return Int8Weight(np.concatenate([p.codes for p in parts]), np.concatenate([p.scale for p in parts]))
+    for p in parts[:-1]:                    # a short last block may only end the joined weight
+        _check_nf4_piece(p, 0, int(np.prod(p.shape)), ends_weight=False)
+    return Nf4Weight(shape, np.concatenate([p.packed for p in parts]), head.blocksize,
+                     absmax=np.concatenate([p.absmax for p in parts]))
+
+
+def _check_nf4_piece(q: Nf4Weight, first: int, last: int, ends_weight: bool = True) -> None:
+    """Elements ``first:last`` of ``q`` form whole blocks of their own (the last may be short where
+    it ends ``q`` and ``ends_weight``)."""
+    n = int(np.prod(q.shape))
+    short_end = last % q.blocksize and not (ends_weight and last == n)
+    if q.double_quant or first % q.blocksize or short_end or first % 2 or last % 2:
+        raise QuantizeError(f"elements {first}:{last} of a {list(q.shape)} NF4 weight are not whole blocks of "
+                            f"{q.blocksize} (or it is double quantized): quantize the joined weight instead")
+
+
+def nf4_splits_whole(shape: tuple[int, ...], pieces: int, blocksize: int = 64) -> bool:
+    """Whether a weight of ``shape`` cut into ``pieces`` equal parts along its leading axis (or
+    joined from such parts) keeps NF4's blocks whole: each part a whole number of blocks."""
+    n = int(np.prod(shape))
+    return n % pieces == 0 and (n // pieces) % blocksize == 0
+
+
+def quantize_as(w: np.ndarray, dtype: str, name: str = "weight") -> QuantizedHost:
+    """``w`` quantized as ``dtype`` ("nf4": blocks of 64, absmaxes in float32; "int8": per row)."""
+    if dtype == "nf4":
+        return quantize_nf4(w, name)
+    if dtype == "int8":
+        return quantize_int8(w, name)
+    raise QuantizeError(f"{name}: quantized dtype must be nf4 or int8, got {dtype!r}")

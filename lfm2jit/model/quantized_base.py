@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..runtime import Tensor
-from .quantize import NF4_CODE, dequantize_int8, dequantize_nf4, quantize_int8, quantize_nf4
+from .quantize import NF4_CODE, Int8Weight, Nf4Weight, dequantize_int8, dequantize_nf4, quantize_int8, quantize_nf4
 
 QUANTIZED_DTYPES = ("nf4", "int8")
 
@@ -21,17 +21,26 @@ class QuantizedWeight:
     def __init__(self, ctx, name: str, array: np.ndarray, dtype: str):
         if dtype not in QUANTIZED_DTYPES:
             raise ValueError(f"{name}: quantized dtype must be one of {', '.join(QUANTIZED_DTYPES)}, got {dtype!r}")
-        if np.ndim(array) not in (2, 3):
+        shape = tuple(array.shape) if hasattr(array, "shape") else np.shape(array)
+        if len(shape) not in (2, 3):
             raise ValueError(f"{name}: only linear weights (2-D) and experts (3-D) can be held as {dtype}, this "
-                             f"one is {np.shape(array)}")
-        self.name, self.dtype, self.shape = name, dtype, tuple(np.shape(array))
+                             f"one is {shape}")
+        self.name, self.dtype, self.shape = name, dtype, shape
         self.tensors = {k: Tensor.from_numpy(ctx, v) for k, v in self._quantized(array).items()}
 
     def _quantized(self, array) -> dict[str, np.ndarray]:
+        """The packed tensors of ``array``: a float array, or this format's host form (single absmaxes)
+        as the checkpoint reader quantized it (model/checkpoint.py ``hold``)."""
+        form = Nf4Weight if self.dtype == "nf4" else Int8Weight
+        if isinstance(array, (Nf4Weight, Int8Weight)):
+            if not isinstance(array, form) or getattr(array, "double_quant", False):
+                raise ValueError(f"{self.name}: a quantized weight held as {type(array).__name__} cannot be "
+                                 f"uploaded as {self.dtype}")
+            self.host = array
+        else:
+            self.host = quantize_nf4(array, self.name) if self.dtype == "nf4" else quantize_int8(array, self.name)
         if self.dtype == "nf4":
-            self.host = quantize_nf4(array, self.name)
             return {"q": self.host.words(), "s": self.host.absmax, "c": NF4_CODE}
-        self.host = quantize_int8(array, self.name)
         return {"q": self.host.words(), "s": self.host.scale}
 
     def write(self, array) -> None:

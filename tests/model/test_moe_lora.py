@@ -248,6 +248,55 @@ def test_an_f16_base_is_narrowed_on_the_host_as_it_is_read_or_drawn(ctx, engine,
         np.testing.assert_array_equal(t.numpy(), want.astype(np.float16) if t.dtype == "f16" else want, err_msg=n)
 
 
+def _packed(weight) -> tuple[np.ndarray, ...]:
+    """A QuantizedWeight's host form: (codes, scales) as the device holds them."""
+    host = weight.host
+    return (host.packed, host.absmax) if weight.dtype == "nf4" else (host.codes, host.scale)
+
+
+@pytest.mark.parametrize("dtype", ["nf4", "int8"])
+@pytest.mark.parametrize("source, width", [("per-expert checkpoint", 192), ("fused checkpoint", 192),
+                                           ("random init", 192), ("per-expert checkpoint", 12)])
+def test_a_quantized_base_is_quantized_on_the_host_as_it_is_read_or_drawn(ctx, engine, tmp_path, dtype, source, width):
+    """A quantized base is never held in f32 either: each linear and expert tensor is quantized as it
+    is read (either expert form) or drawn, and the experts' pieces joined in that form, with the codes
+    and scales bit for bit those of quantizing the model's f32 tensors whole, and the host's peak
+    well under the f32 build's. Experts that do not split into whole NF4 blocks (width 12: 768
+    elements a piece) are read in f32 and quantized whole, as before."""
+    from safetensors.numpy import save_file
+    from lfm2jit.model.checkpoint import load_checkpoint
+    from lfm2jit.model.moe_checkpoint import fuse_experts
+    tracemalloc = pytest.importorskip("tracemalloc")
+    cfg = dataclasses.replace(Lfm2MoeConfig.preset("tiny-moe"), num_experts=8, moe_intermediate_size=width)
+    Lfm2Model(cfg, ctx, engine, seed=5).save_pretrained(tmp_path, dtype="bf16")
+    if source == "fused checkpoint":        # the experts as transformers holds them in memory, [E, 2I, D] and [E, D, I]
+        fused = fuse_experts(cfg, load_checkpoint(tmp_path))
+        (tmp_path / "model.safetensors").unlink()
+        save_file({n: np.ascontiguousarray(a, np.float16 if a.ndim > 1 else np.float32) for n, a in fused.items()},
+                  str(tmp_path / "model.safetensors"))
+
+    def build(base_dtype):
+        tracemalloc.start()
+        try:
+            model = (Lfm2Model(cfg, ctx, engine, seed=5, base_dtype=base_dtype) if source == "random init"
+                     else Lfm2Model.from_pretrained(tmp_path, ctx, engine, base_dtype=base_dtype))
+            return model, tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    wide, wide_peak = build("f32")
+    held, held_peak = build(dtype)
+    whole = Lfm2Model(cfg, ctx, engine, tensors={n: wide.p(n).numpy() for n in base_linears(cfg)} | {
+        n: wide.p(n).numpy() for n in wide._params if n not in base_linears(cfg)} | {
+        n: b.numpy() for n, b in wide._buffers.items()}, base_dtype=dtype)
+    quantized = [n for n, t in held._params.items() if getattr(t, "dtype", None) == dtype]
+    assert len(quantized) == len([n for n in base_linears(cfg) if not n.endswith("feed_forward.gate.weight")])
+    for n in quantized:
+        for got, want in zip(_packed(held.p(n)), _packed(whole.p(n))):
+            np.testing.assert_array_equal(got, want, err_msg=n)
+    if width != 12:
+        assert held_peak < 0.6 * wide_peak, (held_peak, wide_peak)
+
+
 def test_f16_base_narrows_the_experts_and_trains_only_the_adapters(ctx, engine):
     if not ctx.has_f16:
         pytest.skip(f"{ctx.name} has no shader-f16")

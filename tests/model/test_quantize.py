@@ -187,3 +187,41 @@ def test_quantizing_a_dequantized_weight_gives_it_back(name, w):
         i = quantize_int8(w, name)
         again = quantize_int8(dequantize_int8(i), name)
         assert np.array_equal(again.codes, i.codes) and np.array_equal(again.scale, i.scale)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_quantized_pieces_join_and_split_as_the_float_weight_does(seed):
+    """Experts quantized one by one and joined (quantized_concat, quantized_reshape) hold the codes
+    and scales of the joined float weight quantized whole, and rows cut from it (quantized_rows) those
+    of the piece quantized alone, on random shapes whose pieces are whole NF4 blocks; a piece that
+    is not is refused by name."""
+    from lfm2jit.model.quantize import (nf4_splits_whole, quantize_as, quantized_concat, quantized_reshape,
+                                        quantized_rows)
+    rng = np.random.default_rng(seed)
+    experts, rows, cols = int(rng.integers(1, 5)), int(rng.integers(1, 9)), 64 * int(rng.integers(1, 4))
+    pieces = [rng.standard_normal((rows, cols)).astype(np.float32) * rng.uniform(0.01, 3) for _ in range(2 * experts)]
+    pieces[0][0, :3] = 0.0                                   # a block with zeros and one larger value
+    pieces[-1][-1, -1] = 40.0
+    whole = np.stack([np.concatenate(pieces[2 * e:2 * e + 2]) for e in range(experts)])
+    assert nf4_splits_whole(whole.shape, 2 * experts)
+
+    def parts(q):
+        return [q.packed, q.absmax] if hasattr(q, "packed") else [q.codes, q.scale]
+    for fmt in ("nf4", "int8"):
+        held = [quantize_as(p, fmt, f"piece {i}") for i, p in enumerate(pieces)]
+        joined = quantized_concat(held)
+        joined = quantized_reshape(joined, (experts, joined.shape[0] // experts, cols))
+        direct = quantize_as(whole, fmt)
+        assert joined.shape == direct.shape == whole.shape
+        for got, want in zip(parts(joined), parts(direct)):
+            np.testing.assert_array_equal(got, want)
+        flat = quantized_reshape(direct, (2 * experts * rows, cols))
+        for i in range(2 * experts):
+            for got, want in zip(parts(quantized_rows(flat, i * rows, (i + 1) * rows)), parts(held[i])):
+                np.testing.assert_array_equal(got, want)
+    odd = quantize_as(rng.standard_normal((3, 40)).astype(np.float32), "nf4")     # 120 values: not whole blocks
+    with pytest.raises(QuantizeError, match="not whole blocks of 64"):
+        quantized_rows(odd, 1, 2)
+    with pytest.raises(QuantizeError, match="not whole blocks of 64"):
+        quantized_concat([odd, odd])
+    assert not nf4_splits_whole((4, 3, 40), 4)
