@@ -210,7 +210,7 @@ packing)
     export LFM2JIT_WEBGPU=dawn
     card=$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -o "H[0-9]*" | head -1 | tr A-Z a-z)
     for scale in 1 8; do
-        timeout 280 python3 -m lfm2jit.bench --only packing --model-preset 350M --packing-window 16 --f16 --steps 3 \
+        timeout "${PACKING_TIMEOUT:-280}" python3 -m lfm2jit.bench --only packing --model-preset 350M --packing-window 16 --f16 --steps 3 \
             --length-scale "$scale" --json "$OUT/${card}_packing_f16_x${scale}.json" 2>&1 | grep "^packing"
     done
     ;;
