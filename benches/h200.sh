@@ -229,7 +229,7 @@ qlora)
 longctx)
     export LFM2JIT_WEBGPU=dawn
     card=$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -o "H[0-9]*" | head -1 | tr A-Z a-z)
-    for run in "350M 16384 40" "350M 32768 50" "1.2B 16384 65" "1.2B 32768 90"; do   # 490 s in all
+    for run in "350M 16384 50" "350M 32768 60" "1.2B 16384 75" "1.2B 32768 100"; do   # 570 s at most
         set -- $run
         preset=$1 t=$2 limit=$3
         for kind in full lora; do
