@@ -2,8 +2,7 @@
 linear shapes at T = 2048 with f16 activations, the forward y = x W^T and the input gradient
 dx = dy W, with W held as f16, int8 or NF4 (decoded in the operand fetch). A tile taller along T
 decodes each weight element fewer times (once per tile row of the grid), so the sweep varies WM.
-Each candidate's result is checked against the planner's pick; times are the best of 3 rounds of
-20 calls (GPU timestamps). The table's last column is the format's time over f16's, both at their
+Each candidate's result is checked against the planner's pick (tile_sweep.py). The table's last column is the format's time over f16's, both at their
 best tile.
 Usage: python benches/probes/decoded_tiles.py [--quick]"""
 from __future__ import annotations
@@ -17,16 +16,11 @@ from lfm2jit.model.quantized_base import QuantizedWeight
 from lfm2jit.ops import precision, quantized
 from lfm2jit.tune.tiles import MatrixTiles
 
-sys.path.insert(0, __file__.rsplit("/", 2)[0])   # benches/, where bench.py is
-from bench import time_dispatches  # noqa: E402
+from tile_sweep import sweep
 
 TILES = (MatrixTiles(128, 128, 2, 2, 32, prefetch=False), MatrixTiles(128, 128, 2, 4, 32),
          MatrixTiles(256, 128, 4, 2, 32, prefetch=False), MatrixTiles(256, 128, 4, 2, 32),
          MatrixTiles(128, 256, 2, 4, 32, prefetch=False))
-
-
-def seconds(e, run) -> float:
-    return min(sum(t for _, t in time_dispatches(e, run, 20, warm=i == 0)) for i in range(3))
 
 
 def main(quick: bool) -> None:
@@ -48,19 +42,7 @@ def main(quick: bool) -> None:
                 args = {"x": x, "w": w} if product == "fwd" else {"w": w, "d_y": dy}
                 kern, args = quantized.unpacked(kernel, args)
                 kern = kern.with_f16(precision.f16_tensors(kern, "f16", args))
-                out = kern.outputs[0]
-                want = e.run(kern, **args)[out].numpy().astype(np.float64)
-                times = {"planner": seconds(e, lambda: e.run(kern, **args))}
-                for cfg in TILES:
-                    try:
-                        got = e.run(kern, tiles=cfg, **args)[out].numpy()
-                    except ValueError:
-                        continue
-                    err = float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
-                    if err > 1e-2:
-                        print(f"  WRONG {product} {fmt} {cfg.label} err {err:.3g}", flush=True)
-                        continue
-                    times[cfg.label] = seconds(e, lambda: e.run(kern, tiles=cfg, **args))
+                times = sweep(e, kern, args, kern.outputs[0], TILES, f"{product} {fmt}")
                 label = min(times, key=times.get)
                 best[fmt] = times[label]
                 print(f"in{n_in:<6d} out{n_out:<6d} {product:4s} {fmt:5s} planner {times['planner'] * 1e3:7.3f} ms  "

@@ -2,7 +2,8 @@
 T = 2048, f16 activations: u = s x A^T, du = s dY B, dB += dY^T u and dA += du^T x. These move a
 few MB each and read back nothing big, so what counts is how many bytes are in flight: the sweep
 varies the tile along the long side, the k-step, split-K and the stages. Each candidate's result is
-checked against the planner's pick; times are the best of 3 rounds of 20 calls (GPU timestamps).
+checked against the planner's pick; times are the best of 3 rounds of 20 calls (GPU timestamps;
+tile_sweep.py).
 Usage: python benches/probes/narrow_tiles.py [IN OUT ...]   (default 2048 2048 2048 8192)"""
 from __future__ import annotations
 
@@ -15,8 +16,7 @@ from lfm2jit import ComputeEngine, WgpuContext, grad, library
 from lfm2jit.ops import precision
 from lfm2jit.tune.tiles import MatrixTiles
 
-sys.path.insert(0, __file__.rsplit("/", 2)[0])   # benches/, where bench.py is
-from bench import time_dispatches  # noqa: E402
+from tile_sweep import sweep
 
 R = 8
 T = 2048
@@ -52,21 +52,9 @@ def main(pairs):
         for name, (kernel, args, out, thin, nbytes) in products.items():
             kern = library.get(kernel) if isinstance(kernel, str) else kernel
             kern = kern.with_f16(precision.f16_tensors(kern, "f16", args))
-            want = e.run(kern, **args)[out].numpy().astype(np.float64)
-            base = sum(s for _, s in time_dispatches(e, lambda: e.run(kern, **args), 20))
-            best = (base, "planner")
-            for cfg in candidates(thin):
-                try:
-                    got = e.run(kern, tiles=cfg, **args)[out].numpy()
-                except ValueError:
-                    continue
-                err = float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
-                if err > 1e-2:
-                    print(f"  WRONG {name} {cfg.label} err {err:.3g}", flush=True)
-                    continue
-                s = min(sum(t for _, t in time_dispatches(e, lambda: e.run(kern, tiles=cfg, **args), 20, warm=False))
-                        for _ in range(3))
-                best = min(best, (s, cfg.label))
+            times = sweep(e, kern, args, out, candidates(thin), name)
+            base = times["planner"]
+            best = min((s, label) for label, s in times.items())
             rows.append((f"in{n_in} out{n_out}", name, base, best, nbytes))
             print(f"{rows[-1][0]:18s} {name:10s} planner {base * 1e6:7.1f} us ({nbytes / base / 1e9:6.0f} GB/s)  "
                   f"best {best[0] * 1e6:7.1f} us ({nbytes / best[0] / 1e9:6.0f} GB/s) {best[1]}", flush=True)

@@ -384,6 +384,12 @@ def _fill_normal(rng: np.random.Generator, out: np.ndarray, std: float) -> None:
         out[:] = drawn
 
 
+def drawn(rng: np.random.Generator, name: str, shape, std: float, narrow: Narrow | None):
+    """normal(0, std) for tensor ``name``, held as ``narrow(name, shape)`` says as it is drawn (``hold``)."""
+    form = narrow(name, shape) if narrow is not None else None
+    return hold(name, normal(rng, shape, std, form in (True, "f16")), form)
+
+
 def init_tensors(cfg: Lfm2Config, seed: int, narrow: Narrow | None = None) -> dict[str, np.ndarray]:
     """As transformers initialises LFM2: normal(0, initializer_range) for linear, conv and embedding
     weights, zeros for biases and the padding token's embedding row, ones for norm weights, each held
@@ -396,8 +402,7 @@ def init_tensors(cfg: Lfm2Config, seed: int, narrow: Narrow | None = None) -> di
         elif name.endswith(".bias"):
             out[name] = np.zeros(shape, np.float32)
         else:
-            form = narrow(name, shape) if narrow is not None else None
-            out[name] = hold(name, normal(rng, shape, cfg.initializer_range, form in (True, "f16")), form)
+            out[name] = drawn(rng, name, shape, cfg.initializer_range, narrow)
     pad = cfg.pad_token_id
     if pad is not None and 0 <= pad < cfg.vocab_size:      # nn.Embedding(padding_idx) starts at zero
         out[EMBEDDING][pad] = 0.0

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .checkpoint import (SAVE_DTYPES, CheckpointError, Narrow, Tensors, _narrow, check_tensors, hold, load_checkpoint,
-                         normal, parameter_shapes, write_config)
+from .checkpoint import (SAVE_DTYPES, CheckpointError, Narrow, Tensors, _narrow, check_tensors, drawn, load_checkpoint,
+                         parameter_shapes, write_config)
 from .moe_config import Lfm2MoeConfig
 from .quantize import QuantizedHost, quantized_concat, quantized_reshape, quantized_rows
 from .shards import write_weights
@@ -285,8 +285,7 @@ def init_moe_tensors(cfg: Lfm2MoeConfig, seed: int, narrow: Narrow | None = None
         elif name.endswith(".bias") or is_buffer(name):
             out[name] = np.zeros(shape, np.float32)
         else:
-            form = narrow(name, shape) if narrow is not None else None
-            out[name] = hold(name, normal(rng, shape, cfg.initializer_range, form in (True, "f16")), form)
+            out[name] = drawn(rng, name, shape, cfg.initializer_range, narrow)
     pad = cfg.pad_token_id
     if pad is not None:
         out["model.embed_tokens.weight"][pad] = 0.0

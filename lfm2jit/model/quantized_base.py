@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..runtime import Tensor
-from .quantize import NF4_CODE, Int8Weight, Nf4Weight, dequantize_int8, dequantize_nf4, quantize_int8, quantize_nf4
+from .quantize import NF4_CODE, Int8Weight, Nf4Weight, dequantize_int8, dequantize_nf4, quantize_as
 
 QUANTIZED_DTYPES = ("nf4", "int8")
 
@@ -38,7 +38,7 @@ class QuantizedWeight:
                                  f"uploaded as {self.dtype}")
             self.host = array
         else:
-            self.host = quantize_nf4(array, self.name) if self.dtype == "nf4" else quantize_int8(array, self.name)
+            self.host = quantize_as(array, self.dtype, self.name)
         if self.dtype == "nf4":
             return {"q": self.host.words(), "s": self.host.absmax, "c": NF4_CODE}
         return {"q": self.host.words(), "s": self.host.scale}

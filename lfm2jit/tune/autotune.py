@@ -75,12 +75,13 @@ class Tuner:
         if key not in self._chosen:
             saved = _decode(self.best.get(key))
             if saved not in options:            # none yet, or from a version with other candidates
-                saved = self._search(key, kernel, dims, bucket, accumulate, options)
+                saved = self._search(key, kernel, dims, bucket, accumulate, options, spec.params)
             self._chosen[key] = saved
         return self._chosen[key]
 
-    def _search(self, key: str, kernel, dims, bucket, accumulate, options: tuple):
-        """Score every candidate, keep the fastest (the first on ties), and save all the scores.
+    def _search(self, key: str, kernel, dims, bucket, accumulate, options: tuple, params):
+        """Score every candidate, keep the fastest (the first on ties), and save all the scores
+        (``params``: the untuned specialization's, whose routing a grouped GEMM is timed on).
         All are compiled first and then timed one after another on a GPU kept busy throughout,
         so no candidate is timed while the clocks ramp up after a compile."""
         engine = self.engine
@@ -88,7 +89,6 @@ class Tuner:
             return engine.zero_(engine.empty(tuple(dims[a] if a in dims else int(a) for a in t.shape), t.dtype))
 
         args = {t.name: scratch(t) for t in kernel.ir.inputs}       # shared: the tiles do not change them
-        params = kernel.specialize(dims, bucket, accumulate, target=engine.target).params
         if isinstance(getattr(params, "group", None), Grouping):     # a grouped GEMM's work is its routing: a balanced one
             args[params.group.ends] = engine.tensor(even_ends(params, dims))
         out = {t.name: scratch(t) for t in kernel.ir.outputs if t.name in accumulate}

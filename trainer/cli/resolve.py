@@ -8,6 +8,7 @@ from pathlib import Path
 
 from lfm2jit.model.lora import DEFAULT_TARGETS
 
+from ..packing import PACKING_CHOICES
 from ..trainer import DEFAULT_PACK_TOKENS, DEFAULT_REPLAY_PASSES
 from .options import (DEFAULT_ACCUM, DEFAULT_BETA, DEFAULT_CHECKPOINT_MINUTES, DEFAULT_EVAL_FRACTION, DEFAULT_EVAL_MAX, DEFAULT_KEEP,
                       DEFAULT_MAX_LEN, DEFAULT_SAMPLES, DEMO_CHECK_LOSS_DROP, DEMO_LR, DEMO_PRESET, DEMO_STEPS,
@@ -308,7 +309,7 @@ def _validate(r: Run) -> None:
             return
         if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
             raise UsageError(f"--{name.replace('_', '-')} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
-    if r.packing not in ("pad", "concat", "auto"):
+    if r.packing not in PACKING_CHOICES:
         raise UsageError(f"--packing must be pad, concat or auto, got {r.packing!r}")
     if r.distributed not in ("file", "mpi"):         # a checkpoint's value: the flag's choices are argparse's
         raise UsageError(f"--distributed must be file or mpi, got {r.distributed!r}")
