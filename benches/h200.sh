@@ -21,8 +21,9 @@
 #                                         and sampled, lfm2jit f32/f16 (replayed decode steps) beside transformers
 #                                         fp32/bf16 on CUDA -> $OUT/h200_generate_tests_dawn.log, $OUT/h200_decode.json
 #   bash benches/h200.sh startup [BASE]   the caches' tests on Dawn, then benches/startup.py at LFM2-350M, $SHAPE (8x512), --f16: cold
-#                                         and warm start-up on Dawn and on wgpu-native -> $OUT/startup_dawn.json,
-#                                         startup_wgpu_native.json; with BASE (an older checkout) the first --f16
+#                                         and warm start-up on Dawn and on wgpu-native ($IMPLS) -> $OUT/startup_dawn.json,
+#                                         startup_wgpu_native.json; each compile of that cold window timed alone on Dawn
+#                                         (benches/probes/compile_times.py) -> $OUT/startup_compile_times.log; with BASE (an older checkout) the first --f16
 #                                         8x512 window in one process on Dawn (the bench's train line), this
 #                                         checkout's and BASE's -> $OUT/startup_train.json, startup_base_train.json
 #   bash benches/h200.sh attention        on Dawn: the attention tests (the f16 ones on the matrix units), then the attention
@@ -140,10 +141,12 @@ decode)
 startup)
     LFM2JIT_WEBGPU=dawn timeout 120 python3 -m pytest -q -p no:cacheprovider -n 0 -rs tests/runtime/test_compile_cache.py \
         tests/runtime/test_engine.py tests/runtime/test_program.py 2>&1 | tail -4
-    for impl in dawn wgpu-native; do
+    for impl in ${IMPLS:-dawn wgpu-native}; do
         LFM2JIT_WEBGPU=$impl timeout 240 python3 benches/startup.py --preset 350M --shape "${SHAPE:-8x512}" --f16 \
             --json "$OUT/startup_${impl/-/_}.json" 2>&1 | tail -3
     done
+    LFM2JIT_WEBGPU=dawn timeout 200 python3 benches/probes/compile_times.py --preset 350M --shape "${SHAPE:-8x512}" \
+        --f16 2>&1 | tee "$OUT/startup_compile_times.log" | tail -17
     if [ -n "${2:-}" ]; then      # the first window in one process, this checkout and BASE, no disk cache
         LFM2JIT_WEBGPU=dawn timeout 200 python3 benches/bench.py --only train --f16 --train-shapes "${SHAPE:-8x512}" --steps 1 \
             --json "$OUT/startup_train.json" 2>&1 | tail -2
