@@ -12,6 +12,7 @@ import functools
 import time
 
 from ..settings import DAWN_DEVICE_DISABLED_TOGGLES, DAWN_INSTANCE_TOGGLES, settings
+from .cffi_types import parse_only_named_typedefs
 
 SUBGROUP_MATRIX = "chromium-experimental-subgroup-matrix"
 SETTLE_POLL_S = 0.0005     # between Dawn's event ticks while pipelines compile
@@ -29,6 +30,8 @@ class WgpuNative:
     @functools.cached_property
     def module(self):
         import wgpu
+        from wgpu.backends.wgpu_native._ffi import ffi
+        parse_only_named_typedefs(ffi)
         return wgpu
 
     def adapters(self) -> list:
