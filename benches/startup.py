@@ -26,14 +26,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def child(args) -> None:
     """One fresh process: a model, one train window, its counts as a JSON line on stdout."""
-    import numpy as np
-
     from lfm2jit import ComputeEngine, WgpuContext
     from lfm2jit.model import Lfm2Config, Lfm2Model
     from lfm2jit.model.checkpoint import init_tensors
     from lfm2jit.runtime import driver_cache
     from lfm2jit.settings import settings
-    from trainer import AdamW, GradScaler, Trainer
 
     drivers = settings().cache_dir / driver_cache.SUBDIR
     before = driver_cache.snapshot(drivers)
@@ -45,16 +42,7 @@ def child(args) -> None:
     model = Lfm2Model(cfg, ctx, engine, seed=0, activation_dtype="f16" if args.f16 else "f32")
     engine.synchronize()
     ready = time.time()
-    batch, t = args.shape
-    tr = Trainer(model, AdamW(lr=1e-4), ctx, engine).with_grad_accum_steps(batch).with_length_bucket(64)
-    tr.with_clip_grad_norm(1.0)
-    if args.f16:
-        tr.with_grad_scaler(GradScaler())
-    rng = np.random.default_rng(0)
-    seqs = [(ids[:-1], ids[1:], np.ones(t, np.float32)) for ids in (rng.integers(0, cfg.vocab_size, t + 1)
-                                                                   for _ in range(batch))]
-    stats = tr.train_sequences(seqs, model.parameters())
-    engine.synchronize()
+    stats = train_window(model, args.shape, args.f16)
     done = time.time()
     drawing = time.time()      # after the step, so the model's own init is timed as it ran: the host
     init_tensors(cfg, 0)       # draw alone, the rest of model_s being the upload and its wait
@@ -66,6 +54,26 @@ def child(args) -> None:
                       "wgsl_rendered": engine.stats.misses - engine.stats.disk_hits,
                       "compile_s": engine.stats.compile_seconds,
                       "driver_entries_written": driver_cache.written_since(before, driver_cache.snapshot(drivers))}))
+
+
+def train_window(model, shape: tuple[int, int], f16: bool) -> list:
+    """One window of ``shape`` (sequences x length) of random tokens trained as the trainer does
+    (AdamW, clipping, the loss scaler with ``f16``), finished; its step stats."""
+    import numpy as np
+
+    from trainer import AdamW, GradScaler, Trainer
+
+    batch, t = shape
+    tr = Trainer(model, AdamW(lr=1e-4), model.ctx, model.engine).with_grad_accum_steps(batch).with_length_bucket(64)
+    tr.with_clip_grad_norm(1.0)
+    if f16:
+        tr.with_grad_scaler(GradScaler())
+    rng = np.random.default_rng(0)
+    seqs = [(ids[:-1], ids[1:], np.ones(t, np.float32)) for ids in (rng.integers(0, model.cfg.vocab_size, t + 1)
+                                                                   for _ in range(batch))]
+    stats = tr.train_sequences(seqs, model.parameters())
+    model.engine.synchronize()
+    return stats
 
 
 def fresh_process(argv: list[str], cache_dir: Path) -> dict:

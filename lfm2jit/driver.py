@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import pickle
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -19,7 +19,6 @@ from typing import Callable
 from .codegen.render import render, templates_dir
 from .dsl import ast
 from .dsl.errors import DslError
-from .dsl.parser import parse
 from .ir import intrinsics
 from .ir.check import build_kernel
 from .ir.defaults import fix_defaults
@@ -28,7 +27,7 @@ from .ir.nodes import KernelIR, TensorArg, format_ir
 from .ir.ops import Op
 from .ir.partition import Partition, partition
 from .ir.retype import retype
-from .safefiles import read_own_file, untrusted_reason, write_atomic
+from .safefiles import CheckedFiles, write_atomic
 from .schedule import PORTABLE, KernelSpec, Target, specialize
 
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -209,9 +208,10 @@ class Module:
         return len(self.kernels)
 
 
-def compile_source(text: str, filename: str = "<source>") -> Module:
-    """Parse and check every kernel in ``text``; raises DslError with file:line:col on any problem."""
-    src = parse(text, filename)
+def compile_source(text: str, filename: str = "<source>", cache: CheckedFiles | None = None) -> Module:
+    """Parse and check every kernel in ``text``; raises DslError with file:line:col on any problem.
+    ``cache``: where the syntax tree is kept between processes (``parsed``)."""
+    src = parsed(text, filename, cache)
     kernels: dict[str, Kernel] = {}
     for kdef in src.kernels:
         if kdef.name in kernels:
@@ -266,35 +266,59 @@ class CacheStats:
         return dict(vars(self))
 
 
-class WgslDiskCache:
-    """Generated WGSL as files named by a hash of (compiler fingerprint, spec key). Each file starts
-    with a line holding the sha256 of the rest, so a truncated or edited entry is rendered again
-    (and rewritten). A directory other users may write is neither read nor written (a planted
-    entry would run as this user's kernel; see safefiles.py), with one warning."""
+def parsed(text: str, filename: str, files: CheckedFiles | None = None) -> ast.SourceFile:
+    """``parse(text, filename)``, kept in ``files`` by a hash of the compiler and both arguments: a
+    new process reads the shipped kernels' syntax trees instead of parsing them (ops/library.py)."""
+    name = hashlib.sha256(f"{compiler_fingerprint()}:{filename}:{text}".encode()).hexdigest()[:32] + ".pickle"
+    kept = files.load(name) if files is not None else None      # None: absent, damaged, or not ours
+    if kept is not None:
+        try:
+            src = pickle.loads(kept)      # a checked entry of this user's own directory (CheckedFiles)
+            SOURCE_STATS.read_back += 1
+            return src
+        except Exception:  # noqa: BLE001 - an entry this compiler cannot read is parsed again
+            pass
+    from .dsl.parser import parse       # lark, imported only where a source is parsed
+    src = parse(text, filename)
+    SOURCE_STATS.parsed += 1
+    if files is not None:
+        files.store(name, pickle.dumps(src))
+    return src
 
-    HEADER = "// lfm2jit WGSL cache, sha256 of the rest: "
+
+@dataclass
+class SourceStats:
+    """Kernel sources this process parsed, and those it read back parsed from the disk cache."""
+    parsed: int = 0
+    read_back: int = 0
+
+
+SOURCE_STATS = SourceStats()
+
+
+class WgslDiskCache:
+    """Generated WGSL as files named by a hash of (compiler fingerprint, spec key), checked and kept
+    only in a directory of this user's own (safefiles.CheckedFiles): a planted entry would run as
+    this user's kernel."""
 
     def __init__(self, root: Path):
-        self.root = Path(root)
-        self.refused = untrusted_reason(self.root)
-        if self.refused:
-            warnings.warn(f"LFM2JIT_CACHE_DIR {self.root} is not used: {self.refused}; point it at a directory of "
-                          "your own that only you can write", stacklevel=2)
+        self.files = CheckedFiles(root, "LFM2JIT_CACHE_DIR")
+        self.root = self.files.root
 
     def path(self, spec: KernelSpec) -> Path:
+        return self.root / self._name(spec)
+
+    @staticmethod
+    def _name(spec: KernelSpec) -> str:
         digest = hashlib.sha256(f"{compiler_fingerprint()}:{spec.key}".encode()).hexdigest()[:32]
-        return self.root / f"{spec.kernel}-{digest}.wgsl"
+        return f"{spec.kernel}-{digest}.wgsl"
 
     def load(self, spec: KernelSpec) -> str | None:
-        raw = None if self.refused else read_own_file(self.path(spec))
-        if raw is None:
-            return None
-        head, _, body = raw.decode(errors="replace").partition("\n")
-        return body if head == self.HEADER + hashlib.sha256(body.encode()).hexdigest() else None
+        body = self.files.load(self._name(spec))
+        return None if body is None else body.decode(errors="replace")
 
     def store(self, spec: KernelSpec, wgsl: str) -> None:
-        if not self.refused:
-            write_atomic(self.path(spec), f"{self.HEADER}{hashlib.sha256(wgsl.encode()).hexdigest()}\n{wgsl}")
+        self.files.store(self._name(spec), wgsl.encode())
 
 
 def generate_wgsl(spec: KernelSpec, disk: WgslDiskCache | None, stats: CacheStats) -> str:

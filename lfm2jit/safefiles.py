@@ -14,6 +14,7 @@ written so that another user sharing the directory cannot steer them.
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 import re
 import stat
@@ -96,3 +97,31 @@ def read_own_file(path: Path) -> bytes | None:
     if not stat.S_ISREG(info.st_mode) or (hasattr(os, "getuid") and info.st_uid != os.getuid()):
         return None
     return Path(path).read_bytes()
+
+
+class CheckedFiles:
+    """A cache directory of files that each start with a line holding the sha256 of the rest, so a
+    truncated or edited entry reads as missing (and is written again). A directory other users may
+    write is neither read nor written (``untrusted_reason``), with a warning naming ``what`` (none
+    where ``what`` is None: another cache of the same directory warns)."""
+
+    HEADER = b"lfm2jit cache entry, sha256 of the rest: "
+
+    def __init__(self, root: Path, what: str | None):
+        self.root = Path(root)
+        self.refused = untrusted_reason(self.root)
+        if self.refused and what is not None:
+            import warnings
+            warnings.warn(f"{what} {self.root} is not used: {self.refused}; point it at a directory of your own "
+                          "that only you can write", stacklevel=3)
+
+    def load(self, name: str) -> bytes | None:
+        raw = None if self.refused else read_own_file(self.root / name)
+        if raw is None:
+            return None
+        head, _, body = raw.partition(b"\n")
+        return body if head == self.HEADER + hashlib.sha256(body).hexdigest().encode() else None
+
+    def store(self, name: str, body: bytes) -> None:
+        if not self.refused:
+            write_atomic(self.root / name, self.HEADER + hashlib.sha256(body).hexdigest().encode() + b"\n" + body)

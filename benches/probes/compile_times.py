@@ -28,11 +28,12 @@ os.environ.setdefault("LFM2JIT_CACHE_DIR", tempfile.mkdtemp(prefix="lfm2jit-comp
 os.environ.setdefault("__GL_SHADER_DISK_CACHE", "0")
 os.environ.setdefault("MESA_SHADER_CACHE_DISABLE", "true")
 
-import numpy as np  # noqa: E402
-
 from lfm2jit import ComputeEngine, WgpuContext  # noqa: E402
 from lfm2jit.runtime import implementations  # noqa: E402
 from lfm2jit.runtime.recorder import Shader  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from startup import train_window  # noqa: E402
 
 SYNC_FEATURE = "implicit-device-synchronization"
 
@@ -40,9 +41,7 @@ SYNC_FEATURE = "implicit-device-synchronization"
 def first_window(args) -> list[Shader]:
     """Run one train window with every compile made alone and timed; print the slowest; its shaders."""
     from lfm2jit.model import Lfm2Config, Lfm2Model
-    from trainer import AdamW, GradScaler, Trainer
 
-    batch, t = map(int, args.shape.split("x"))
     ctx = WgpuContext.create()
     ctx.compiles_async = False          # one at a time, so each compile's time is its own
     engine = ComputeEngine(ctx)
@@ -56,17 +55,9 @@ def first_window(args) -> list[Shader]:
         return compiled
 
     engine.build = timed_build
-    cfg = Lfm2Config.preset(args.preset)
-    model = Lfm2Model(cfg, ctx, engine, seed=0, activation_dtype="f16" if args.f16 else "f32")
-    tr = Trainer(model, AdamW(lr=1e-4), ctx, engine).with_grad_accum_steps(batch).with_length_bucket(64)
-    tr.with_clip_grad_norm(1.0)
-    if args.f16:
-        tr.with_grad_scaler(GradScaler())
-    rng = np.random.default_rng(0)
-    seqs = [(ids[:-1], ids[1:], np.ones(t, np.float32)) for ids in (rng.integers(0, cfg.vocab_size, t + 1)
-                                                                   for _ in range(batch))]
-    tr.train_sequences(seqs, model.parameters())
-    engine.synchronize()
+    model = Lfm2Model(Lfm2Config.preset(args.preset), ctx, engine, seed=0,
+                      activation_dtype="f16" if args.f16 else "f32")
+    train_window(model, tuple(map(int, args.shape.split("x"))), args.f16)
     total = sum(s for s, _ in times)
     print(f"{'seconds':>8}  {'share':>6}  {'WGSL chars':>10}  kernel")
     for seconds, shader in sorted(times, key=lambda x: -x[0])[:args.top]:

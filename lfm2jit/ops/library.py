@@ -6,6 +6,8 @@ from functools import lru_cache
 from importlib import resources
 
 from ..driver import Kernel, compile_source, name_kernels_with
+from ..safefiles import CheckedFiles, untrusted_reason
+from ..settings import settings
 
 
 def sources() -> dict[str, str]:
@@ -17,8 +19,10 @@ def sources() -> dict[str, str]:
 @lru_cache(maxsize=1)
 def kernels() -> dict[str, Kernel]:
     out: dict[str, Kernel] = {}
+    root = settings().cache_dir          # their syntax trees kept there between processes, if it is ours
+    cache = CheckedFiles(root / "ast", None) if root is not None and untrusted_reason(root) is None else None
     for fname, text in sources().items():
-        for k in compile_source(text, f"lfm2jit/ops/kernels/{fname}"):
+        for k in compile_source(text, f"lfm2jit/ops/kernels/{fname}", cache):
             if k.name in out:
                 raise RuntimeError(f"kernel {k.name!r} is defined in two shipped files")
             out[k.name] = k

@@ -1,5 +1,5 @@
 """Compiled pipelines persist between processes: a second process compiles nothing the first one
-compiled (counted: WGSL renders, driver compiles, autotune trials), and a damaged cache entry is
+compiled (counted: kernel sources parsed, WGSL renders, driver compiles, autotune trials), and a damaged cache entry is
 compiled again, never used (Mesa checks the CRC32 of each of its entries and compiles again on a
 mismatch, leaving the entry as it is)."""
 from __future__ import annotations
@@ -50,15 +50,20 @@ def test_a_second_process_compiles_nothing_and_a_damaged_entry_is_compiled_again
     first = fresh_process(cache)
     compiled = driver_cache.snapshot(drivers)
     assert first["misses"] == 2 and first["disk_hits"] == 0 and first["trials"] == 1
+    assert first["parsed"] > 2 and first["read_back"] == 0       # the shipped kernels and the worker's own
     assert len(compiled) >= 2           # lavapipe kept its machine code of both pipelines
 
     second = fresh_process(cache)
     assert second["disk_hits"] == second["misses"]               # every WGSL read back, none rendered
     assert second["trials"] == 0                                  # the tiles chosen by the first process
+    # every shipped kernel's syntax tree read back; the worker's own source is compiled without a cache
+    assert second["parsed"] == 1 and second["read_back"] == first["parsed"] - 1
     assert driver_cache.written_since(compiled, driver_cache.snapshot(drivers)) == 0   # no driver compile
 
     flip_bytes(sorted(cache.glob("scale-*.wgsl"))[0])
+    flip_bytes(sorted((cache / "ast").glob("*.pickle"))[0])
     for name in compiled:                 # every binary of the driver's cache damaged
         flip_bytes(drivers / name)
     third = fresh_process(cache)          # its results still match numpy: no damaged binary ran
     assert third["disk_hits"] == third["misses"] - 1               # the damaged WGSL was rendered again
+    assert third["parsed"] == 2                                    # and the damaged syntax tree parsed again

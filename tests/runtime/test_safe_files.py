@@ -49,7 +49,7 @@ def test_a_directory_others_may_write_is_not_used(ctx, tmp_path, monkeypatch, rn
     planted = "// a well-formed entry another user wrote\n"
     with pytest.warns(UserWarning, match="other users may write to it"):
         probe = WgslDiskCache(shared)
-    probe.refused = None
+    probe.files.refused = None
     probe.store(spec, planted)               # as if the other user had written a consistent entry
     with pytest.warns(UserWarning, match="is not used"):
         engine = ComputeEngine(ctx)
