@@ -50,6 +50,7 @@ def child(args) -> None:
     print(json.dumps({"done": done, "imported": imported, "device_and_model_s": ready - imported,
                       "device_s": device - imported, "model_s": ready - device, "init_draw_s": drawing,
                       "step_s": done - ready, "loss": stats[-1].loss, "adapter": ctx.name,
+                      "compile_threads": ctx.compile_threads,
                       "webgpu": ctx.implementation, "pipelines": engine.stats.misses,
                       "wgsl_rendered": engine.stats.misses - engine.stats.disk_hits,
                       "compile_s": engine.stats.compile_seconds,

@@ -32,6 +32,11 @@ LFM2JIT_LIMITS     raised (ask the adapter for its highest storage-binding, buff
                    storage-buffer-count limits) or default (ask for none: the device has exactly
                    WebGPU's default limits, what browsers and many integrated and mobile GPUs give;
                    for checking that everything still plans and runs there) (default: raised)
+LFM2JIT_COMPILE_THREADS  N > 0: threads that make a train window's pipelines, all issued before the
+                   first wait, each made synchronously (on Dawn the device is then asked for
+                   implicit-device-synchronization, and where the adapter lacks it this is
+                   ignored); 0: the implementation's own way, Dawn's asynchronous compiles on its
+                   worker pool, wgpu-native's one at a time (default: 0)
 LFM2JIT_HOST_COPY_THREADS  threads that copy large readbacks out of mapped staging memory (one
                    thread reads it at a fraction of the host's memory bandwidth; numpy lets go of
                    the GIL while it copies) (default: the CPUs, at most 4)
@@ -72,6 +77,7 @@ class Settings:
     matrix_staging: str
     host_copy_threads: int
     limits: str
+    compile_threads: int
 
 
 def _path(name: str) -> Path | None:
@@ -94,6 +100,7 @@ def settings() -> Settings:
         matrix_staging=_choice("LFM2JIT_MATRIX_STAGING", MATRIX_STAGINGS),
         host_copy_threads=_index("LFM2JIT_HOST_COPY_THREADS", default=min(4, os.cpu_count() or 1), least=1),
         limits=_choice("LFM2JIT_LIMITS", LIMIT_MODES),
+        compile_threads=_index("LFM2JIT_COMPILE_THREADS"),
     )
 
 

@@ -135,7 +135,10 @@ class WgpuContext:
     """The device everything runs on, with the optional features it offers and raised limits."""
 
     def __init__(self, adapter, device, features: frozenset[str], implementation: str = "wgpu-native",
-                 subgroup_matrix_configs: tuple[dict, ...] = ()):
+                 subgroup_matrix_configs: tuple[dict, ...] = (), compile_threads: int = 0):
+        """``compile_threads``: threads that make pipelines synchronously, a window's all at once
+        (0: the implementation's own way); the implementation's device must be safe to call from
+        several threads (``IMPLEMENTATIONS[...].threads_need``)."""
         self.adapter = adapter
         self.device = device
         self.queue = device.queue
@@ -147,6 +150,7 @@ class WgpuContext:
         self.compiles_async = IMPLEMENTATIONS[implementation].compiles_async
         if self.compiles_async:
             self.settle_compiles = IMPLEMENTATIONS[implementation].settle
+        self.compile_threads = compile_threads
         self.subgroup_matrix_configs = subgroup_matrix_configs
         self._engines: weakref.WeakSet = weakref.WeakSet()
 
@@ -162,10 +166,15 @@ class WgpuContext:
         impl = choose_implementation(webgpu or opts.webgpu)
         adapter = choose_adapter(impl.adapters(), wanted, impl.name, opts.adapter_index)
         features = frozenset(f for f in OPTIONAL_FEATURES if f in adapter.features)
+        # compile threads only where the device may be called from several threads (Dawn: with a feature)
+        threaded = opts.compile_threads and impl.threads_need <= set(adapter.features)
+        if threaded:
+            features |= impl.threads_need
         limits = ({k: adapter.limits[k] for k in RAISED_LIMITS if k in adapter.limits} if opts.limits == "raised"
                   else {k: v for k, v in WEBGPU_DEFAULT_LIMITS.items() if k in adapter.limits})
         device = impl.request_device(adapter, features, limits)
-        return cls(adapter, device, features, impl.name, impl.subgroup_matrix_configs(adapter))
+        return cls(adapter, device, features, impl.name, impl.subgroup_matrix_configs(adapter),
+                   opts.compile_threads if threaded else 0)
 
     @functools.cached_property
     def name(self) -> str:

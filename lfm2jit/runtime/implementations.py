@@ -26,6 +26,7 @@ class WgpuNative:
     # window's gradients); its reads wait for the whole queue first.
     maps_after_last_use = False
     compiles_async = False      # its create_compute_pipeline_async compiles on the calling thread
+    threads_need: frozenset[str] = frozenset()      # its devices may be called from any thread
 
     @functools.cached_property
     def module(self):
@@ -47,7 +48,9 @@ class WgpuNative:
 class Dawn:
     name = "dawn"
     maps_after_last_use = True     # Dawn's MapAsync waits for the buffer's last usage serial
-    compiles_async = True          # CreateComputePipelineAsync compiles on Dawn's worker threads
+    compiles_async = True          # CreateComputePipelineAsync compiles on Dawn's worker threads (a few)
+    # a Dawn device is safe to call from several threads (compile threads) only with this feature
+    threads_need = frozenset({"implicit-device-synchronization"})
 
     @functools.cached_property
     def module(self):

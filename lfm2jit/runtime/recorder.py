@@ -6,10 +6,11 @@ reading a tensor does by itself, and every SUBMIT_EVERY dispatches, so the GPU w
 step while the host is still recording it. Nothing here knows the compiler: a shader arrives as
 WGSL text with its binding table and entry points (``Shader``).
 
-Where the implementation compiles pipelines asynchronously (Dawn, on its worker threads), ``build``
-only issues the compiles; the first flush waits for them. While compiles are pending, the periodic
-flush is put off (up to RING_BLOCKS dispatches), so all of a window's compiles are issued before
-any wait and run in parallel.
+Where the implementation compiles pipelines asynchronously (Dawn, on its worker threads), or the
+context has compile threads of its own (LFM2JIT_COMPILE_THREADS), ``build`` only issues the
+compiles; the first flush waits for them. While compiles are pending, the periodic flush is put
+off (up to RING_BLOCKS dispatches), so all of a window's compiles are issued before any wait and
+run in parallel.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import functools
 import math
 import re
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -82,6 +84,17 @@ class Compiled:
                 for i, (_, grid) in enumerate(self.shader.entry_points)]
 
 
+class ThreadMade:
+    """A pipeline being made synchronously on one of the recorder's compile threads, waited for
+    as the implementation's own promises are (``sync_wait``)."""
+
+    def __init__(self, future: Future):
+        self.future = future
+
+    def sync_wait(self):
+        return self.future.result()
+
+
 def refused(shader: Shader, error: Exception) -> ShaderCompileError:
     return ShaderCompileError(f"the adapter refused a pipeline for kernel {shader.label!r} (spec {shader.key}):\n"
                               f"{error}\n--- WGSL ---\n{shader.wgsl}")
@@ -126,6 +139,9 @@ class Recorder:
         self.timings: list[tuple[str, float]] = []   # (shader label, GPU seconds) per timed dispatch
         self._pipelines: dict[tuple[str, str], Compiled] = {}
         self.compiles_async = getattr(ctx, "compiles_async", False)
+        # threads that make pipelines synchronously, all of a window's at once (0: the implementation's way)
+        self.compile_threads = getattr(ctx, "compile_threads", 0)
+        self._compile_pool: ThreadPoolExecutor | None = None
         self._compiling: list[Compiled] = []    # issued, not yet waited for
         self._commands: list[tuple] = []
         self._keepalive: list = []
@@ -162,26 +178,37 @@ class Recorder:
             entries.append({"binding": binding, "visibility": compute, "buffer": {"type": kind}})
         layout = self.device.create_bind_group_layout(entries=entries)
         pipeline_layout = self.device.create_pipeline_layout(bind_group_layouts=[layout])
-        create = (self.device.create_compute_pipeline_async if self.compiles_async
-                  else self.device.create_compute_pipeline)
+        create, issued = self._pipeline_maker()
         try:
             made = tuple(create(layout=pipeline_layout, label=shader.label, compute={"module": module, "entry_point": name})
                          for name, _ in shader.entry_points)
         except Exception as e:  # noqa: BLE001 - e.g. a workgroup over the adapter's limits
             raise refused(shader, e) from None
-        compiled = Compiled(shader, made, layout, issued=self.compiles_async)
+        compiled = Compiled(shader, made, layout, issued=issued)
         if compiled.pending:
             self._compiling.append(compiled)
         self._pipelines[(shader.key, self.ctx.name)] = compiled
         return compiled
+
+    def _pipeline_maker(self):
+        """How ``build`` makes a pipeline, and whether what it returns is still being made."""
+        if self.compile_threads:
+            if self._compile_pool is None:
+                self._compile_pool = ThreadPoolExecutor(self.compile_threads, thread_name_prefix="lfm2jit-compile")
+            pool, make = self._compile_pool, self.device.create_compute_pipeline
+            return (lambda **kw: ThreadMade(pool.submit(make, **kw))), True
+        if self.compiles_async:
+            return self.device.create_compute_pipeline_async, True
+        return self.device.create_compute_pipeline, False
 
     def _wait_for_compiles(self) -> None:
         """Wait for the pipelines still compiling. One the adapter refused is forgotten, and the work
         recorded since the last flush, which cannot run without it, is dropped before the error."""
         compiling, self._compiling = self._compiling, []
         settle = getattr(self.ctx, "settle_compiles", None)
-        if settle is not None:          # all of them at once, then each is read without waiting
-            settle([p for compiled in compiling for p in compiled.made])
+        promises = [p for compiled in compiling for p in compiled.made if not isinstance(p, ThreadMade)]
+        if settle is not None and promises:     # all of them at once, then each is read without waiting
+            settle(promises)
         refused = None
         for compiled in compiling:          # every one waited for, so none is left to fail mid-encoding
             try:

@@ -319,7 +319,7 @@ def test_async_compiles_are_all_issued_before_the_first_wait(ctx, monkeypatch):
     from lfm2jit.runtime import recorder
     monkeypatch.setattr(recorder, "SUBMIT_EVERY", 2)
     engine = ComputeEngine(ctx)
-    engine.compiles_async = True            # wgpu-native's create_compute_pipeline_async hands back promises
+    engine.compiles_async, engine.compile_threads = True, 0    # wgpu-native's ..._async hands back promises
     module = compile_source("\n".join(f"kernel add{k}(x: f32[N]) -> (y: f32[N]) {{ y = x + {k}.0 }}"
                                        for k in range(1, 5)))
     x = np.arange(4, dtype=np.float32)
@@ -341,7 +341,7 @@ def test_a_refused_async_pipeline_fails_its_flush_and_is_not_kept(ctx, monkeypat
         def sync_wait(self):
             raise RuntimeError("create_compute_pipeline failed: workgroup too large")
     engine = ComputeEngine(ctx)
-    engine.compiles_async = True
+    engine.compiles_async, engine.compile_threads = True, 0
     kernel = compile_source("kernel twice(x: f32[N]) -> (y: f32[N]) { y = x * 2.0 }").twice
     x = engine.tensor(np.arange(3, dtype=np.float32))
     with monkeypatch.context() as m:
@@ -351,3 +351,55 @@ def test_a_refused_async_pipeline_fails_its_flush_and_is_not_kept(ctx, monkeypat
             engine.flush()
     assert not engine._commands
     np.testing.assert_array_equal(engine.run(kernel, x=x)["y"].numpy(), [0, 2, 4])
+
+
+def test_compile_threads_make_a_windows_pipelines_at_once(ctx, monkeypatch):
+    """LFM2JIT_COMPILE_THREADS: build() hands each pipeline to a compile thread and returns; the flush
+    waits for all of them; the results are those of pipelines made one at a time."""
+    from lfm2jit.runtime import recorder
+    from lfm2jit.runtime.recorder import ThreadMade
+    monkeypatch.setattr(recorder, "SUBMIT_EVERY", 2)
+    serial, threaded = ComputeEngine(ctx), ComputeEngine(ctx)
+    threaded.compiles_async, threaded.compile_threads = False, 3
+    module = compile_source("\n".join(f"kernel mul{k}(x: f32[N]) -> (y: f32[N]) {{ y = x * {k}.0 + 1.0 }}"
+                                       for k in range(1, 6)))
+    x = np.random.default_rng(2).standard_normal(37).astype(np.float32)
+    outs = []
+    for engine in (serial, threaded):
+        t = engine.tensor(x)
+        for kernel in module:
+            t = engine.run(kernel, x=t)["y"]
+        outs.append(t)
+    assert len(threaded._compiling) == 5 and all(isinstance(p, ThreadMade) for c in threaded._compiling for p in c.made)
+    assert not serial._compiling
+    np.testing.assert_array_equal(outs[1].numpy(), outs[0].numpy())
+    assert not threaded._compiling
+    threads = {t.name for t in __import__("threading").enumerate()}
+    assert any(name.startswith("lfm2jit-compile") for name in threads)
+
+
+def test_a_pipeline_refused_on_a_compile_thread_fails_its_flush(ctx, monkeypatch):
+    from lfm2jit.runtime.recorder import ShaderCompileError
+
+    def refuse(**kw):
+        raise RuntimeError("create_compute_pipeline failed: workgroup too large")
+    engine = ComputeEngine(ctx)
+    engine.compiles_async, engine.compile_threads = False, 2
+    kernel = compile_source("kernel thrice(x: f32[N]) -> (y: f32[N]) { y = x * 3.0 }").thrice
+    x = engine.tensor(np.arange(3, dtype=np.float32))
+    with monkeypatch.context() as m:
+        m.setattr(engine.device, "create_compute_pipeline", refuse)
+        engine.run(kernel, x=x)
+        with pytest.raises(ShaderCompileError, match="(?s)refused a pipeline for kernel 'thrice'.*workgroup too large"):
+            engine.flush()
+    assert not engine._commands
+    np.testing.assert_array_equal(engine.run(kernel, x=x)["y"].numpy(), [0, 3, 6])
+
+
+def test_compile_threads_setting(monkeypatch):
+    from lfm2jit.settings import SettingsError, settings
+    monkeypatch.setenv("LFM2JIT_COMPILE_THREADS", "8")
+    assert settings().compile_threads == 8
+    monkeypatch.setenv("LFM2JIT_COMPILE_THREADS", "-1")
+    with pytest.raises(SettingsError, match="LFM2JIT_COMPILE_THREADS='-1': expected a whole number >= 0"):
+        settings()
