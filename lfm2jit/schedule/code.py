@@ -34,7 +34,7 @@ class SeqLen:
 
 @dataclass(frozen=True)
 class Bin:
-    op: str            # "+", "-", "*", "/", "%", "max", "min"
+    op: str            # "+", "-", "*", "/", "%", "|" (of disjoint bits: a lane of an aligned vec4), "max", "min"
     a: "Index"
     b: "Index"
 

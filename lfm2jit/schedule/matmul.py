@@ -23,7 +23,7 @@ from ..ir.ops import Op
 from ..ir.partition import find_contraction, gemm_axes
 from ..tune import heuristics
 from ..tune.tiles import MatrixTiles, TileConfig
-from .code import COMPUTE_TYPE, Index, Let, Value, Var
+from .code import COMPUTE_TYPE, Bin, Const, Index, Let, Value, Var
 from .layout import extent, strides
 from .lower import Lowerer
 from .spec import PORTABLE, EntryPoint, MatrixConfig, Plan, Scratch
@@ -46,9 +46,11 @@ class Operand:
     loads: int = 0
     # a computed operand (ir.partition.is_prologue): ``fetch`` computes its element (gr, gk) of this
     # batch as ``value`` (f32), reading the tensors it decodes; ``tensor`` then only names it, and
-    # the strides are those of its logical layout (which invocation fetches which element)
+    # the strides are those of its logical layout (which invocation fetches which element). Fetched
+    # by vec4s (``vec``), it computes the next three elements along that axis too (``lanes``).
     fetch: tuple[Let, ...] = ()
     value: Value | None = None
+    lanes: tuple[Value, ...] = ()
 
     @property
     def k_fast(self) -> bool:
@@ -248,16 +250,32 @@ def epilogue_frags(p: MatrixParams, workgroup_bytes: int) -> int:
 
 
 def computed_operand(x, label: str, row_axis: str, k_axis: str, batch_axis: str | None, sizes: dict[str, int],
-                     loads: int) -> Operand:
+                     loads: int, vectors: bool = False, split: str | None = None) -> Operand:
     """A prologue operand (ir.partition.is_prologue): its element (gr, gk) of batch ``batch`` computed
-    by lets in the fetch, reading the tensors it decodes; ``loads`` scalar reads per invocation a k-step."""
+    by lets in the fetch, reading the tensors it decodes; ``loads`` scalar reads per invocation a k-step.
+    ``vectors`` (the matrix template): four elements a fetch along the axis its logical layout is
+    contiguous in (``contiguity``; not ``split``, where a grouping starts it anywhere), so an
+    invocation decodes neighbours (an NF4 word's, an int8 word's) and stages them in one vec4."""
     st = strides(x.shape, sizes)
+    vec = None
+    if vectors:
+        vec = contiguity(Operand(label, "f32", st[row_axis], st[k_axis], st[batch_axis] if batch_axis else 0),
+                         row_axis, k_axis, sizes)
+        vec = None if vec == split else vec
     index_of = {row_axis: Var("gr"), k_axis: Var("gk")} | ({batch_axis: Var("batch")} if batch_axis else {})
-    lower = Lowerer(sizes, index_of, prefix="pf")
-    bound: dict[int, str] = {}
-    lets = tuple(lower.emit([x], bound))
-    return Operand(label, "f32", st[row_axis], st[k_axis], st[batch_axis] if batch_axis else 0, None, loads, lets,
-                   lower.ref(x, "f32", bound))
+    along = {"k": k_axis, "m": row_axis}.get(vec)
+    lets: list[Let] = []
+    values = []
+    for lane in range(4 if vec else 1):
+        # the fetch's vec4s start at multiples of 4, so lane j is index | j: an OR a shading compiler
+        # sees drop out of index >> 2 (the word an NF4 or int8 weight decodes from), one load for four
+        at = index_of if lane == 0 else {**index_of, along: Bin("|", index_of[along], Const(lane))}
+        lower = Lowerer(sizes, at, prefix=f"pf{lane}_" if vec else "pf")
+        bound: dict[int, str] = {}
+        lets += lower.emit([x], bound)
+        values.append(lower.ref(x, "f32", bound))
+    return Operand(label, "f32", st[row_axis], st[k_axis], st[batch_axis] if batch_axis else 0, vec, loads,
+                   tuple(lets), values[0], tuple(values[1:]))
 
 
 def contiguity(op: Operand, row_axis: str, k: str, sizes: dict[str, int]) -> str | None:
@@ -368,7 +386,7 @@ def plan(ir: KernelIR, sizes: dict[str, int], accumulate: frozenset[str], tiles=
 
     def _computed(x, row_axis: str, rows: int, kk: str) -> Operand:
         return computed_operand(x, f"computed {'A' if row_axis == m_axis else 'B'}", row_axis, kk, bt, sizes,
-                                0 if matrix else rows * tiles.bk // tiles.threads)
+                                0 if matrix else rows * tiles.bk // tiles.threads, vectors=matrix)
 
     rows = (tiles.wm, tiles.wn) if matrix else (tiles.bm, tiles.bn)
     pairs = [_operands(t, m_axis, n_axis) for t in terms]
@@ -413,7 +431,7 @@ def plan(ir: KernelIR, sizes: dict[str, int], accumulate: frozenset[str], tiles=
     else:
         template, params = "matmul", MatmulParams(tiles=tiles, **common)
         tile_m, tile_n = tiles.bm, tiles.bn
-    vectors = tuple(dict.fromkeys((op.tensor, 4) for pair in reads for op in pair if op.vec))
+    vectors = tuple(dict.fromkeys((op.tensor, 4) for pair in reads for op in pair if op.vec and op.value is None))
     if matrix and tiles.tail:      # one row of workgroups: the whole-K tiles, then the tail's slices
         head = params.tiles_y * (params.tiles_x - tiles.tail)
         grid = (head + tiles.split * tiles.tail * params.tiles_y, 1, batches)

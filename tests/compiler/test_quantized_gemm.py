@@ -124,12 +124,16 @@ F16_PRODUCTS = {      # the products of a decoded linear layer in --f16 mode: ac
 
 @pytest.mark.parametrize("out", F16_PRODUCTS)
 def test_decoded_f16_products_go_to_the_matrix_units(out):
+    """... each fetch decoding four neighbours (along K forward, along the weight's rows for d_x) into
+    one vec4 where the weight's contiguous axis is a multiple of 4, else one element."""
     kernel = F16_PRODUCTS[out](library.get("linear_nf4"))
-    sizes = {"T": 40, "N": 48, "K": 64, "P": 48 * 64 // 8, "B": 48, "C": 16}
-    spec = kernel.specialize(sizes, 16, target=MATRIX_UNITS)
-    assert spec.template == "matmul_matrix"
-    wgsl = render(spec)
-    assert "subgroupMatrixMultiplyAccumulate" in wgsl and "codes_[" in wgsl
+    for n, k, by_vec4 in ((48, 64, True), (48, 45, False)):
+        sizes = {"T": 40, "N": n, "K": k, "P": -(-n * k // 8), "B": -(-n * k // 64), "C": 16}
+        spec = kernel.specialize(sizes, 16, target=MATRIX_UNITS)
+        assert spec.template == "matmul_matrix"
+        wgsl = render(spec)
+        assert "subgroupMatrixMultiplyAccumulate" in wgsl and "codes_[" in wgsl
+        assert ("= vec4<f16>(vec4<f32>(pf0_" in wgsl) == by_vec4, (n, k)
 
 
 @pytest.mark.parametrize("T,N,K", [(37, 50, 45), (5, 130, 192)])
@@ -152,6 +156,22 @@ def test_nf4_linear_on_the_matrix_template(matrix_engine, rng, T, N, K):
     dx = engine.run(bwd, d_y=engine.tensor(dy), **packed, dims={"N": N, "K": K}, bucket=16)["d_x"].numpy()
     want = dy.astype(np.float64) @ wd
     assert np.all(np.abs(dx.astype(np.float64) - want) <= 2e-3 * (np.abs(dy).astype(np.float64) @ np.abs(wd)) + 1e-2)
+
+
+def test_int8_linear_on_the_matrix_template(matrix_engine, rng):
+    """The int8 weight decoded four neighbours a fetch (four bytes of one word) on the matrix template."""
+    engine, (T, N, K) = matrix_engine, (21, 132, 64)
+    x = rng.standard_normal((T, K)).astype(np.float16)
+    dy = rng.standard_normal((T, N)).astype(np.float16)
+    q = quantize_int8(rng.standard_normal((N, K)).astype(np.float32), "w")
+    wd = dequantize_int8(q).astype(np.float16).astype(np.float64)
+    packed = dict(codes=engine.tensor(q.words()), scale=engine.tensor(q.scale))
+    fwd = library.get("linear_int8").without({"r"}).variant("f16", {"codes", "scale"})
+    y = engine.run(fwd, x=engine.tensor(x), **packed, bucket=16)["y"].numpy().astype(np.float64)
+    assert np.all(np.abs(y - x.astype(np.float64) @ wd.T) <= 2e-3 * (np.abs(x).astype(np.float64) @ np.abs(wd).T) + 1e-2)
+    bwd = grad(library.get("linear_int8").without({"r"}), ["x"], ["y"]).variant("f16", {"codes", "scale"})
+    dx = engine.run(bwd, d_y=engine.tensor(dy), **packed, dims={"K": K}, bucket=16)["d_x"].numpy().astype(np.float64)
+    assert np.all(np.abs(dx - dy.astype(np.float64) @ wd) <= 2e-3 * (np.abs(dy).astype(np.float64) @ np.abs(wd)) + 1e-2)
 
 
 def test_a_table_lookup_operand_is_computed_in_the_fetch(engine, rng):
