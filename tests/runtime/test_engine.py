@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from lfm2jit import ComputeEngine, Tensor, compile_source
+from lfm2jit import ComputeEngine, Tensor, WgpuContext, compile_source
 from lfm2jit.runtime.context import AdapterError, choose_adapter, native_adapters
 from lfm2jit.runtime.recorder import MAX_GROUPS_PER_DIM, fold_workgroups
 from lfm2jit.runtime.pool import size_class
@@ -396,10 +396,16 @@ def test_a_pipeline_refused_on_a_compile_thread_fails_its_flush(ctx, monkeypatch
     np.testing.assert_array_equal(engine.run(kernel, x=x)["y"].numpy(), [0, 3, 6])
 
 
-def test_compile_threads_setting(monkeypatch):
+def test_compile_threads_setting(ctx, monkeypatch):
+    from lfm2jit.runtime.implementations import IMPLEMENTATIONS
     from lfm2jit.settings import SettingsError, settings
     monkeypatch.setenv("LFM2JIT_COMPILE_THREADS", "8")
     assert settings().compile_threads == 8
+    made = WgpuContext.create(webgpu=ctx.implementation)
+    # threads where the implementation's device takes calls from any thread (Dawn: with the feature)
+    safe = IMPLEMENTATIONS[ctx.implementation].threads_need <= set(made.adapter.features)
+    assert made.compile_threads == (8 if safe else 0)
+    assert ComputeEngine(made).compile_threads == made.compile_threads
     monkeypatch.setenv("LFM2JIT_COMPILE_THREADS", "-1")
     with pytest.raises(SettingsError, match="LFM2JIT_COMPILE_THREADS='-1': expected a whole number >= 0"):
         settings()
