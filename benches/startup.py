@@ -51,6 +51,7 @@ def child(args) -> None:
                       "device_s": device - imported, "model_s": ready - device, "init_draw_s": drawing,
                       "step_s": done - ready, "loss": stats[-1].loss, "adapter": ctx.name,
                       "compile_threads": ctx.compile_threads,
+                      "dawn_blobs": ctx.binaries.cache.stats.as_dict() if ctx.binaries is not None else None,
                       "webgpu": ctx.implementation, "pipelines": engine.stats.misses,
                       "wgsl_rendered": engine.stats.misses - engine.stats.disk_hits,
                       "compile_s": engine.stats.compile_seconds,
@@ -127,7 +128,8 @@ def main() -> None:
         print(f"{name}: first step after {x['first_step_s']:.2f}s (import {x['import_s']:.2f}s, device "
               f"{x['device_s']:.2f}s, model {x['model_s']:.2f}s of which the host draws {x['init_draw_s']:.2f}s, step {x['step_s']:.2f}s; compile {x['compile_s']:.2f}s): "
               f"{x['pipelines']} pipelines, {x['wgsl_rendered']} WGSL rendered, "
-              f"{x['driver_entries_written']} driver cache files written")
+              f"{x['driver_entries_written']} driver cache files written"
+              + (f", Dawn blobs {b['hits']} hit/{b['misses']} missed/{b['stores']} stored" if (b := x["dawn_blobs"]) else ""))
     print(f"# {lines['cold']['adapter']} ({lines['cold']['webgpu']}), {args.preset} {args.shape[0]}x{args.shape[1]}"
           + (" f16" if args.f16 else ""))
     if args.json:

@@ -139,8 +139,11 @@ def cache_lines(ctx, cache_dir) -> list[str]:
     if refused:
         return [f"LFM2JIT_CACHE_DIR={cache_dir} is not used: {refused}"]
     drivers = {os.environ.get(n) for n in ("MESA_SHADER_CACHE_DIR", "__GL_SHADER_DISK_CACHE_PATH")} - {None}
+    dawn = (f"Dawn's blob cache (SPIR-V, Vulkan pipeline cache): {ctx.binaries.cache.files.root}"
+            if getattr(ctx, "binaries", None) is not None
+            else "no pipeline cache of the implementation's own (Dawn's with LFM2JIT_DAWN_BLOB_CACHE=on)")
     return [f"LFM2JIT_CACHE_DIR={cache_dir}: compiled pipelines kept between processes:",
-            f"  generated WGSL: {cache_dir}",
+            f"  generated WGSL: {cache_dir}", f"  {dawn}",
             f"  the driver's shader disk cache (Mesa, NVIDIA): {', '.join(sorted(drivers))}"]
 
 

@@ -110,17 +110,23 @@ class CheckedFiles:
     def __init__(self, root: Path, what: str | None):
         self.root = Path(root)
         self.refused = untrusted_reason(self.root)
+        self.damaged = False      # whether the last entry loaded failed its check
         if self.refused and what is not None:
             import warnings
             warnings.warn(f"{what} {self.root} is not used: {self.refused}; point it at a directory of your own "
                           "that only you can write", stacklevel=3)
 
     def load(self, name: str) -> bytes | None:
+        """The entry's contents; None where it is missing, or damaged (then ``damaged`` is True)."""
+        self.damaged = False
         raw = None if self.refused else read_own_file(self.root / name)
         if raw is None:
             return None
         head, _, body = raw.partition(b"\n")
-        return body if head == self.HEADER + hashlib.sha256(body).hexdigest().encode() else None
+        if head != self.HEADER + hashlib.sha256(body).hexdigest().encode():
+            self.damaged = True
+            return None
+        return body
 
     def store(self, name: str, body: bytes) -> None:
         if not self.refused:

@@ -4,8 +4,9 @@ LFM2JIT_ADAPTER    substring of the adapter name/vendor/backend to use (default:
 LFM2JIT_ADAPTER_INDEX  N: of several equally good adapters (two GPUs of one kind), the N-th (mod
                    their number), in the order the implementation lists them; python -m trainer
                    --distributed mpi sets it to each rank's local rank, one GPU per rank (default 0)
-LFM2JIT_CACHE_DIR  directory for the on-disk caches: generated WGSL and the GPU driver's shader
-                   cache (driver/) (default: no disk cache)
+LFM2JIT_CACHE_DIR  directory for the on-disk caches: generated WGSL, the shipped kernels' syntax
+                   trees (ast/), the GPU driver's shader cache (driver/) and, with
+                   LFM2JIT_DAWN_BLOB_CACHE=on, Dawn's blob cache (blobs/) (default: no disk cache)
 LFM2JIT_DUMP_DIR   directory where every WGSL the engine compiles is also written (default: none)
 LFM2JIT_TIMING     1 to time every dispatch with GPU timestamp queries (default: off)
 LFM2JIT_AUTOTUNE   1 to benchmark the matmul and attention tile candidates (and the slices of long
@@ -28,6 +29,10 @@ LFM2JIT_DAWN_ROBUSTNESS  on, or off to ask Dawn for devices without its bounds c
                    buffer access (the device toggle disable_robustness). lfm2jit's kernels keep
                    their own reads and writes in bounds, but off trusts that: a measured, opt-in
                    speed setting, never the default (default: on)
+LFM2JIT_DAWN_BLOB_CACHE  on to give Dawn devices a blob cache in LFM2JIT_CACHE_DIR/blobs (Tint's
+                   SPIR-V and the Vulkan pipeline cache kept between processes; the driver's own
+                   disk cache keeps binaries either way where it has one) (default: off, until a
+                   GPU has run it: an earlier declaration of its descriptor crashed Dawn)
 LFM2JIT_LIMITS     raised (ask the adapter for its highest storage-binding, buffer, workgroup and
                    storage-buffer-count limits) or default (ask for none: the device has exactly
                    WebGPU's default limits, what browsers and many integrated and mobile GPUs give;
@@ -78,6 +83,7 @@ class Settings:
     host_copy_threads: int
     limits: str
     compile_threads: int
+    dawn_blob_cache: bool
 
 
 def _path(name: str) -> Path | None:
@@ -101,6 +107,7 @@ def settings() -> Settings:
         host_copy_threads=_index("LFM2JIT_HOST_COPY_THREADS", default=min(4, os.cpu_count() or 1), least=1),
         limits=_choice("LFM2JIT_LIMITS", LIMIT_MODES),
         compile_threads=_index("LFM2JIT_COMPILE_THREADS"),
+        dawn_blob_cache=_on_off("LFM2JIT_DAWN_BLOB_CACHE", default=False),
     )
 
 

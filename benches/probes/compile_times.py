@@ -71,8 +71,8 @@ def with_sync_feature() -> None:
     """Dawn's devices requested with implicit-device-synchronization where the adapter has it."""
     dawn = implementations.IMPLEMENTATIONS["dawn"]
     request = dawn.request_device
-    dawn.request_device = lambda adapter, features, limits: request(
-        adapter, features | ({SYNC_FEATURE} & set(adapter.features)), limits)
+    dawn.request_device = lambda adapter, features, limits, *rest: request(
+        adapter, features | ({SYNC_FEATURE} & set(adapter.features)), limits, *rest)
 
 
 def engine_for(serial: bool) -> ComputeEngine:

@@ -135,7 +135,7 @@ class WgpuContext:
     """The device everything runs on, with the optional features it offers and raised limits."""
 
     def __init__(self, adapter, device, features: frozenset[str], implementation: str = "wgpu-native",
-                 subgroup_matrix_configs: tuple[dict, ...] = (), compile_threads: int = 0):
+                 subgroup_matrix_configs: tuple[dict, ...] = (), compile_threads: int = 0, binaries=None):
         """``compile_threads``: threads that make pipelines synchronously, a window's all at once
         (0: the implementation's own way); the implementation's device must be safe to call from
         several threads (``IMPLEMENTATIONS[...].threads_need``)."""
@@ -151,6 +151,7 @@ class WgpuContext:
         if self.compiles_async:
             self.settle_compiles = IMPLEMENTATIONS[implementation].settle
         self.compile_threads = compile_threads
+        self.binaries = binaries      # Dawn's blob cache (runtime/dawn_cache.py) where one is in use
         self.subgroup_matrix_configs = subgroup_matrix_configs
         self._engines: weakref.WeakSet = weakref.WeakSet()
 
@@ -172,9 +173,10 @@ class WgpuContext:
             features |= impl.threads_need
         limits = ({k: adapter.limits[k] for k in RAISED_LIMITS if k in adapter.limits} if opts.limits == "raised"
                   else {k: v for k, v in WEBGPU_DEFAULT_LIMITS.items() if k in adapter.limits})
-        device = impl.request_device(adapter, features, limits)
+        binaries = impl.binary_cache(adapter, opts.cache_dir)     # kept alive with the device
+        device = impl.request_device(adapter, features, limits, binaries)
         return cls(adapter, device, features, impl.name, impl.subgroup_matrix_configs(adapter),
-                   opts.compile_threads if threaded else 0)
+                   opts.compile_threads if threaded else 0, binaries)
 
     @functools.cached_property
     def name(self) -> str:

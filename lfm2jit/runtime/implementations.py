@@ -4,14 +4,16 @@ Both packages present wgpu-py's API (their enums and flags have the same values)
 but finding adapters and making a device is shared. Dawn reaches the matrix units through its
 experimental subgroup matrices; wgpu-native reaches Mesa's lavapipe, which Dawn does not list.
 Compiled pipelines persist between processes through the driver's own disk cache
-(runtime/driver_cache.py).
+(runtime/driver_cache.py) and, with LFM2JIT_DAWN_BLOB_CACHE=on, Dawn's blob cache (``binary_cache``).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 
 from ..settings import DAWN_DEVICE_DISABLED_TOGGLES, DAWN_INSTANCE_TOGGLES, settings
+from .blob_cache import BlobCache
 from .cffi_types import parse_only_named_typedefs
 
 SUBGROUP_MATRIX = "chromium-experimental-subgroup-matrix"
@@ -38,7 +40,12 @@ class WgpuNative:
     def adapters(self) -> list:
         return list(self.module.gpu.enumerate_adapters_sync())
 
-    def request_device(self, adapter, features, limits):
+    def binary_cache(self, adapter, cache_dir):
+        """None: wgpu-native 0.32 exports no pipeline-cache functions (its PipelineCache feature has
+        no create call), so only the driver's disk cache keeps its pipelines."""
+        return None
+
+    def request_device(self, adapter, features, limits, binaries=None):
         return adapter.request_device_sync(required_features=sorted(features), required_limits=limits)
 
     def subgroup_matrix_configs(self, adapter) -> tuple[dict, ...]:
@@ -82,10 +89,34 @@ class Dawn:
             self.extras.process_events()
             time.sleep(SETTLE_POLL_S)
 
-    def request_device(self, adapter, features, limits):
+    def binary_cache(self, adapter, cache_dir):
+        """A DawnCacheDescriptor over a BlobCache in ``cache_dir`` scoped to this Dawn build, adapter
+        and driver (None unless LFM2JIT_DAWN_BLOB_CACHE=on, or without a cache directory of this
+        user's own)."""
+        if cache_dir is None or not settings().dawn_blob_cache:
+            return None
+        from .dawn_cache import DawnCacheDescriptor
+        cache = BlobCache(cache_dir, self.scope(adapter))
+        return None if cache.refused else DawnCacheDescriptor(cache)
+
+    def scope(self, adapter) -> str:
+        """What a compiled artefact is valid for: Dawn's build, the adapter and its driver (Vulkan's
+        driver UUID where Dawn gives it) and the device toggles lfm2jit varies."""
+        from wgpudawn._lib import dawn_version
+        info = adapter.info
+        uuids = self.extras.get_adapter_properties(adapter).get("vulkan_uuids", {})
+        return " | ".join([f"dawn {dawn_version}, wgpudawn {self.module.__version__}",
+                           *(str(info.get(k, "")) for k in ("vendor", "architecture", "device", "description",
+                                                           "backend_type", "adapter_type")),
+                           uuids.get("driver_uuid", b"").hex(), uuids.get("device_uuid", b"").hex(),
+                           f"robustness {settings().dawn_robustness}"])
+
+    def request_device(self, adapter, features, limits, binaries=None):
         unclamped = () if settings().dawn_robustness else ("disable_robustness",)
-        return self.extras.request_device_sync(adapter, required_features=sorted(features), required_limits=limits,
-                                               enable_toggles=unclamped, disable_toggles=DAWN_DEVICE_DISABLED_TOGGLES)
+        with binaries.chained_to_device_requests() if binaries is not None else contextlib.nullcontext():
+            return self.extras.request_device_sync(adapter, required_features=sorted(features),
+                                                   required_limits=limits, enable_toggles=unclamped,
+                                                   disable_toggles=DAWN_DEVICE_DISABLED_TOGGLES)
 
     def subgroup_matrix_configs(self, adapter) -> tuple[dict, ...]:
         """The adapter's subgroup-matrix shapes and types, as Dawn lists them (none without the feature)."""
