@@ -70,6 +70,14 @@
 #                                         then --f16 train steps at 8x512 with each staging as the
 #                                         default -> $OUT/<card>_staging_tests_dawn.log, <card>_staging.json,
 #                                         <card>_staging_train_{f16,vec4}.json
+#   bash benches/h200.sh compile          on Dawn, issue 52's cold start in one call: benches/startup.py at LFM2-350M 8x512 --f16
+#                                         with Dawn's own asynchronous compiles, with LFM2JIT_COMPILE_THREADS=8, and with
+#                                         LFM2JIT_DAWN_BLOB_CACHE=on; then benches/probes/compile_times.py (each compile of that
+#                                         window alone, and serial / async / threads / helper-device compiles of it)
+#                                         -> $OUT/<card>_startup_threads{0,8}_blobs_{off,on}.json, <card>_compile_times.log
+#   bash benches/h200.sh nf4              on Dawn, issue 49's NF4 speed in one call: benches/probes/decoded_tiles.py (the
+#                                         decoded GEMMs per tile beside f16's), then LoRA r = 8 at LFM2-2.6B 1x2048 --f16 on an
+#                                         f16 and an nf4 base -> $OUT/<card>_decoded_tiles.log, <card>_qlora_2.6B_{f16,nf4}.json
 #   bash benches/h200.sh mpi              the host side of the gradient exchange: benches/readback.py (1 and 4 copy threads),
 #                                         then benches/mpi_exchange.py (no GPU) with 2 ranks under MPICH's transports and
 #                                         settings, and with 4 -> $OUT/h200_readback.json, $OUT/h200_mpi_exchange.log
@@ -215,6 +223,27 @@ packing)
     for scale in 1 8; do
         timeout "${PACKING_TIMEOUT:-280}" python3 -m lfm2jit.bench --only packing --model-preset 350M --packing-window 16 --f16 --steps 3 \
             --length-scale "$scale" --json "$OUT/${card}_packing_f16_x${scale}.json" 2>&1 | grep "^packing"
+    done
+    ;;
+compile)
+    export LFM2JIT_WEBGPU=dawn
+    card=$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -o "H[0-9]*" | head -1 | tr A-Z a-z)
+    for run in "0 off" "8 off" "0 on"; do
+        set -- $run
+        LFM2JIT_COMPILE_THREADS=$1 LFM2JIT_DAWN_BLOB_CACHE=$2 timeout 150 python3 benches/startup.py --preset 350M \
+            --shape 8x512 --f16 --json "$OUT/${card}_startup_threads$1_blobs_$2.json" 2>&1 | tail -3
+    done
+    timeout 280 python3 benches/probes/compile_times.py --preset 350M --shape 8x512 --f16 --top 12 --threads 8 2>&1 \
+        | tee "$OUT/${card}_compile_times.log" | tail -20
+    ;;
+nf4)
+    export LFM2JIT_WEBGPU=dawn
+    card=$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -o "H[0-9]*" | head -1 | tr A-Z a-z)
+    timeout 200 python3 benches/probes/decoded_tiles.py 2>&1 | tee "$OUT/${card}_decoded_tiles.log" | tail -12
+    for base in f16 nf4; do
+        timeout 170 python3 -m lfm2jit.bench --only train --f16 --model-preset 2.6B --train-shapes 1x2048 --steps 2 \
+            --lora 8 --base-dtype "$base" --json "$OUT/${card}_qlora_2.6B_$base.json" 2>&1 | grep "^train\|^# model" \
+            || echo "train     2.6B $base: no line (timed out?)"
     done
     ;;
 qlora)
