@@ -41,12 +41,16 @@ def _decode(entry) -> object | None:
         return None
 
 
-def even_ends(params, dims: dict[str, int]) -> np.ndarray:
+def routed_ends(params, dims: dict[str, int]) -> np.ndarray:
     """A grouped GEMM's ``ends`` [E] with its rows (the slots: M, or K for the weight gradient; see
-    schedule/grouped.py's axes) split as evenly as can be among the experts, as a balanced router's."""
+    schedule/grouped.py's axes) routed as a router with no preference routes them: each row to an
+    expert drawn at random (seeded, so every tuning sees the same counts). Not an even split: the
+    experts' counts then spread, and most experts end in a partly filled tile row, whose cost
+    decides between tall and short tiles as it does in training."""
     group = params.group
     rows = dims[params.axes[0] if group.over == "m" else params.axes[2]]
-    return ((np.arange(1, group.experts + 1) * rows) // group.experts).astype(np.int32)
+    counts = np.random.default_rng(0).multinomial(rows, np.full(group.experts, 1.0 / group.experts))
+    return np.cumsum(counts).astype(np.int32)
 
 
 class Tuner:
@@ -89,8 +93,8 @@ class Tuner:
             return engine.zero_(engine.empty(tuple(dims[a] if a in dims else int(a) for a in t.shape), t.dtype))
 
         args = {t.name: scratch(t) for t in kernel.ir.inputs}       # shared: the tiles do not change them
-        if isinstance(getattr(params, "group", None), Grouping):     # a grouped GEMM's work is its routing: a balanced one
-            args[params.group.ends] = engine.tensor(even_ends(params, dims))
+        if isinstance(getattr(params, "group", None), Grouping):     # a grouped GEMM's work is its routing: a random one
+            args[params.group.ends] = engine.tensor(routed_ends(params, dims))
         out = {t.name: scratch(t) for t in kernel.ir.outputs if t.name in accumulate}
         runs = {c: self._compiled_run(kernel, dims, bucket, accumulate, c, args, out) for c in options}
         ready = [run for run in runs.values() if run is not None]

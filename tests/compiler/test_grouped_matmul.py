@@ -263,10 +263,10 @@ def test_every_tile_shape_gives_the_same_products(engine, tiles):
     assert tried[0] == spec.params.tiles and len(tried) > 1 and all(t.split == 1 for t in tried)
 
 
-def test_autotuned_grouped_gemms_time_a_balanced_routing_and_compute_the_same(ctx, tmp_path, monkeypatch):
-    """With LFM2JIT_AUTOTUNE the grouped GEMMs are tuned on a balanced routing (the tuner's zero
+def test_autotuned_grouped_gemms_time_a_routing_and_compute_the_same(ctx, tmp_path, monkeypatch):
+    """With LFM2JIT_AUTOTUNE the grouped GEMMs are tuned on a seeded random routing (the tuner's zero
     inputs would route nothing, so every candidate would time an empty grid) and the winner gives
-    numpy's numbers on a random one."""
+    numpy's numbers on another one."""
     from lfm2jit import ComputeEngine
     monkeypatch.setenv("LFM2JIT_AUTOTUNE", "1")
     monkeypatch.setenv("LFM2JIT_CACHE_DIR", str(tmp_path))
@@ -287,14 +287,20 @@ def test_autotuned_grouped_gemms_time_a_balanced_routing_and_compute_the_same(ct
         assert all('"split": 1' in k.replace("'", '"') for k in b["seconds"]) and max(b["seconds"].values()) < float("inf")
 
 
-def test_the_tuners_routing_splits_the_rows_evenly():
-    from lfm2jit.tune.autotune import even_ends
+def test_the_tuners_routing_is_a_random_routers():
+    """Every row goes to one expert, the same way each time, and the counts spread as a router's
+    with no preference do (binomial: the tuner then sees experts ending in partly filled tiles)."""
+    from lfm2jit.tune.autotune import routed_ends
     for kernel, dims, rows in ((K_.gmm, {"S": 10, "K": 8, "N": 8, "E": 4}, 10),
-                               (K_.gmm_dw, {"S": 1001, "K": 16, "N": 24, "E": 7}, 1001)):
+                               (K_.gmm_dw, {"S": 8192, "K": 16, "N": 24, "E": 32}, 8192)):
         params = kernel.kernels[0].specialize(dims).params
-        ends = even_ends(params, dims)
+        ends = routed_ends(params, dims)
         counts = np.diff(np.concatenate([[0], ends]))
-        assert ends.dtype == np.int32 and ends[-1] == rows and counts.max() - counts.min() <= 1
+        assert ends.dtype == np.int32 and ends[-1] == rows and counts.min() >= 0
+        assert np.array_equal(ends, routed_ends(params, dims))
+    mean, sd = rows / 32, np.sqrt(rows / 32 * (1 - 1 / 32))
+    assert abs(counts.mean() - mean) < 1e-9 and 0.5 * sd < counts.std() < 1.5 * sd
+    assert (counts % 128 != 0).sum() > 16           # most experts end in a partly filled 128-row tile
 
 
 def test_no_dense_compute_the_grid_covers_each_experts_rows_once(engine):
