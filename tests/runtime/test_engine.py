@@ -332,20 +332,28 @@ def test_async_compiles_are_all_issued_before_the_first_wait(ctx, monkeypatch):
     assert not engine._compiling
 
 
-def test_a_refused_async_pipeline_fails_its_flush_and_is_not_kept(ctx, monkeypatch):
-    """Dawn reports a refused asynchronous compile when it is waited for: that flush raises, the work
-    recorded with it is dropped, and the next call compiles the kernel again."""
+@pytest.mark.parametrize("way", ["async", "threads"])
+def test_a_refused_pipeline_fails_its_flush_and_is_not_kept(ctx, monkeypatch, way):
+    """Dawn reports a refused asynchronous compile when it is waited for, and a compile thread when
+    its future is read: that flush raises, the work recorded with it is dropped, and the next call
+    compiles the kernel again."""
     from lfm2jit.runtime.recorder import ShaderCompileError
+
+    def refuse(**kw):
+        raise RuntimeError("create_compute_pipeline failed: workgroup too large")
 
     class Refused:
         def sync_wait(self):
-            raise RuntimeError("create_compute_pipeline failed: workgroup too large")
+            refuse()
     engine = ComputeEngine(ctx)
-    engine.compiles_async, engine.compile_threads = True, 0
+    engine.compiles_async, engine.compile_threads = (True, 0) if way == "async" else (False, 2)
     kernel = compile_source("kernel twice(x: f32[N]) -> (y: f32[N]) { y = x * 2.0 }").twice
     x = engine.tensor(np.arange(3, dtype=np.float32))
     with monkeypatch.context() as m:
-        m.setattr(engine.device, "create_compute_pipeline_async", lambda **kw: Refused())
+        if way == "async":
+            m.setattr(engine.device, "create_compute_pipeline_async", lambda **kw: Refused())
+        else:
+            m.setattr(engine.device, "create_compute_pipeline", refuse)
         engine.run(kernel, x=x)
         with pytest.raises(ShaderCompileError, match="(?s)refused a pipeline for kernel 'twice'.*workgroup too large"):
             engine.flush()
@@ -376,24 +384,6 @@ def test_compile_threads_make_a_windows_pipelines_at_once(ctx, monkeypatch):
     assert not threaded._compiling
     threads = {t.name for t in __import__("threading").enumerate()}
     assert any(name.startswith("lfm2jit-compile") for name in threads)
-
-
-def test_a_pipeline_refused_on_a_compile_thread_fails_its_flush(ctx, monkeypatch):
-    from lfm2jit.runtime.recorder import ShaderCompileError
-
-    def refuse(**kw):
-        raise RuntimeError("create_compute_pipeline failed: workgroup too large")
-    engine = ComputeEngine(ctx)
-    engine.compiles_async, engine.compile_threads = False, 2
-    kernel = compile_source("kernel thrice(x: f32[N]) -> (y: f32[N]) { y = x * 3.0 }").thrice
-    x = engine.tensor(np.arange(3, dtype=np.float32))
-    with monkeypatch.context() as m:
-        m.setattr(engine.device, "create_compute_pipeline", refuse)
-        engine.run(kernel, x=x)
-        with pytest.raises(ShaderCompileError, match="(?s)refused a pipeline for kernel 'thrice'.*workgroup too large"):
-            engine.flush()
-    assert not engine._commands
-    np.testing.assert_array_equal(engine.run(kernel, x=x)["y"].numpy(), [0, 3, 6])
 
 
 def test_compile_threads_setting(ctx, monkeypatch):
