@@ -143,6 +143,7 @@ def cache_lines(ctx, cache_dir) -> list[str]:
             if getattr(ctx, "binaries", None) is not None
             else "no pipeline cache of the implementation's own (Dawn's with LFM2JIT_DAWN_BLOB_CACHE=on)")
     return [f"LFM2JIT_CACHE_DIR={cache_dir}: compiled pipelines kept between processes:",
+            f"  the shipped kernels' syntax trees: {cache_dir / 'ast'}",
             f"  generated WGSL: {cache_dir}", f"  {dawn}",
             f"  the driver's shader disk cache (Mesa, NVIDIA): {', '.join(sorted(drivers))}"]
 
