@@ -140,7 +140,7 @@ def cache_lines(ctx, cache_dir) -> list[str]:
         return [f"LFM2JIT_CACHE_DIR={cache_dir} is not used: {refused}"]
     drivers = {os.environ.get(n) for n in ("MESA_SHADER_CACHE_DIR", "__GL_SHADER_DISK_CACHE_PATH")} - {None}
     dawn = (f"Dawn's blob cache (SPIR-V, Vulkan pipeline cache): {ctx.binaries.cache.files.root}"
-            if getattr(ctx, "binaries", None) is not None
+            if ctx.binaries is not None
             else "no pipeline cache of the implementation's own (Dawn's with LFM2JIT_DAWN_BLOB_CACHE=on)")
     return [f"LFM2JIT_CACHE_DIR={cache_dir}: compiled pipelines kept between processes:",
             f"  the shipped kernels' syntax trees: {cache_dir / 'ast'}",

@@ -269,19 +269,21 @@ class CacheStats:
 def parsed(text: str, filename: str, files: CheckedFiles | None = None) -> ast.SourceFile:
     """``parse(text, filename)``, kept in ``files`` by a hash of the compiler and both arguments: a
     new process reads the shipped kernels' syntax trees instead of parsing them (ops/library.py)."""
-    name = hashlib.sha256(f"{compiler_fingerprint()}:{filename}:{text}".encode()).hexdigest()[:32] + ".pickle"
-    kept = files.load(name) if files is not None else None      # None: absent, damaged, or not ours
-    if kept is not None:
-        try:
-            src = pickle.loads(kept)      # a checked entry of this user's own directory (CheckedFiles)
-            SOURCE_STATS.read_back += 1
-            return src
-        except Exception:  # noqa: BLE001 - an entry this compiler cannot read is parsed again
-            pass
+    name = None
+    if files is not None:
+        name = hashlib.sha256(f"{compiler_fingerprint()}:{filename}:{text}".encode()).hexdigest()[:32] + ".pickle"
+        kept = files.load(name)           # None: absent, damaged, or not ours
+        if kept is not None:
+            try:
+                src = pickle.loads(kept)  # a checked entry of this user's own directory (CheckedFiles)
+                SOURCE_STATS.read_back += 1
+                return src
+            except Exception:  # noqa: BLE001 - an entry this compiler cannot read is parsed again
+                pass
     from .dsl.parser import parse       # lark, imported only where a source is parsed
     src = parse(text, filename)
     SOURCE_STATS.parsed += 1
-    if files is not None:
+    if name is not None:
         files.store(name, pickle.dumps(src))
     return src
 

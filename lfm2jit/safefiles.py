@@ -107,26 +107,32 @@ class CheckedFiles:
 
     HEADER = b"lfm2jit cache entry, sha256 of the rest: "
 
-    def __init__(self, root: Path, what: str | None):
+    def __init__(self, root: Path, what: str | None, refused: str | None = None):
         self.root = Path(root)
-        self.refused = untrusted_reason(self.root)
-        self.damaged = False      # whether the last entry loaded failed its check
+        self.refused = refused or untrusted_reason(self.root)
         if self.refused and what is not None:
             import warnings
             warnings.warn(f"{what} {self.root} is not used: {self.refused}; point it at a directory of your own "
                           "that only you can write", stacklevel=3)
 
-    def load(self, name: str) -> bytes | None:
-        """The entry's contents; None where it is missing, or damaged (then ``damaged`` is True)."""
-        self.damaged = False
+    @classmethod
+    def inside(cls, cache_dir: Path, subdir: str) -> "CheckedFiles":
+        """The cache in ``cache_dir / subdir``, refused (and not created) where ``cache_dir`` itself
+        is not this user's own: a private subdirectory of a shared one could still be swapped."""
+        return cls(Path(cache_dir) / subdir, None, untrusted_reason(Path(cache_dir)))
+
+    def read(self, name: str) -> tuple[bytes | None, bool]:
+        """The entry's contents (None where missing or damaged), and whether it was damaged."""
         raw = None if self.refused else read_own_file(self.root / name)
         if raw is None:
-            return None
+            return None, False
         head, _, body = raw.partition(b"\n")
         if head != self.HEADER + hashlib.sha256(body).hexdigest().encode():
-            self.damaged = True
-            return None
-        return body
+            return None, True
+        return body, False
+
+    def load(self, name: str) -> bytes | None:
+        return self.read(name)[0]
 
     def store(self, name: str, body: bytes) -> None:
         if not self.refused:

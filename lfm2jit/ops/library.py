@@ -6,7 +6,7 @@ from functools import lru_cache
 from importlib import resources
 
 from ..driver import Kernel, compile_source, name_kernels_with
-from ..safefiles import CheckedFiles, untrusted_reason
+from ..safefiles import CheckedFiles
 from ..settings import settings
 
 
@@ -20,7 +20,7 @@ def sources() -> dict[str, str]:
 def kernels() -> dict[str, Kernel]:
     out: dict[str, Kernel] = {}
     root = settings().cache_dir          # their syntax trees kept there between processes, if it is ours
-    cache = CheckedFiles(root / "ast", None) if root is not None and untrusted_reason(root) is None else None
+    cache = CheckedFiles.inside(root, "ast") if root is not None else None
     for fname, text in sources().items():
         for k in compile_source(text, f"lfm2jit/ops/kernels/{fname}", cache):
             if k.name in out:

@@ -16,7 +16,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..safefiles import CheckedFiles, untrusted_reason
+from ..safefiles import CheckedFiles
 
 SUBDIR = "blobs"
 
@@ -35,11 +35,13 @@ class BlobStats:
 class BlobCache:
     def __init__(self, cache_dir: Path, scope: str):
         self.scope = scope
-        self.refused = untrusted_reason(Path(cache_dir))
-        self.files = CheckedFiles(Path(cache_dir) / SUBDIR / hashlib.sha256(scope.encode()).hexdigest()[:32], None)
-        self.refused = self.refused or self.files.refused
+        self.files = CheckedFiles.inside(cache_dir, f"{SUBDIR}/{hashlib.sha256(scope.encode()).hexdigest()[:32]}")
         self.stats = BlobStats()
         self._lock = threading.Lock()      # Dawn calls from its pipeline-compiling threads
+
+    @property
+    def refused(self) -> str | None:
+        return self.files.refused
 
     def path(self, key: bytes) -> Path:
         return self.files.root / self._name(key)
@@ -50,12 +52,12 @@ class BlobCache:
 
     def load(self, key: bytes) -> bytes | None:
         """The value stored under ``key``, or None (a miss, or an entry that fails its checks)."""
-        with self._lock:       # CheckedFiles.load notes damage on itself
-            body = None if self.refused else self.files.load(self._name(key))
-            problem = ("its contents do not match their checksum" if not self.refused and self.files.damaged
-                       else "it belongs to another key" if body is not None and body[:32] != hashlib.sha256(key).digest()
-                       else None)
-            found = None if body is None or problem else body[32:]
+        body, damaged = self.files.read(self._name(key))
+        problem = ("its contents do not match their checksum" if damaged
+                   else "it belongs to another key" if body is not None and body[:32] != hashlib.sha256(key).digest()
+                   else None)
+        found = None if body is None or problem else body[32:]
+        with self._lock:
             self.stats.hits += found is not None
             self.stats.misses += found is None
             self.stats.rejected += problem is not None
