@@ -28,7 +28,6 @@ def child(args) -> None:
     """One fresh process: a model, one train window, its counts as a JSON line on stdout."""
     from lfm2jit import ComputeEngine, WgpuContext
     from lfm2jit.model import Lfm2Config, Lfm2Model
-    from lfm2jit.model.checkpoint import init_tensors
     from lfm2jit.runtime import driver_cache
     from lfm2jit.settings import settings
 
@@ -44,11 +43,8 @@ def child(args) -> None:
     ready = time.time()
     stats = train_window(model, args.shape, args.f16)
     done = time.time()
-    drawing = time.time()      # after the step, so the model's own init is timed as it ran: the host
-    init_tensors(cfg, 0)       # draw alone, the rest of model_s being the upload and its wait
-    drawing = time.time() - drawing
     print(json.dumps({"done": done, "imported": imported, "device_and_model_s": ready - imported,
-                      "device_s": device - imported, "model_s": ready - device, "init_draw_s": drawing,
+                      "device_s": device - imported, "model_s": ready - device,
                       "step_s": done - ready, "loss": stats[-1].loss, "adapter": ctx.name,
                       "compile_threads": ctx.compile_threads,
                       "dawn_blobs": ctx.binaries.cache.stats.as_dict() if ctx.binaries is not None else None,
@@ -126,7 +122,7 @@ def main() -> None:
             shutil.rmtree(cache, ignore_errors=True)
     for name, x in lines.items():
         print(f"{name}: first step after {x['first_step_s']:.2f}s (import {x['import_s']:.2f}s, device "
-              f"{x['device_s']:.2f}s, model {x['model_s']:.2f}s of which the host draws {x['init_draw_s']:.2f}s, step {x['step_s']:.2f}s; compile {x['compile_s']:.2f}s): "
+              f"{x['device_s']:.2f}s, model {x['model_s']:.2f}s, step {x['step_s']:.2f}s; compile {x['compile_s']:.2f}s): "
               f"{x['pipelines']} pipelines, {x['wgsl_rendered']} WGSL rendered, "
               f"{x['driver_entries_written']} driver cache files written"
               + (f", Dawn blobs {b['hits']} hit/{b['misses']} missed/{b['stores']} stored" if (b := x["dawn_blobs"]) else ""))

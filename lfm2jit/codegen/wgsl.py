@@ -38,8 +38,9 @@ REDUCE_COMBINE = {Op.SUM: "{0} + {1}", Op.RMAX: "max({0}, {1})"}
 
 
 def buffer(name: str) -> str:
-    """The WGSL variable of a tensor binding: suffixed, so a user's name can never collide with a
-    WGSL keyword or builtin, or with a template's own variables (none of which ends in '_')."""
+    """The WGSL name of a tensor binding or of a runtime scalar's Info field: suffixed, so a user's
+    name can never collide with a WGSL keyword or builtin, or with a template's own variables (none
+    of which ends in '_')."""
     return f"{name}_"
 
 
@@ -172,7 +173,7 @@ def _(x: Load) -> str:
 
 @spell.register
 def _(x: ScalarArg) -> str:
-    return f"info.{x.name}"
+    return f"info.{buffer(x.name)}"
 
 
 @spell.register

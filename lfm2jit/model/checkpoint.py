@@ -10,7 +10,6 @@ import json
 import mmap
 import os
 import struct
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
@@ -23,7 +22,7 @@ from .shards import write_weights
 
 SAVE_DTYPES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}     # ours -> safetensors' names
 _STORED = {"F32": "f32", "F64": "f32", "F16": "f16", "BF16": "bf16"}
-# (name, shape) -> how a tensor is held as it is read or drawn: float32 (a false value), float16 (True,
+# (name, shape) -> how a tensor is held as it is read: float32 (a false value), float16 (True,
 # an f16 base's) or quantized ("nf4", "int8": a quantized base's, see ``hold``)
 Narrow = Callable[[str, tuple], "bool | str | None"]
 
@@ -354,55 +353,30 @@ def save_checkpoint(directory: Path, cfg: Lfm2Config, tensors: dict[str, np.ndar
     return write_weights(d, arrays, max_shard_size, {n: SAVE_DTYPES[dtype] for n in arrays})
 
 
-def normal(rng: np.random.Generator, shape, std: float, f16: bool = False) -> np.ndarray:
-    """normal(0, std) drawn as f32 (as f16 with ``f16``: the same values, narrowed). A tensor of more
-    than NORMAL_CHUNK elements is drawn in chunks, each from its own stream spawned from ``rng``, on
-    several threads (numpy's generators release the GIL while filling): its values depend on the
-    seed alone, not on the number of threads, and a small tensor's are drawn from ``rng`` as ever."""
-    out = np.empty(shape, np.float16 if f16 else np.float32)
-    flat = out.reshape(-1)
-    if flat.size <= NORMAL_CHUNK:
-        _fill_normal(rng, flat, std)
-        return out
-    starts = range(0, flat.size, NORMAL_CHUNK)
-    streams = rng.spawn(len(starts))
-    with ThreadPoolExecutor(min(os.cpu_count() or 1, 16)) as pool:
-        list(pool.map(lambda i: _fill_normal(streams[i], flat[starts[i]:starts[i] + NORMAL_CHUNK], std),
-                      range(len(starts))))
-    return out
+def initial_value(name: str) -> str:
+    """How transformers initialises LFM2's (or LFM2-MoE's) tensor ``name``: "ones" (norm weights),
+    "zeros" (biases, an MoE router's expert_bias buffer) or "normal" (normal(0, initializer_range))."""
+    if "norm" in name:
+        return "ones"
+    if name.endswith(".bias") or name.endswith(".expert_bias"):
+        return "zeros"
+    return "normal"
 
 
-NORMAL_CHUNK = 1 << 20      # elements per spawned stream of a large tensor (4 MB of f32)
+def initial_array(rng: np.random.Generator, name: str, shape, std: float) -> np.ndarray:
+    """Tensor ``name`` as ``initial_value`` says, its normal draws float32 from ``rng``."""
+    kind = initial_value(name)
+    if kind == "normal":
+        return rng.standard_normal(shape, dtype=np.float32) * np.float32(std)
+    return (np.ones if kind == "ones" else np.zeros)(shape, np.float32)
 
 
-def _fill_normal(rng: np.random.Generator, out: np.ndarray, std: float) -> None:
-    """``out`` (1-D, f32 or f16) filled with normal(0, std) drawn as f32 from ``rng``."""
-    drawn = out if out.dtype == np.float32 else np.empty(out.size, np.float32)
-    rng.standard_normal(out=drawn, dtype=np.float32)
-    drawn *= std
-    if drawn is not out:
-        out[:] = drawn
-
-
-def drawn(rng: np.random.Generator, name: str, shape, std: float, narrow: Narrow | None):
-    """normal(0, std) for tensor ``name``, held as ``narrow(name, shape)`` says as it is drawn (``hold``)."""
-    form = narrow(name, shape) if narrow is not None else None
-    return hold(name, normal(rng, shape, std, form in (True, "f16")), form)
-
-
-def init_tensors(cfg: Lfm2Config, seed: int, narrow: Narrow | None = None) -> dict[str, np.ndarray]:
-    """As transformers initialises LFM2: normal(0, initializer_range) for linear, conv and embedding
-    weights, zeros for biases and the padding token's embedding row, ones for norm weights, each held
-    as ``narrow(name, shape)`` says as it is drawn (float16, quantized: ``hold``)."""
+def init_tensors(cfg: Lfm2Config, seed: int) -> dict[str, np.ndarray]:
+    """A new LFM2's tensors as host arrays, initialised as transformers does (``initial_value``; the
+    padding token's embedding row zero), drawn by numpy: for tools and tests that want arrays.
+    ``Lfm2Model(cfg, ...)`` draws its own on the GPU (model/device_init.py), from another generator."""
     rng = np.random.default_rng(seed)
-    out = {}
-    for name, shape in parameter_shapes(cfg).items():
-        if "norm" in name:
-            out[name] = np.ones(shape, np.float32)
-        elif name.endswith(".bias"):
-            out[name] = np.zeros(shape, np.float32)
-        else:
-            out[name] = drawn(rng, name, shape, cfg.initializer_range, narrow)
+    out = {name: initial_array(rng, name, shape, cfg.initializer_range) for name, shape in parameter_shapes(cfg).items()}
     pad = cfg.pad_token_id
     if pad is not None and 0 <= pad < cfg.vocab_size:      # nn.Embedding(padding_idx) starts at zero
         out[EMBEDDING][pad] = 0.0

@@ -38,9 +38,9 @@ import numpy as np
 from ..ops import precision
 from ..runtime import Tensor, arena
 from ..runtime.tensor import DTYPES
-from . import lora_attach, staging
+from . import device_init, lora_attach, staging
 from .adapters import LoraAdapters
-from .checkpoint import (EMBEDDING, FINAL_NORM, check_tensors, init_tensors, load_checkpoint, read_generation_eos,
+from .checkpoint import (EMBEDDING, FINAL_NORM, check_tensors, load_checkpoint, read_generation_eos,
                          save_checkpoint)
 from .config import Lfm2Config
 from .generate import Sampling, check_request, eos_ids, generate
@@ -48,7 +48,7 @@ from .ids import DeviceIds, Segments, check_ids, check_segments
 from .layers import Kernels, ResidualSaved, Rope, Rows, decoder_block
 from .quantized_base import QuantizedWeight
 from .lora import AdapterError, LoraConfig, check_weights, init_weights, read_adapter, write_adapter
-from .moe_checkpoint import init_moe_tensors, moe_model_tensors, save_moe_pretrained
+from .moe_checkpoint import moe_model_tensors, save_moe_pretrained
 from .moe_config import Lfm2MoeConfig, read_model_config
 
 
@@ -82,7 +82,8 @@ class Lfm2Model:
     def __init__(self, cfg: Lfm2Config | Lfm2MoeConfig, ctx, engine, seed: int = 0, tensors: dict[str, np.ndarray] | None = None,
                  activation_dtype: str = "f32", recompute_mlp: bool = False, base_dtype: str = "f32",
                  checkpoint_layers: int | str = 0):
-        """``base_dtype="f16"`` (or "nf4", "int8") keeps the decoder's linear weights (and an MoE
+        """Without ``tensors``, a new model initialised from ``seed`` on the GPU (model/device_init.py).
+        ``base_dtype="f16"`` (or "nf4", "int8") keeps the decoder's linear weights (and an MoE
         model's expert tensors) as frozen f16 (or quantized) from the start, each as it is drawn or
         read, for LoRA on a base too large to hold in f32 even for a moment (add_lora(base_dtype=...)
         narrows an f32 base after the fact).
@@ -97,12 +98,15 @@ class Lfm2Model:
         self.recompute_mlp = recompute_mlp     # backward recomputes the MLP's a and b too (layers/mlp.py)
         self._checkpoint_layers = _check_checkpoint_layers(checkpoint_layers, len(cfg.layer_types))
         lora_attach.check_base_dtype(base_dtype, ctx)
-        tensors, buffers = _model_tensors(cfg, seed, tensors, lora_attach.held_as(base_dtype))
-        # carved side by side (runtime/arena.py): the optimizer steps a run of them in one dispatch
-        self._params: dict[str, Tensor] = lora_attach.upload_parameters(
-            ctx, tensors, set(lora_attach.base_linears(cfg)) if base_dtype != "f32" else set(), base_dtype)
-        # tensors the checkpoint holds that are never trained (an MoE router's expert_bias)
-        self._buffers: dict[str, Tensor] = {n: Tensor.from_numpy(ctx, a.astype(np.float32)) for n, a in buffers.items()}
+        # carved side by side (runtime/arena.py): the optimizer steps a run of them in one dispatch;
+        # _buffers: tensors the checkpoint holds that are never trained (an MoE router's expert_bias)
+        if tensors is None:         # drawn on the GPU
+            self._params, self._buffers = device_init.initial_parameters(ctx, engine, cfg, seed, base_dtype)
+        else:
+            tensors, buffers = _model_tensors(cfg, tensors)
+            self._params = lora_attach.upload_parameters(
+                ctx, tensors, set(lora_attach.base_linears(cfg)) if base_dtype != "f32" else set(), base_dtype)
+            self._buffers = {n: Tensor.from_numpy(ctx, a.astype(np.float32)) for n, a in buffers.items()}
         self.lora: LoraAdapters | None = None
         # per sparse layer, the tokens its training passes routed to each expert since take_routed_tokens
         self.routed_tokens: dict[int, Tensor] = {
@@ -303,7 +307,7 @@ class Lfm2Model:
         return write_model(path, self.cfg, self.state_dict(), tokenizer or self.source_dir, outtype, name)
 
     def load_state(self, tensors: dict[str, np.ndarray]) -> None:
-        params, buffers = _model_tensors(self.cfg, 0, tensors)         # all checked before any is written
+        params, buffers = _model_tensors(self.cfg, tensors)            # all checked before any is written
         for name, arr in {**params, **buffers}.items():
             t = self._params[name] if name in self._params else self._buffers[name]
             t.write(arr.astype(DTYPES.get(t.dtype, np.float32)))     # a quantized weight quantizes it
@@ -521,12 +525,12 @@ class Lfm2Model:
                   order=ids.order, bounds=ids.bounds, rows=ids.rows, out={"d_table": emb.grad}, accumulate={"d_table"})
 
 
-def _model_tensors(cfg, seed: int, tensors, narrow=None) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-    """(parameters, buffers) of a model of ``cfg``: ``tensors`` checked (and an MoE checkpoint's
-    experts fused), or a fresh initialisation from ``seed`` (float16 where ``narrow`` says)."""
+def _model_tensors(cfg, tensors) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """(parameters, buffers) of a model of ``cfg`` from ``tensors``: checked, and an MoE
+    checkpoint's experts fused."""
     if isinstance(cfg, Lfm2MoeConfig):
-        return moe_model_tensors(cfg, init_moe_tensors(cfg, seed, narrow) if tensors is None else tensors)
-    return check_tensors(cfg, init_tensors(cfg, seed, narrow) if tensors is None else tensors), {}
+        return moe_model_tensors(cfg, tensors)
+    return check_tensors(cfg, tensors), {}
 
 
 def _check_checkpoint_layers(value, n_layers: int) -> int | str:

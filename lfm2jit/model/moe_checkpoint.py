@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .checkpoint import (SAVE_DTYPES, CheckpointError, Narrow, Tensors, _narrow, check_tensors, drawn, load_checkpoint,
+from .checkpoint import (SAVE_DTYPES, CheckpointError, Tensors, _narrow, check_tensors, initial_array, load_checkpoint,
                          parameter_shapes, write_config)
 from .moe_config import Lfm2MoeConfig
 from .quantize import QuantizedHost, quantized_concat, quantized_reshape, quantized_rows
@@ -273,19 +273,12 @@ def save_moe_pretrained(directory, cfg: Lfm2MoeConfig, tensors: dict, dtype: str
     return write_weights(d, arrays, max_shard_size, dtypes)
 
 
-def init_moe_tensors(cfg: Lfm2MoeConfig, seed: int, narrow: Narrow | None = None) -> dict[str, np.ndarray]:
-    """As transformers initialises LFM2-MoE: normal(0, initializer_range) for linear, conv, router,
-    expert and embedding weights, zeros for biases, the expert_bias buffers and the padding token's
-    embedding row, ones for norm weights; each held as ``narrow(name, shape)`` says (``hold``)."""
+def init_moe_tensors(cfg: Lfm2MoeConfig, seed: int) -> dict[str, np.ndarray]:
+    """A new LFM2-MoE's tensors (per expert, beside the expert_bias buffers) as host arrays,
+    initialised as transformers does (``initial_value``; the padding token's embedding row zero),
+    drawn by numpy; ``Lfm2Model`` draws its own on the GPU (model/device_init.py)."""
     rng = np.random.default_rng(seed)
-    out = {}
-    for name, shape in moe_tensor_shapes(cfg).items():
-        if "norm" in name:
-            out[name] = np.ones(shape, np.float32)
-        elif name.endswith(".bias") or is_buffer(name):
-            out[name] = np.zeros(shape, np.float32)
-        else:
-            out[name] = drawn(rng, name, shape, cfg.initializer_range, narrow)
+    out = {name: initial_array(rng, name, shape, cfg.initializer_range) for name, shape in moe_tensor_shapes(cfg).items()}
     pad = cfg.pad_token_id
     if pad is not None:
         out["model.embed_tokens.weight"][pad] = 0.0

@@ -115,15 +115,21 @@ def carve_like(recorder, tensors: Sequence[Tensor]) -> list[Tensor]:
     return out
 
 
-def upload(ctx, arrays: Sequence[np.ndarray], dtype: str = "f32") -> list[Tensor]:
-    """Long-lived tensors holding these arrays (a model's parameters), carved as ``carve`` does
+def allocate(ctx, shapes: Sequence[tuple[int, ...]], dtype: str = "f32") -> list[Tensor]:
+    """Long-lived zero tensors of these shapes (a model's parameters), carved as ``carve`` does
     but out of buffers of their own, outside the pool (whose peak counts what a step uses). A
     new WebGPU buffer is zeros, so the padding is too."""
-    shapes = [tuple(np.shape(a)) for a in arrays]
+    shapes = [tuple(s) for s in shapes]
     item = ITEMSIZE[dtype]
     out: list[Tensor | None] = [None] * len(shapes)
     for nbytes, placed in _layout(ctx, shapes, item):
         _views(Tensor.empty(ctx, (nbytes // item,), dtype), placed, shapes, dtype, out)
+    return out
+
+
+def upload(ctx, arrays: Sequence[np.ndarray], dtype: str = "f32") -> list[Tensor]:
+    """``allocate``d tensors holding these arrays."""
+    out = allocate(ctx, [np.shape(a) for a in arrays], dtype)
     for t, a in zip(out, arrays):
         if t.size:
             t.write(a)

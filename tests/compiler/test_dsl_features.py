@@ -159,3 +159,15 @@ def test_a_sum_of_literals_chosen_by_where_counts_in_f32(engine, rng):
         idx = rng.integers(0, 5, (t, 3)).astype(np.int32)
         got = engine.run(k, bucket=8, dims={"E": 5}, idx=engine.tensor(idx))["ends"].numpy()
         np.testing.assert_array_equal(got, np.cumsum(np.bincount(idx.ravel(), minlength=5)))
+
+
+@pytest.mark.parametrize("name", ["std", "var", "let", "select", "info", "main"])
+def test_a_scalar_or_tensor_may_be_named_like_a_wgsl_keyword_or_builtin(engine, rng, name):
+    """Runtime scalars live in the Info uniform and tensors in bindings, both under suffixed WGSL
+    names, so a kernel's own names never collide with WGSL's (``std`` once rendered a struct field
+    that Tint and naga refuse)."""
+    k = one(f"kernel k(x: f32[T, D], {name}: f32) -> (y: f32[T, D]) {{ y = x * {name} }}")
+    x = rng.standard_normal((5, 3)).astype(np.float32)
+    assert rel_err(engine.run(k, bucket=4, x=engine.tensor(x), **{name: 1.5})["y"].numpy(), 1.5 * x) < TOL
+    t = one(f"kernel t({name}: f32[T, D]) -> (y: f32[T, D]) {{ y = {name} + 1.0 }}")
+    assert rel_err(engine.run(t, bucket=4, **{name: engine.tensor(x)})["y"].numpy(), x + 1.0) < TOL

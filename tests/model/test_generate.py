@@ -199,7 +199,7 @@ def test_greedy_equals_transformers_on_a_trained_checkpoint(ctx, tmp_path):
     model = Lfm2Model(cfg, ctx, engine, seed=0)
     tr = Trainer(model, AdamW(lr=3e-3), ctx, engine).with_length_bucket(16)
     rng = np.random.default_rng(0)
-    for _ in range(60):
+    for _ in range(100):
         start, step = int(rng.integers(3, 60)), int(rng.integers(1, 4))
         seq = [(start + step * i) % cfg.vocab_size for i in range(24)]
         tr.train_step(seq[:-1], seq[1:], model.parameters())

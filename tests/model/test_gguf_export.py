@@ -378,9 +378,10 @@ def test_save_gguf_of_an_moe_model(ctx, engine, tmp_path, tokenizer_dir):
     """The model holds its experts fused and its expert bias as a buffer: the same file as from the
     per-expert checkpoint tensors it was initialised from."""
     cfg = Lfm2MoeConfig.preset("tiny-moe")
-    model = Lfm2Model(cfg, ctx, engine, seed=6)
+    tensors = init_moe_tensors(cfg, seed=6)
+    model = Lfm2Model(cfg, ctx, engine, tensors=tensors)
     model.save_gguf(tmp_path / "model.gguf", "bf16", tokenizer=tokenizer_dir)
-    ge.write_model(tmp_path / "tensors.gguf", cfg, init_moe_tensors(cfg, seed=6), tokenizer_dir, "bf16")
+    ge.write_model(tmp_path / "tensors.gguf", cfg, tensors, tokenizer_dir, "bf16")
     assert (tmp_path / "model.gguf").read_bytes() == (tmp_path / "tensors.gguf").read_bytes()
 
 

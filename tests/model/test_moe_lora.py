@@ -223,9 +223,9 @@ def test_a_model_loaded_with_an_f16_base_equals_one_narrowed_after_loading(ctx, 
 @pytest.mark.parametrize("source", ["bf16 checkpoint", "random init"])
 def test_an_f16_base_is_narrowed_on_the_host_as_it_is_read_or_drawn(ctx, engine, tmp_path, source):
     """The host never holds an f16 base in f32 at once either: a checkpoint's linear and expert
-    tensors are narrowed one by one as they are read, a random init's as each is drawn. Same values
-    as narrowing the f32 model; the host's peak (tracemalloc: numpy's arrays and the file's bytes)
-    well under the f32 build's, at a shape where the experts are most of the model."""
+    tensors are narrowed one by one as they are read (the host's peak, tracemalloc: numpy's arrays
+    and the file's bytes, well under the f32 build's, at a shape where the experts are most of the
+    model); a random init's are drawn on the GPU as f16. Same values as narrowing the f32 model."""
     if not ctx.has_f16:
         pytest.skip(f"{ctx.name} has no shader-f16")
     tracemalloc = pytest.importorskip("tracemalloc")
@@ -242,7 +242,8 @@ def test_an_f16_base_is_narrowed_on_the_host_as_it_is_read_or_drawn(ctx, engine,
             tracemalloc.stop()
     wide, wide_peak = build("f32")
     narrow, narrow_peak = build("f16")
-    assert narrow_peak < 0.7 * wide_peak, (narrow_peak, wide_peak)
+    if source != "random init":
+        assert narrow_peak < 0.7 * wide_peak, (narrow_peak, wide_peak)
     for n, t in narrow._params.items():
         want = wide.p(n).numpy()
         np.testing.assert_array_equal(t.numpy(), want.astype(np.float16) if t.dtype == "f16" else want, err_msg=n)
@@ -259,10 +260,11 @@ def _packed(weight) -> tuple[np.ndarray, ...]:
                                            ("random init", 192), ("per-expert checkpoint", 12)])
 def test_a_quantized_base_is_quantized_on_the_host_as_it_is_read_or_drawn(ctx, engine, tmp_path, dtype, source, width):
     """A quantized base is never held in f32 either: each linear and expert tensor is quantized as it
-    is read (either expert form) or drawn, and the experts' pieces joined in that form, with the codes
-    and scales bit for bit those of quantizing the model's f32 tensors whole, and the host's peak
-    well under the f32 build's. Experts that do not split into whole NF4 blocks (width 12: 768
-    elements a piece) are read in f32 and quantized whole, as before."""
+    is read (either expert form), and the experts' pieces joined in that form, the host's peak well
+    under the f32 build's; a random init's are drawn on the GPU and quantized one by one. The codes
+    and scales are bit for bit those of quantizing the model's f32 tensors whole. Experts that do
+    not split into whole NF4 blocks (width 12: 768 elements a piece) are read in f32 and quantized
+    whole, as before."""
     from safetensors.numpy import save_file
     from lfm2jit.model.checkpoint import load_checkpoint
     from lfm2jit.model.moe_checkpoint import fuse_experts
@@ -293,7 +295,7 @@ def test_a_quantized_base_is_quantized_on_the_host_as_it_is_read_or_drawn(ctx, e
     for n in quantized:
         for got, want in zip(_packed(held.p(n)), _packed(whole.p(n))):
             np.testing.assert_array_equal(got, want, err_msg=n)
-    if width != 12:
+    if width != 12 and source != "random init":
         assert held_peak < 0.6 * wide_peak, (held_peak, wide_peak)
 
 
