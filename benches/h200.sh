@@ -78,6 +78,10 @@
 #   bash benches/h200.sh nf4              on Dawn, issue 49's NF4 speed in one call: benches/probes/decoded_tiles.py (the
 #                                         decoded GEMMs per tile beside f16's), then LoRA r = 8 at LFM2-2.6B 1x2048 --f16 on an
 #                                         f16 and an nf4 base -> $OUT/<card>_decoded_tiles.log, <card>_qlora_2.6B_{f16,nf4}.json
+#   bash benches/h200.sh robust [MODES]   issue 51's robustness on Dawn, for each LFM2JIT_DAWN_ROBUSTNESS mode (default: on narrow
+#                                         off): the device's toggles and the matrix-unit GEMM tests against float64 on it, the
+#                                         matrix group (fwd, dX, dW at the LFM2-350M shapes and 4096^3) and --f16 train steps at
+#                                         8x512 -> $OUT/<card>_robust.log, <card>_robust_<mode>.json, <card>_robust_train_<mode>.json
 #   bash benches/h200.sh mpi              the host side of the gradient exchange: benches/readback.py (1 and 4 copy threads),
 #                                         then benches/mpi_exchange.py (no GPU) with 2 ranks under MPICH's transports and
 #                                         settings, and with 4 -> $OUT/h200_readback.json, $OUT/h200_mpi_exchange.log
@@ -302,6 +306,20 @@ staging)
             --steps 2 --json "$OUT/${card}_staging_train_$staging.json" 2>&1 | grep "^train"
     done
     ;;
+robust)
+    export LFM2JIT_WEBGPU=dawn
+    card=$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -o "H[0-9]*" | head -1 | tr A-Z a-z)
+    shift
+    for mode in ${@:-on narrow off}; do
+        export LFM2JIT_DAWN_ROBUSTNESS=$mode
+        timeout 100 python3 -m pytest -q -p no:cacheprovider -rs tests/runtime/test_webgpu.py tests/compiler/test_matrix_units.py \
+            -k "robustness or float64" 2>&1 | tail -1 | sed "s/^/$mode tests: /"
+        timeout 150 python3 benches/bench.py --only matrix --json "$OUT/${card}_robust_$mode.json" 2>&1 | grep "^matrix" \
+            | sed "s/^/$mode /"
+        timeout 60 python3 -m lfm2jit.bench --only train --f16 --train-shapes 8x512 --steps 2 \
+            --json "$OUT/${card}_robust_train_$mode.json" 2>&1 | grep "^train" | sed "s/^/$mode /"
+    done | tee "$OUT/${card}_robust.log"
+    ;;
 mpi)
     export LFM2JIT_WEBGPU=dawn
     install_mpi
@@ -317,6 +335,6 @@ mpi)
     } | tee "$OUT/h200_mpi_exchange.log"
     ;;
 *)
-    echo "usage: bash benches/h200.sh tests | matrix | speed [BASE] | startup [BASE] | lora | attention | decode | gradsync | limits | moe | moelora | qlora [8B-A1B] | ckpt | packing | longctx | staging | mpi" >&2; exit 2 ;;
+    echo "usage: bash benches/h200.sh tests | matrix | speed [BASE] | startup [BASE] | lora | attention | decode | gradsync | limits | moe | moelora | qlora [8B-A1B] | ckpt | packing | longctx | staging | compile | nf4 | robust [MODES] | mpi" >&2; exit 2 ;;
 esac
 echo "took $(( $(date +%s) - start )) s"

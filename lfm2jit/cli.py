@@ -155,7 +155,7 @@ def cmd_info(args) -> None:
         return run_startup_bench()
     from .runtime.context import AdapterError, WgpuContext, _quiet_stderr, describe, ensure_runtime_dir
     from .runtime.implementations import IMPLEMENTATIONS
-    from .settings import settings
+    from .settings import DAWN_ROBUSTNESS_TOGGLES, settings
     ensure_runtime_dir()    # before any driver opens, as WgpuContext.create does (else lavapipe complains)
     for name, impl in IMPLEMENTATIONS.items():
         try:
@@ -171,7 +171,8 @@ def cmd_info(args) -> None:
     opts = settings()
     print(f"\nLFM2JIT_WEBGPU={opts.webgpu}: {ctx.implementation}, adapter {ctx.name}")
     if ctx.implementation == "dawn":
-        print(f"LFM2JIT_DAWN_ROBUSTNESS: {'on' if opts.dawn_robustness else 'off (bounds clamping disabled)'}")
+        print(f"LFM2JIT_DAWN_ROBUSTNESS={opts.dawn_robustness}: device toggles "
+              + (", ".join(DAWN_ROBUSTNESS_TOGGLES[opts.dawn_robustness]) or "none (Dawn clamps every access)"))
     print(f"features requested: {', '.join(sorted(ctx.features)) or 'none'}")
     print("subgroup matrix configs: " + ("; ".join(str(c) for c in ctx.subgroup_matrix_configs) or "none"))
     mode = opts.matrix_units

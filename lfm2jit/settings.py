@@ -25,10 +25,14 @@ LFM2JIT_MATRIX_STAGING  f16 or vec4: how the default tiles of the dense matrix G
                    as four f16 stores, or in one store into vec4-typed tiles whose fragments load in
                    vec4 units (GEMMs: where every operand is read as vec4s); the autotuner tries
                    both (default: f16, until the GPU measures vec4: see docs/design.md)
-LFM2JIT_DAWN_ROBUSTNESS  on, or off to ask Dawn for devices without its bounds clamping of every
-                   buffer access (the device toggle disable_robustness). lfm2jit's kernels keep
-                   their own reads and writes in bounds, but off trusts that: a measured, opt-in
-                   speed setting, never the default (default: on)
+LFM2JIT_DAWN_ROBUSTNESS  on; narrow (Dawn's clamps left out where its integer range analysis proves
+                   an index in bounds, and subgroup-matrix loads and stores of storage buffers
+                   left to the Vulkan driver's robust access: the device toggles
+                   enable_integer_range_analysis_in_robustness and
+                   vulkan_use_cooperative_matrix_robust_access); or off, devices without its bounds
+                   clamping of every access (disable_robustness). lfm2jit's kernels keep their own
+                   reads and writes in bounds, but off trusts that: measured, opt-in speed
+                   settings, never the default (default: on)
 LFM2JIT_DAWN_BLOB_CACHE  on to give Dawn devices a blob cache in LFM2JIT_CACHE_DIR/blobs (Tint's
                    SPIR-V and the Vulkan pipeline cache kept between processes; the driver's own
                    disk cache keeps binaries either way where it has one) (default: off, until a
@@ -62,6 +66,12 @@ DAWN_DEVICE_DISABLED_TOGGLES = ("timestamp_quantization",)
 MATRIX_UNIT_MODES = ("auto", "off", "emulate")
 MATRIX_STAGINGS = ("f16", "vec4")
 LIMIT_MODES = ("raised", "default")
+# LFM2JIT_DAWN_ROBUSTNESS -> the Dawn device toggles it enables
+DAWN_ROBUSTNESS_TOGGLES = {
+    "on": (),
+    "narrow": ("enable_integer_range_analysis_in_robustness", "vulkan_use_cooperative_matrix_robust_access"),
+    "off": ("disable_robustness",),
+}
 
 
 class SettingsError(ValueError):
@@ -77,7 +87,7 @@ class Settings:
     timing: bool
     autotune: bool
     webgpu: str
-    dawn_robustness: bool
+    dawn_robustness: str          # a DAWN_ROBUSTNESS_TOGGLES key
     matrix_units: str
     matrix_staging: str
     host_copy_threads: int
@@ -101,7 +111,7 @@ def settings() -> Settings:
         timing=os.environ.get("LFM2JIT_TIMING", "").strip() in ("1", "true", "yes"),
         autotune=os.environ.get("LFM2JIT_AUTOTUNE", "").strip() in ("1", "true", "yes"),
         webgpu=os.environ.get("LFM2JIT_WEBGPU", "").strip().lower() or "auto",
-        dawn_robustness=_on_off("LFM2JIT_DAWN_ROBUSTNESS", default=True),
+        dawn_robustness=_choice("LFM2JIT_DAWN_ROBUSTNESS", tuple(DAWN_ROBUSTNESS_TOGGLES)),
         matrix_units=_choice("LFM2JIT_MATRIX_UNITS", MATRIX_UNIT_MODES),
         matrix_staging=_choice("LFM2JIT_MATRIX_STAGING", MATRIX_STAGINGS),
         host_copy_threads=_index("LFM2JIT_HOST_COPY_THREADS", default=min(4, os.cpu_count() or 1), least=1),

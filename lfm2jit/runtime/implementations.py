@@ -12,7 +12,7 @@ import contextlib
 import functools
 import time
 
-from ..settings import DAWN_DEVICE_DISABLED_TOGGLES, DAWN_INSTANCE_TOGGLES, settings
+from ..settings import DAWN_DEVICE_DISABLED_TOGGLES, DAWN_INSTANCE_TOGGLES, DAWN_ROBUSTNESS_TOGGLES, settings
 from .blob_cache import BlobCache
 from .cffi_types import parse_only_named_typedefs
 
@@ -112,10 +112,10 @@ class Dawn:
                            f"robustness {settings().dawn_robustness}"])
 
     def request_device(self, adapter, features, limits, binaries=None):
-        unclamped = () if settings().dawn_robustness else ("disable_robustness",)
+        robustness = DAWN_ROBUSTNESS_TOGGLES[settings().dawn_robustness]
         with binaries.chained_to_device_requests() if binaries is not None else contextlib.nullcontext():
             return self.extras.request_device_sync(adapter, required_features=sorted(features),
-                                                   required_limits=limits, enable_toggles=unclamped,
+                                                   required_limits=limits, enable_toggles=robustness,
                                                    disable_toggles=DAWN_DEVICE_DISABLED_TOGGLES)
 
     def subgroup_matrix_configs(self, adapter) -> tuple[dict, ...]:

@@ -46,19 +46,22 @@ def test_an_unknown_implementation_is_named(monkeypatch):
         WgpuContext.create()
 
 
-def test_dawn_robustness_is_on_or_off(monkeypatch):
-    """LFM2JIT_DAWN_ROBUSTNESS=off asks Dawn for a device without bounds clamping; anything but on or
-    off is refused by name before a device is made. Where Dawn lists a GPU the toggle is checked on it."""
+def test_dawn_robustness_is_on_narrow_or_off(monkeypatch):
+    """LFM2JIT_DAWN_ROBUSTNESS=off asks Dawn for a device without bounds clamping, narrow for one
+    with the narrower toggles; any other value is refused by name before a device is made. Where
+    Dawn lists a GPU the device's toggles are checked (a toggle its build does not know fails)."""
     monkeypatch.setenv("LFM2JIT_DAWN_ROBUSTNESS", "maybe")
-    with pytest.raises(ValueError, match="LFM2JIT_DAWN_ROBUSTNESS='maybe': expected on or off"):
+    with pytest.raises(ValueError, match="LFM2JIT_DAWN_ROBUSTNESS='maybe': expected one of on, narrow, off"):
         WgpuContext.create()
     if not dawn_has_gpu():
         return
     from wgpudawn.backends.dawn.extras import get_toggles
+    from lfm2jit.settings import DAWN_ROBUSTNESS_TOGGLES
     monkeypatch.setenv("LFM2JIT_WEBGPU", "dawn")
-    for value, unclamped in (("off", True), ("on", False)):
+    every = {t for toggles in DAWN_ROBUSTNESS_TOGGLES.values() for t in toggles}
+    for value, toggles in DAWN_ROBUSTNESS_TOGGLES.items():
         monkeypatch.setenv("LFM2JIT_DAWN_ROBUSTNESS", value)
         ctx = WgpuContext.create()
-        assert ("disable_robustness" in get_toggles(ctx.device)) == unclamped
+        assert every & set(get_toggles(ctx.device)) == set(toggles), value
         engine, x = ComputeEngine(ctx), np.arange(12, dtype=np.float32).reshape(3, 4)
         assert np.array_equal(engine.run("scale", x=engine.tensor(x), alpha=2.0)["y"].numpy(), 2 * x)
