@@ -67,9 +67,8 @@ def _operand(x, row_axis: str, k_axis: str, batch_axis: str | None, sizes, tiles
     which starts where the device data says: no vec4 reads along it (they would not be aligned).
     An operand in ``computed`` (name -> IR node) is computed in the fetch (a decoded weight)."""
     if computed and x.name in computed:
-        matrix = isinstance(tiles, MatrixTiles)
-        return computed_operand(computed[x.name], x.name, row_axis, k_axis, batch_axis, sizes,
-                                0 if matrix else rows * tiles.bk // tiles.threads, vectors=matrix, split=split)
+        return computed_operand(computed[x.name], x.name, row_axis, k_axis, batch_axis, sizes, tiles, rows,
+                                split=split)
     st = strides(x.shape, sizes)
     op = Operand(x.name, x.dtype, st[row_axis], st[k_axis], st[batch_axis] if batch_axis else 0)
     if isinstance(tiles, MatrixTiles):

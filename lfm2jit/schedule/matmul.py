@@ -250,14 +250,17 @@ def epilogue_frags(p: MatrixParams, workgroup_bytes: int) -> int:
 
 
 def computed_operand(x, label: str, row_axis: str, k_axis: str, batch_axis: str | None, sizes: dict[str, int],
-                     loads: int, vectors: bool = False, split: str | None = None) -> Operand:
-    """A prologue operand (ir.partition.is_prologue): its element (gr, gk) of batch ``batch`` computed
-    by lets in the fetch, reading the tensors it decodes; ``loads`` scalar reads per invocation a k-step.
-    ``vectors`` (the matrix template): four elements a fetch along the axis its logical layout is
-    contiguous in (``contiguity``; not ``split``, where a grouping starts it anywhere), so an
-    invocation decodes neighbours (an NF4 word's, an int8 word's) and stages them in one vec4."""
+                     tiles: TileConfig | MatrixTiles, rows: int, split: str | None = None) -> Operand:
+    """A prologue operand (ir.partition.is_prologue) of a tile ``rows`` rows high: its element (gr, gk)
+    of batch ``batch`` computed by lets in the fetch, reading the tensors it decodes. The SIMT
+    template fetches it element by element; the matrix template four elements a fetch along the
+    axis its logical layout is contiguous in (``contiguity``; not ``split``, where a grouping starts
+    it anywhere), so an invocation decodes neighbours (an NF4 word's, an int8 word's) and stages
+    them in one vec4."""
     st = strides(x.shape, sizes)
     vec = None
+    vectors = isinstance(tiles, MatrixTiles)
+    loads = 0 if vectors else rows * tiles.bk // tiles.threads     # the SIMT fetch's scalar reads a k-step
     if vectors:
         vec = contiguity(Operand(label, "f32", st[row_axis], st[k_axis], st[batch_axis] if batch_axis else 0),
                          row_axis, k_axis, sizes)
@@ -386,7 +389,7 @@ def plan(ir: KernelIR, sizes: dict[str, int], accumulate: frozenset[str], tiles=
 
     def _computed(x, row_axis: str, rows: int, kk: str) -> Operand:
         return computed_operand(x, f"computed {'A' if row_axis == m_axis else 'B'}", row_axis, kk, bt, sizes,
-                                0 if matrix else rows * tiles.bk // tiles.threads, vectors=matrix)
+                                tiles, rows)
 
     rows = (tiles.wm, tiles.wn) if matrix else (tiles.bm, tiles.bn)
     pairs = [_operands(t, m_axis, n_axis) for t in terms]
