@@ -16,6 +16,7 @@ from .checkpoint import EMBEDDING, initial_value
 from .lora_attach import base_linears, is_router
 from .moe_checkpoint import model_parameter_shapes, moe_tensor_shapes, is_buffer
 from .moe_config import Lfm2MoeConfig
+from .quantize import nf4_splits_whole, quantize_as, quantized_concat, quantized_reshape
 from .quantized_base import QUANTIZED_DTYPES, QuantizedWeight
 
 CHUNK = 1 << 18     # entries per dispatch: one pipeline (the T bucket) serves every tensor size
@@ -28,11 +29,11 @@ def tensor_keys(seed: int, names) -> dict[str, int]:
     return dict(zip(names, map(int, np.random.SeedSequence(seed).generate_state(len(names), np.uint32))))
 
 
-def draw_normal(engine, t: Tensor, key: int, std: float) -> None:
-    """Record filling ``t`` (f32 or f16) with normal(0, std) under ``key``: entry i is
-    init_normal's draw for (key, i), one binding's piece at a time and CHUNK entries a dispatch."""
+def draw_normal(engine, t: Tensor, key: int, std: float, start: int = 0) -> None:
+    """Record filling ``t`` (f32 or f16) with normal(0, std) under ``key``: its entry j is
+    init_normal's draw for (key, start + j), one binding's piece at a time and CHUNK entries a
+    dispatch."""
     item = t.nbytes // max(t.size, 1)
-    start = 0
     for (piece,) in arena.cut(t.view(t.size)):
         for at in range(0, piece.size, CHUNK):
             n = min(CHUNK, piece.size - at)
@@ -42,10 +43,24 @@ def draw_normal(engine, t: Tensor, key: int, std: float) -> None:
             start += n
 
 
+def _drawn_quantized(ctx, engine, shape, key: int, std: float, dtype: str, name: str):
+    """A tensor's normal draws quantized as ``dtype`` on the host, an expert at a time where the
+    experts split into whole blocks (the host holds one expert in f32), else whole: the same codes
+    and scales as quantizing the whole tensor."""
+    experts = shape[0] if len(shape) == 3 and (dtype == "int8" or nf4_splits_whole(shape, shape[0])) else 1
+    piece = shape[1:] if experts > 1 else shape
+    parts = []
+    for e in range(experts):
+        scratch = Tensor.empty(ctx, piece)
+        draw_normal(engine, scratch, key, std, start=e * scratch.size)
+        parts.append(quantize_as(scratch.numpy(), dtype, name))
+    return parts[0] if experts == 1 else quantized_reshape(quantized_concat(parts), shape)
+
+
 def initial_parameters(ctx, engine, cfg, seed: int, base_dtype: str = "f32") -> tuple[dict[str, Tensor], dict[str, Tensor]]:
     """(parameters, buffers) of a new model of ``cfg`` (dense or MoE), in ``model_parameter_shapes``'
     order: base linears as ``base_dtype`` says (f16 drawn as f16; "nf4" / "int8" drawn into a
-    temporary f32 tensor, read back and quantized, one at a time), the rest f32, side by side in
+    temporary f32 tensor, read back and quantized, one tensor or expert at a time), the rest f32, side by side in
     arenas (runtime/arena.py)."""
     shapes = model_parameter_shapes(cfg)
     keys = tensor_keys(seed, shapes)
@@ -59,9 +74,8 @@ def initial_parameters(ctx, engine, cfg, seed: int, base_dtype: str = "f32") -> 
     std = cfg.initializer_range
     for name in shapes:
         if name in quantized:
-            scratch = Tensor.empty(ctx, shapes[name])
-            draw_normal(engine, scratch, keys[name], std)
-            params[name] = QuantizedWeight(ctx, name, scratch.numpy(), base_dtype)
+            params[name] = QuantizedWeight(ctx, name, _drawn_quantized(ctx, engine, shapes[name], keys[name], std,
+                                                                       base_dtype, name), base_dtype)
             continue
         kind = initial_value(name)
         if kind == "normal":
