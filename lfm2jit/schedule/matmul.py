@@ -24,6 +24,7 @@ from ..ir.partition import find_contraction, gemm_axes
 from ..tune import heuristics
 from ..tune.tiles import MatrixTiles, TileConfig
 from .code import COMPUTE_TYPE, Bin, Const, Index, Let, Value, Var
+from .lanes import shared_lets
 from .layout import extent, strides
 from .lower import Lowerer
 from .spec import PORTABLE, EntryPoint, MatrixConfig, Plan, Scratch
@@ -269,13 +270,21 @@ def computed_operand(x, label: str, row_axis: str, k_axis: str, batch_axis: str 
     along = {"k": k_axis, "m": row_axis}.get(vec)
     lets: list[Let] = []
     values = []
+    first: Lowerer | None = None
+    shared: dict[int, str] = {}
     for lane in range(4 if vec else 1):
-        # the fetch's vec4s start at multiples of 4, so lane j is index | j: an OR a shading compiler
-        # sees drop out of index >> 2 (the word an NF4 or int8 weight decodes from), one load for four
+        # the fetch's vec4s start at multiples of 4, so lane j is index | j; what every lane shares
+        # (the word an NF4 or int8 weight decodes from, its block's scale) lane 0 computes for all
         at = index_of if lane == 0 else {**index_of, along: Bin("|", index_of[along], Const(lane))}
         lower = Lowerer(sizes, at, prefix=f"pf{lane}_" if vec else "pf")
         bound: dict[int, str] = {}
-        lets += lower.emit([x], bound)
+        for node_id, name in shared.items():
+            lower.bind(bound, first.nodes[node_id], name)
+        emitted = lower.emit([x], bound)
+        if lane == 0 and vec:
+            first, common = lower, shared_lets(emitted, index_of[along].name)
+            shared = {node_id: name for node_id, name in bound.items() if name in common}
+        lets += emitted
         values.append(lower.ref(x, "f32", bound))
     return Operand(label, "f32", st[row_axis], st[k_axis], st[batch_axis] if batch_axis else 0, vec, loads,
                    tuple(lets), values[0], tuple(values[1:]))
