@@ -78,8 +78,8 @@
 #   bash benches/h200.sh nf4              on Dawn, issue 49's NF4 speed in one call: benches/probes/decoded_tiles.py (the
 #                                         decoded GEMMs per tile beside f16's), then LoRA r = 8 at LFM2-2.6B 1x2048 --f16 on an
 #                                         f16 and an nf4 base -> $OUT/<card>_decoded_tiles.log, <card>_qlora_2.6B_{f16,nf4}.json
-#   bash benches/h200.sh robust [MODES]   issue 51's robustness on Dawn, for each LFM2JIT_DAWN_ROBUSTNESS mode (default: on narrow
-#                                         off): the device's toggles and the matrix-unit GEMM tests against float64 on it, the
+#   bash benches/h200.sh robust [MODES]   issue 51's robustness on Dawn: the GEMMs and attention give the same bits in every
+#                                         LFM2JIT_DAWN_ROBUSTNESS mode; then for each mode (default: on narrow off): the device's toggles and the matrix-unit GEMM tests against float64 on it, the
 #                                         matrix group (fwd, dX, dW at the LFM2-350M shapes and 4096^3) and --f16 train steps at
 #                                         8x512 -> $OUT/<card>_robust.log, <card>_robust_<mode>.json, <card>_robust_train_<mode>.json
 #   bash benches/h200.sh mpi              the host side of the gradient exchange: benches/readback.py (1 and 4 copy threads),
@@ -310,6 +310,8 @@ robust)
     export LFM2JIT_WEBGPU=dawn
     card=$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -o "H[0-9]*" | head -1 | tr A-Z a-z)
     shift
+    timeout 150 python3 -m pytest -q -p no:cacheprovider -rs tests/runtime/test_robustness_modes.py 2>&1 | tail -1 \
+        | sed "s/^/same bits in every mode: /" | tee "$OUT/${card}_robust.log"
     for mode in ${@:-on narrow off}; do
         export LFM2JIT_DAWN_ROBUSTNESS=$mode
         timeout 100 python3 -m pytest -q -p no:cacheprovider -rs tests/runtime/test_webgpu.py tests/compiler/test_matrix_units.py \
@@ -318,7 +320,7 @@ robust)
             | sed "s/^/$mode /"
         timeout 60 python3 -m lfm2jit.bench --only train --f16 --train-shapes 8x512 --steps 2 \
             --json "$OUT/${card}_robust_train_$mode.json" 2>&1 | grep "^train" | sed "s/^/$mode /"
-    done | tee "$OUT/${card}_robust.log"
+    done | tee -a "$OUT/${card}_robust.log"
     ;;
 mpi)
     export LFM2JIT_WEBGPU=dawn
