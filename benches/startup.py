@@ -5,7 +5,7 @@
 Runs the same step twice, each in a new process with LFM2JIT_CACHE_DIR set to one directory (a
 fresh private temporary one unless --cache-dir): cold (the directory empty) and warm (holding what
 the cold run left). Each line gives the time to the first finished step (spawn to the step's
-synchronize: imports, device, model upload, compiles, the step) and what the process compiled:
+synchronize: imports, device, the model (its weights drawn on the GPU), compiles, the step) and what the process compiled:
 pipelines made (engine misses), WGSL rendered (misses less disk hits), driver cache entries written
 (with Mesa's cache, each a driver compile its cache did not answer; NVIDIA's keeps a few large files).
 """
