@@ -12,12 +12,13 @@ from __future__ import annotations
 import numpy as np
 
 from ..runtime import Tensor, arena
+from ..runtime.tensor import ITEMSIZE
 from .checkpoint import EMBEDDING, initial_value
-from .lora_attach import base_linears, is_router
+from .lora_attach import base_forms, base_linears
 from .moe_checkpoint import model_parameter_shapes, moe_tensor_shapes, is_buffer
 from .moe_config import Lfm2MoeConfig
 from .quantize import nf4_splits_whole, quantize_as, quantized_concat, quantized_reshape
-from .quantized_base import QUANTIZED_DTYPES, QuantizedWeight
+from .quantized_base import QuantizedWeight
 
 CHUNK = 1 << 18     # entries per dispatch: one pipeline (the T bucket) serves every tensor size
 
@@ -33,7 +34,7 @@ def draw_normal(engine, t: Tensor, key: int, std: float, start: int = 0) -> None
     """Record filling ``t`` (f32 or f16) with normal(0, std) under ``key``: its entry j is
     init_normal's draw for (key, start + j), one binding's piece at a time and CHUNK entries a
     dispatch."""
-    item = t.nbytes // max(t.size, 1)
+    item = ITEMSIZE[t.dtype]
     for (piece,) in arena.cut(t.view(t.size)):
         for at in range(0, piece.size, CHUNK):
             n = min(CHUNK, piece.size - at)
@@ -60,13 +61,11 @@ def _drawn_quantized(ctx, engine, shape, key: int, std: float, dtype: str, name:
 def initial_parameters(ctx, engine, cfg, seed: int, base_dtype: str = "f32") -> tuple[dict[str, Tensor], dict[str, Tensor]]:
     """(parameters, buffers) of a new model of ``cfg`` (dense or MoE), in ``model_parameter_shapes``'
     order: base linears as ``base_dtype`` says (f16 drawn as f16; "nf4" / "int8" drawn into a
-    temporary f32 tensor, read back and quantized, one tensor or expert at a time), the rest f32, side by side in
-    arenas (runtime/arena.py)."""
+    temporary f32 tensor, read back and quantized, one tensor or expert at a time; ``base_forms``), the
+    rest f32, side by side in arenas (runtime/arena.py)."""
     shapes = model_parameter_shapes(cfg)
     keys = tensor_keys(seed, shapes)
-    halves = set(base_linears(cfg)) if base_dtype == "f16" else set()
-    quantized = ({n for n in base_linears(cfg) if not is_router(n)} if base_dtype in QUANTIZED_DTYPES
-                 else set())        # an MoE router stays f32: 4-bit rounding would move its top-k picks
+    halves, quantized = base_forms(base_linears(cfg), base_dtype)
     params: dict[str, Tensor] = {}
     for dtype, names in (("f32", [n for n in shapes if n not in halves and n not in quantized]),
                          ("f16", [n for n in shapes if n in halves])):

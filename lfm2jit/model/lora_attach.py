@@ -76,18 +76,25 @@ def is_router(name: str) -> bool:
     return name.endswith(".feed_forward.gate.weight")
 
 
+def base_forms(linears, base_dtype: str) -> tuple[set[str], set[str]]:
+    """Of a model's base linears, (those held as f16, those quantized) under ``base_dtype``: all as
+    f16 for "f16"; for "nf4" / "int8" all quantized but an MoE router, which stays f32 (4-bit
+    rounding would move its top-k picks); none for "f32"."""
+    if base_dtype in QUANTIZED_DTYPES:
+        return set(), {n for n in linears if not is_router(n)}
+    return (set(linears) if base_dtype == "f16" else set()), set()
+
+
 def upload_parameters(ctx, arrays: dict[str, np.ndarray], to_f16: set[str], base_dtype: str = "f16") -> dict[str, Tensor]:
     """The arrays as parameters: those named in ``to_f16`` as ``base_dtype`` (f16 in an arena of
     their own; "nf4" / "int8": each quantized as it is uploaded, a QuantizedWeight, except an MoE
     router's; one already quantized as it was read is uploaded as it is), the others as f32 in another,
     in the arrays' order. Each array is narrowed as it is written, so no f32 copy of a narrowed group
     is ever held on the device."""
-    if base_dtype in QUANTIZED_DTYPES:      # an MoE router stays f32: 4-bit rounding would move its top-k picks
-        to_f16 = {n for n in to_f16 if not is_router(n)}
-    quantized = {n for n in to_f16 if n in arrays} if base_dtype in QUANTIZED_DTYPES else set()
+    halves, quantized = base_forms(to_f16, base_dtype)
     new: dict[str, Tensor] = {n: QuantizedWeight(ctx, n, arrays[n], base_dtype) for n in arrays if n in quantized}
-    for dtype, names in (("f32", [n for n in arrays if n not in to_f16]),
-                         ("f16", [n for n in arrays if n in to_f16 and n not in quantized])):
+    for dtype, names in (("f32", [n for n in arrays if n not in halves and n not in quantized]),
+                         ("f16", [n for n in arrays if n in halves])):
         new.update(zip(names, arena.upload(ctx, [arrays[n] for n in names], dtype)))
     return {n: new[n] for n in arrays}
 

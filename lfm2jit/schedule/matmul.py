@@ -270,20 +270,19 @@ def computed_operand(x, label: str, row_axis: str, k_axis: str, batch_axis: str 
     along = {"k": k_axis, "m": row_axis}.get(vec)
     lets: list[Let] = []
     values = []
-    first: Lowerer | None = None
-    shared: dict[int, str] = {}
+    shared: list[tuple] = []     # (IR node, lane 0's name) of the values every lane holds
     for lane in range(4 if vec else 1):
         # the fetch's vec4s start at multiples of 4, so lane j is index | j; what every lane shares
         # (the word an NF4 or int8 weight decodes from, its block's scale) lane 0 computes for all
         at = index_of if lane == 0 else {**index_of, along: Bin("|", index_of[along], Const(lane))}
         lower = Lowerer(sizes, at, prefix=f"pf{lane}_" if vec else "pf")
         bound: dict[int, str] = {}
-        for node_id, name in shared.items():
-            lower.bind(bound, first.nodes[node_id], name)
+        for node, name in shared:
+            lower.bind(bound, node, name)
         emitted = lower.emit([x], bound)
         if lane == 0 and vec:
-            first, common = lower, shared_lets(emitted, index_of[along].name)
-            shared = {node_id: name for node_id, name in bound.items() if name in common}
+            common = shared_lets(emitted, index_of[along].name)
+            shared = [(lower.nodes[node_id], name) for node_id, name in bound.items() if name in common]
         lets += emitted
         values.append(lower.ref(x, "f32", bound))
     return Operand(label, "f32", st[row_axis], st[k_axis], st[batch_axis] if batch_axis else 0, vec, loads,
