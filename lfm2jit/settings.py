@@ -35,8 +35,8 @@ LFM2JIT_DAWN_ROBUSTNESS  on; narrow (Dawn's clamps left out where its integer ra
                    settings, never the default (default: on)
 LFM2JIT_DAWN_BLOB_CACHE  on to give Dawn devices a blob cache in LFM2JIT_CACHE_DIR/blobs (Tint's
                    SPIR-V and the Vulkan pipeline cache kept between processes; the driver's own
-                   disk cache keeps binaries either way where it has one) (default: off, until a
-                   GPU has run it: an earlier declaration of its descriptor crashed Dawn)
+                   disk cache keeps binaries either way where it has one) (default: off: the
+                   driver's cache already keeps what it would; docs/design.md has the measurement)
 LFM2JIT_LIMITS     raised (ask the adapter for its highest storage-binding, buffer, workgroup and
                    storage-buffer-count limits) or default (ask for none: the device has exactly
                    WebGPU's default limits, what browsers and many integrated and mobile GPUs give;
@@ -45,7 +45,8 @@ LFM2JIT_COMPILE_THREADS  N > 0: threads that make a train window's pipelines, al
                    first wait, each made synchronously (on Dawn the device is then asked for
                    implicit-device-synchronization, and where the adapter lacks it this is
                    ignored); 0: the implementation's own way, Dawn's asynchronous compiles on its
-                   worker pool, wgpu-native's one at a time (default: 0)
+                   worker pool, wgpu-native's one at a time (default: on Dawn the CPUs, at most 8;
+                   on wgpu-native 0, never timed there)
 LFM2JIT_HOST_COPY_THREADS  threads that copy large readbacks out of mapped staging memory (one
                    thread reads it at a fraction of the host's memory bandwidth; numpy lets go of
                    the GIL while it copies) (default: the CPUs, at most 4)
@@ -92,7 +93,7 @@ class Settings:
     matrix_staging: str
     host_copy_threads: int
     limits: str
-    compile_threads: int
+    compile_threads: int | None   # None: the implementation's default
     dawn_blob_cache: bool
 
 
@@ -116,7 +117,8 @@ def settings() -> Settings:
         matrix_staging=_choice("LFM2JIT_MATRIX_STAGING", MATRIX_STAGINGS),
         host_copy_threads=_index("LFM2JIT_HOST_COPY_THREADS", default=min(4, os.cpu_count() or 1), least=1),
         limits=_choice("LFM2JIT_LIMITS", LIMIT_MODES),
-        compile_threads=_index("LFM2JIT_COMPILE_THREADS"),
+        compile_threads=(_index("LFM2JIT_COMPILE_THREADS") if os.environ.get("LFM2JIT_COMPILE_THREADS", "").strip()
+                         else None),
         dawn_blob_cache=_on_off("LFM2JIT_DAWN_BLOB_CACHE", default=False),
     )
 

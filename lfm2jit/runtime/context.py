@@ -168,7 +168,8 @@ class WgpuContext:
         adapter = choose_adapter(impl.adapters(), wanted, impl.name, opts.adapter_index)
         features = frozenset(f for f in OPTIONAL_FEATURES if f in adapter.features)
         # compile threads only where the device may be called from several threads (Dawn: with a feature)
-        threaded = opts.compile_threads and impl.threads_need <= set(adapter.features)
+        threads = impl.default_compile_threads if opts.compile_threads is None else opts.compile_threads
+        threaded = threads and impl.threads_need <= set(adapter.features)
         if threaded:
             features |= impl.threads_need
         limits = ({k: adapter.limits[k] for k in RAISED_LIMITS if k in adapter.limits} if opts.limits == "raised"
@@ -176,7 +177,7 @@ class WgpuContext:
         binaries = impl.binary_cache(adapter, opts.cache_dir)     # kept alive with the device
         device = impl.request_device(adapter, features, limits, binaries)
         return cls(adapter, device, features, impl.name, impl.subgroup_matrix_configs(adapter),
-                   opts.compile_threads if threaded else 0, binaries)
+                   threads if threaded else 0, binaries)
 
     @functools.cached_property
     def name(self) -> str:

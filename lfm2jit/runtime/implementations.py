@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import time
 
 from ..settings import DAWN_DEVICE_DISABLED_TOGGLES, DAWN_INSTANCE_TOGGLES, DAWN_ROBUSTNESS_TOGGLES, settings
@@ -29,6 +30,7 @@ class WgpuNative:
     maps_after_last_use = False
     compiles_async = False      # its create_compute_pipeline_async compiles on the calling thread
     threads_need: frozenset[str] = frozenset()      # its devices may be called from any thread
+    default_compile_threads = 0     # its compile threads were never timed against one at a time
 
     @functools.cached_property
     def module(self):
@@ -58,6 +60,8 @@ class Dawn:
     compiles_async = True          # CreateComputePipelineAsync compiles on Dawn's worker threads (a few)
     # a Dawn device is safe to call from several threads (compile threads) only with this feature
     threads_need = frozenset({"implicit-device-synchronization"})
+    # compile threads beat Dawn's own two-task worker pool: the CPUs, at most 8
+    default_compile_threads = min(8, os.cpu_count() or 1)
 
     @functools.cached_property
     def module(self):

@@ -1,6 +1,8 @@
 """Runtime behaviour: adapter choice, argument checks, dispatch folding, pooling, timing, recording."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -396,6 +398,15 @@ def test_compile_threads_setting(ctx, monkeypatch):
     safe = IMPLEMENTATIONS[ctx.implementation].threads_need <= set(made.adapter.features)
     assert made.compile_threads == (8 if safe else 0)
     assert ComputeEngine(made).compile_threads == made.compile_threads
+    # unset: Dawn makes pipelines on the CPUs' threads (at most 8), wgpu-native one at a time
+    monkeypatch.delenv("LFM2JIT_COMPILE_THREADS")
+    assert settings().compile_threads is None
+    assert IMPLEMENTATIONS["dawn"].default_compile_threads == min(8, os.cpu_count() or 1)
+    assert IMPLEMENTATIONS["wgpu-native"].default_compile_threads == 0
+    default = WgpuContext.create(webgpu=ctx.implementation)
+    assert default.compile_threads == (IMPLEMENTATIONS[ctx.implementation].default_compile_threads if safe else 0)
+    monkeypatch.setenv("LFM2JIT_COMPILE_THREADS", "0")
+    assert WgpuContext.create(webgpu=ctx.implementation).compile_threads == 0
     monkeypatch.setenv("LFM2JIT_COMPILE_THREADS", "-1")
     with pytest.raises(SettingsError, match="LFM2JIT_COMPILE_THREADS='-1': expected a whole number >= 0"):
         settings()
