@@ -70,8 +70,11 @@ from lfm2jit.tune.candidates import for_spec
 from lfm2jit.tune.candidates import matrix as matrix_candidates
 from lfm2jit.tune.timing import warm_up
 
-# Datasheet ceilings per adapter-name substring: (fp32 FLOP/s without tensor cores, bytes/s)
-CEILINGS = {"H200": (67e12, 4.8e12), "H100": (67e12, 3.35e12)}
+# Datasheet ceilings per adapter-name substring: (fp32 FLOP/s without tensor cores, dense f16
+# FLOP/s on the tensor cores, bytes/s)
+CEILINGS = {"H200": (67e12, 989e12, 4.8e12), "H100": (67e12, 989e12, 3.35e12)}
+# groups whose products run on the matrix units (f16 operands) where the device has them
+MATRIX_GROUPS = ("matrix", "mtiles", "staging")
 GROUPS = ("ref", "matmul", "matrix", "tiles", "mtiles", "staging", "attention", "atiles", "conv", "rmsnorm", "pointwise", "xent", "adamw",
           "lora", "grouped", "limits", "train", "packing")
 QUICK_GROUPS = ("matmul", "attention", "conv", "rmsnorm", "pointwise", "xent", "adamw", "grouped", "limits", "train")
@@ -101,17 +104,24 @@ class Line:
 
 class Ceilings:
     def __init__(self, adapter_name: str):
-        self.flops = self.bw = None
+        self.flops = self.matrix_flops = self.bw = None
         self.source = "none (unknown adapter)"
-        for key, (f, b) in CEILINGS.items():
+        for key, (f, m, b) in CEILINGS.items():
             if key.lower() in adapter_name.lower():
-                self.flops, self.bw, self.source = f, b, f"{key} datasheet"
+                self.flops, self.matrix_flops, self.bw, self.source = f, m, b, f"{key} datasheet"
+
+    def note(self) -> str:
+        return f"# ceilings: {self.source}" + (
+            f"; fp32 {self.flops / 1e12:.0f} TFLOP/s, f16 on the matrix units {self.matrix_flops / 1e12:.0f} "
+            f"(the {', '.join(MATRIX_GROUPS)} groups)" if self.flops else "")
 
     def fraction(self, line: Line) -> float | None:
+        """Of the fp32 ceiling, or of the f16 tensor-core one for a matrix-unit group's line."""
         if not line.seconds:
             return None
-        if line.bound == "compute" and line.flops and self.flops:
-            return line.flops / line.seconds / self.flops
+        ceiling = self.matrix_flops if line.group in MATRIX_GROUPS else self.flops
+        if line.bound == "compute" and line.flops and ceiling:
+            return line.flops / line.seconds / ceiling
         if line.bound == "memory" and line.bytes and self.bw:
             return line.bytes / line.seconds / self.bw
         return None
@@ -1176,7 +1186,7 @@ def footer(lines: list[Line], ceil: Ceilings) -> str:
     out = [f"{line.group:9s} {line.name:28s} {line.shape:26s} {100 * line.tflops() / torch_gemm[line.shape]:.0f}% of torch"
            for line in lines if line.group in ("matmul", "tiles") and line.shape in torch_gemm and line.tflops()
            and not line.error]
-    out.append(f"# ceilings: {ceil.source}" + (f"; fp32 {ceil.flops / 1e12:.0f} TFLOP/s" if ceil.flops else ""))
+    out.append(ceil.note())
     return "\n".join(out)
 
 
@@ -1191,7 +1201,7 @@ def table(lines: list[Line], ceil: Ceilings) -> str:
         if line.group in ("matmul", "tiles") and line.shape in torch_gemm and line.tflops():
             s += f"  {100 * line.tflops() / torch_gemm[line.shape]:.0f}% of torch"
         out.append(s)
-    out.append(f"# ceilings: {ceil.source}" + (f"; fp32 {ceil.flops / 1e12:.0f} TFLOP/s" if ceil.flops else ""))
+    out.append(ceil.note())
     return "\n".join(out)
 
 
