@@ -38,7 +38,7 @@
 #                                         wgpu-native, then the default-limits model tests -> $OUT/h200_limits{,_wgpu_native}.json
 #   bash benches/h200.sh moe              on Dawn: the routing, grouped-GEMM and LFM2-MoE tests, then the grouped group
 #                                         (the experts' grouped GEMMs at LFM2-8B-A1B shapes beside a dense GEMM of the
-#                                         same FLOPs) -> $OUT/h200_moe_tests_dawn.log, $OUT/h200_grouped.json; with
+#                                         same FLOPs) -> $OUT/<card>_moe_tests_dawn.log, $OUT/<card>_grouped.json; with
 #                                         TUNED=1 only the grouped group of f16 operands, autotuned (grouped and dense alike)
 #                                         -> $OUT/<card>_grouped_tuned.json
 #   bash benches/h200.sh moelora          on Dawn: benches/side_by_side.py with LoRA r = 8 on a frozen f16 base at 1x2048,
@@ -186,8 +186,8 @@ limits)
     ;;
 moe)
     export LFM2JIT_WEBGPU=dawn
+    card=$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -o "H[0-9]*" | head -1 | tr A-Z a-z)
     if [ -n "${TUNED:-}" ]; then
-        card=$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -o "H[0-9]*" | head -1 | tr A-Z a-z)
         mkdir -p -m 700 "$OUT/tune"
         LFM2JIT_AUTOTUNE=1 LFM2JIT_CACHE_DIR="$OUT/tune" python3 -m lfm2jit.bench --only grouped --grouped-dtypes f16 \
             --json "$OUT/${card}_grouped_tuned.json" 2>&1 | grep -v "^#   " | tail -24
@@ -195,8 +195,8 @@ moe)
     fi
     python3 -m pytest -q -p no:cacheprovider -rs tests/compiler/test_grouped_matmul.py tests/compiler/test_topk.py \
         tests/compiler/test_bucket_sort.py tests/compiler/test_gather_grad.py tests/ops/test_experts.py \
-        tests/model/test_moe_model.py 2>&1 | tee "$OUT/h200_moe_tests_dawn.log" | tail -3
-    python3 -m lfm2jit.bench --only grouped --json "$OUT/h200_grouped.json" 2>&1 | grep -v "^#   " | tail -24
+        tests/model/test_moe_model.py 2>&1 | tee "$OUT/${card}_moe_tests_dawn.log" | tail -3
+    python3 -m lfm2jit.bench --only grouped --json "$OUT/${card}_grouped.json" 2>&1 | grep -v "^#   " | tail -24
     ;;
 moelora)
     export LFM2JIT_WEBGPU=dawn
