@@ -49,7 +49,8 @@ LFM2JIT_COMPILE_THREADS  N > 0: threads that make a train window's pipelines, al
                    on wgpu-native 0, never timed there)
 LFM2JIT_HOST_COPY_THREADS  threads that copy large readbacks out of mapped staging memory (one
                    thread reads it at a fraction of the host's memory bandwidth; numpy lets go of
-                   the GIL while it copies) (default: the CPUs, at most 4)
+                   the GIL while it copies) and quantize a large weight to NF4 on the host, a
+                   range of blocks each (default: the CPUs, at most 4)
 
 Dawn runs with the toggles below: experimental features (subgroup matrices) need allow_unsafe_apis,
 NVIDIA drivers below 615.71 get shader-f16 only with vulkan_enable_f16_on_nvidia, and GPU timestamps

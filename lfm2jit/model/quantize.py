@@ -32,6 +32,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..runtime.host_threads import in_ranges
+
 # bitsandbytes' NF4 codebook: the normal distribution's quantiles (float32, sorted, 0.0 at index 7).
 NF4_CODE = np.array([
     -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
@@ -173,12 +175,18 @@ def quantize_nf4(w, name: str = "weight", blocksize: int = 64, double_quant: boo
     q[flat.size:] = 7                                     # pad: 0.0's code (bitsandbytes pads 0.0)
     whole = flat.size // blocksize
     step = max(1, NF4_CHUNK // blocksize)                 # whole blocks a chunk: bounded temporaries
+
+    def quantize_blocks(start: int, stop: int) -> None:
+        with np.errstate(over="ignore", under="ignore"):  # numpy keeps its error state per thread
+            for b0 in range(start, stop, step):
+                blocks = flat[b0 * blocksize:min(stop, b0 + step) * blocksize].reshape(-1, blocksize)
+                absmax[b0:b0 + len(blocks)] = top = np.abs(blocks).max(axis=1)
+                inverse = np.float32(1.0) / np.maximum(top, np.float32(1e-38))
+                q[b0 * blocksize:(b0 + len(blocks)) * blocksize] = _nf4_codes(blocks * inverse[:, None])
+
+    # ranges of whole blocks on the host's threads (numpy lets go of the GIL in its array loops)
+    in_ranges(quantize_blocks, whole, whole * blocksize * flat.itemsize)
     with np.errstate(over="ignore", under="ignore"):
-        for b0 in range(0, whole, step):
-            blocks = flat[b0 * blocksize:min(whole, b0 + step) * blocksize].reshape(-1, blocksize)
-            absmax[b0:b0 + len(blocks)] = top = np.abs(blocks).max(axis=1)
-            inverse = np.float32(1.0) / np.maximum(top, np.float32(1e-38))
-            q[b0 * blocksize:(b0 + len(blocks)) * blocksize] = _nf4_codes(blocks * inverse[:, None])
         if whole < absmax.size:                           # a short last block: bitsandbytes keeps it clamped
             block = flat[whole * blocksize:]
             absmax[-1] = div = max(np.abs(block).max(), np.float32(1e-38))
@@ -269,11 +277,16 @@ def quantize_int8(w, name: str = "weight") -> Int8Weight:
     rows = w.reshape(-1, w.shape[-1])
     codes = np.empty(rows.shape, np.int8)
     step = max(1, INT8_CHUNK // rows.shape[1])
-    for r0 in range(0, len(rows), step):          # in float64, a chunk of whole rows at a time
-        block = rows[r0:r0 + step].astype(np.float64)
-        block *= 127.0
-        block /= safe[r0:r0 + step, None]
-        codes[r0:r0 + step] = np.clip(np.rint(block, out=block), -127, 127, out=block)
+
+    def quantize_rows(start: int, stop: int) -> None:
+        for r0 in range(start, stop, step):       # in float64, a chunk of whole rows at a time
+            r1 = min(stop, r0 + step)
+            block = rows[r0:r1].astype(np.float64)
+            block *= 127.0
+            block /= safe[r0:r1, None]
+            codes[r0:r1] = np.clip(np.rint(block, out=block), -127, 127, out=block)
+
+    in_ranges(quantize_rows, len(rows), rows.nbytes)      # ranges of rows on the host's threads
     return Int8Weight(codes.reshape(w.shape), (absmax / 127.0).astype(np.float32))
 
 

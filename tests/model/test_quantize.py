@@ -68,6 +68,20 @@ def test_nf4_equals_bitsandbytes(name, w):
     assert got.shape == want.shape and np.array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
+def test_nf4_in_ranges_on_host_threads_equals_bitsandbytes(monkeypatch):
+    """A tensor large enough to be quantized in ranges of blocks on four host threads (with a short
+    last block): the same codes and absmaxes as bitsandbytes."""
+    from lfm2jit.runtime.host_threads import RANGE_BYTES
+    monkeypatch.setenv("LFM2JIT_HOST_COPY_THREADS", "4")
+    rng = np.random.default_rng(5)
+    w = (rng.standard_normal((1100, 1031)) * rng.uniform(0.01, 3, (1100, 1))).astype(np.float32)
+    assert w.nbytes >= 2 * RANGE_BYTES
+    q, state = _bnb(w, double=False)
+    ours = quantize_nf4(w, "large")
+    assert np.array_equal(ours.packed, q.numpy().reshape(-1))
+    assert np.array_equal(ours.absmax.view(np.uint32), state.absmax.numpy().view(np.uint32))
+
+
 @pytest.mark.parametrize("name,w", WEIGHTS, ids=[n for n, _ in WEIGHTS])
 def test_nf4_double_quant_equals_bitsandbytes(name, w):
     if np.abs(w).max() > 1e36:
@@ -139,9 +153,11 @@ def test_nf4_words_hold_bitsandbytes_nibbles():
     assert np.array_equal((words[i >> 3] >> shift.astype(np.uint32)) & 15, codes)
 
 
-def test_int8_per_channel():
+@pytest.mark.parametrize("rows,cols", [(33, 70), (1100, 1031)])   # the second in ranges of rows on 4 threads
+def test_int8_per_channel(rows, cols, monkeypatch):
+    monkeypatch.setenv("LFM2JIT_HOST_COPY_THREADS", "4")
     rng = np.random.default_rng(2)
-    w = (rng.standard_normal((33, 70)) * rng.uniform(0.001, 5, (33, 1))).astype(np.float32)
+    w = (rng.standard_normal((rows, cols)) * rng.uniform(0.001, 5, (rows, 1))).astype(np.float32)
     w[3] = 0.0
     w[5, 7] = 300.0
     q = quantize_int8(w, "w")
