@@ -275,7 +275,7 @@ class Bench:
         if self.quick:
             return [(64, 96, 80), (128, 128, 128)]
         shapes = []
-        for t in (512, 2048):
+        for t in (512, 2048, 4096):      # issue 51 names LFM2-350M's products at T = 2048 and 4096
             shapes += [(t, 1024, 1024), (t, 3072, 1024), (t, 4608, 1024), (t, 1024, 4608)]
         return shapes + [(4096, 4096, 4096)]
 
