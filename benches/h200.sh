@@ -79,7 +79,7 @@
 #                                         decoded GEMMs per tile beside f16's), then LoRA r = 8 at LFM2-2.6B 1x2048 --f16 on an
 #                                         f16 and an nf4 base -> $OUT/<card>_decoded_tiles.log, <card>_qlora_2.6B_{f16,nf4}.json
 #   bash benches/h200.sh robust [MODES]   issue 51's robustness on Dawn: the GEMMs and attention give the same bits in every
-#                                         LFM2JIT_DAWN_ROBUSTNESS mode; then for each mode (default: on narrow off): the device's toggles and the matrix-unit GEMM tests against float64 on it, the
+#                                         LFM2JIT_DAWN_ROBUSTNESS mode; then for each mode (default: on off): the device's toggles and the matrix-unit GEMM tests against float64 on it, the
 #                                         matrix group (fwd, dX, dW at the LFM2-350M shapes and 4096^3) and --f16 train steps at
 #                                         8x512 -> $OUT/<card>_robust.log, <card>_robust_<mode>.json, <card>_robust_train_<mode>.json
 #   bash benches/h200.sh mpi              the host side of the gradient exchange: benches/readback.py (1 and 4 copy threads),

@@ -25,14 +25,10 @@ LFM2JIT_MATRIX_STAGING  f16 or vec4: how the default tiles of the dense matrix G
                    as four f16 stores, or in one store into vec4-typed tiles whose fragments load in
                    vec4 units (GEMMs: where every operand is read as vec4s); the autotuner tries
                    both (default: f16, until the GPU measures vec4: see docs/design.md)
-LFM2JIT_DAWN_ROBUSTNESS  on; narrow (Dawn's clamps left out where its integer range analysis proves
-                   an index in bounds, and subgroup-matrix loads and stores of storage buffers
-                   left to the Vulkan driver's robust access: the device toggles
-                   enable_integer_range_analysis_in_robustness and
-                   vulkan_use_cooperative_matrix_robust_access); or off, devices without its bounds
-                   clamping of every access (disable_robustness). lfm2jit's kernels keep their own
-                   reads and writes in bounds, but off trusts that: measured, opt-in speed
-                   settings, never the default (default: on)
+LFM2JIT_DAWN_ROBUSTNESS  on, or off: devices without Dawn's bounds clamping of every access
+                   (disable_robustness). lfm2jit's kernels keep their own reads and writes in
+                   bounds, but off trusts that; an opt-in setting, never the default, and slower
+                   where measured (docs/journal.md) (default: on)
 LFM2JIT_DAWN_BLOB_CACHE  on to give Dawn devices a blob cache in LFM2JIT_CACHE_DIR/blobs (Tint's
                    SPIR-V and the Vulkan pipeline cache kept between processes; the driver's own
                    disk cache keeps binaries either way where it has one) (default: off: the
@@ -71,7 +67,6 @@ LIMIT_MODES = ("raised", "default")
 # LFM2JIT_DAWN_ROBUSTNESS -> the Dawn device toggles it enables
 DAWN_ROBUSTNESS_TOGGLES = {
     "on": (),
-    "narrow": ("enable_integer_range_analysis_in_robustness", "vulkan_use_cooperative_matrix_robust_access"),
     "off": ("disable_robustness",),
 }
 

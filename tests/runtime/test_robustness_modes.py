@@ -1,6 +1,6 @@
 """Dawn's robustness modes (LFM2JIT_DAWN_ROBUSTNESS) change no result: the f16 GEMM products at
 ragged shapes (edge tiles, split tails) and causal attention forward and backward give the same
-bits on a device with every access clamped, with the narrower toggles, and with none. A kernel
+bits on a device with every access clamped and on one with none. A kernel
 that read or wrote out of bounds would differ where clamping moved its access. Needs a GPU that
 Dawn lists (Dawn does not list lavapipe); `bash benches/h200.sh robust` runs it."""
 from __future__ import annotations
