@@ -74,8 +74,9 @@ from lfm2jit.tune.timing import warm_up
 # Datasheet ceilings per adapter-name substring: (fp32 FLOP/s without tensor cores, dense f16
 # FLOP/s on the tensor cores, bytes/s)
 CEILINGS = {"H200": (67e12, 989e12, 4.8e12), "H100": (67e12, 989e12, 3.35e12)}
-# groups whose products run on the matrix units (f16 operands) where the device has them
-MATRIX_GROUPS = ("matrix", "mtiles", "staging")
+# groups whose products run on the matrix units where the device has them (elsewhere: lines
+# with f16 in their name)
+MATRIX_GROUPS = ("matrix", "mtiles", "staging", "atiles")
 GROUPS = ("ref", "matmul", "matrix", "tiles", "mtiles", "staging", "attention", "atiles", "conv", "rmsnorm", "pointwise", "xent", "adamw",
           "lora", "grouped", "limits", "train", "packing")
 QUICK_GROUPS = ("matmul", "attention", "conv", "rmsnorm", "pointwise", "xent", "adamw", "grouped", "limits", "train")
@@ -91,7 +92,7 @@ class Line:
     timer: str = "gpu"                # gpu (timestamps) | wall | cuda (torch events)
     flops: float = 0.0
     bytes: float = 0.0
-    bound: str = "compute"            # which ceiling the fraction is taken against
+    bound: str = "compute"            # which ceiling the fraction is taken against: compute, matrix, memory
     wall_seconds: float | None = None  # host wall clock per call (recording + submit + wait)
     extra: dict = field(default_factory=dict)
     error: str | None = None
@@ -114,14 +115,14 @@ class Ceilings:
     def note(self) -> str:
         return f"# ceilings: {self.source}" + (
             f"; fp32 {self.flops / 1e12:.0f} TFLOP/s, f16 on the matrix units {self.matrix_flops / 1e12:.0f} "
-            f"(the {', '.join(MATRIX_GROUPS)} groups)" if self.flops else "")
+            f"(f16 products on them)" if self.flops else "")
 
     def fraction(self, line: Line) -> float | None:
-        """Of the fp32 ceiling, or of the f16 tensor-core one for a matrix-unit group's line."""
+        """Of the fp32 ceiling, or of the f16 tensor-core one for a line on the matrix units."""
         if not line.seconds:
             return None
-        ceiling = self.matrix_flops if line.group in MATRIX_GROUPS else self.flops
-        if line.bound == "compute" and line.flops and ceiling:
+        ceiling = self.matrix_flops if line.bound == "matrix" else self.flops
+        if line.bound in ("compute", "matrix") and line.flops and ceiling:
             return line.flops / line.seconds / ceiling
         if line.bound == "memory" and line.bytes and self.bw:
             return line.bytes / line.seconds / self.bw
@@ -213,6 +214,9 @@ class Bench:
         self.lines: list[Line] = []
 
     def add(self, line: Line) -> Line:
+        if (line.bound == "compute" and self.engine.target.matrix_configs
+                and (line.group in MATRIX_GROUPS or "f16" in line.name)):
+            line.bound = "matrix"        # its fraction is of the f16 matrix units' ceiling
         self.lines.append(line)
         self.log(format_line(line, self.ceil))
         return line
