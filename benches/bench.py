@@ -114,8 +114,8 @@ class Ceilings:
 
     def note(self) -> str:
         return f"# ceilings: {self.source}" + (
-            f"; fp32 {self.flops / 1e12:.0f} TFLOP/s, f16 on the matrix units {self.matrix_flops / 1e12:.0f} "
-            f"(f16 products on them)" if self.flops else "")
+            f"; fp32 {self.flops / 1e12:.0f} TFLOP/s, f16 on the matrix units {self.matrix_flops / 1e12:.0f}"
+            if self.flops else "")
 
     def fraction(self, line: Line) -> float | None:
         """Of the fp32 ceiling, or of the f16 tensor-core one for a line on the matrix units."""

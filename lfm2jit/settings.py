@@ -113,8 +113,7 @@ def settings() -> Settings:
         matrix_staging=_choice("LFM2JIT_MATRIX_STAGING", MATRIX_STAGINGS),
         host_copy_threads=_index("LFM2JIT_HOST_COPY_THREADS", default=min(4, os.cpu_count() or 1), least=1),
         limits=_choice("LFM2JIT_LIMITS", LIMIT_MODES),
-        compile_threads=(_index("LFM2JIT_COMPILE_THREADS") if os.environ.get("LFM2JIT_COMPILE_THREADS", "").strip()
-                         else None),
+        compile_threads=_index("LFM2JIT_COMPILE_THREADS", default=None),
         dawn_blob_cache=_on_off("LFM2JIT_DAWN_BLOB_CACHE", default=False),
     )
 
@@ -127,7 +126,7 @@ def _choice(name: str, choices: tuple[str, ...]) -> str:
     return value
 
 
-def _index(name: str, default: int = 0, least: int = 0) -> int:
+def _index(name: str, default: int | None = 0, least: int = 0) -> int | None:
     value = os.environ.get(name, "").strip()
     if not value:
         return default
