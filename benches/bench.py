@@ -191,6 +191,15 @@ def time_best(engine, record, reps: int, rounds: int = MTILE_ROUNDS) -> tuple[fl
     return min((time_engine(engine, record, reps) for _ in range(rounds)), key=lambda t: t[0])
 
 
+def _attention_backward_kernels(engine, att, args: dict):
+    """The backward's dq and dk/dv kernels of attention ``att``; ``args`` gains the D pass's output (dO . O
+    per query, which dk/dv reads), run once here."""
+    dq, d_pass, dkdv = grad(att, ["q", "k", "v"], ["o"]).kernels
+    (name,) = d_pass.outputs
+    args[name] = engine.run(d_pass, **{n: args[n] for n in d_pass.inputs})[name]
+    return dq, dkdv
+
+
 def _rand(rng, shape, scale=1.0):
     return (rng.standard_normal(shape, dtype=np.float32) * scale).astype(np.float32)
 
@@ -199,9 +208,10 @@ def _rand(rng, shape, scale=1.0):
 
 class Bench:
     def __init__(self, ctx, quick: bool, reps: int, log=print, tile_shapes=None, tiles_matching=None, products=None,
-                 grouped_dtypes=("f32", "f16")):
+                 grouped_dtypes=("f32", "f16"), grouped_routing="random"):
         self.ctx = ctx
         self.grouped_dtypes = grouped_dtypes
+        self.grouped_routing = grouped_routing
         self.tile_shapes = tile_shapes
         self.tiles_matching = tiles_matching
         self.products = products
@@ -433,11 +443,11 @@ class Bench:
         def attention():
             e = self.engine
             att = library.get("attention").variant("f16")
-            dq, dkdv = grad(att, ["q", "k", "v"], ["o"]).kernels
             q, k, v, do = (e.tensor(_rand(self.rng, s).astype(np.float16))
                            for s in ((t, h, e_), (t, g, e_), (t, g, e_), (t, h, e_)))
             r = e.run(att, q=q, k=k, v=v)
             args = {"q": q, "k": k, "v": v, "o": r["o"], "lse": r["lse"], "d_o": do}
+            dq, dkdv = _attention_backward_kernels(e, att, args)
             flops = 2.0 * t * t * h * e_
             for mode, kern, out, f in (("fwd", att.kernels[0], "o", flops), ("dq", dq, "d_q", flops),
                                        ("dkdv", dkdv, "d_k", 1.5 * flops)):
@@ -487,14 +497,14 @@ class Bench:
                         npdt=npdt):
                     e = self.engine
                     q, k, v = (e.tensor(_rand(self.rng, s).astype(npdt)) for s in ((t, h, e_), (t, g, e_), (t, g, e_)))
-                    s, timer, wall, _ = time_engine(e, lambda: e.run(att, q=q, k=k, v=v), self.reps)
+                    s, timer, wall, _ = time_best(e, lambda: e.run(att, q=q, k=k, v=v), self.reps)
                     io = np.dtype(npdt).itemsize * (2 * t * h * e_ + 2 * t * g * e_ + t * h)
                     template = att.specialize({"B": 1, "T": t, "H": h, "G": g, "E": e_}, 1, target=e.target).template
                     self.add(Line("attention", "attention_fwd" + suffix, shape, s, timer, fwd_flops, io,
                                   wall_seconds=wall, extra={"template": template}))
                     r = e.run(att, q=q, k=k, v=v)
                     do = e.tensor(_rand(self.rng, (t, h, e_)).astype(npdt))
-                    s, timer, wall, by = time_engine(
+                    s, timer, wall, by = time_best(
                         e, lambda: e.run(bwd, q=q, k=k, v=v, o=r["o"], lse=r["lse"], d_o=do), self.reps)
                     self.add(Line("attention", "attention_bwd" + suffix, shape, s, timer, bwd_flops, 2 * io,
                                   wall_seconds=wall, extra={"per_kernel_s": by}))
@@ -508,7 +518,6 @@ class Bench:
             return
         h, g, e_ = (4, 2, 16) if self.quick else (16, 8, 64)
         att = library.get("attention").variant("f16")
-        dq, dkdv = grad(att, ["q", "k", "v"], ["o"]).kernels
         for t in ((64, 96) if self.quick else (512, 2048)):
             shape = f"T{t} H{h} G{g} E{e_}"
 
@@ -518,6 +527,7 @@ class Bench:
                                for s in ((t, h, e_), (t, g, e_), (t, g, e_), (t, h, e_)))
                 r = e.run(att, q=q, k=k, v=v)
                 args = {"q": q, "k": k, "v": v, "o": r["o"], "lse": r["lse"], "d_o": do}
+                dq, dkdv = _attention_backward_kernels(e, att, args)
                 fwd_flops = 2.0 * t * t * h * e_
                 for mode, kern, flops in (("fwd", att.kernels[0], fwd_flops), ("dq", dq, 1.0 * fwd_flops),
                                           ("dkdv", dkdv, 1.5 * fwd_flops)):
@@ -726,8 +736,12 @@ class Bench:
                                        (cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size,
                                         cfg.moe_intermediate_size, 2048))
         slots = t * top_k
-        picks = np.argsort(self.rng.random((t, experts)), axis=1)[:, :top_k]      # top-k distinct experts a token
-        ends = np.cumsum(np.bincount(picks.ravel(), minlength=experts)).astype(np.int32)
+        if self.grouped_routing == "even":     # every expert the same count: no expert ends in a part tile
+            counts = np.full(experts, slots // experts) + (np.arange(experts) < slots % experts)
+        else:
+            picks = np.argsort(self.rng.random((t, experts)), axis=1)[:, :top_k]  # top-k distinct experts a token
+            counts = np.bincount(picks.ravel(), minlength=experts)
+        ends = np.cumsum(counts).astype(np.int32)
         gmm = library.get("expert_gate_up")                 # h = x gate_up[e]^T over each expert's slots
         lin = library.get("linear").without({"r"})
         # per kind: (forward, dX, dW) kernels, the weight's and the cotangent's names
@@ -735,7 +749,7 @@ class Bench:
                  "dense": ((lin, grad(lin, ["x"]), grad(lin, ["w"])), "w", "d_y")}
         for proj, n, k in (("gate_up", 2 * width, d), ("down", d, width)):
             for dtype in self.grouped_dtypes:
-                shape = f"S{slots} E{experts} {n}x{k}"
+                shape = f"S{slots} E{experts} {n}x{k}" + (" even" if self.grouped_routing == "even" else "")
 
                 def one(proj=proj, n=n, k=k, dtype=dtype, shape=shape):
                     e = self.engine
@@ -1169,7 +1183,7 @@ def format_line(line: Line, ceil: Ceilings) -> str:
     if line.error:
         return f"{line.group:9s} {line.name:28s} {line.shape:26s} ERROR {line.error}"
     tf, gb, frac = line.tflops(), line.gbs(), ceil.fraction(line)
-    if line.bound == "compute" and tf:
+    if line.bound in ("compute", "matrix") and tf:
         rate = f"{tf:7.2f} TFLOP/s" if tf >= 0.1 else f"{tf * 1e3:7.2f} GFLOP/s"
     else:
         rate = f"{gb:8.1f} GB/s  " if gb else " " * 15
@@ -1265,6 +1279,8 @@ def main(argv=None) -> int:
                     "contains one of these (e.g. noprefetch 128x128/sg2x2)")
     ap.add_argument("--products", nargs="+", choices=MTILE_PRODUCTS, help="mtiles: only these products")
     ap.add_argument("--grouped-dtypes", nargs="+", choices=("f32", "f16"), help="grouped: only these operand dtypes")
+    ap.add_argument("--grouped-routing", choices=("random", "even"), default="random",
+                    help="grouped: tokens routed at random (default) or the same count to every expert")
     args = ap.parse_args(argv)
     reps = args.reps or (3 if args.quick else 10)
     ctx = WgpuContext.create()
@@ -1280,7 +1296,7 @@ def main(argv=None) -> int:
     tile_shapes = [tuple(int(v) for v in t.lower().split("x")) for t in args.tile_shapes] if args.tile_shapes else None
     bench = Bench(ctx, args.quick, reps, log=lambda s: print(s, flush=True), tile_shapes=tile_shapes,
                   tiles_matching=args.tiles_matching, products=args.products,
-                  grouped_dtypes=tuple(args.grouped_dtypes or ("f32", "f16")))
+                  grouped_dtypes=tuple(args.grouped_dtypes or ("f32", "f16")), grouped_routing=args.grouped_routing)
     t_start = time.perf_counter()
     state = {"lines": [], "meta": {}}
 

@@ -1,0 +1,56 @@
+"""The MoE experts' grouped GEMMs over rows (forward and dX, f16 operands) at tile heights other than
+the planner's, beside the dense GEMM of the same FLOPs: LFM2-8B-A1B's shapes, 2048 tokens routed at
+random to 4 of 32 experts (8192 slots, about 256 an expert). An expert's last tile row is mostly
+empty at 128 rows; shorter tiles waste fewer rows and stage more often. Each candidate's result is
+checked against the planner's (tile_sweep.py).
+Usage: python benches/probes/grouped_tiles.py [--quick]"""
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+from lfm2jit import ComputeEngine, WgpuContext, grad, library
+from lfm2jit.model.moe_config import Lfm2MoeConfig
+from lfm2jit.tune.tiles import MatrixTiles
+
+from tile_sweep import sweep
+
+TILES = (MatrixTiles(96, 128, 2, 2, 32), MatrixTiles(96, 128, 2, 4, 32), MatrixTiles(64, 128, 2, 2, 32),
+         MatrixTiles(64, 256, 2, 4, 32), MatrixTiles(96, 256, 2, 4, 32), MatrixTiles(128, 128, 2, 4, 32),
+         MatrixTiles(96, 128, 2, 2, 64))
+
+
+def main(quick: bool) -> None:
+    e = ComputeEngine(WgpuContext.create(), timing=True)
+    rng = np.random.default_rng(0)
+    cfg = Lfm2MoeConfig.preset("8B-A1B")
+    experts, top_k, d, width, t = ((4, 2, 64, 48, 64) if quick else
+                                   (cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size,
+                                    cfg.moe_intermediate_size, 2048))
+    slots = t * top_k
+    picks = np.argsort(rng.random((t, experts)), axis=1)[:, :top_k]
+    ends = e.tensor(np.cumsum(np.bincount(picks.ravel(), minlength=experts)).astype(np.int32))
+    gmm, lin = library.get("expert_gate_up"), library.get("linear").without({"r"})
+    rows = []
+    for proj, n, k in (("gate_up", 2 * width, d), ("down", d, width)):
+        x, dy = (e.tensor(rng.standard_normal((slots, c), dtype=np.float32), "f16") for c in (k, n))
+        w, w1 = (e.tensor((rng.standard_normal(s) * 0.02).astype(np.float32), "f16") for s in ((experts, n, k), (n, k)))
+        for product, grouped, dense in (
+                ("fwd", (gmm, {"x": x, "gate_up": w, "ends": ends}, "h"), (lin, {"x": x, "w": w1}, "y")),
+                ("dx", (grad(gmm, ["x"]), {"gate_up": w, "d_h": dy, "ends": ends}, "d_x"),
+                 (grad(lin, ["x"]), {"w": w1, "d_y": dy}, "d_x"))):
+            (gk, gargs, gout), (dk, dargs, dout) = grouped, dense
+            dense_s = sweep(e, dk, {**dargs, "f16": tuple(n_ for n_ in dargs)}, dout, (), f"dense {product}")["planner"]
+            times = sweep(e, gk, {**gargs, "f16": tuple(n_ for n_ in gargs if n_ != "ends")}, gout, TILES, f"{proj} {product}")
+            for label, s in times.items():
+                print(f"{proj:8s} {product:4s} {label:34s} {s * 1e3:7.3f} ms  over dense {s / dense_s:5.2f}x", flush=True)
+            best = min(times, key=times.get)
+            rows.append((proj, product, times["planner"] / dense_s, best, times[best] / dense_s))
+    print(f"\n{'projection':10s} {'product':7s} {'planner/dense':>13s}  best tiles (over dense)")
+    for proj, product, planner, best, ratio in rows:
+        print(f"{proj:10s} {product:7s} {planner:13.2f}  {best} ({ratio:.2f}x)")
+
+
+if __name__ == "__main__":
+    main("--quick" in sys.argv[1:])
