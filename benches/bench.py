@@ -29,7 +29,8 @@ Groups (``--only`` takes group names):
   conv         LFM2's fused gated short conv, forward and backward
   rmsnorm      rmsnorm (saving 1/rms), forward and backward
   pointwise    y = x + z (a pure bandwidth probe for generated elementwise kernels)
-  xent         the LM head fused with masked cross-entropy (vocab 65536, D = 1024), loss + dh + dE
+  xent         the LM head fused with masked cross-entropy (vocab 65536, D = 1024, T = 512/2048/4096), loss + dh
+               + dE, f32 and f16 hidden states
   adamw        AdamW over every parameter tensor of LFM2-350M (354M elements); global grad norm
   lora         a frozen f16 linear layer with a rank-8 LoRA adapter, forward and backward (the
                adapter's gradients and the input gradient) at each LFM2-1.2B linear shape,
@@ -612,26 +613,29 @@ class Bench:
 
     # ---- fused LM head + cross-entropy ----
     def xent(self):
+        """The LM head fused with the loss: f32 hidden states, and f16 ones as --f16 trains (the
+        matrix units where the device has them); E f32 in both."""
         from lfm2jit.ops.lmhead import lm_head_cross_entropy
         v, d = (1024, 64) if self.quick else (65536, 1024)
         chunk = 256 if self.quick else 4096
-        for t in ((64,) if self.quick else (512, 2048)):
-            shape = f"T{t} V{v} D{d} chunk{chunk}"
+        for dtype in ("f32", "f16"):
+            for t in ((64,) if self.quick else (512, 2048, 4096)):
+                shape = f"T{t} V{v} D{d} chunk{chunk}"
 
-            def one(t=t, shape=shape):
-                e = self.engine
-                h = e.tensor(_rand(self.rng, (t, d)))
-                E = e.tensor(_rand(self.rng, (v, d), 0.02))
-                targets = self.rng.integers(0, v, t).astype(np.int32)
-                dh, dE = e.empty((t, d)), e.empty((v, d))
-                run = lambda: lm_head_cross_entropy(e, h, E, targets, None, normalizer=float(t), chunk=chunk,
-                                                    dh=dh, dE=dE)
-                s, timer, wall, by = time_engine(e, run, max(2, self.reps // 2))
-                # useful work: logits, dh and dE products (6 T V D); the kernel recomputes logits once more
-                self.add(Line("xent", "lm_head_xent", shape, s, timer, 6.0 * t * v * d,
-                              4.0 * (2 * v * d + 2 * t * d), wall_seconds=wall,
-                              extra={"executed_flops": 8.0 * t * v * d, "per_kernel_s": by}))
-            self.guarded("xent", "lm_head_xent", shape, one)
+                def one(t=t, shape=shape, dtype=dtype):
+                    e = self.engine
+                    h = e.tensor(_rand(self.rng, (t, d)), dtype)
+                    E = e.tensor(_rand(self.rng, (v, d), 0.02))
+                    targets = self.rng.integers(0, v, t).astype(np.int32)
+                    dh, dE = e.empty((t, d), dtype), e.empty((v, d))
+                    run = lambda: lm_head_cross_entropy(e, h, E, targets, None, normalizer=float(t), chunk=chunk,
+                                                        dh=dh, dE=dE)
+                    s, timer, wall, by = time_best(e, run, max(2, self.reps // 2))
+                    # useful work: logits, dh and dE products (6 T V D); the kernel recomputes logits once more
+                    self.add(Line("xent", "lm_head_xent" + ("" if dtype == "f32" else "_f16"), shape, s, timer,
+                                  6.0 * t * v * d, 4.0 * (2 * v * d + 2 * t * d), wall_seconds=wall,
+                                  extra={"executed_flops": 8.0 * t * v * d, "per_kernel_s": by}))
+                self.guarded("xent", f"lm_head_xent[{dtype}]", shape, one)
 
     # ---- what WebGPU's default limits cost: pieces and parts (schedule/pieces.py) ----
     def limits(self):
