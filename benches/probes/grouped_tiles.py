@@ -3,7 +3,8 @@ the planner's, beside the dense GEMM of the same FLOPs: LFM2-8B-A1B's shapes, 20
 random to 4 of 32 experts (8192 slots, about 256 an expert). An expert's last tile row is mostly
 empty at 128 rows; shorter tiles waste fewer rows and stage more often. Each candidate's result is
 checked against the planner's (tile_sweep.py). The forward also runs with every slot one expert's: the
-grouped kernel's own cost beside the dense GEMM's, without 32 experts' weights to stream.
+grouped kernel's own cost beside the dense GEMM's, without 32 experts' weights to stream. Last, gate_up's
+dW with the slots split evenly over 1, 4 and 32 experts, its output f32 and f16.
 Usage: python benches/probes/grouped_tiles.py [--quick]"""
 from __future__ import annotations
 
@@ -52,6 +53,20 @@ def main(quick: bool) -> None:
                 print(f"{proj:8s} {product:4s} {label:34s} {s * 1e3:7.3f} ms  over dense {s / dense_s:5.2f}x", flush=True)
             best = min((t for t in times if t != "one expert"), key=times.get)
             rows.append((proj, product, times["planner"] / dense_s, best, times[best] / dense_s))
+    # dW: the same slots split evenly over 1, 4 and 32 experts (32x the outputs at 32), each output f32
+    # and f16: how much of the grouped dW's time is its short sums and its [E, N, K] output
+    n, k = 2 * width, d
+    x, dy = (e.tensor(rng.standard_normal((slots, c), dtype=np.float32), "f16") for c in (k, n))
+    lin_dw = grad(lin, ["w"])
+    dense_s = sweep(e, lin_dw, {"x": x, "d_y": dy, "f16": ("x", "d_y")}, "d_w", (), "dense dw")["planner"]
+    dw_k = grad(gmm, ["gate_up"])
+    for count in dict.fromkeys((1, 4, experts)):
+        split = e.tensor(np.cumsum(np.full(count, slots // count)).astype(np.int32))
+        for out in ("f32", "f16"):
+            f16 = ("x", "d_h") + (("d_gate_up",) if out == "f16" else ())
+            s = sweep(e, dw_k, {"x": x, "d_h": dy, "ends": split, "f16": f16}, "d_gate_up", (), "grouped dw")["planner"]
+            print(f"gate_up  dw   {count:3d} experts, {out} output     {s * 1e3:7.3f} ms  over dense {s / dense_s:5.2f}x",
+                  flush=True)
     print(f"\n{'projection':10s} {'product':7s} {'planner/dense':>13s}  best tiles (over dense)")
     for proj, product, planner, best, ratio in rows:
         print(f"{proj:10s} {product:7s} {planner:13.2f}  {best} ({ratio:.2f}x)")
