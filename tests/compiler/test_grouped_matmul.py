@@ -13,7 +13,7 @@ from lfm2jit import compile_source, grad
 from lfm2jit.dsl.errors import DslError
 from lfm2jit.schedule import EMULATED_MATRIX_CONFIGS, EMULATED_SUBGROUP, Target
 from lfm2jit.tune import candidates
-from lfm2jit.tune.tiles import TileConfig
+from lfm2jit.tune.tiles import MatrixTiles, TileConfig
 
 from test_binding_limits import lowered
 
@@ -387,6 +387,27 @@ def test_the_matrix_template_runs_forward_dx_and_dw(matrix_engine):
     dx = eng.run(K_.gmm_dx, f16=("w",), dy=eng.tensor(dy.astype(np.float32)), w=eng.tensor(w),
                  ends=eng.tensor(ends))["dx"].numpy()
     dw = eng.run(K_.gmm_dw_half, dy=eng.tensor(dy), x=eng.tensor(x), ends=eng.tensor(ends))["dw"].numpy()
+    want_dx, want_dw, _ = _grads(x, w, ends, dy)
+    _close(dx, want_dx, 1e-5)
+    _close(dw, want_dw, 2e-3)           # stored as f16
+
+
+@pytest.mark.parametrize("tiles", [MatrixTiles(96, 128, 2, 2, 32), MatrixTiles(64, 128, 2, 4, 32),
+                                   MatrixTiles(96, 128, 2, 4, 32, prefetch=False), MatrixTiles(64, 64, 2, 2, 32, stages=2)],
+                         ids=lambda t: t.label)
+def test_matrix_tiles_of_any_height_give_the_products(matrix_engine, tiles):
+    """Tile heights other than a power of two (96: three fragments a subgroup) and other shapes on the
+    matrix template: forward, dX and dW against numpy, experts ending anywhere in a tile."""
+    eng = matrix_engine
+    rng = np.random.default_rng(61)
+    E, S, K, N = 4, 300, 64, 256
+    ends = _ends(rng, 290, E)
+    x, w, dy = (rng.standard_normal(s).astype(np.float16) for s in ((S, K), (E, N, K), (S, N)))
+    y = eng.run(K_.gmm_half, tiles=tiles, x=eng.tensor(x.astype(np.float32)), w=eng.tensor(w), ends=eng.tensor(ends))["y"]
+    _close(y.numpy(), _reference(x, w, ends), 1e-5)
+    dx = eng.run(K_.gmm_dx, tiles=tiles, f16=("w",), dy=eng.tensor(dy.astype(np.float32)), w=eng.tensor(w),
+                 ends=eng.tensor(ends))["dx"].numpy()
+    dw = eng.run(K_.gmm_dw_half, tiles=tiles, dy=eng.tensor(dy), x=eng.tensor(x), ends=eng.tensor(ends))["dw"].numpy()
     want_dx, want_dw, _ = _grads(x, w, ends, dy)
     _close(dx, want_dx, 1e-5)
     _close(dw, want_dw, 2e-3)           # stored as f16
