@@ -2,6 +2,7 @@
 keeps the fastest on disk, survives failing candidates, and never changes results."""
 from __future__ import annotations
 
+import inspect
 import json
 import math
 from dataclasses import asdict, replace
@@ -69,6 +70,29 @@ def test_a_failing_candidate_scores_infinity(ctx, tmp_path, monkeypatch):
     assert tiles != bad
     (entry,) = eng.tuner.best.values()
     assert math.isinf(entry["seconds"][str(bad.__dict__)])
+
+
+def test_a_timing_slowed_by_a_clock_dip_does_not_lose_the_search(ctx, tmp_path, monkeypatch):
+    """Each candidate is timed in ROUNDS rounds, in turn, its fastest timing kept: the fastest candidate
+    wins though its first timing came while the GPU's clocks were down (ten times slower)."""
+    from lfm2jit.tune import autotune
+    monkeypatch.setenv("LFM2JIT_AUTOTUNE", "1")
+    monkeypatch.setenv("LFM2JIT_CACHE_DIR", str(tmp_path))
+    fastest = CANDIDATES[len(CANDIDATES) // 2]
+    calls = []
+
+    def seconds_per_call(engine, run, warm_seconds):
+        tiles = inspect.getclosurevars(run).nonlocals["tiles"]      # the candidate this run records
+        calls.append(tiles)
+        slow = 10.0 if calls.count(fastest) == 1 and tiles == fastest else 1.0
+        return (0.5 if tiles == fastest else 1.0 + 0.1 * CANDIDATES.index(tiles)) * slow
+    monkeypatch.setattr(autotune, "seconds_per_call", seconds_per_call)
+    eng = ComputeEngine(ctx)
+    tiles = eng.tuner.tiles(library.get("linear").without({"r"}), {"T": 8, "K": 8, "N": 8}, 1, frozenset())
+    assert tiles == fastest
+    assert calls.count(fastest) == autotune.ROUNDS
+    (entry,) = eng.tuner.best.values()
+    assert entry["seconds"][str(asdict(fastest))] == 0.5
 
 
 # tiles the template runs though the tuner does not try them: double-buffered scalar reads, and
