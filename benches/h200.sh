@@ -36,6 +36,10 @@
 #   bash benches/h200.sh limits           what WebGPU's default limits cost: the limits group (kernels on LFM2-1.2B's
 #                                         embedding, in pieces and parts, beside the raised limits) on Dawn and on
 #                                         wgpu-native, then the default-limits model tests -> $OUT/h200_limits{,_wgpu_native}.json
+#   bash benches/h200.sh gtiles           on Dawn: the grouped-GEMM and experts tests, then benches/probes/grouped_tiles.py (the
+#                                         experts' grouped forward and dX at other tile heights, with one expert, and gate_up's dW
+#                                         over 1, 4 and 32 experts, f32 and f16 output) -> $OUT/<card>_grouped_tests_dawn.log,
+#                                         <card>_grouped_tiles.log
 #   bash benches/h200.sh moe              on Dawn: the routing, grouped-GEMM and LFM2-MoE tests, then the grouped group
 #                                         (the experts' grouped GEMMs at LFM2-8B-A1B shapes beside a dense GEMM of the
 #                                         same FLOPs) -> $OUT/<card>_moe_tests_dawn.log, $OUT/<card>_grouped.json; with
@@ -90,6 +94,7 @@ source .gpu-kit/env.sh
 export LFM2JIT_ADAPTER=${LFM2JIT_ADAPTER:-NVIDIA} PYTHONUNBUFFERED=1   # the lent H200 or H100
 python3 -c 'import wgpu; print([a.summary for a in wgpu.gpu.enumerate_adapters_sync()])'
 start=$(date +%s)
+card=$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -o "H[0-9]*" | head -1 | tr A-Z a-z)   # h100 or h200: names result files
 install_mpi() {   # mpi4py + the mpich wheel from the kit; MPIEXEC: the mpiexec beside this python
     python3 -m pip install -q --no-deps --no-index .gpu-kit/mpi/*.whl 2>&1 | tail -2
     MPIEXEC="$(python3 -c 'import sys, os; print(os.path.join(os.path.dirname(sys.executable), "mpiexec"))')"
@@ -184,9 +189,15 @@ limits)
     LFM2JIT_WEBGPU=dawn python3 -m pytest -q -p no:cacheprovider -rs tests/model/test_default_limits.py tests/compiler/test_binding_limits.py 2>&1 \
         | tee "$OUT/h200_default_limits_tests_dawn.log" | tail -3
     ;;
+gtiles)
+    # issue 47's grouped GEMMs: their tests on the real matrix units, then benches/probes/grouped_tiles.py
+    export LFM2JIT_WEBGPU=dawn
+    python3 -m pytest -q -p no:cacheprovider -rs tests/compiler/test_grouped_matmul.py tests/ops/test_experts.py 2>&1 \
+        | tee "$OUT/${card}_grouped_tests_dawn.log" | tail -3
+    timeout 420 python3 benches/probes/grouped_tiles.py 2>&1 | tee "$OUT/${card}_grouped_tiles.log" | tail -40
+    ;;
 moe)
     export LFM2JIT_WEBGPU=dawn
-    card=$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -o "H[0-9]*" | head -1 | tr A-Z a-z)
     if [ -n "${TUNED:-}" ]; then
         mkdir -p -m 700 "$OUT/tune"
         LFM2JIT_AUTOTUNE=1 LFM2JIT_CACHE_DIR="$OUT/tune" python3 -m lfm2jit.bench --only grouped --grouped-dtypes f16 \
@@ -200,7 +211,6 @@ moe)
     ;;
 moelora)
     export LFM2JIT_WEBGPU=dawn
-    card=$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -o "H[0-9]*" | head -1 | tr A-Z a-z)
     for run in "1.2B 130" "8B-A1B 300 _f16 --ours f16" "8B-A1B 120 _recompute --recompute-mlp --ours f16 --torch"; do
         set -- $run
         preset=$1 limit=$2 suffix=${3:-}
@@ -212,7 +222,6 @@ moelora)
     ;;
 ckpt)
     export LFM2JIT_WEBGPU=dawn
-    card=$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -o "H[0-9]*" | head -1 | tr A-Z a-z)
     for run in "lora none 0 --lora 8 --lora-f16-base" "lora all all --lora 8 --lora-f16-base" "full none 0" "full all all"; do
         set -- $run
         kind=$1 name=$2 layers=$3
@@ -223,7 +232,6 @@ ckpt)
     ;;
 packing)
     export LFM2JIT_WEBGPU=dawn
-    card=$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -o "H[0-9]*" | head -1 | tr A-Z a-z)
     for scale in 1 8; do
         timeout "${PACKING_TIMEOUT:-280}" python3 -m lfm2jit.bench --only packing --model-preset 350M --packing-window 16 --f16 --steps 3 \
             --length-scale "$scale" --json "$OUT/${card}_packing_f16_x${scale}.json" 2>&1 | grep "^packing"
@@ -231,7 +239,6 @@ packing)
     ;;
 compile)
     export LFM2JIT_WEBGPU=dawn
-    card=$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -o "H[0-9]*" | head -1 | tr A-Z a-z)
     for run in "0 off" "8 off" "0 on"; do
         set -- $run
         LFM2JIT_COMPILE_THREADS=$1 LFM2JIT_DAWN_BLOB_CACHE=$2 timeout 150 python3 benches/startup.py --preset 350M \
@@ -242,7 +249,6 @@ compile)
     ;;
 nf4)
     export LFM2JIT_WEBGPU=dawn
-    card=$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -o "H[0-9]*" | head -1 | tr A-Z a-z)
     timeout 200 python3 benches/probes/decoded_tiles.py 2>&1 | tee "$OUT/${card}_decoded_tiles.log" | tail -12
     for base in f16 nf4; do
         timeout 170 python3 -m lfm2jit.bench --only train --f16 --model-preset 2.6B --train-shapes 1x2048 --steps 2 \
@@ -252,7 +258,6 @@ nf4)
     ;;
 qlora)
     export LFM2JIT_WEBGPU=dawn
-    card=$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -o "H[0-9]*" | head -1 | tr A-Z a-z)
     runs=("2.6B f16 150" "2.6B int8 170" "2.6B nf4 170")
     [ "${2:-}" = 8B-A1B ] && runs=("8B-A1B nf4 560")
     for run in "${runs[@]}"; do
@@ -264,7 +269,6 @@ qlora)
     ;;
 longctx)
     export LFM2JIT_WEBGPU=dawn
-    card=$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -o "H[0-9]*" | head -1 | tr A-Z a-z)
     for run in "350M 16384 50" "350M 32768 60" "1.2B 16384 75" "1.2B 32768 100"; do   # 570 s at most
         set -- $run
         preset=$1 t=$2 limit=$3
@@ -296,7 +300,6 @@ PY
     ;;
 staging)
     export LFM2JIT_WEBGPU=dawn
-    card=$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -o "H[0-9]*" | head -1 | tr A-Z a-z)
     timeout 150 python3 -m pytest -q -p no:cacheprovider -rs tests/compiler/test_template_variants.py \
         tests/compiler/test_matrix_units.py tests/compiler/test_attention_matrix.py -k "float64 or vec4 or accumulate or compiles" 2>&1 \
         | tee "$OUT/${card}_staging_tests_dawn.log" | tail -3
@@ -308,11 +311,10 @@ staging)
     ;;
 robust)
     export LFM2JIT_WEBGPU=dawn
-    card=$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -o "H[0-9]*" | head -1 | tr A-Z a-z)
     shift
     timeout 150 python3 -m pytest -q -p no:cacheprovider -rs tests/runtime/test_robustness_modes.py 2>&1 | tail -1 \
         | sed "s/^/same bits in every mode: /" | tee "$OUT/${card}_robust.log"
-    for mode in ${@:-on narrow off}; do
+    for mode in ${@:-on off}; do
         export LFM2JIT_DAWN_ROBUSTNESS=$mode
         timeout 100 python3 -m pytest -q -p no:cacheprovider -rs tests/runtime/test_webgpu.py tests/compiler/test_matrix_units.py \
             -k "robustness or float64" 2>&1 | tail -1 | sed "s/^/$mode tests: /"
@@ -337,6 +339,6 @@ mpi)
     } | tee "$OUT/h200_mpi_exchange.log"
     ;;
 *)
-    echo "usage: bash benches/h200.sh tests | matrix | speed [BASE] | startup [BASE] | lora | attention | decode | gradsync | limits | moe | moelora | qlora [8B-A1B] | ckpt | packing | longctx | staging | compile | nf4 | robust [MODES] | mpi" >&2; exit 2 ;;
+    echo "usage: bash benches/h200.sh tests | matrix | speed [BASE] | startup [BASE] | lora | attention | decode | gradsync | limits | gtiles | moe | moelora | qlora [8B-A1B] | ckpt | packing | longctx | staging | compile | nf4 | robust [MODES] | mpi" >&2; exit 2 ;;
 esac
 echo "took $(( $(date +%s) - start )) s"
