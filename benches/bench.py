@@ -2,7 +2,7 @@
 
 Every line is one measured thing: its time per call (GPU timestamps summed over the call's
 dispatches when the adapter has ``timestamp-query``, else host wall clock around a synchronised
-loop), the work it does by napkin math (FLOPs and/or the fewest bytes it must move), the rate that
+loop; the fastest of 3 timings, as a GPU whose clocks dip only ever slows one), the work it does by napkin math (FLOPs and/or the fewest bytes it must move), the rate that
 gives, and the fraction of the card's ceiling.
 
 Groups (``--only`` takes group names):
@@ -17,15 +17,14 @@ Groups (``--only`` takes group names):
                template reaches when the schedule picks bigger tiles
   mtiles       the matrix-unit template at each of its candidate tiles, for fwd, fwd with an f16
                weight, fwd with an f32 result, dX and dW (4096^3 and the T = 2048 MLP/QKV
-               shapes; best of 3 timings)
+               shapes)
   staging      the matrix kernels' staging, old against new (issue 51): fwd, dX and dW at the planner's
                tiles with f16 workgroup tiles and with vec4<f16> ones, each also with two stages, at
                the mtiles shapes, and the f16 attention kernels at T = 2048 with each staging; each
                line's speedup over f16 staging, and its result's largest difference from theirs
-               (best of 3 timings)
   attention    causal GQA flash attention forward and backward, T = 512/2048, H=16, G=8, E=64
   atiles       the three f16 attention kernels (fwd, dq, dkdv) at the SIMT template's tiles and at each
-               matrix-unit candidate, T = 512/2048 (best of 3 timings)
+               matrix-unit candidate, T = 512/2048
   conv         LFM2's fused gated short conv, forward and backward
   rmsnorm      rmsnorm (saving 1/rms), forward and backward
   pointwise    y = x + z (a pure bandwidth probe for generated elementwise kernels)
@@ -36,7 +35,7 @@ Groups (``--only`` takes group names):
                adapter's gradients and the input gradient) at each LFM2-1.2B linear shape,
                T = 2048, f16 activations, beside the layer's own forward and dX without the
                adapter (both dX added into an existing gradient): what the adapters add to a
-               LoRA step, dispatch by dispatch (best of 3)
+               LoRA step, dispatch by dispatch
   train        Trainer.train_step on an LFM2-350M-shaped model: 1x512, 1x2048, 8x512 (grad accum 8)
   packing      mixed-length windows (lengths drawn from the shipped chat data's histogram, tokenized),
                trained with --packing pad and concat on the train group's model: tokens/s of real
@@ -364,8 +363,8 @@ class Bench:
                     got = y.numpy()[:rows]
                     want = xa[:rows].astype(np.float64) @ wa.astype(np.float64).T
                     err = float(np.abs(got - want).max() / np.abs(want).max())
-                    s, timer, wall, _ = time_engine(e, lambda: e.run(lin, x=x, w=w, out={"y": y}, tiles=cfg),
-                                                    self.reps)
+                    s, timer, wall, _ = time_best(e, lambda: e.run(lin, x=x, w=w, out={"y": y}, tiles=cfg),
+                                                  self.reps)
                     self.add(Line("tiles", f"linear[{tag}]", shape, s, timer, 2.0 * m * n * k,
                                   4.0 * (m * k + n * k + m * n), wall_seconds=wall,
                                   extra={"tiles": asdict(cfg), "rel_err_first_rows": err}))
@@ -561,12 +560,12 @@ class Bench:
                 e = self.engine
                 bcx = e.tensor(_rand(self.rng, (t, 3, d)))
                 w = e.tensor(_rand(self.rng, (d, 3)))
-                s, timer, wall, _ = time_engine(e, lambda: e.run(kern, bcx=bcx, w=w), self.reps)
+                s, timer, wall, _ = time_best(e, lambda: e.run(kern, bcx=bcx, w=w), self.reps)
                 self.add(Line("conv", "short_conv_fwd", shape, s, timer, 9.0 * t * d, 4.0 * (4 * t * d + 3 * d),
                               bound="memory", wall_seconds=wall))
                 dy = e.tensor(_rand(self.rng, (t, d)))
                 dwt = e.zero_(e.empty((d, 3)))
-                s, timer, wall, by = time_engine(
+                s, timer, wall, by = time_best(
                     e, lambda: e.run(bwd, bcx=bcx, w=w, d_y=dy, out={"d_w": dwt}, accumulate={"d_w"}), self.reps)
                 self.add(Line("conv", "short_conv_bwd", shape, s, timer, 20.0 * t * d,
                               4.0 * (t * d + 3 * t * d + 3 * t * d + 6 * d), bound="memory", wall_seconds=wall,
@@ -584,13 +583,13 @@ class Bench:
                 e = self.engine
                 x = e.tensor(_rand(self.rng, (t, d)))
                 w = e.tensor(_rand(self.rng, (d,)))
-                s, timer, wall, _ = time_engine(e, lambda: e.run(kern, x=x, w=w, eps=1e-5), self.reps)
+                s, timer, wall, _ = time_best(e, lambda: e.run(kern, x=x, w=w, eps=1e-5), self.reps)
                 self.add(Line("rmsnorm", "rmsnorm_fwd", shape, s, timer, 4.0 * t * d, 4.0 * (2 * t * d + t + d),
                               bound="memory", wall_seconds=wall))
                 r = e.run(kern, x=x, w=w, eps=1e-5)
                 dy = e.tensor(_rand(self.rng, (t, d)))
                 dwt = e.zero_(e.empty((d,)))
-                s, timer, wall, by = time_engine(
+                s, timer, wall, by = time_best(
                     e, lambda: e.run(bwd, x=x, w=w, inv=r["inv"], d_y=dy, out={"d_w": dwt}, accumulate={"d_w"}),
                     self.reps)
                 self.add(Line("rmsnorm", "rmsnorm_bwd", shape, s, timer, 8.0 * t * d, 4.0 * (3 * t * d + t + 2 * d),
@@ -606,7 +605,7 @@ class Bench:
                 e = self.engine
                 x, z = e.tensor(_rand(self.rng, (t, d))), e.tensor(_rand(self.rng, (t, d)))
                 y = e.empty((t, d))
-                s, timer, wall, _ = time_engine(e, lambda: e.run(kern, x=x, z=z, out={"y": y}), self.reps)
+                s, timer, wall, _ = time_best(e, lambda: e.run(kern, x=x, z=z, out={"y": y}), self.reps)
                 self.add(Line("pointwise", "add", shape, s, timer, 1.0 * t * d, 12.0 * t * d, bound="memory",
                               wall_seconds=wall))
             self.guarded("pointwise", "add", shape, one)
@@ -672,7 +671,7 @@ class Bench:
                 seconds = {}
                 for mode, e in (("raised", self.engine), ("default", default)):
                     run, flops, nbytes = kernels(e)[name]
-                    seconds[mode], timer, wall, _ = time_engine(e, run, self.reps)
+                    seconds[mode], timer, wall, _ = time_best(e, run, self.reps)
                 self.add(Line("limits", name, shape, seconds["default"], timer, flops, nbytes, wall_seconds=wall,
                               bound="compute" if flops else "memory",
                               extra={"raised_s": seconds["raised"], "default_vs_raised": seconds["default"] / seconds["raised"]}))
@@ -708,7 +707,7 @@ class Bench:
             def run():
                 step[0] += 1
                 adamw_step(e, ps, gs, ms, vs, step=step[0], **kw)
-            s, timer, wall, _ = time_engine(e, run, max(2, self.reps // 2))
+            s, timer, wall, _ = time_best(e, run, max(2, self.reps // 2))
             self.add(Line("adamw", "adamw_step", shape, s, timer, 16.0 * n, 28.0 * n, bound="memory",
                           wall_seconds=wall, extra={"dispatches": len(shapes)}))
             # the global grad norm reads every gradient once and reads back 8 bytes (a synchronisation)
