@@ -46,8 +46,6 @@ def _tiles(call: IntrinsicCall, m: int, n: int, k: int, k_contiguous: int, frag,
             raise ValueError(f"{call.name}: tiles {call.tiles} split K; the grouped GEMM sums each output whole")
         if isinstance(call.tiles, MatrixTiles) and frag is None:
             raise ValueError(f"{call.name}: tiles={call.tiles!r} need a device with f16 subgroup matrices (the matrix units)")
-        if getattr(call.tiles, "walk", False) and call.name != intrinsics.GROUPED_MATMUL_DW:
-            raise ValueError(f"{call.name}: tiles {call.tiles} walk the experts, which only a dW (a sum over each expert's rows) does")
         tiles = call.tiles
     elif frag is None:
         return replace(heuristics.matmul_tiles(m, n, k), split=1)
@@ -170,8 +168,7 @@ def _plan_dw(call: IntrinsicCall, target) -> Plan:
                                k_ext=extent(s_axis, sizes), a=a, b=b, c=c, axes=(n_axis, k_axis, s_axis, e_axis),
                                m_pad=sizes[n_axis], n_size=sizes[k_axis], batches=experts,
                                reduce_threads=REDUCE_THREADS, group=Grouping(ends.name, experts, "k"))
-    walk = getattr(tiles, "walk", False)       # one workgroup a tile walks every expert, else one an expert
-    grid = (-(-sizes[k_axis] // tile_n), -(-sizes[n_axis] // tile_m), 1 if walk else experts)
+    grid = (-(-sizes[k_axis] // tile_n), -(-sizes[n_axis] // tile_m), experts)
     return Plan(template, params, (EntryPoint("main", grid),), vectors=_vectors(a, b))
 
 

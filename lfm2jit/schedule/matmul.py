@@ -372,8 +372,8 @@ def plan(ir: KernelIR, sizes: dict[str, int], accumulate: frozenset[str], tiles=
     if matrix:
         k_contiguous = sum(strides(x.shape, sizes)[k] == 1 for x in (a, b))
         def problem(t: MatrixTiles) -> str | None:
-            return ("walk (the experts in turn) is a grouped GEMM's dW tiling" if t.walk else None) or (
-                t.problem(frag, target.subgroup_size, target.workgroup_bytes, sizes[n_axis]) or workspace_problem(t))
+            return (t.problem(frag, target.subgroup_size, target.workgroup_bytes, sizes[n_axis])
+                    or workspace_problem(t))
         tiles = tiles or heuristics.matrix_tiles(sizes[m_axis], sizes[n_axis], sizes[k], k_contiguous,
                                                  lambda t: problem(t) is None)
         if problem(tiles):

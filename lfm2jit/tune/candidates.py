@@ -81,13 +81,9 @@ def matrix(params) -> tuple[MatrixTiles, ...]:
 
 def grouped(params, matrix_units: bool) -> tuple:
     """A grouped GEMM's: the planner's pick, then the candidates of its template that sum each
-    output whole (no split-K) and stage f16 as the grouped GEMMs do (not vec4); a dW on the matrix
-    units also tries those of one stage with prefetch walking the experts (MatrixTiles.walk)."""
+    output whole (no split-K) and stage f16 as the grouped GEMMs do (not vec4)."""
     pool = MATRIX if matrix_units else MATMUL
-    whole = (params.tiles,) + tuple(t for t in pool if t.split == 1 and not getattr(t, "vec4", False))
-    if matrix_units and params.group.over == "k":
-        whole += tuple(replace(t, walk=True) for t in whole if t.stages == 1 and t.prefetch)
-    return tuple(dict.fromkeys(whole))
+    return tuple(dict.fromkeys((params.tiles,) + tuple(t for t in pool if t.split == 1 and not getattr(t, "vec4", False))))
 
 
 def for_spec(spec) -> tuple:

@@ -55,10 +55,7 @@ class MatrixTiles:
     have it, in every tile or (``tail`` > 0) only in the last ``tail`` tile columns: the tiles that
     would otherwise run in a last, mostly idle wave of workgroups. ``prefetch``: with one stage,
     the next k-step is fetched into registers while this one is multiplied; without, at the top of
-    each step, which holds fewer registers (what large tiles' accumulators leave room for). ``walk``
-    (a grouped GEMM's dW only): one workgroup per output tile walks every expert's rows in turn,
-    storing each expert's sum as it completes while the next expert's first k-step is in flight,
-    instead of a workgroup per (tile, expert)."""
+    each step, which holds fewer registers (what large tiles' accumulators leave room for)."""
     wm: int = 128
     wn: int = 128
     sg_m: int = 2
@@ -70,7 +67,6 @@ class MatrixTiles:
     prefetch: bool = True
     tail: int = 0
     vec4: bool = False
-    walk: bool = False
 
     def __post_init__(self):
         if min(self.wm, self.wn, self.sg_m, self.sg_n, self.bk, self.group) < 1 or self.split not in (1, 2, 4, 8):
@@ -81,14 +77,12 @@ class MatrixTiles:
             raise ValueError(f"{self}: stages must be 1 or 2")
         if self.stages == 2 and not self.prefetch:
             raise ValueError(f"{self}: two stages always prefetch (the next k-step is stored while this one is multiplied)")
-        if self.walk and (self.stages != 1 or not self.prefetch or self.split != 1):
-            raise ValueError(f"{self}: walking the experts needs one stage, prefetch and no split-K")
 
     @property
     def label(self) -> str:
         return (f"{self.wm}x{self.wn}/sg{self.sg_m}x{self.sg_n}/bk{self.bk}" + (f"/split{self.split}" if self.split > 1 else "")
                 + (f"/tail{self.tail}" if self.tail else "") + f"/s{self.stages}" + (f"/g{self.group}" if self.group > 1 else "")
-                + ("" if self.prefetch else "/noprefetch") + ("/v4" if self.vec4 else "") + ("/walk" if self.walk else ""))
+                + ("" if self.prefetch else "/noprefetch") + ("/v4" if self.vec4 else ""))
 
     def problem(self, frag, subgroup: int, workgroup_bytes: int, n: int | None = None) -> str | None:
         """The first rule these tiles break for fragments ``frag`` (a schedule.spec.MatrixConfig), this

@@ -9,7 +9,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from lfm2jit import compile_source, grad, library
+from lfm2jit import compile_source, grad
 from lfm2jit.dsl.errors import DslError
 from lfm2jit.schedule import EMULATED_MATRIX_CONFIGS, EMULATED_SUBGROUP, Target
 from lfm2jit.tune import candidates
@@ -411,44 +411,3 @@ def test_matrix_tiles_of_any_height_give_the_products(matrix_engine, tiles):
     want_dx, want_dw, _ = _grads(x, w, ends, dy)
     _close(dx, want_dx, 1e-5)
     _close(dw, want_dw, 2e-3)           # stored as f16
-
-
-@pytest.mark.parametrize("seed", range(2))
-@pytest.mark.parametrize("tiles", [MatrixTiles(64, 64, 2, 2, 32, group=1), MatrixTiles(128, 64, 2, 2, 32)],
-                         ids=lambda t: t.label)
-def test_walking_the_experts_gives_the_same_dw_bit_for_bit(matrix_engine, tiles, seed):
-    """MatrixTiles.walk: one workgroup per output tile sums every expert's rows in turn instead of one
-    per (tile, expert): the same sums in the same order, so the same bits, stored or added to what the
-    output held; empty experts give zero or leave it as it was. N = 192: interior tiles stored from
-    the fragments, and (128-row tiles) edge tiles through the scratch."""
-    eng = matrix_engine
-    rng = np.random.default_rng(70 + seed)
-    E, S, K, N = 6, 300, 64, 192
-    ends = _ends(rng, 280, E)
-    dy, x = rng.standard_normal((S, N)).astype(np.float16), rng.standard_normal((S, K)).astype(np.float16)
-    old = rng.standard_normal((E, N, K)).astype(np.float32)
-    want = _grads(x, np.zeros((E, N, K), np.float16), ends, dy)[1]
-    args = dict(f16=("dy", "x"), dy=eng.tensor(dy), x=eng.tensor(x), ends=eng.tensor(ends))
-    for accumulate in (False, True):
-        got = {}
-        for walk in (False, True):
-            out = eng.tensor(old) if accumulate else eng.empty((E, N, K))
-            eng.run(K_.gmm_dw, tiles=replace(tiles, walk=walk), out={"dw": out},
-                    accumulate={"dw"} if accumulate else set(), **args)
-            got[walk] = out.numpy()
-        np.testing.assert_array_equal(got[True], got[False])
-        _close(got[True], want + old if accumulate else want, 1e-5)
-
-
-def test_only_a_grouped_dw_walks_the_experts(matrix_engine):
-    walk = MatrixTiles(64, 64, 2, 2, 32, walk=True)
-    sizes = {"S": 64, "K": 32, "N": 64, "E": 4}
-    with pytest.raises(ValueError, match="walk the experts, which only a dW"):
-        K_.gmm_half.kernels[0].specialize(sizes, tiles=walk, target=matrix_engine.target)
-    with pytest.raises(ValueError, match="grouped GEMM's dW tiling"):
-        library.get("linear").without({"r"}).kernels[0].specialize({"T": 64, "K": 32, "N": 64}, tiles=walk,
-                                                                    target=matrix_engine.target)
-    with pytest.raises(ValueError, match="one stage, prefetch and no split-K"):
-        MatrixTiles(64, 64, 2, 2, 32, stages=2, walk=True)
-    spec = K_.gmm_dw_half.kernels[0].specialize(sizes, tiles=walk, target=matrix_engine.target)
-    assert spec.entry_points[0].grid[2] == 1          # a workgroup a tile, not one a (tile, expert)
