@@ -3,12 +3,14 @@ the planner's, beside the dense GEMM of the same FLOPs: LFM2-8B-A1B's shapes, 20
 random to 4 of 32 experts (8192 slots, about 256 an expert). An expert's last tile row is mostly
 empty at 128 rows; shorter tiles waste fewer rows and stage more often. Each candidate's result is
 checked against the planner's (tile_sweep.py). The forward also runs with every slot one expert's: the
-grouped kernel's own cost beside the dense GEMM's, without 32 experts' weights to stream. Last, gate_up's
-dW with the slots split evenly over 1, 4 and 32 experts, its output f32 and f16.
+grouped kernel's own cost beside the dense GEMM's, without 32 experts' weights to stream. Then gate_up's
+dW with the slots split evenly over 1, 4 and 32 experts, its output f32 and f16; last, each dW at
+other tiles (a workgroup per tile and expert).
 Usage: python benches/probes/grouped_tiles.py [--quick]"""
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 
 import numpy as np
 
@@ -21,6 +23,10 @@ from tile_sweep import sweep
 TILES = (MatrixTiles(96, 128, 2, 2, 32), MatrixTiles(96, 128, 2, 4, 32), MatrixTiles(64, 128, 2, 2, 32),
          MatrixTiles(64, 256, 2, 4, 32), MatrixTiles(96, 256, 2, 4, 32), MatrixTiles(128, 128, 2, 4, 32),
          MatrixTiles(96, 128, 2, 2, 64))
+DW_TILES = (MatrixTiles(128, 128, 2, 2, 32), MatrixTiles(128, 128, 2, 4, 32), MatrixTiles(128, 128, 2, 2, 64),
+            MatrixTiles(128, 128, 2, 2, 32, stages=2), MatrixTiles(64, 128, 2, 2, 32), MatrixTiles(128, 64, 2, 2, 32),
+            MatrixTiles(64, 64, 2, 2, 32), MatrixTiles(128, 256, 2, 4, 32), MatrixTiles(256, 128, 4, 2, 32))
+DW_TILES = tuple(replace(t, group=1) for t in DW_TILES)      # no bands over the experts' matrices (the planner's rule)
 
 
 def main(quick: bool) -> None:
@@ -67,6 +73,16 @@ def main(quick: bool) -> None:
             s = sweep(e, dw_k, {"x": x, "d_h": dy, "ends": split, "f16": f16}, "d_gate_up", (), "grouped dw")["planner"]
             print(f"gate_up  dw   {count:3d} experts, {out} output     {s * 1e3:7.3f} ms  over dense {s / dense_s:5.2f}x",
                   flush=True)
+    # dW, a workgroup per (tile, expert), at other tiles: smaller ones overlap more stores with sums
+    for proj, n, k in (("gate_up", 2 * width, d), ("down", d, width)):
+        x, dy = (e.tensor(rng.standard_normal((slots, c), dtype=np.float32), "f16") for c in (k, n))
+        dense_s = sweep(e, lin_dw, {"x": x, "d_y": dy, "f16": ("x", "d_y")}, "d_w", (), "dense dw")["planner"]
+        args = {"x": x, "d_h": dy, "ends": ends, "f16": ("x", "d_h")}
+        times = sweep(e, dw_k, args, "d_gate_up", DW_TILES, f"{proj} dw")
+        for label, s in times.items():
+            print(f"{proj:8s} dw   {label:34s} {s * 1e3:7.3f} ms  over dense {s / dense_s:5.2f}x", flush=True)
+        best = min(times, key=times.get)
+        rows.append((proj, "dw", times["planner"] / dense_s, best, times[best] / dense_s))
     print(f"\n{'projection':10s} {'product':7s} {'planner/dense':>13s}  best tiles (over dense)")
     for proj, product, planner, best, ratio in rows:
         print(f"{proj:10s} {product:7s} {planner:13.2f}  {best} ({ratio:.2f}x)")

@@ -12,7 +12,7 @@ import pytest
 from lfm2jit import compile_source, grad
 from lfm2jit.dsl.errors import DslError
 from lfm2jit.schedule import EMULATED_MATRIX_CONFIGS, EMULATED_SUBGROUP, Target
-from lfm2jit.tune import candidates
+from lfm2jit.tune import candidates, heuristics
 from lfm2jit.tune.tiles import MatrixTiles, TileConfig
 
 from test_binding_limits import lowered
@@ -371,6 +371,22 @@ def test_an_output_larger_than_a_binding_takes_the_simt_template_which_stores_pi
     assert spec.template == "matmul" and {b.tensor: b.pieces for b in spec.bindings}["dw"] == 3
 
 
+def test_the_planner_takes_the_experts_own_tiles_where_the_dense_rules_take_tall_ones():
+    """Forward and dX over many rows (LFM2-8B-A1B's, 2048 tokens to 4 of 32 experts) take the
+    experts' 96-row tiles where the device's workgroup memory holds them (the dense rules' where
+    not); a decode step's few rows keep the dense rules' thin tiles."""
+    units = Target(EMULATED_MATRIX_CONFIGS, EMULATED_SUBGROUP, 65536, emulated=True, storage_buffers=10)
+    small_memory = replace(units, workgroup_bytes=16384)
+    fwd, dx = K_.gmm_half.kernels[0], grad(K_.gmm_half, ["x"]).kernels[0]
+    big, decode = {"S": 8192, "K": 2048, "N": 3584, "E": 32}, {"S": 4, "K": 2048, "N": 3584, "E": 32}
+    for kernel, want in ((fwd, heuristics.GROUPED_FWD_TILES), (dx, heuristics.GROUPED_DX_TILES)):
+        assert kernel.specialize(big, target=units).params.tiles == replace(want, split=1, tail=0)
+        fallback = kernel.specialize(big, target=small_memory).params.tiles
+        assert fallback != want and fallback.workgroup_bytes(small_memory.matrix("f16", "f32")) <= 16384
+        thin = kernel.specialize(decode, target=units).params.tiles
+        assert min(thin.wm, thin.wn) <= heuristics.NARROW
+
+
 def test_the_matrix_template_runs_forward_dx_and_dw(matrix_engine):
     eng = matrix_engine
     rng = np.random.default_rng(60)
@@ -392,7 +408,7 @@ def test_the_matrix_template_runs_forward_dx_and_dw(matrix_engine):
     _close(dw, want_dw, 2e-3)           # stored as f16
 
 
-@pytest.mark.parametrize("tiles", [MatrixTiles(96, 128, 2, 2, 32), MatrixTiles(64, 128, 2, 4, 32),
+@pytest.mark.parametrize("tiles", [MatrixTiles(96, 128, 2, 2, 32), MatrixTiles(96, 128, 2, 4, 32), MatrixTiles(64, 128, 2, 4, 32),
                                    MatrixTiles(96, 128, 2, 4, 32, prefetch=False), MatrixTiles(64, 64, 2, 2, 32, stages=2)],
                          ids=lambda t: t.label)
 def test_matrix_tiles_of_any_height_give_the_products(matrix_engine, tiles):
