@@ -7,7 +7,7 @@ grouped kernel's own cost beside the dense GEMM's, without 32 experts' weights t
 product at the planner's tiles with an f16 output (as --f16 trains). Then gate_up's
 dW with the slots split evenly over 1, 4 and 32 experts, its output f32 and f16; last, each dW at
 other tiles (a workgroup per tile and expert).
-Usage: python benches/probes/grouped_tiles.py [--quick]"""
+Usage: python benches/probes/grouped_tiles.py [--quick] [--dw: the dW tiles only]"""
 from __future__ import annotations
 
 import sys
@@ -30,7 +30,7 @@ DW_TILES = (MatrixTiles(128, 128, 2, 2, 32), MatrixTiles(128, 128, 2, 4, 32), Ma
 DW_TILES = tuple(replace(t, group=1) for t in DW_TILES)      # no bands over the experts' matrices (the planner's rule)
 
 
-def main(quick: bool) -> None:
+def main(quick: bool, dw_only: bool) -> None:
     e = ComputeEngine(WgpuContext.create(), timing=True)
     rng = np.random.default_rng(0)
     cfg = Lfm2MoeConfig.preset("8B-A1B")
@@ -40,9 +40,21 @@ def main(quick: bool) -> None:
     slots = t * top_k
     picks = np.argsort(rng.random((t, experts)), axis=1)[:, :top_k]
     ends = e.tensor(np.cumsum(np.bincount(picks.ravel(), minlength=experts)).astype(np.int32))
+    shapes = (("gate_up", 2 * width, d), ("down", d, width))
+    rows = [] if dw_only else over_rows(e, rng, shapes, ends, experts, slots)
+    if not dw_only:
+        dw_over_experts(e, rng, shapes[0], slots, experts)
+    rows += dw_tiles(e, rng, shapes, ends, slots)
+    print(f"\n{'projection':10s} {'product':7s} {'planner/dense':>13s}  best tiles (over dense)")
+    for proj, product, planner, best, ratio in rows:
+        print(f"{proj:10s} {product:7s} {planner:13.2f}  {best} ({ratio:.2f}x)")
+
+
+def over_rows(e, rng, shapes, ends, experts: int, slots: int) -> list:
+    """The forward and dX at TILES beside the dense GEMM; one expert's; an f16 output."""
     gmm, lin = library.get("expert_gate_up"), library.get("linear").without({"r"})
     rows = []
-    for proj, n, k in (("gate_up", 2 * width, d), ("down", d, width)):
+    for proj, n, k in shapes:
         x, dy = (e.tensor(rng.standard_normal((slots, c), dtype=np.float32), "f16") for c in (k, n))
         w, w1 = (e.tensor((rng.standard_normal(s) * 0.02).astype(np.float32), "f16") for s in ((experts, n, k), (n, k)))
         w1_3d = e.tensor((rng.standard_normal((1, n, k)) * 0.02).astype(np.float32), "f16")
@@ -63,13 +75,21 @@ def main(quick: bool) -> None:
                 print(f"{proj:8s} {product:4s} {label:34s} {s * 1e3:7.3f} ms  over dense {s / dense_s:5.2f}x", flush=True)
             best = min((t for t in times if t not in ("one expert", "f16 output")), key=times.get)
             rows.append((proj, product, times["planner"] / dense_s, best, times[best] / dense_s))
-    # dW: the same slots split evenly over 1, 4 and 32 experts (32x the outputs at 32), each output f32
-    # and f16: how much of the grouped dW's time is its short sums and its [E, N, K] output
-    n, k = 2 * width, d
+    return rows
+
+
+def _dense_dw(e, x, dy) -> float:
+    lin_dw = grad(library.get("linear").without({"r"}), ["w"])
+    return sweep(e, lin_dw, {"x": x, "d_y": dy, "f16": ("x", "d_y")}, "d_w", (), "dense dw")["planner"]
+
+
+def dw_over_experts(e, rng, shape, slots: int, experts: int) -> None:
+    """gate_up's dW with the same slots split evenly over 1, 4 and all experts (that many times the
+    outputs), each output f32 and f16: how much of its time is its short sums and its [E, N, K] output."""
+    _, n, k = shape
     x, dy = (e.tensor(rng.standard_normal((slots, c), dtype=np.float32), "f16") for c in (k, n))
-    lin_dw = grad(lin, ["w"])
-    dense_s = sweep(e, lin_dw, {"x": x, "d_y": dy, "f16": ("x", "d_y")}, "d_w", (), "dense dw")["planner"]
-    dw_k = grad(gmm, ["gate_up"])
+    dense_s = _dense_dw(e, x, dy)
+    dw_k = grad(library.get("expert_gate_up"), ["gate_up"])
     for count in dict.fromkeys((1, 4, experts)):
         split = e.tensor(np.cumsum(np.full(count, slots // count)).astype(np.int32))
         for out in ("f32", "f16"):
@@ -77,20 +97,22 @@ def main(quick: bool) -> None:
             s = sweep(e, dw_k, {"x": x, "d_h": dy, "ends": split, "f16": f16}, "d_gate_up", (), "grouped dw")["planner"]
             print(f"gate_up  dw   {count:3d} experts, {out} output     {s * 1e3:7.3f} ms  over dense {s / dense_s:5.2f}x",
                   flush=True)
-    # dW, a workgroup per (tile, expert), at other tiles: smaller ones overlap more stores with sums
-    for proj, n, k in (("gate_up", 2 * width, d), ("down", d, width)):
+
+
+def dw_tiles(e, rng, shapes, ends, slots: int) -> list:
+    """Each dW (a workgroup per tile and expert) at DW_TILES: smaller ones overlap more stores with sums."""
+    dw_k = grad(library.get("expert_gate_up"), ["gate_up"])
+    rows = []
+    for proj, n, k in shapes:
         x, dy = (e.tensor(rng.standard_normal((slots, c), dtype=np.float32), "f16") for c in (k, n))
-        dense_s = sweep(e, lin_dw, {"x": x, "d_y": dy, "f16": ("x", "d_y")}, "d_w", (), "dense dw")["planner"]
-        args = {"x": x, "d_h": dy, "ends": ends, "f16": ("x", "d_h")}
-        times = sweep(e, dw_k, args, "d_gate_up", DW_TILES, f"{proj} dw")
+        dense_s = _dense_dw(e, x, dy)
+        times = sweep(e, dw_k, {"x": x, "d_h": dy, "ends": ends, "f16": ("x", "d_h")}, "d_gate_up", DW_TILES, f"{proj} dw")
         for label, s in times.items():
             print(f"{proj:8s} dw   {label:34s} {s * 1e3:7.3f} ms  over dense {s / dense_s:5.2f}x", flush=True)
         best = min(times, key=times.get)
         rows.append((proj, "dw", times["planner"] / dense_s, best, times[best] / dense_s))
-    print(f"\n{'projection':10s} {'product':7s} {'planner/dense':>13s}  best tiles (over dense)")
-    for proj, product, planner, best, ratio in rows:
-        print(f"{proj:10s} {product:7s} {planner:13.2f}  {best} ({ratio:.2f}x)")
+    return rows
 
 
 if __name__ == "__main__":
-    main("--quick" in sys.argv[1:])
+    main("--quick" in sys.argv[1:], "--dw" in sys.argv[1:])
