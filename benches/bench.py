@@ -50,6 +50,7 @@ import argparse
 import contextlib
 import functools
 import gc
+import itertools
 import json
 import math
 import platform
@@ -208,8 +209,10 @@ def _rand(rng, shape, scale=1.0):
 
 class Bench:
     def __init__(self, ctx, quick: bool, reps: int, log=print, tile_shapes=None, tiles_matching=None, products=None,
-                 grouped_dtypes=("f32", "f16"), grouped_routing="random"):
+                 grouped_dtypes=("f32", "f16"), grouped_routing="random", xent_chunks=(4096,), xent_dtypes=("f32", "f16")):
         self.ctx = ctx
+        self.xent_chunks = xent_chunks
+        self.xent_dtypes = xent_dtypes
         self.grouped_dtypes = grouped_dtypes
         self.grouped_routing = grouped_routing
         self.tile_shapes = tile_shapes
@@ -613,28 +616,27 @@ class Bench:
     # ---- fused LM head + cross-entropy ----
     def xent(self):
         """The LM head fused with the loss: f32 hidden states, and f16 ones as --f16 trains (the
-        matrix units where the device has them); E f32 in both."""
+        matrix units where the device has them); E f32 in both; chunks of --xent-chunks rows."""
         from lfm2jit.ops.lmhead import lm_head_cross_entropy
         v, d = (1024, 64) if self.quick else (65536, 1024)
-        chunk = 256 if self.quick else 4096
-        for dtype in ("f32", "f16"):
-            for t in ((64,) if self.quick else (512, 2048, 4096)):
-                shape = f"T{t} V{v} D{d} chunk{chunk}"
+        for dtype, t, chunk in itertools.product(self.xent_dtypes, (64,) if self.quick else (512, 2048, 4096),
+                                                 (256,) if self.quick else self.xent_chunks):
+            shape = f"T{t} V{v} D{d} chunk{chunk}"
 
-                def one(t=t, shape=shape, dtype=dtype):
-                    e = self.engine
-                    h = e.tensor(_rand(self.rng, (t, d)), dtype)
-                    E = e.tensor(_rand(self.rng, (v, d), 0.02))
-                    targets = self.rng.integers(0, v, t).astype(np.int32)
-                    dh, dE = e.empty((t, d), dtype), e.empty((v, d))
-                    run = lambda: lm_head_cross_entropy(e, h, E, targets, None, normalizer=float(t), chunk=chunk,
-                                                        dh=dh, dE=dE)
-                    s, timer, wall, by = time_best(e, run, max(2, self.reps // 2))
-                    # useful work: logits, dh and dE products (6 T V D); the kernel recomputes logits once more
-                    self.add(Line("xent", "lm_head_xent" + ("" if dtype == "f32" else "_f16"), shape, s, timer,
-                                  6.0 * t * v * d, 4.0 * (2 * v * d + 2 * t * d), wall_seconds=wall,
-                                  extra={"executed_flops": 8.0 * t * v * d, "per_kernel_s": by}))
-                self.guarded("xent", f"lm_head_xent[{dtype}]", shape, one)
+            def one(t=t, shape=shape, dtype=dtype, chunk=chunk):
+                e = self.engine
+                h = e.tensor(_rand(self.rng, (t, d)), dtype)
+                E = e.tensor(_rand(self.rng, (v, d), 0.02))
+                targets = self.rng.integers(0, v, t).astype(np.int32)
+                dh, dE = e.empty((t, d), dtype), e.empty((v, d))
+                run = lambda: lm_head_cross_entropy(e, h, E, targets, None, normalizer=float(t), chunk=chunk,
+                                                    dh=dh, dE=dE)
+                s, timer, wall, by = time_best(e, run, max(2, self.reps // 2))
+                # useful work: logits, dh and dE products (6 T V D); the kernel recomputes logits once more
+                self.add(Line("xent", "lm_head_xent" + ("" if dtype == "f32" else "_f16"), shape, s, timer,
+                              6.0 * t * v * d, 4.0 * (2 * v * d + 2 * t * d), wall_seconds=wall,
+                              extra={"executed_flops": 8.0 * t * v * d, "per_kernel_s": by}))
+            self.guarded("xent", f"lm_head_xent[{dtype}]", shape, one)
 
     # ---- what WebGPU's default limits cost: pieces and parts (schedule/pieces.py) ----
     def limits(self):
@@ -1284,6 +1286,9 @@ def main(argv=None) -> int:
     ap.add_argument("--grouped-dtypes", nargs="+", choices=("f32", "f16"), help="grouped: only these operand dtypes")
     ap.add_argument("--grouped-routing", choices=("random", "even"), default="random",
                     help="grouped: tokens routed at random (default) or the same count to every expert")
+    ap.add_argument("--xent-chunks", nargs="+", type=int, default=[4096], metavar="ROWS",
+                    help="xent: the vocabulary rows a chunk (default 4096, the trainer's)")
+    ap.add_argument("--xent-dtypes", nargs="+", choices=("f32", "f16"), help="xent: only these hidden-state dtypes")
     args = ap.parse_args(argv)
     reps = args.reps or (3 if args.quick else 10)
     ctx = WgpuContext.create()
@@ -1299,7 +1304,8 @@ def main(argv=None) -> int:
     tile_shapes = [tuple(int(v) for v in t.lower().split("x")) for t in args.tile_shapes] if args.tile_shapes else None
     bench = Bench(ctx, args.quick, reps, log=lambda s: print(s, flush=True), tile_shapes=tile_shapes,
                   tiles_matching=args.tiles_matching, products=args.products,
-                  grouped_dtypes=tuple(args.grouped_dtypes or ("f32", "f16")), grouped_routing=args.grouped_routing)
+                  grouped_dtypes=tuple(args.grouped_dtypes or ("f32", "f16")), grouped_routing=args.grouped_routing,
+                  xent_chunks=tuple(args.xent_chunks), xent_dtypes=tuple(args.xent_dtypes or ("f32", "f16")))
     t_start = time.perf_counter()
     state = {"lines": [], "meta": {}}
 
