@@ -154,6 +154,7 @@ class WgpuContext:
         self.binaries = binaries      # Dawn's blob cache (runtime/dawn_cache.py) where one is in use
         self.subgroup_matrix_configs = subgroup_matrix_configs
         self._engines: weakref.WeakSet = weakref.WeakSet()
+        self._holding: set = set()      # engines with recorded, unsubmitted work: kept until it is submitted
 
     @classmethod
     def create(cls, adapter_substring: str | None = None, webgpu: str | None = None) -> "WgpuContext":
@@ -198,6 +199,12 @@ class WgpuContext:
 
     def register(self, engine) -> None:
         self._engines.add(engine)
+
+    def hold(self, engine) -> None:
+        self._holding.add(engine)
+
+    def release(self, engine) -> None:
+        self._holding.discard(engine)
 
     def flush(self) -> None:
         """Submit every engine's recorded work, so a host read or write of a tensor sees it in order.

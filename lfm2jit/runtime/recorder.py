@@ -218,6 +218,7 @@ class Recorder:
                 refused = refused or e
         if refused is not None:
             self._commands, self._infos = [], []
+            self.ctx.release(self)
             self._keepalive.clear()
             raise refused
 
@@ -259,7 +260,7 @@ class Recorder:
                                  f"{MAX_GROUPS_PER_DIM} per dimension")
         bind_group = self._bind_group(compiled, tensors)
         for stage, groups in stages:      # every stage reads the same info block
-            self._commands.append(("dispatch", compiled, stage, bind_group, groups, len(self._infos) * INFO_BYTES))
+            self._record(("dispatch", compiled, stage, bind_group, groups, len(self._infos) * INFO_BYTES))
         self._infos.append(info)
         if self.capturing is not None:
             self.capturing.add_call(compiled, tensors, stages, scalar_names, scalars, info)
@@ -298,6 +299,18 @@ class Recorder:
                                                    usage=wgpu.BufferUsage.UNIFORM | wgpu.BufferUsage.COPY_DST)
         return self._ring
 
+    def _record(self, command: tuple) -> None:
+        """Append a command; while any is unsubmitted the context holds this engine, so work recorded
+        on an engine the caller let go of still runs at the next read (ctx.flush)."""
+        if not self._commands:
+            self.ctx.hold(self)
+        self._commands.append(command)
+
+    def _record_transfer(self, command: tuple) -> None:
+        self._record(command)
+        if self.capturing is not None:
+            self.capturing.add_transfer(command)
+
     # ---- submission ----
     def flush(self) -> None:
         """Encode every recorded dispatch into one command encoder and submit it."""
@@ -306,6 +319,7 @@ class Recorder:
         self._wait_for_compiles()
         commands, self._commands = self._commands, []
         infos, self._infos = self._infos, []
+        self.ctx.release(self)
         if infos:
             blob = b"".join(i.ljust(INFO_BYTES, b"\0") for i in infos)
             self.device.queue.write_buffer(self._info_ring(), 0, blob)
@@ -320,9 +334,7 @@ class Recorder:
         for at, size in tensor._spans(nbytes):         # a tensor in several buffers: a clear per part
             piece = tensor.bytes_view(tensor.offset + at, size)
             command = ("clear", piece.buffer, piece.offset, size)
-            self._commands.append(command)
-            if self.capturing is not None:
-                self.capturing.add_transfer(command)
+            self._record_transfer(command)
             self._keepalive.append(piece.buffer)
         return tensor
 
@@ -350,9 +362,7 @@ class Recorder:
         if src.buffer is dst.buffer and at_src < at_dst + nbytes and at_dst < at_src + nbytes:
             raise ValueError("copy_rows: the rows overlap in one buffer; WebGPU cannot copy them in place")
         command = ("copy", src.buffer, at_src, dst.buffer, at_dst, nbytes)
-        self._commands.append(command)
-        if self.capturing is not None:
-            self.capturing.add_transfer(command)
+        self._record_transfer(command)
         self._keepalive.extend((src.buffer, dst.buffer))
         return dst
 
@@ -385,9 +395,7 @@ class Recorder:
             raise ValueError(f"{name}: {where}; WebGPU copies whole 4-byte words within the buffer")
         ends = (tensor.buffer, tensor.offset, buffer, offset) if into_buffer else (buffer, offset, tensor.buffer, tensor.offset)
         command = ("copy", *ends, nbytes)
-        self._commands.append(command)
-        if self.capturing is not None:
-            self.capturing.add_transfer(command)
+        self._record_transfer(command)
         self._keepalive.extend((tensor.buffer, buffer))
 
     @contextlib.contextmanager

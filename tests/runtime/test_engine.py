@@ -144,6 +144,22 @@ def test_dispatches_are_recorded_then_submitted_together(ctx, rng):
     assert rel_err(got, x.numpy().astype(np.float64) * 1.5 ** 10) < 1e-5
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_work_recorded_on_an_engine_let_go_of_still_runs(ctx, seed):
+    """An engine dropped with recorded, unsubmitted work (one per call, say) is held by its context
+    until that work is submitted: its tensors read what it computed, not what a later engine's
+    reused memory holds."""
+    rng = np.random.default_rng(seed)
+    inputs = [rng.standard_normal((int(rng.integers(1, 70)), 5)).astype(np.float32) for _ in range(int(rng.integers(2, 5)))]
+    outs = []
+    for x in inputs:
+        eng = ComputeEngine(ctx)
+        outs.append(eng.run("scale", bucket=8, x=eng.tensor(x), alpha=-2.0)["y"])
+        del eng
+    for x, y in zip(inputs, outs):
+        np.testing.assert_array_equal(y.numpy(), x * np.float32(-2.0))
+
+
 def test_out_argument_writes_in_place_and_is_checked(engine, rng):
     x = engine.tensor(rng.standard_normal((3, 4)).astype(np.float32))
     target = engine.empty((3, 4))
