@@ -38,10 +38,9 @@ from .spec import EntryPoint, IntrinsicCall, Plan
 MAX_WORKGROUPS = 65535    # WebGPU's maxComputeWorkgroupsPerDimension (its default limit)
 
 
-def _tiles(call: IntrinsicCall, m: int, n: int, k: int, k_contiguous: int, frag, target, over_rows: bool):
+def _tiles(call: IntrinsicCall, m: int, n: int, k: int, k_contiguous: int, frag, target):
     """The caller's tiles or the GEMM heuristics', without split-K (each output is one sum): SIMT
-    tiles, or the matrix units' where ``frag`` (the device's f16 subgroup matrices) is given (the
-    experts' own where they split the rows, ``over_rows``)."""
+    tiles, or the experts' matrix tiles where ``frag`` (the device's f16 subgroup matrices) is given."""
     if call.tiles is not None:
         if call.tiles.split != 1:
             raise ValueError(f"{call.name}: tiles {call.tiles} split K; the grouped GEMM sums each output whole")
@@ -53,8 +52,7 @@ def _tiles(call: IntrinsicCall, m: int, n: int, k: int, k_contiguous: int, frag,
     else:
         def whole(t: MatrixTiles) -> MatrixTiles:
             return replace(t, split=1, tail=0)
-        rules = heuristics.grouped_matrix_tiles if over_rows else heuristics.matrix_tiles
-        tiles = whole(rules(m, n, k, k_contiguous, lambda t: whole(t).problem(
+        tiles = whole(heuristics.grouped_matrix_tiles(m, n, k, k_contiguous, lambda t: whole(t).problem(
             frag, target.subgroup_size, target.workgroup_bytes, n) is None))
     if isinstance(tiles, MatrixTiles):
         problem = tiles.problem(frag, target.subgroup_size, target.workgroup_bytes, n)
@@ -121,7 +119,7 @@ def plan(call: IntrinsicCall, target=None) -> Plan:
     frag = _matrix(target, y, sizes, x.dtype, w.dtype, y.dtype)
     k_contiguous = 1 + (not transposed)
     # the grid the tiles fill is every expert's rows together
-    tiles = _tiles(call, sizes[s_axis], sizes[n_axis], sizes[k_axis], k_contiguous, frag, target, over_rows=True)
+    tiles = _tiles(call, sizes[s_axis], sizes[n_axis], sizes[k_axis], k_contiguous, frag, target)
     tile_m, tile_n = _rows(tiles)
     a = _operand(x, s_axis, k_axis, None, sizes, tiles, tile_m, split="m")
     b = _operand(w, n_axis, k_axis, e_axis, sizes, tiles, tile_n, split=None, computed=dict(call.computed))
@@ -158,7 +156,7 @@ def _plan_dw(call: IntrinsicCall, target) -> Plan:
     # the grid is E output matrices (as one tall one to the dense rules, unless thin: those have their
     # own tiles); each sums an average expert's rows
     m = sizes[n_axis] * (experts if min(sizes[n_axis], sizes[k_axis]) > heuristics.NARROW else 1)
-    tiles = _tiles(call, m, sizes[k_axis], max(1, sizes[s_axis] // experts), 0, frag, target, over_rows=False)
+    tiles = _tiles(call, m, sizes[k_axis], max(1, sizes[s_axis] // experts), 0, frag, target)
     if call.tiles is None and isinstance(tiles, MatrixTiles):
         tiles = replace(tiles, group=1)   # no bands over the E matrices: 2.4x (results/h100_grouped_autotune.json)
     tile_m, tile_n = _rows(tiles)

@@ -65,6 +65,7 @@ WAVE_SPLIT_TILES = replace(LARGE_MATRIX_TILES, split=2)   # at most a wave, K >=
 # against 1.46x / 1.44x and 1.54x / 1.39x at 128 rows (H100: h100_grouped_tiles.log)
 GROUPED_FWD_TILES = MatrixTiles(96, 128, 2, 2, 32)
 GROUPED_DX_TILES = MatrixTiles(96, 256, 2, 4, 32)
+GROUPED_TILES = {2: GROUPED_FWD_TILES, 1: GROUPED_DX_TILES}     # by k_contiguous
 # where the pick does not fit the device's workgroup memory or subgroup size: the first of these that does
 MATRIX_FALLBACK = (SMALL_MATRIX_TILES, MatrixTiles(32, 64, 1, 2, 32))
 
@@ -92,11 +93,11 @@ def matrix_tiles(m: int, n: int, k: int, k_contiguous: int, fits: Callable[[Matr
 
 
 def grouped_matrix_tiles(m: int, n: int, k: int, k_contiguous: int, fits: Callable[[MatrixTiles], bool]) -> MatrixTiles:
-    """Tiles for the experts' GEMMs over rows (``k_contiguous`` 2: the forward, 1: dX): the dense
-    rules', unless those take tiles 128 rows tall or more and the grouped pick ``fits``."""
+    """Tiles for the experts' grouped GEMMs (``k_contiguous`` 2: the forward, 1: dX, 0: dW): the
+    dense rules', unless those take tiles 128 rows tall or more and the experts' pick ``fits``."""
     dense = matrix_tiles(m, n, k, k_contiguous, fits)
-    pick = GROUPED_FWD_TILES if k_contiguous == 2 else GROUPED_DX_TILES
-    return pick if dense.wm >= 128 and fits(pick) else dense
+    pick = GROUPED_TILES.get(k_contiguous)
+    return pick if pick is not None and dense.wm >= 128 and fits(pick) else dense
 
 
 def _h200_matrix_tiles(m: int, n: int, k: int, k_contiguous: int) -> MatrixTiles:
