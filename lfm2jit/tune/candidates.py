@@ -6,9 +6,9 @@ import math
 from dataclasses import replace
 
 from ..schedule.attention import MATRIX_TEMPLATES, choose_tiles, tiles_problem
-from .heuristics import (GROUPED_DX_TILES, GROUPED_FWD_TILES, JUST_OVER_A_WAVE_TILES, LARGE_MATRIX_TILES, MATRIX_ATTENTION_CANDIDATES, MATRIX_TILES, NARROW,
-                         SMALL_MATRIX_SPLIT_TILES, SMALL_MATRIX_TILES, TAIL_BASE_TILES, TARGET_THREADS,
-                         WAVE_SPLIT_TILES, narrow_matrix_tiles, tail_columns)
+from .heuristics import (GROUPED_TILES, JUST_OVER_A_WAVE_TILES, LARGE_MATRIX_TILES, MATRIX_ATTENTION_CANDIDATES,
+                         MATRIX_TILES, NARROW, SMALL_MATRIX_SPLIT_TILES, SMALL_MATRIX_TILES, TAIL_BASE_TILES,
+                         TARGET_THREADS, WAVE_SPLIT_TILES, narrow_matrix_tiles, tail_columns)
 from .tiles import COLUMN_SPLITS, AttentionTiles, ColumnTiles, MatrixTiles, TileConfig
 
 MIN_THREADS = 64             # fewest invocations per workgroup an attention candidate has
@@ -83,7 +83,7 @@ def grouped(params, matrix_units: bool) -> tuple:
     """A grouped GEMM's: the planner's pick, then the candidates of its template that sum each
     output whole (no split-K) and stage f16 as the grouped GEMMs do (not vec4), on the matrix units
     the experts' 96-row tiles among them."""
-    pool = (GROUPED_FWD_TILES, GROUPED_DX_TILES) + MATRIX if matrix_units else MATMUL
+    pool = tuple(GROUPED_TILES.values()) + MATRIX if matrix_units else MATMUL
     return tuple(dict.fromkeys((params.tiles,) + tuple(t for t in pool if t.split == 1 and not getattr(t, "vec4", False))))
 
 
