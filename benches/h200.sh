@@ -40,6 +40,12 @@
 #                                         experts' grouped forward and dX at other tile heights, with one expert, and gate_up's dW
 #                                         over 1, 4 and 32 experts, f32 and f16 output) -> $OUT/<card>_grouped_tests_dawn.log,
 #                                         <card>_grouped_tiles.log
+#   bash benches/h200.sh gdw              on Dawn, issue 47's grouped dW: the grouped-GEMM and experts tests, the per-expert dW at
+#                                         other tiles (benches/probes/grouped_tiles.py --dw), the grouped group in f16
+#                                         -> $OUT/<card>_grouped_tests_dawn.log, <card>_grouped_dw_tiles.log, <card>_grouped_f16.json
+#   bash benches/h200.sh lmchunks         on Dawn, issue 51's LM head at short T: the xent group (f16 hidden states) in chunks of
+#                                         4096 / 8192 / 16384 rows, then T = 512's chunk GEMM at every candidate tile
+#                                         -> $OUT/<card>_xent_chunks.json, <card>_mtiles_lm_head_512.json
 #   bash benches/h200.sh moe              on Dawn: the routing, grouped-GEMM and LFM2-MoE tests, then the grouped group
 #                                         (the experts' grouped GEMMs at LFM2-8B-A1B shapes beside a dense GEMM of the
 #                                         same FLOPs) -> $OUT/<card>_moe_tests_dawn.log, $OUT/<card>_grouped.json; with
@@ -196,6 +202,26 @@ gtiles)
         | tee "$OUT/${card}_grouped_tests_dawn.log" | tail -3
     timeout 420 python3 benches/probes/grouped_tiles.py 2>&1 | tee "$OUT/${card}_grouped_tiles.log" | tail -40
     ;;
+gdw)
+    # issue 47's grouped dW: the grouped tests on the real matrix units, the per-expert dW at other tiles
+    # (benches/probes/grouped_tiles.py --dw), then the grouped group at the planner's tiles
+    export LFM2JIT_WEBGPU=dawn
+    python3 -m pytest -q -p no:cacheprovider -rs tests/compiler/test_grouped_matmul.py tests/ops/test_experts.py 2>&1 \
+        | tee "$OUT/${card}_grouped_tests_dawn.log" | tail -3
+    timeout 240 python3 benches/probes/grouped_tiles.py --dw 2>&1 | tee "$OUT/${card}_grouped_dw_tiles.log" | tail -24
+    timeout 180 python3 -m lfm2jit.bench --only grouped --grouped-dtypes f16 --json "$OUT/${card}_grouped_f16.json" 2>&1 \
+        | grep -v "^#   " | tail -12
+    ;;
+lmchunks)
+    # issue 51's LM head at short T: f16 hidden states in chunks of 4096, 8192 and 16384 rows of E, then
+    # the chunk GEMM of T = 512 at every candidate tile (the planner's pick beside the fastest)
+    export LFM2JIT_WEBGPU=dawn
+    timeout 200 python3 benches/bench.py --only xent --xent-dtypes f16 --xent-chunks 4096 8192 16384 \
+        --json "$OUT/${card}_xent_chunks.json" 2>&1 | grep -v "^#   " | tail -12
+    timeout 150 python3 benches/bench.py --only mtiles --tile-shapes 512x4096x1024 --products fwd dx dw \
+        --json "$OUT/${card}_mtiles_lm_head_512.json" > /dev/null 2>&1
+    python3 benches/probes/best_tiles.py "$OUT/${card}_mtiles_lm_head_512.json"
+    ;;
 moe)
     export LFM2JIT_WEBGPU=dawn
     if [ -n "${TUNED:-}" ]; then
@@ -339,6 +365,6 @@ mpi)
     } | tee "$OUT/h200_mpi_exchange.log"
     ;;
 *)
-    echo "usage: bash benches/h200.sh tests | matrix | speed [BASE] | startup [BASE] | lora | attention | decode | gradsync | limits | gtiles | moe | moelora | qlora [8B-A1B] | ckpt | packing | longctx | staging | compile | nf4 | robust [MODES] | mpi" >&2; exit 2 ;;
+    echo "usage: bash benches/h200.sh tests | matrix | speed [BASE] | startup [BASE] | lora | attention | decode | gradsync | limits | gtiles | gdw | lmchunks | moe | moelora | qlora [8B-A1B] | ckpt | packing | longctx | staging | compile | nf4 | robust [MODES] | mpi" >&2; exit 2 ;;
 esac
 echo "took $(( $(date +%s) - start )) s"
