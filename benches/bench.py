@@ -406,7 +406,9 @@ class Bench:
                     spec = kern.kernels[0].specialize({"T": m, "K": k, "N": n}, 1, target=e.target)
                     given = {t.name: (w16 if name == "fwd_w16" and t.name == "w" else args[t.name])
                              for t in kern.ir.inputs}
-                    for cfg in self._matching(matrix_candidates(spec.params)):
+                    # the planner's pick always (benches/probes/best_tiles.py compares the rest against it)
+                    pick = spec.params.tiles
+                    for cfg in dict.fromkeys((pick, *self._matching(matrix_candidates(spec.params)))):
                         s, timer, wall, _ = time_best(e, lambda: e.run(kern, tiles=cfg, **given), self.reps)
                         self.add(Line("mtiles", f"{name}[{cfg.label}]", shape, s, timer, 2.0 * m * n * k,
                                       2.0 * (m * k + n * k + m * n), wall_seconds=wall,

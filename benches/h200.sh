@@ -46,6 +46,9 @@
 #   bash benches/h200.sh lmchunks         on Dawn, issue 51's LM head at short T: the xent group (f16 hidden states) in chunks of
 #                                         4096 / 8192 / 16384 rows, then T = 512's chunk GEMM at every candidate tile
 #                                         -> $OUT/<card>_xent_chunks.json, <card>_mtiles_lm_head_512.json
+#   bash benches/h200.sh kgroups          on Dawn, issue 51: the GEMM's tiles of two subgroup groups sharing each k-step (sg_k)
+#                                         beside the planner's picks, at 4096^3 and LFM2-350M's T = 2048 / 512 shapes
+#                                         -> $OUT/<card>_mtiles_kgroups.json
 #   bash benches/h200.sh moe              on Dawn: the routing, grouped-GEMM and LFM2-MoE tests, then the grouped group
 #                                         (the experts' grouped GEMMs at LFM2-8B-A1B shapes beside a dense GEMM of the
 #                                         same FLOPs) -> $OUT/<card>_moe_tests_dawn.log, $OUT/<card>_grouped.json; with
@@ -222,6 +225,15 @@ lmchunks)
         --json "$OUT/${card}_mtiles_lm_head_512.json" > /dev/null 2>&1
     python3 benches/probes/best_tiles.py "$OUT/${card}_mtiles_lm_head_512.json"
     ;;
+kgroups)
+    # issue 51: tiles of two subgroup groups sharing each k-step (MatrixTiles.sg_k) beside the planner's
+    # picks, at 4096^3, LFM2-350M's T = 2048 and T = 512 shapes and the LM head's chunk at T = 512
+    export LFM2JIT_WEBGPU=dawn
+    timeout 420 python3 benches/bench.py --only mtiles --products fwd dx dw --tiles-matching x2x2/ --tile-shapes \
+        4096x4096x4096 2048x4608x1024 2048x1024x4608 2048x3072x1024 2048x1024x1024 512x4608x1024 512x1024x4608 \
+        512x4096x1024 --json "$OUT/${card}_mtiles_kgroups.json" > /dev/null 2>&1
+    python3 benches/probes/best_tiles.py "$OUT/${card}_mtiles_kgroups.json"
+    ;;
 moe)
     export LFM2JIT_WEBGPU=dawn
     if [ -n "${TUNED:-}" ]; then
@@ -365,6 +377,6 @@ mpi)
     } | tee "$OUT/h200_mpi_exchange.log"
     ;;
 *)
-    echo "usage: bash benches/h200.sh tests | matrix | speed [BASE] | startup [BASE] | lora | attention | decode | gradsync | limits | gtiles | gdw | lmchunks | moe | moelora | qlora [8B-A1B] | ckpt | packing | longctx | staging | compile | nf4 | robust [MODES] | mpi" >&2; exit 2 ;;
+    echo "usage: bash benches/h200.sh tests | matrix | speed [BASE] | startup [BASE] | lora | attention | decode | gradsync | limits | gtiles | gdw | lmchunks | kgroups | moe | moelora | qlora [8B-A1B] | ckpt | packing | longctx | staging | compile | nf4 | robust [MODES] | mpi" >&2; exit 2 ;;
 esac
 echo "took $(( $(date +%s) - start )) s"

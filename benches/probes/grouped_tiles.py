@@ -26,7 +26,9 @@ TILES = (MatrixTiles(96, 128, 2, 2, 32), MatrixTiles(96, 128, 2, 4, 32), MatrixT
          MatrixTiles(96, 128, 2, 2, 64))
 DW_TILES = (MatrixTiles(128, 128, 2, 2, 32), MatrixTiles(128, 128, 2, 4, 32), MatrixTiles(128, 128, 2, 2, 64),
             MatrixTiles(128, 128, 2, 2, 32, stages=2), MatrixTiles(64, 128, 2, 2, 32), MatrixTiles(128, 64, 2, 2, 32),
-            MatrixTiles(64, 64, 2, 2, 32), MatrixTiles(128, 256, 2, 4, 32), MatrixTiles(256, 128, 4, 2, 32))
+            MatrixTiles(64, 64, 2, 2, 32), MatrixTiles(128, 256, 2, 4, 32), MatrixTiles(256, 128, 4, 2, 32),
+            MatrixTiles(128, 128, 2, 2, 32, sg_k=2), MatrixTiles(128, 128, 2, 2, 64, sg_k=2, prefetch=False),
+            MatrixTiles(64, 128, 2, 2, 32, sg_k=2))
 DW_TILES = tuple(replace(t, group=1) for t in DW_TILES)      # no bands over the experts' matrices (the planner's rule)
 
 

@@ -71,14 +71,21 @@ def fragment_at(p, ly, side: str, stage: int, kk: int, f: int) -> Sum:
     """Where this subgroup's fragment ``f`` of operand ``side`` ("a": along M from sm0, "b": along N
     from sn0) starts for k-step ``kk``, in stage ``stage`` of its tile laid out as ``ly``
     (schedule/matmul.py's StageLayout: [k][rows] when by_k, else [rows][k]), in the tile's array
-    elements: the contiguous coordinate counts whole vec4s where the tile holds vec4s (ly.unit 4)."""
+    elements: the contiguous coordinate counts whole vec4s where the tile holds vec4s (ly.unit 4).
+    With groups of subgroups along K (MatrixTiles.sg_k), ``kk`` counts within this group's share
+    of the step, which starts at k = sk0."""
     k, u = kk * p.frag.k, ly.unit
+    if p.tiles.sg_k > 1:
+        k = plus("sk0", k)
     if side == "a":
         first, row, stride, by_k, base = "sm0", f * p.frag.m, ly.a_stride, ly.a_by_k, stage * ly.a_tile
     else:
         first, row, stride, by_k, base = "sn0", f * p.frag.n, ly.b_stride, ly.b_by_k, stage * ly.b_tile
     if by_k:
         return tile_at(k, plus(Bin("/", Var(first), Const(u)) if u > 1 else first, row // u), stride, base)
+    if p.tiles.sg_k > 1:
+        return tile_at(plus(first, row), plus(Bin("/", Var("sk0"), Const(u)) if u > 1 else "sk0", kk * p.frag.k // u),
+                       stride, base)
     return tile_at(plus(first, row), k // u, stride, base)
 
 

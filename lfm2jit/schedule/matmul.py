@@ -171,7 +171,7 @@ class MatrixParams(GemmParams):
 
     @property
     def threads(self) -> int:
-        return self.tiles.sg_m * self.tiles.sg_n * self.subgroup_size
+        return self.tiles.subgroups * self.subgroup_size
 
     @property
     def fm(self) -> int:            # accumulator fragments per subgroup along M
@@ -225,16 +225,18 @@ class MatrixParams(GemmParams):
         instead of element by element through workgroup memory: f32 outputs with contiguous rows at
         least a fragment wide. Dawn wants every buffer a fragment is stored into to hold one
         fragment at least, so outputs sized by the sequence length (which may be shorter than a
-        fragment) keep the element-wise path. Edges go element by element."""
+        fragment) keep the element-wise path, and so do tiles whose subgroup groups' sums are added
+        (MatrixTiles.sg_k). Edges go element by element."""
         fragment = self.frag.m * self.frag.n
-        return (self.result is None and not self.also and not self.c.convert and self.c.sn == 1 and self.c.sm >= self.frag.n
+        return (self.tiles.sg_k == 1 and self.result is None and not self.also and not self.c.convert and self.c.sn == 1
+                and self.c.sm >= self.frag.n
                 and SEQ_AXIS not in self.axes[:2] and self.axes[3] != SEQ_AXIS and self.batches * self.m_pad * self.n_size >= fragment)
 
     @property
     def direct_store_ws(self) -> bool:
         """The same for split-K's f32 workspace [batch, split, M, N - split_n0]."""
         cols = self.n_size - self.split_n0
-        return cols >= self.frag.n and self.tiles.split * self.batches * self.m_pad * cols >= self.frag.m * self.frag.n
+        return self.tiles.sg_k == 1 and cols >= self.frag.n and self.tiles.split * self.batches * self.m_pad * cols >= self.frag.m * self.frag.n
 
 
 def epilogue_frags(p: MatrixParams, workgroup_bytes: int) -> int:
@@ -245,7 +247,7 @@ def epilogue_frags(p: MatrixParams, workgroup_bytes: int) -> int:
     direct = {"c": p.direct_store, "ws": p.direct_store_ws}
     if all(direct[d] for d in p.destinations) or p.fm * p.fn > heuristics.MANY_ACCUMULATORS:
         return 1
-    per_frag = 4 * p.tiles.sg_m * p.tiles.sg_n * p.frag.m * p.frag.n
+    per_frag = 4 * p.tiles.subgroups * p.frag.m * p.frag.n
     room = workgroup_bytes - p.tiles.workgroup_bytes(p.frag)
     return max(d for d in range(1, p.fn + 1) if p.fn % d == 0 and (d - 1) * per_frag <= room)
 

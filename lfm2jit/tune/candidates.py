@@ -59,9 +59,14 @@ VEC4_STAGED = tuple(replace(t, vec4=True) for t in (
     MATRIX_TILES, LARGE_MATRIX_TILES, SMALL_MATRIX_TILES, SMALL_MATRIX_SPLIT_TILES, JUST_OVER_A_WAVE_TILES,
     WAVE_SPLIT_TILES, MatrixTiles(128, 128, 2, 2, 32, stages=2)))
 
+# tiles of two subgroup groups sharing each k-step: twice the subgroups a tile at the same block per
+# subgroup, for grids too small to fill the GPU (unmeasured: the GPU decides)
+K_GROUPS = tuple(replace(t, sg_k=2) for t in (
+    LARGE_MATRIX_TILES, SMALL_MATRIX_TILES, MatrixTiles(128, 64, 2, 2, 32), MatrixTiles(128, 128, 2, 2, 64, prefetch=False)))
+
 
 def matrix(params) -> tuple[MatrixTiles, ...]:
-    """MATRIX and VEC4_STAGED and, where the grid of 128x128 tiles ends in a partial wave, those tiles
+    """MATRIX, VEC4_STAGED and K_GROUPS and, where the grid of 128x128 tiles ends in a partial wave, those tiles
     with K split in the tail's columns (or one more) over 2, 4 or 8; for an output at most NARROW
     thin, tiles one fragment thin at every split, and two half as long along the other side. Last,
     the planner's pick with the other staging (f16 or vec4), where it is not among them."""
@@ -71,7 +76,7 @@ def matrix(params) -> tuple[MatrixTiles, ...]:
         cols = -(-params.n_size // TAIL_BASE_TILES.wn)
         tails = tuple(replace(TAIL_BASE_TILES, split=s, tail=t) for t in (tail, tail + 1) if tail and t < cols
                       for s in (2, 4, 8))
-        return tuple(dict.fromkeys(MATRIX + VEC4_STAGED + tails + twin))
+        return tuple(dict.fromkeys(MATRIX + VEC4_STAGED + K_GROUPS + tails + twin))
     thin = "m" if params.m_pad <= params.n_size else "n"
     short = tuple(MatrixTiles(16, 64, 1, 4, bk, split=s) if thin == "m" else MatrixTiles(64, 16, 4, 1, bk, split=s)
                   for bk, s in ((32, 4), (64, 8)))     # half as long: faster on LoRA's dY B and dB (h200_lora_mtiles.json)
@@ -83,7 +88,7 @@ def grouped(params, matrix_units: bool) -> tuple:
     """A grouped GEMM's: the planner's pick, then the candidates of its template that sum each
     output whole (no split-K) and stage f16 as the grouped GEMMs do (not vec4), on the matrix units
     the experts' 96-row tiles among them."""
-    pool = tuple(GROUPED_TILES.values()) + MATRIX if matrix_units else MATMUL
+    pool = tuple(GROUPED_TILES.values()) + MATRIX + K_GROUPS if matrix_units else MATMUL
     return tuple(dict.fromkeys((params.tiles,) + tuple(t for t in pool if t.split == 1 and not getattr(t, "vec4", False))))
 
 

@@ -55,7 +55,10 @@ class MatrixTiles:
     have it, in every tile or (``tail`` > 0) only in the last ``tail`` tile columns: the tiles that
     would otherwise run in a last, mostly idle wave of workgroups. ``prefetch``: with one stage,
     the next k-step is fetched into registers while this one is multiplied; without, at the top of
-    each step, which holds fewer registers (what large tiles' accumulators leave room for)."""
+    each step, which holds fewer registers (what large tiles' accumulators leave room for).
+    ``sg_k``: groups of SG_M x SG_N subgroups that share each staged k-step, each multiplying its
+    own BK / sg_k of it into its own accumulators, the groups' sums added in the epilogue: more
+    subgroups a tile (to hide latency where the grid is small) without smaller blocks."""
     wm: int = 128
     wn: int = 128
     sg_m: int = 2
@@ -67,10 +70,13 @@ class MatrixTiles:
     prefetch: bool = True
     tail: int = 0
     vec4: bool = False
+    sg_k: int = 1
 
     def __post_init__(self):
         if min(self.wm, self.wn, self.sg_m, self.sg_n, self.bk, self.group) < 1 or self.split not in (1, 2, 4, 8):
             raise ValueError(f"{self}: sizes must be positive and split 1, 2, 4 or 8")
+        if self.sg_k not in (1, 2, 4):
+            raise ValueError(f"{self}: sg_k (subgroup groups sharing a k-step) must be 1, 2 or 4")
         if self.tail < 0 or (self.tail and self.split == 1):
             raise ValueError(f"{self}: tail (the tile columns whose K is split) must be 0, or positive with split > 1")
         if self.stages not in (1, 2):
@@ -80,7 +86,7 @@ class MatrixTiles:
 
     @property
     def label(self) -> str:
-        return (f"{self.wm}x{self.wn}/sg{self.sg_m}x{self.sg_n}/bk{self.bk}" + (f"/split{self.split}" if self.split > 1 else "")
+        return (f"{self.wm}x{self.wn}/sg{self.sg_m}x{self.sg_n}" + (f"x{self.sg_k}" if self.sg_k > 1 else "") + f"/bk{self.bk}" + (f"/split{self.split}" if self.split > 1 else "")
                 + (f"/tail{self.tail}" if self.tail else "") + f"/s{self.stages}" + (f"/g{self.group}" if self.group > 1 else "")
                 + ("" if self.prefetch else "/noprefetch") + ("/v4" if self.vec4 else ""))
 
@@ -93,16 +99,23 @@ class MatrixTiles:
             return f"WM / SG_M and WN / SG_N must be multiples of the {frag.m}x{frag.n} fragment"
         if self.bk % frag.k or self.bk % 4:
             return f"BK must be a multiple of the fragment's K {frag.k} and of 4"
+        if (self.bk // frag.k) % self.sg_k:
+            return f"BK = {self.bk} must hold {self.sg_k} (sg_k) groups' fragments of K {frag.k}"
         if self.vec4 and (frag.m % 4 or frag.n % 4 or frag.k % 4):
             return f"vec4 staging needs fragments ({frag.m}x{frag.n}, k {frag.k}) that start on whole vec4s"
-        threads = self.sg_m * self.sg_n * subgroup
+        threads = self.subgroups * subgroup
         if (self.wm * self.bk) % (4 * threads) or (self.wn * self.bk) % (4 * threads):
             return f"each of the {threads} invocations must fetch the same number of vec4s of each tile"
-        if self.sg_m * self.sg_n * subgroup > 256:
-            return f"{self.sg_m * self.sg_n} subgroups of {subgroup} exceed 256 invocations"
+        if threads > 256:
+            return f"{self.subgroups} subgroups of {subgroup} exceed 256 invocations"
         if self.workgroup_bytes(frag) > workgroup_bytes:
             return f"{self.workgroup_bytes(frag)} bytes of workgroup memory, the device allows {workgroup_bytes}"
         return None
+
+    @property
+    def subgroups(self) -> int:
+        """Subgroups a workgroup: SG_M x SG_N blocks of the tile, sg_k of each."""
+        return self.sg_m * self.sg_n * self.sg_k
 
     def staged(self, rows: int, by_k: bool) -> tuple[int, int]:
         """(row stride, f16 elements) of one stage of an operand's workgroup tile: [rows][BK] when
@@ -120,7 +133,7 @@ class MatrixTiles:
     def workgroup_bytes(self, frag) -> int:
         """The most workgroup memory these tiles take (either staging layout)."""
         tiles = sum(max(self.staged(rows, by_k)[1] for by_k in (False, True)) for rows in (self.wm, self.wn))
-        return 2 * self.stages * tiles + 4 * self.sg_m * self.sg_n * frag.m * frag.n
+        return 2 * self.stages * tiles + 4 * self.subgroups * frag.m * frag.n
 
 
 @dataclass(frozen=True)

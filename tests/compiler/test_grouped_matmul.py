@@ -409,11 +409,13 @@ def test_the_matrix_template_runs_forward_dx_and_dw(matrix_engine):
 
 
 @pytest.mark.parametrize("tiles", [MatrixTiles(96, 128, 2, 2, 32), MatrixTiles(96, 128, 2, 4, 32), MatrixTiles(64, 128, 2, 4, 32),
-                                   MatrixTiles(96, 128, 2, 4, 32, prefetch=False), MatrixTiles(64, 64, 2, 2, 32, stages=2)],
+                                   MatrixTiles(96, 128, 2, 4, 32, prefetch=False), MatrixTiles(64, 64, 2, 2, 32, stages=2),
+                                   MatrixTiles(96, 128, 2, 2, 32, sg_k=2), MatrixTiles(64, 64, 2, 2, 64, sg_k=2, prefetch=False)],
                          ids=lambda t: t.label)
 def test_matrix_tiles_of_any_height_give_the_products(matrix_engine, tiles):
     """Tile heights other than a power of two (96: three fragments a subgroup) and other shapes on the
-    matrix template: forward, dX and dW against numpy, experts ending anywhere in a tile."""
+    matrix template (groups of subgroups sharing a k-step among them): forward, dX and dW against
+    numpy, experts ending anywhere in a tile."""
     eng = matrix_engine
     rng = np.random.default_rng(61)
     E, S, K, N = 4, 300, 64, 256

@@ -23,7 +23,7 @@ from lfm2jit.engine import target_of
 from lfm2jit.schedule import EMULATED_MATRIX_CONFIGS, EMULATED_SUBGROUP, Target
 from lfm2jit.tune.heuristics import H200_WAVE, narrow_matrix_tiles, tail_columns
 from lfm2jit.tune.tiles import MatrixTiles
-from lfm2jit.tune.candidates import MATRIX, VEC4_STAGED, matrix as matrix_candidates
+from lfm2jit.tune.candidates import K_GROUPS, MATRIX, VEC4_STAGED, matrix as matrix_candidates
 
 LINEAR = library.get("linear").without({"r"})
 PRODUCTS = {   # the three products of a linear layer in --f16 mode: activations f16, weights and their grads f32
@@ -81,7 +81,7 @@ def test_f32_contractions_stay_simt_on_a_device_with_matrix_units():
     assert LINEAR.specialize({"T": 100, "K": 64, "N": 48}, 64, target=MATRIX_UNITS).template == "matmul"
 
 
-@pytest.mark.parametrize("tiles", MATRIX + VEC4_STAGED + tuple(narrow_matrix_tiles(thin, 8) for thin in "mn"))
+@pytest.mark.parametrize("tiles", MATRIX + VEC4_STAGED + K_GROUPS + tuple(narrow_matrix_tiles(thin, 8) for thin in "mn"))
 def test_every_matrix_candidate_renders(tiles):
     for k in PRODUCTS.values():
         wgsl = render(k.specialize({"T": 70, "K": 96, "N": 40}, 16, frozenset(), tiles, MATRIX_UNITS))
@@ -194,6 +194,12 @@ def test_matrix_tiles_that_do_not_fit_are_refused():
         MatrixTiles(stages=2, prefetch=False)
     with pytest.raises(ValueError, match="need a device with f16 subgroup matrices"):
         PRODUCTS["y"].specialize({"T": 8, "K": 16, "N": 16}, 1, frozenset(), MatrixTiles())
+    with pytest.raises(ValueError, match="sg_k .* must be 1, 2 or 4"):
+        MatrixTiles(sg_k=3)
+    for tiles, problem in ((MatrixTiles(128, 128, 2, 4, 32, sg_k=2), "16 subgroups of 32 exceed 256 invocations"),
+                           (MatrixTiles(64, 64, 1, 1, 32, sg_k=4), "BK = 32 must hold 4 .sg_k. groups' fragments")):
+        with pytest.raises(ValueError, match=problem):
+            PRODUCTS["y"].specialize({"T": 8, "K": 16, "N": 16}, 1, frozenset(), tiles, MATRIX_UNITS)
 
 
 def test_a_split_tail_must_be_fewer_columns_than_the_grid():
@@ -305,7 +311,10 @@ def _fits(e, tiles) -> bool:
                                    MatrixTiles(64, 64, 2, 2, 32, split=2, prefetch=False, vec4=True),
                                    MatrixTiles(64, 64, 2, 2, 32, stages=2, vec4=True),
                                    MatrixTiles(256, 128, 4, 2, 32, prefetch=False),
-                                   MatrixTiles(128, 128, 2, 2, 32, split=2, prefetch=False)])
+                                   MatrixTiles(128, 128, 2, 2, 32, split=2, prefetch=False),
+                                   MatrixTiles(128, 64, 2, 2, 32, sg_k=2), MatrixTiles(64, 64, 1, 2, 64, sg_k=4, prefetch=False),
+                                   MatrixTiles(64, 128, 1, 2, 32, sg_k=2, stages=2, vec4=True),
+                                   MatrixTiles(64, 64, 2, 2, 32, split=2, sg_k=2)])
 def test_matrix_products_match_float64(units, rng, T, K, N, tiles):
     """f16 activations (x, dY), f32 weights converted as they are staged; against float64 on the same
     f16-rounded values, for all three products: ragged edges, interior tiles stored whole (f32) or
@@ -313,7 +322,7 @@ def test_matrix_products_match_float64(units, rng, T, K, N, tiles):
     one and two staging buffers, bands of tile rows that do not divide the grid, k-steps
     fetched while the last is multiplied or at the top of their own step (no prefetch), and
     workgroup tiles of f16 or of vec4<f16> (its emulated fragment loads count offsets and strides
-    in vec4s, as Dawn's do)."""
+    in vec4s, as Dawn's do), and groups of subgroups sharing each k-step (sg_k)."""
     e = units
     x, dy = _f16(rng, (T, K)), _f16(rng, (T, N))
     w = rng.standard_normal((N, K)).astype(np.float32)
@@ -337,7 +346,8 @@ def _tail_case(rng):
     T, K, N = int(rng.integers(2, 300)), int(rng.integers(wn + 1, 4 * wn)), int(rng.integers(wn + 1, 4 * wn))
     tail = int(rng.integers(1, -(-min(K, N) // wn)))        # fewer than the tile columns of y [T, N] and dX [T, K]
     return (T, K, N), MatrixTiles(wm, wn, sg_m, sg_n, 32, split=int(rng.choice([2, 4, 8])), tail=tail,
-                                  group=int(rng.integers(1, 4)), prefetch=bool(rng.integers(2)))
+                                  group=int(rng.integers(1, 4)), prefetch=bool(rng.integers(2)),
+                                  sg_k=int(rng.choice([1, 2])))
 
 
 @pytest.mark.parametrize("case", range(6))
@@ -394,7 +404,8 @@ def test_matrix_f16_results_accumulate(units, rng, T, K, N):
     old = {"y": _f16(rng, (T, N)), "d_x": _f16(rng, (T, K))}
     product = {"y": x.astype(np.float64) @ w16.T, "d_x": dy.astype(np.float64) @ w16}
     args = {"x": e.tensor(x), "w": e.tensor(w), "d_y": e.tensor(dy)}
-    for tiles in (None, MatrixTiles(64, 128, 2, 2, 32), MatrixTiles(64, 64, 2, 2, 32, split=2)):
+    for tiles in (None, MatrixTiles(64, 128, 2, 2, 32), MatrixTiles(64, 64, 2, 2, 32, split=2),
+                  MatrixTiles(64, 64, 2, 2, 32, sg_k=2)):
         for out in ("y", "d_x"):
             k = PRODUCTS[out]
             c = e.tensor(old[out])
@@ -409,7 +420,8 @@ def test_matrix_weight_gradient_accumulates(units, rng, T, K, N):
     e = units
     x, dy = _f16(rng, (T, K)), _f16(rng, (T, N))
     base = rng.standard_normal((N, K)).astype(np.float32)
-    for tiles in (None, MatrixTiles(64, 64, 2, 2, 32, split=4), MatrixTiles(128, 128, 2, 2, 32, stages=2)):
+    for tiles in (None, MatrixTiles(64, 64, 2, 2, 32, split=4), MatrixTiles(128, 128, 2, 2, 32, stages=2),
+                  MatrixTiles(64, 64, 2, 2, 32, sg_k=2)):
         dw = e.tensor(base)
         if not _fits(e, tiles):
             with pytest.raises(ValueError, match="do not fit the matrix template"):
