@@ -221,7 +221,7 @@ lmchunks)
     export LFM2JIT_WEBGPU=dawn
     timeout 200 python3 benches/bench.py --only xent --xent-dtypes f16 --xent-chunks 4096 8192 16384 \
         --json "$OUT/${card}_xent_chunks.json" 2>&1 | grep -v "^#   " | tail -12
-    timeout 150 python3 benches/bench.py --only mtiles --tile-shapes 512x4096x1024 --products fwd fwd_w16 dx dw \
+    timeout 150 python3 benches/bench.py --only mtiles --tile-shapes 512x4096x1024 --products fwd fwd_w16 fwd_y32 dx dw \
         --json "$OUT/${card}_mtiles_lm_head_512.json" > /dev/null 2>&1
     python3 benches/probes/best_tiles.py "$OUT/${card}_mtiles_lm_head_512.json"
     ;;
