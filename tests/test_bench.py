@@ -41,18 +41,23 @@ def test_quick_benchmarks_report_every_group(tmp_path):
 
 
 def test_matrix_tiles_lines_only_for_the_candidates_asked_for(tmp_path, monkeypatch):
-    """--tiles-matching: mtiles times the candidates whose label holds one of the texts, no others."""
+    """--tiles-matching: mtiles times the candidates whose label holds one of the texts, and the
+    planner's pick (what benches/probes/best_tiles.py compares them against), no others."""
     monkeypatch.setenv("LFM2JIT_MATRIX_UNITS", "emulate")
     out = tmp_path / "mtiles.json"
-    assert bench.main(["--only", "mtiles", "--tile-shapes", "64x48x32", "--reps", "1", "--tiles-matching",
-                       "64x64/sg2x2/bk32/split2", "--products", "fwd", "dx", "dw", "--json", str(out)]) == 0
-    lines = json.loads(out.read_text())["lines"]
-    assert sorted(line["name"] for line in lines) == sorted(
+
+    def timed(products, matching):
+        assert bench.main(["--only", "mtiles", "--tile-shapes", "64x48x32", "--reps", "1", "--tiles-matching",
+                           matching, "--products", *products, "--json", str(out)]) == 0
+        lines = json.loads(out.read_text())["lines"]
+        assert all(line["error"] is None and line["seconds"] > 0 for line in lines)
+        picks = [line["name"].split("[")[0] for line in lines if line["extra"]["default"]]
+        assert sorted(picks) == sorted(products)            # each product's pick, once
+        return sorted(line["name"] for line in lines if not line["extra"]["default"] or matching in line["name"])
+
+    assert timed(("fwd", "dx", "dw"), "64x64/sg2x2/bk32/split2") == sorted(
         f"{p}[64x64/sg2x2/bk32/split2/s1/g8{t}]" for p in ("fwd", "dx", "dw") for t in ("", "/noprefetch", "/v4"))
-    assert all(line["error"] is None and line["seconds"] > 0 for line in lines)
-    assert bench.main(["--only", "mtiles", "--tile-shapes", "64x48x32", "--reps", "1", "--tiles-matching",
-                       "64x64/sg2x2/bk32/split2/s1/g8/", "--products", "dw", "--json", str(out)]) == 0
-    assert sorted(line["name"] for line in json.loads(out.read_text())["lines"]) == [
+    assert timed(("dw",), "64x64/sg2x2/bk32/split2/s1/g8/") == [
         "dw[64x64/sg2x2/bk32/split2/s1/g8/noprefetch]", "dw[64x64/sg2x2/bk32/split2/s1/g8/v4]"]
 
 
