@@ -43,10 +43,9 @@
 #   bash benches/h200.sh gdw              on Dawn, issue 47's grouped dW: the grouped-GEMM and experts tests, the per-expert dW at
 #                                         other tiles (benches/probes/grouped_tiles.py --dw), the grouped group in f16
 #                                         -> $OUT/<card>_grouped_tests_dawn.log, <card>_grouped_dw_tiles.log, <card>_grouped_f16.json
-#   bash benches/h200.sh lmchunks [BASE]  on Dawn, issue 51's LM head at short T: the xent group (f16 hidden states) in chunks of
-#                                         4096 / 8192 / 16384 rows (with BASE, an older checkout, its xent group too), then
-#                                         T = 512's chunk GEMM at every candidate tile
-#                                         -> $OUT/<card>_xent_chunks.json, <card>_xent_base.json, <card>_mtiles_lm_head_512.json
+#   bash benches/h200.sh lmchunks         on Dawn, issue 51's LM head at short T: the xent group (f16 hidden states) in chunks of
+#                                         4096 / 8192 / 16384 rows, then T = 512's chunk GEMM at every candidate tile
+#                                         -> $OUT/<card>_xent_chunks.json, <card>_mtiles_lm_head_512.json
 #   bash benches/h200.sh kgroups          on Dawn, issue 51: the GEMM's tiles of two subgroup groups sharing each k-step (sg_k)
 #                                         beside the planner's picks, at 4096^3 and LFM2-350M's T = 2048 / 512 shapes
 #                                         -> $OUT/<card>_mtiles_kgroups.json
@@ -222,10 +221,6 @@ lmchunks)
     export LFM2JIT_WEBGPU=dawn
     timeout 200 python3 benches/bench.py --only xent --xent-dtypes f16 --xent-chunks 4096 8192 16384 \
         --json "$OUT/${card}_xent_chunks.json" 2>&1 | grep -v "^#   " | tail -12
-    if [ -n "${2:-}" ]; then      # BASE (an older checkout) at the default chunk, in the same call
-        (cd "$2" && PYTHONPATH=$PWD timeout 120 python3 benches/bench.py --only xent --xent-dtypes f16 \
-            --json "$OUT/${card}_xent_base.json" 2>&1 | grep -v "^#   " | tail -6)
-    fi
     timeout 150 python3 benches/bench.py --only mtiles --tile-shapes 512x4096x1024 --products fwd fwd_w16 fwd_y32 dx dw \
         --json "$OUT/${card}_mtiles_lm_head_512.json" > /dev/null 2>&1
     python3 benches/probes/best_tiles.py "$OUT/${card}_mtiles_lm_head_512.json"
@@ -382,6 +377,6 @@ mpi)
     } | tee "$OUT/h200_mpi_exchange.log"
     ;;
 *)
-    echo "usage: bash benches/h200.sh tests | matrix | speed [BASE] | startup [BASE] | lora | attention | decode | gradsync | limits | gtiles | gdw | lmchunks [BASE] | kgroups | moe | moelora | qlora [8B-A1B] | ckpt | packing | longctx | staging | compile | nf4 | robust [MODES] | mpi" >&2; exit 2 ;;
+    echo "usage: bash benches/h200.sh tests | matrix | speed [BASE] | startup [BASE] | lora | attention | decode | gradsync | limits | gtiles | gdw | lmchunks | kgroups | moe | moelora | qlora [8B-A1B] | ckpt | packing | longctx | staging | compile | nf4 | robust [MODES] | mpi" >&2; exit 2 ;;
 esac
 echo "took $(( $(date +%s) - start )) s"

@@ -224,20 +224,13 @@ class MatrixParams(GemmParams):
         """Whether interior tiles store whole accumulator fragments straight to C (row-major)
         instead of element by element through workgroup memory: f32 outputs with contiguous rows at
         least a fragment wide. Dawn wants every buffer a fragment is stored into to hold one
-        fragment at least, so an output sized by the sequence length stores fragments only where it
-        holds one even at a single position (logits of a 4096-row chunk do; of a 48-row one, not),
-        and tiles whose subgroup groups' sums are added (MatrixTiles.sg_k) never do. Edges go
-        element by element."""
+        fragment at least, so outputs sized by the sequence length (which may be shorter than a
+        fragment) keep the element-wise path, and so do tiles whose subgroup groups' sums are added
+        (MatrixTiles.sg_k). Edges go element by element."""
         fragment = self.frag.m * self.frag.n
         return (self.tiles.sg_k == 1 and self.result is None and not self.also and not self.c.convert and self.c.sn == 1
-                and self.c.sm >= self.frag.n and self.smallest_output >= fragment)
-
-    @property
-    def smallest_output(self) -> int:
-        """Elements of C at the shortest sequence it is ever bound with: one position."""
-        m, n, _, batch = self.axes
-        return ((1 if batch == SEQ_AXIS else self.batches) * (1 if m == SEQ_AXIS else self.m_pad)
-                * (1 if n == SEQ_AXIS else self.n_size))
+                and self.c.sm >= self.frag.n
+                and SEQ_AXIS not in self.axes[:2] and self.axes[3] != SEQ_AXIS and self.batches * self.m_pad * self.n_size >= fragment)
 
     @property
     def direct_store_ws(self) -> bool:

@@ -51,31 +51,13 @@ def test_whole_fragments_are_stored_only_into_rows_a_fragment_wide(K, direct):
         assert ("subgroupMatrixStore<row_major>(&" + ("ws_" if tiles else "d_w_") in wgsl) == direct, tiles
 
 
-@pytest.mark.parametrize("N,direct", [(48, False), (240, False), (256, True), (4096, True)])
-def test_outputs_sized_by_the_sequence_store_fragments_only_where_one_position_holds_one(N, direct):
-    """An f32 output with T rows (a chunk's logits) is bound with as few as one row, which Dawn
-    refuses as a destination of whole-fragment stores when it holds less than a fragment (T = 5
-    logits of a 48-row chunk failed that way on the H200): whole fragments only where N alone
-    holds one, whatever the bucket."""
+def test_outputs_sized_by_the_sequence_are_stored_element_by_element():
+    """An f32 output with T rows (logits of a short chunk) may be smaller than one fragment, which
+    Dawn refuses as a destination of whole-fragment stores: T = 5 logits failed that way on the H200."""
     logits = LINEAR.variant("f16", {"w", "y"})           # f16 x, f32 weight and f32 output [T, N]
-    spec = logits.specialize({"T": 256, "K": 64, "N": N}, 256, frozenset(), None, MATRIX_UNITS)
-    assert spec.template == "matmul_matrix" and spec.params.c.dtype == "f32" and spec.params.direct_store == direct
-    assert ("subgroupMatrixStore<row_major>(&y_" in render(spec)) == direct
-
-
-@pytest.mark.parametrize("T", [1, 5, 130])
-def test_chunk_logits_stored_as_whole_fragments_match_float64(matrix_engine, rng, T):
-    """The LM head's logits of a 256-row chunk, f32, in a 256-position bucket at real lengths from one
-    position up: interior tiles store whole fragments, the rest element by element."""
-    logits = library.get("xent_logits").variant("f16", {"E", "x"})
-    h = _f16(rng, (T, 64))
-    E = rng.standard_normal((256, 64)).astype(np.float32)
-    spec = logits.kernels[0].specialize({"T": 256, "C": 256, "D": 64}, 256, target=MATRIX_UNITS)
-    assert spec.template == "matmul_matrix" and spec.params.direct_store
-    e = matrix_engine
-    got = e.run(logits, bucket=256, h=e.tensor(h), E=e.tensor(E))["x"].numpy()
-    assert got.shape == (T, 256)
-    assert rel_err(got, h.astype(np.float64) @ E.astype(np.float16).astype(np.float64).T) < 1e-5
+    spec = logits.specialize({"T": 256, "K": 64, "N": 256}, 256, frozenset(), None, MATRIX_UNITS)
+    assert spec.template == "matmul_matrix" and spec.params.c.dtype == "f32" and not spec.params.direct_store
+    assert "subgroupMatrixStore<row_major>(&y_" not in render(spec)
 
 
 def test_f16_results_of_f32_operands_go_to_the_matrix_units(matrix_engine, rng):
