@@ -88,7 +88,7 @@ class Trainer:
         self.distributed_grad_sync = None
         self.lr_scheduler = None
         self.length_bucket = 64
-        self.lm_head_chunk = 4096
+        self.lm_head_chunk = None           # ops/lmhead.chunk_for each length bucket
         self.lm_head_keep_bytes = DEFAULT_LM_HEAD_KEEP
         self.pack_tokens = DEFAULT_PACK_TOKENS
         self._packing_mode = default_mode(ctx)
@@ -171,11 +171,15 @@ class Trainer:
     length_bucket = checks.Checked(checks.integer, minimum=1)
 
     @property
-    def lm_head_chunk(self) -> int:
+    def lm_head_chunk(self) -> int | None:
+        """Vocabulary rows per LM-head chunk; None (the default): chosen for each length bucket."""
         return self._lm_head_chunk
 
     @lm_head_chunk.setter
-    def lm_head_chunk(self, chunk: int) -> None:
+    def lm_head_chunk(self, chunk: int | None) -> None:
+        if chunk is None:
+            self._lm_head_chunk = None
+            return
         chunk = checks.integer("lm_head_chunk", chunk, minimum=ROW_MULTIPLE, extra=f"and a multiple of {ROW_MULTIPLE}")
         if chunk % ROW_MULTIPLE:
             raise ValueError(f"lm_head_chunk must be an integer >= {ROW_MULTIPLE} and a multiple of "

@@ -39,7 +39,9 @@ from ..schedule.layout import bucketed
 
 ROW_MULTIPLE = 64          # chunk sizes are multiples of this, so chunk offsets meet any binding alignment
 MAX_EXACT_VOCAB = 1 << 24  # chunk offsets travel as f32 scalars: exact integers below 2^24
-DEFAULT_CHUNK = 4096
+DEFAULT_CHUNK = 4096       # vocabulary rows a chunk from T = LONG_T positions up
+LONG_T = 2048
+MAX_CHUNK = 16384          # shorter sequences take chunks up to this long, each chunk's [T, chunk] logits no larger
 
 
 class LMHeadResult(NamedTuple):
@@ -62,7 +64,7 @@ def xent_scalars(normalizer: float, loss_scale: float) -> dict[str, float]:
 
 
 def lm_head_cross_entropy(engine, h: Tensor, E: Tensor, targets, mask=None, *, normalizer: float = 1.0,
-                          loss_scale: float = 1.0, chunk: int = DEFAULT_CHUNK, bucket: int = 1,
+                          loss_scale: float = 1.0, chunk: int | None = None, bucket: int = 1,
                           dh: Tensor | None = None, dE: Tensor | None = None,
                           accumulate_dh: bool = False, accumulate_dE: bool = False,
                           check_targets: bool = True, grads: bool = True, grad_E: bool = True,
@@ -83,6 +85,7 @@ def lm_head_cross_entropy(engine, h: Tensor, E: Tensor, targets, mask=None, *, n
       loss_scale  multiplies the gradients only (dynamic loss scaling); the returned loss is unscaled.
       chunk       vocabulary rows per step, a positive multiple of 64: temporaries are one
                   [T, chunk] f32 buffer plus a few [T] vectors. V need not be a multiple of it.
+                  None: ``chunk_for`` the bucketed T (longer chunks for short sequences).
       bucket      the length bucket T is specialized to (kernels are cached per bucketed T).
       dh, dE      output tensors to write ([T, D] in h's dtype / f32 [V, D]); allocated from the pool
                   when None.
@@ -117,6 +120,8 @@ def lm_head_cross_entropy(engine, h: Tensor, E: Tensor, targets, mask=None, *, n
     if normalizer == 0.0:
         raise ValueError("normalizer must be nonzero (the loss sum is divided by it)")
     loss_scale = _finite("loss_scale", loss_scale)
+    if chunk is None and isinstance(bucket, int) and bucket >= 1:
+        chunk = chunk_for(bucketed(T, bucket), D, engine.ctx.limits.get("max-storage-buffer-binding-size", 128 << 20))
     if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < ROW_MULTIPLE or chunk % ROW_MULTIPLE:
         raise ValueError(f"chunk must be a positive multiple of {ROW_MULTIPLE} vocabulary rows "
                          f"(so every chunk's rows of E start at an aligned byte offset), got {chunk!r}")
@@ -204,6 +209,17 @@ def lm_head_cross_entropy(engine, h: Tensor, E: Tensor, targets, mask=None, *, n
             run("xent_dE", bucket=bucket, out={"dE": dE.rows(c0, c1)}, accumulate=("dE",) if accumulate_dE else (),
                 g=x, h=h)
     return LMHeadResult(loss, dh, dE)
+
+
+def chunk_for(T: int, D: int, binding_bytes: int) -> int:
+    """Vocabulary rows a chunk for T (bucketed) positions: DEFAULT_CHUNK from LONG_T up; below, as
+    many more as keep the [T, chunk] logits no larger than LONG_T's, up to MAX_CHUNK, so the
+    chunk's GEMMs of a short sequence still have tiles enough to fill the GPU and there are fewer
+    of them. Never more rows of f32 E than one storage binding holds."""
+    rows = DEFAULT_CHUNK
+    while rows < MAX_CHUNK and T * 2 * rows <= LONG_T * DEFAULT_CHUNK and 2 * rows * D * ITEMSIZE["f32"] <= binding_bytes:
+        rows *= 2
+    return rows
 
 
 def kept_chunks(V: int, T: int, *, chunk: int = DEFAULT_CHUNK, bucket: int = 1, keep_logits: int = 0) -> int:

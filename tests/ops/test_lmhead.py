@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from lfm2jit import ComputeEngine, Tensor
-from lfm2jit.ops.lmhead import kept_chunks, lm_head_cross_entropy
+from lfm2jit.ops.lmhead import DEFAULT_CHUNK, LONG_T, MAX_CHUNK, chunk_for, kept_chunks, lm_head_cross_entropy
 from lfm2jit.schedule.layout import bucketed
 from numerics import rel_err
 
@@ -113,6 +113,37 @@ def test_f16_hidden_states(ctx, engine, rng, T, bucket):
 
 def test_one_chunk_wider_than_the_vocabulary(engine, rng):
     check(engine, rng, 37, 100, 16, 4096, 16)
+
+
+@pytest.mark.parametrize("T", [1, 64, 512, 1000, 2048, 4096, 8192])
+@pytest.mark.parametrize("D", [16, 1024, 2048, 4096])
+def test_short_sequences_take_longer_chunks_within_the_logits_and_binding_budgets(T, D):
+    binding = 128 << 20
+    chunk = chunk_for(T, D, binding)
+    assert DEFAULT_CHUNK <= chunk <= MAX_CHUNK and chunk % 64 == 0
+    assert chunk == DEFAULT_CHUNK or (T * chunk <= LONG_T * DEFAULT_CHUNK and chunk * D * 4 <= binding)
+    doubled = 2 * chunk      # the longest such: twice as many rows would break a budget
+    assert doubled > MAX_CHUNK or T * doubled > LONG_T * DEFAULT_CHUNK or doubled * D * 4 > binding
+    assert chunk_for(T, D, binding) >= chunk_for(2 * T, D, binding)
+
+
+def test_the_default_chunk_is_the_bucketed_lengths(ctx, engine, rng):
+    """chunk=None takes chunk_for the bucketed T (one chunk size, so one set of kernels, per bucket),
+    not for T itself: the same bits as passing that chunk."""
+    T, V, D, bucket = 300, 20000, 16, 1024
+    binding = ctx.limits.get("max-storage-buffer-binding-size", 128 << 20)
+    chunk = chunk_for(bucket, D, binding)
+    assert chunk != chunk_for(T, D, binding)
+    h, E = rng.standard_normal((T, D)).astype(np.float32), (rng.standard_normal((V, D)) * 0.1).astype(np.float32)
+    targets = rng.integers(0, V, T)
+    got = [[x.numpy() for x in lm_head_cross_entropy(engine, engine.tensor(h), engine.tensor(E), targets,
+                                                      normalizer=T, bucket=bucket, **kw)] for kw in ({}, {"chunk": chunk})]
+    for a, b in zip(*got):
+        np.testing.assert_array_equal(a, b)
+    want_loss, want_dh, want_dE = reference(h, E, targets, np.ones(T), T)
+    loss, dh, dE = got[0]
+    assert abs(loss.astype(np.float64).sum() - want_loss) / abs(want_loss) < TOL
+    assert rel_err(dh, want_dh) < TOL and rel_err(dE, want_dE) < TOL
 
 
 def test_weights_loss_scale_and_normalizer(engine, rng):

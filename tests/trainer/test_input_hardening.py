@@ -60,7 +60,7 @@ TRAINER_CASES = [
     ("grad_accum_steps", "with_grad_accum_steps", NOT_COUNTS),
     ("length_bucket", "with_length_bucket", NOT_COUNTS),
     ("clip_grad_norm", "with_clip_grad_norm", NOT_POSITIVE_REALS),
-    ("lm_head_chunk", None, [True, 0, -64, 63, 65, 100, 64.0, NAN, INF, "64", None]),
+    ("lm_head_chunk", None, [True, 0, -64, 63, 65, 100, 64.0, NAN, INF, "64"]),
     ("lm_head_keep_bytes", None, [True, -1, 1.5, NAN, INF, "1024", None]),
     ("pack_tokens", "with_packing", [True, -1, 1.5, NAN, INF, "8", [8]]),
     ("step_in_accum", None, [True, -1, 2, 3, 0.5, NAN, "0", None]),      # the window has 2 sequences
