@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from lfm2jit import ComputeEngine, Tensor
-from lfm2jit.ops.lmhead import DEFAULT_CHUNK, LONG_T, MAX_CHUNK, chunk_for, kept_chunks, lm_head_cross_entropy
+from lfm2jit.ops.lmhead import DEFAULT_CHUNK, MAX_CHUNK, MAX_CHUNK_LOGITS, chunk_for, kept_chunks, lm_head_cross_entropy
 from lfm2jit.schedule.layout import bucketed
 from numerics import rel_err
 
@@ -115,22 +115,22 @@ def test_one_chunk_wider_than_the_vocabulary(engine, rng):
     check(engine, rng, 37, 100, 16, 4096, 16)
 
 
-@pytest.mark.parametrize("T", [1, 64, 512, 1000, 2048, 4096, 8192])
+@pytest.mark.parametrize("T", [1, 64, 512, 1000, 2048, 4096, 8192, 16384, 32768])
 @pytest.mark.parametrize("D", [16, 1024, 2048, 4096])
-def test_short_sequences_take_longer_chunks_within_the_logits_and_binding_budgets(T, D):
-    binding = 128 << 20
+@pytest.mark.parametrize("binding", [128 << 20, 1 << 30])
+def test_short_sequences_take_longer_chunks_within_the_logits_and_binding_budgets(T, D, binding):
     chunk = chunk_for(T, D, binding)
     assert DEFAULT_CHUNK <= chunk <= MAX_CHUNK and chunk % 64 == 0
-    assert chunk == DEFAULT_CHUNK or (T * chunk <= LONG_T * DEFAULT_CHUNK and chunk * D * 4 <= binding)
+    assert chunk == DEFAULT_CHUNK or (T * chunk <= MAX_CHUNK_LOGITS and chunk * max(T, D) * 4 <= binding)
     doubled = 2 * chunk      # the longest such: twice as many rows would break a budget
-    assert doubled > MAX_CHUNK or T * doubled > LONG_T * DEFAULT_CHUNK or doubled * D * 4 > binding
+    assert doubled > MAX_CHUNK or T * doubled > MAX_CHUNK_LOGITS or doubled * max(T, D) * 4 > binding
     assert chunk_for(T, D, binding) >= chunk_for(2 * T, D, binding)
 
 
 def test_the_default_chunk_is_the_bucketed_lengths(ctx, engine, rng):
     """chunk=None takes chunk_for the bucketed T (one chunk size, so one set of kernels, per bucket),
     not for T itself: the same bits as passing that chunk."""
-    T, V, D, bucket = 300, 20000, 16, 1024
+    T, V, D, bucket = 300, 20000, 16, 4096
     binding = ctx.limits.get("max-storage-buffer-binding-size", 128 << 20)
     chunk = chunk_for(bucket, D, binding)
     assert chunk != chunk_for(T, D, binding)
