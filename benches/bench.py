@@ -169,6 +169,19 @@ def time_engine(engine, record, reps: int) -> tuple[float, str, float, dict[str,
     return wall, "wall", wall, {}
 
 
+def time_in_turn(engine, calls: dict, reps: int, rounds: int = MTILE_ROUNDS) -> dict:
+    """``time_engine`` of every call of ``calls`` (key -> record), ``rounds`` rounds taking each in
+    turn, the fastest of each kept: a clock dip then slows one round of every call, not all the
+    rounds of the one timed during it."""
+    best = {}
+    for _ in range(rounds):
+        for key, record in calls.items():
+            t = time_engine(engine, record, reps)
+            if key not in best or t[0] < best[key][0]:
+                best[key] = t
+    return best
+
+
 def time_dispatches(engine, record, reps: int, warm: bool = True) -> list[tuple[str, float]]:
     """(kernel, GPU seconds) of each dispatch ``record()`` makes, in order, the fastest of ``reps``
     calls each (empty without timestamps): which of a call's dispatches holds its time. ``warm``:
@@ -378,7 +391,8 @@ class Bench:
         return [c for c in candidates if not self.tiles_matching or any(m in c.label for m in self.tiles_matching)]
 
     def mtiles(self):
-        """The matrix-unit template at each autotuner candidate for its shape, for the three products
+        """The matrix-unit template at each autotuner candidate for its shape (timed in turn, round by
+        round, the planner's pick among them), for the three products
         of a linear layer in --f16 mode, the forward with the weight stored as f16 too (no
         conversion while staging), and the forward with an f32 result (its fragments stored
         straight to memory, no f16 epilogue through workgroup memory): 4096^3 and the LFM2-350M
@@ -406,10 +420,12 @@ class Bench:
                     spec = kern.kernels[0].specialize({"T": m, "K": k, "N": n}, 1, target=e.target)
                     given = {t.name: (w16 if name == "fwd_w16" and t.name == "w" else args[t.name])
                              for t in kern.ir.inputs}
-                    # the planner's pick always (benches/probes/best_tiles.py compares the rest against it)
-                    pick = spec.params.tiles
-                    for cfg in dict.fromkeys((pick, *self._matching(matrix_candidates(spec.params)))):
-                        s, timer, wall, _ = time_best(e, lambda: e.run(kern, tiles=cfg, **given), self.reps)
+                    # the planner's pick always (benches/probes/best_tiles.py compares the rest against it),
+                    # every candidate timed in turn, round by round
+                    configs = dict.fromkeys((spec.params.tiles, *self._matching(matrix_candidates(spec.params))))
+                    timed = time_in_turn(e, {cfg: functools.partial(e.run, kern, tiles=cfg, **given) for cfg in configs},
+                                         self.reps)
+                    for cfg, (s, timer, wall, _) in timed.items():
                         self.add(Line("mtiles", f"{name}[{cfg.label}]", shape, s, timer, 2.0 * m * n * k,
                                       2.0 * (m * k + n * k + m * n), wall_seconds=wall,
                                       extra={"tiles": asdict(cfg), "default": cfg == spec.params.tiles}))
@@ -774,14 +790,9 @@ class Bench:
                                 ("dw", dw_k, {"x": x, dy_name: dy}, {f"d_{w_name}": dw})):
                             f16 = tuple(operands) if dtype == "f16" else ()
                             calls[kind, product] = functools.partial(e.run, kernel, f16=f16, out=out, **operands, **routing)
-                    # grouped and dense in turn, the fastest of MTILE_ROUNDS each: a busy or still
-                    # warming GPU slows some timings several-fold, never speeds one up
-                    timed = {}
-                    for _ in range(MTILE_ROUNDS):
-                        for key, call in calls.items():
-                            t = time_engine(e, call, self.reps)
-                            if key not in timed or t[0] < timed[key][0]:
-                                timed[key] = t
+                    # grouped and dense in turn: a busy or still warming GPU slows some timings
+                    # several-fold, never speeds one up
+                    timed = time_in_turn(e, calls, self.reps)
                     for product in ("fwd", "dx", "dw"):
                         dense = timed["dense", product][0]
                         for kind in ("grouped", "dense"):
