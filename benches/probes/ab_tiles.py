@@ -4,7 +4,7 @@ kept busy with it first), the fastest of the rounds kept. Taking the rounds in t
 dip over every configuration instead of the one timed during it (the mtiles group times each
 candidate's rounds back to back). Default: the autotuner's K_GROUPS (subgroup groups sharing a
 k-step) at LFM2-350M's linear shapes, T = 512, 2048 and 4096, for the forward, dX and dW of --f16.
-Usage: python benches/probes/ab_tiles.py [--rounds N] [--quick]"""
+Usage: python benches/probes/ab_tiles.py [--rounds N] [--rows T...] [--quick]"""
 from __future__ import annotations
 
 import argparse
@@ -63,12 +63,13 @@ def one_shape(e, rng, m: int, n: int, k: int, candidates, rounds: int) -> list[t
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--rows", type=int, nargs="+", default=[512, 2048, 4096], help="T of the shapes")
     ap.add_argument("--quick", action="store_true", help="two small shapes (a check that it runs)")
     args = ap.parse_args()
     e = ComputeEngine(WgpuContext.create(), timing=True)
     rng = np.random.default_rng(0)
     shapes = ([(64, 96, 80), (128, 64, 128)] if args.quick else
-              [(t, n, k) for t in (512, 2048, 4096) for n, k in ((1024, 1024), (3072, 1024), (4608, 1024), (1024, 4608))])
+              [(t, n, k) for t in args.rows for n, k in ((1024, 1024), (3072, 1024), (4608, 1024), (1024, 4608))])
     rows = [r for m, n, k in shapes for r in one_shape(e, rng, m, n, k, K_GROUPS, args.rounds)]
     print(f"\n{'product':7s} {'shape':16s} {'planner':36s} {'TFLOP/s':>7s}  {'best other':36s} {'TFLOP/s':>7s}  ratio")
     for name, shape, pick, pick_tf, other, other_tf in rows:
