@@ -483,22 +483,24 @@ class Bench:
         self.guarded("staging", "attention", shape, attention)
 
     def _staging_lines(self, name, shape, configs, pick, run, flops, nbytes=0.0, label=lambda c: c.label):
-        """A line per tiles of ``configs`` (``run(tiles)`` records the kernel and gives its output): the
-        first that runs is the baseline, every line has its speedup over it and its result's largest
-        difference from it (the same sums in the same order: 0 where vec4 offsets mean what Dawn says)."""
-        base = want = None
+        """A line per tiles of ``configs`` (``run(tiles)`` records the kernel and gives its output), all
+        timed in turn: the first that runs is the baseline, every line has its speedup over it and its
+        result's largest difference from it (the same sums in the same order: 0 where vec4 offsets
+        mean what Dawn says)."""
+        results = {}
         for cfg in configs:
-            line = f"{name}[{label(cfg)}]"
             try:
-                got = run(cfg).numpy().astype(np.float64)
+                results[cfg] = run(cfg).numpy().astype(np.float64)
             except ValueError as err:      # e.g. two stages of the largest tiles do not fit
-                self.add(Line("staging", line, shape, error=str(err)[:300]))
-                continue
-            s, timer, wall, _ = time_best(self.engine, lambda: run(cfg), self.reps)
-            base, want = (s, got) if want is None else (base, want)
-            self.add(Line("staging", line, shape, s, timer, flops, nbytes, wall_seconds=wall,
+                self.add(Line("staging", f"{name}[{label(cfg)}]", shape, error=str(err)[:300]))
+        timed = time_in_turn(self.engine, {cfg: functools.partial(run, cfg) for cfg in results}, self.reps)
+        if not timed:
+            return
+        base, want = timed[next(iter(timed))][0], next(iter(results.values()))
+        for cfg, (s, timer, wall, _) in timed.items():
+            self.add(Line("staging", f"{name}[{label(cfg)}]", shape, s, timer, flops, nbytes, wall_seconds=wall,
                           extra={"tiles": asdict(cfg), "default": cfg == pick, "speedup_over_f16": base / s,
-                                 "max_diff_vs_f16": float(np.abs(got - want).max())}))
+                                 "max_diff_vs_f16": float(np.abs(results[cfg] - want).max())}))
 
     # ---- attention ----
     def attention(self):
@@ -557,8 +559,10 @@ class Bench:
                                    if matrix_tiles_problem(mode, c, e_, spec.params.frag, e.target.subgroup_size,
                                                            e.target.workgroup_bytes) is None)
                     given = {n: args[n] for n in kern.inputs}
-                    for cfg in (choose_tiles(mode, e_), *matrix):
-                        s, timer, wall, _ = time_best(e, lambda: e.run(kern, tiles=cfg, **given), self.reps)
+                    configs = dict.fromkeys((choose_tiles(mode, e_), *matrix))
+                    timed = time_in_turn(e, {cfg: functools.partial(e.run, kern, tiles=cfg, **given) for cfg in configs},
+                                         self.reps)
+                    for cfg, (s, timer, wall, _) in timed.items():
                         label = (f"{mode}[matrix {cfg.rows}x{cfg.tile}{'/v4' if cfg.vec4 else ''}]" if cfg in matrix
                                  else f"{mode}[simt {cfg.rows}x{cfg.tile}x{cfg.row_threads}]")
                         self.add(Line("atiles", label, shape, s, timer, flops, wall_seconds=wall,
