@@ -18,7 +18,7 @@ from bench import time_dispatches  # noqa: E402
 from lfm2jit import ComputeEngine, WgpuContext, grad, library  # noqa: E402
 from lfm2jit.tune.candidates import K_GROUPS  # noqa: E402
 
-WRONG = 1e-2      # largest error, relative to the output's largest value, a configuration may have
+from tile_sweep import WRONG  # noqa: E402
 
 
 def products():

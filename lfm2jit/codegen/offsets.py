@@ -75,18 +75,17 @@ def fragment_at(p, ly, side: str, stage: int, kk: int, f: int) -> Sum:
     With groups of subgroups along K (MatrixTiles.sg_k), ``kk`` counts within this group's share
     of the step, which starts at k = sk0."""
     k, u = kk * p.frag.k, ly.unit
-    if p.tiles.sg_k > 1:
-        k = plus("sk0", k)
     if side == "a":
         first, row, stride, by_k, base = "sm0", f * p.frag.m, ly.a_stride, ly.a_by_k, stage * ly.a_tile
     else:
         first, row, stride, by_k, base = "sn0", f * p.frag.n, ly.b_stride, ly.b_by_k, stage * ly.b_tile
     if by_k:
-        return tile_at(k, plus(Bin("/", Var(first), Const(u)) if u > 1 else first, row // u), stride, base)
+        return tile_at(plus("sk0", k) if p.tiles.sg_k > 1 else k,
+                       plus(Bin("/", Var(first), Const(u)) if u > 1 else first, row // u), stride, base)
+    along_k = k // u
     if p.tiles.sg_k > 1:
-        return tile_at(plus(first, row), plus(Bin("/", Var("sk0"), Const(u)) if u > 1 else "sk0", kk * p.frag.k // u),
-                       stride, base)
-    return tile_at(plus(first, row), k // u, stride, base)
+        along_k = plus(Bin("/", Var("sk0"), Const(u)) if u > 1 else "sk0", along_k)
+    return tile_at(plus(first, row), along_k, stride, base)
 
 
 def ws_at(p, gm, gn) -> Sum:
