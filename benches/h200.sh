@@ -49,6 +49,9 @@
 #   bash benches/h200.sh kgroups          on Dawn, issue 51: the GEMM's tiles of two subgroup groups sharing each k-step (sg_k)
 #                                         beside the planner's picks, at 4096^3 and LFM2-350M's T = 2048 / 512 shapes
 #                                         -> $OUT/<card>_mtiles_kgroups.json
+#   bash benches/h200.sh sass             on Dawn, issue 51: what the driver compiled the GEMM (planner's tiles and
+#                                         variants) and attention's forward into: registers, shared memory, spills, HMMA /
+#                                         LDSM / LDS / STS / BAR counts (benches/probes/sass_probe.py) -> $OUT/<card>_sass.log
 #   bash benches/h200.sh moe              on Dawn: the routing, grouped-GEMM and LFM2-MoE tests, then the grouped group
 #                                         (the experts' grouped GEMMs at LFM2-8B-A1B shapes beside a dense GEMM of the
 #                                         same FLOPs) -> $OUT/<card>_moe_tests_dawn.log, $OUT/<card>_grouped.json; with
@@ -234,6 +237,11 @@ kgroups)
         512x4096x1024 --json "$OUT/${card}_mtiles_kgroups.json" > /dev/null 2>&1
     python3 benches/probes/best_tiles.py "$OUT/${card}_mtiles_kgroups.json"
     ;;
+sass)
+    # issue 51: the binaries behind the GEMM and attention timings (registers cap the workgroups an SM holds)
+    export LFM2JIT_WEBGPU=dawn
+    timeout 300 python3 benches/probes/sass_probe.py --out "$OUT" 2>&1 | tee "$OUT/${card}_sass.log" | grep -v "^  file " | tail -60
+    ;;
 moe)
     export LFM2JIT_WEBGPU=dawn
     if [ -n "${TUNED:-}" ]; then
@@ -377,6 +385,6 @@ mpi)
     } | tee "$OUT/h200_mpi_exchange.log"
     ;;
 *)
-    echo "usage: bash benches/h200.sh tests | matrix | speed [BASE] | startup [BASE] | lora | attention | decode | gradsync | limits | gtiles | gdw | lmchunks | kgroups | moe | moelora | qlora [8B-A1B] | ckpt | packing | longctx | staging | compile | nf4 | robust [MODES] | mpi" >&2; exit 2 ;;
+    echo "usage: bash benches/h200.sh tests | matrix | speed [BASE] | startup [BASE] | lora | attention | decode | gradsync | limits | gtiles | gdw | lmchunks | kgroups | sass | moe | moelora | qlora [8B-A1B] | ckpt | packing | longctx | staging | compile | nf4 | robust [MODES] | mpi" >&2; exit 2 ;;
 esac
 echo "took $(( $(date +%s) - start )) s"
