@@ -356,7 +356,8 @@ class Bench:
             self.guarded(group, "linear", shape, one)
 
     def tiles(self):
-        """The same template at other tile configurations (4096^3 and the T=2048 MLP shapes)."""
+        """The same template at other tile configurations (4096^3 and the T=2048 MLP shapes), each
+        checked against float64 on its first rows, then all of a shape's timed in turn (time_in_turn)."""
         if self.quick:
             shapes = [(64, 96, 80)]
             configs = [TileConfig(), TileConfig(64, 64, 8, 8, 8), TileConfig(128, 128, 8, 8, 8)]
@@ -365,26 +366,26 @@ class Bench:
             configs = list(CANDIDATES)          # what the autotuner chooses from
         lin = library.get("linear").without({"r"})
         for m, n, k in shapes:
-            for cfg in configs:
-                shape = f"{m}x{n}x{k}"
-                tag = cfg.label
+            shape = f"{m}x{n}x{k}"
 
-                def one(m=m, n=n, k=k, shape=shape, cfg=cfg, tag=tag):
-                    e = self.engine
-                    xa, wa = _rand(self.rng, (m, k)), _rand(self.rng, (n, k))
-                    x, w = e.tensor(xa), e.tensor(wa)
-                    y = e.empty((m, n))
+            def one(m=m, n=n, k=k, shape=shape):
+                e = self.engine
+                xa, wa = _rand(self.rng, (m, k)), _rand(self.rng, (n, k))
+                x, w = e.tensor(xa), e.tensor(wa)
+                y = e.empty((m, n))
+                rows = min(m, 64)
+                want = xa[:rows].astype(np.float64) @ wa.astype(np.float64).T
+                errors = {}
+                for cfg in configs:
                     e.run(lin, x=x, w=w, out={"y": y}, tiles=cfg)
-                    rows = min(m, 64)
-                    got = y.numpy()[:rows]
-                    want = xa[:rows].astype(np.float64) @ wa.astype(np.float64).T
-                    err = float(np.abs(got - want).max() / np.abs(want).max())
-                    s, timer, wall, _ = time_best(e, lambda: e.run(lin, x=x, w=w, out={"y": y}, tiles=cfg),
-                                                  self.reps)
-                    self.add(Line("tiles", f"linear[{tag}]", shape, s, timer, 2.0 * m * n * k,
+                    errors[cfg] = float(np.abs(y.numpy()[:rows] - want).max() / np.abs(want).max())
+                timed = time_in_turn(e, {cfg: functools.partial(e.run, lin, x=x, w=w, out={"y": y}, tiles=cfg)
+                                         for cfg in configs}, self.reps)
+                for cfg, (s, timer, wall, _) in timed.items():
+                    self.add(Line("tiles", f"linear[{cfg.label}]", shape, s, timer, 2.0 * m * n * k,
                                   4.0 * (m * k + n * k + m * n), wall_seconds=wall,
-                                  extra={"tiles": asdict(cfg), "rel_err_first_rows": err}))
-                self.guarded("tiles", f"linear[{tag}]", shape, one)
+                                  extra={"tiles": asdict(cfg), "rel_err_first_rows": errors[cfg]}))
+            self.guarded("tiles", "linear", shape, one)
 
     def _matching(self, candidates):
         """The candidates whose label contains one of --tiles-matching's texts (all without it)."""
