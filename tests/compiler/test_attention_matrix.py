@@ -111,6 +111,41 @@ def test_vec4_staging_matches_float64(matrix_engine, rng, fwd16):
     assert rel_err(got["d_k"].numpy(), want[3]) < TOL and rel_err(got["d_v"].numpy(), want[4]) < TOL
 
 
+def test_o_kept_in_fragments_matches_float64(matrix_engine, rng, fwd16):
+    """MatrixAttentionTiles.o_frags (o accumulated in fragments, rescaled through workgroup memory only
+    where a row's maximum outgrew its sums' by RESCALE_SLACK; k and v double-buffered): every fitting
+    candidate on random scores (rescales in the first key tiles only), then scores that grow along the
+    keys (a rescale every key tile: P would overflow f16 without them) and that shrink (none after the
+    first), a ragged length, grouped heads, vec4 staging."""
+    e = matrix_engine
+    T, G, E = 150, 2, 64
+    q, k, v, _ = _inputs(rng, T, G, E, np.float16)
+    fitting = [replace(t, o_frags=True) for t in _fitting(e, E)]
+    fitting = [t for t in fitting if not matrix_tiles_problem("fwd", t, E, e.target.matrix("f16", "f32"),
+                                                              e.target.subgroup_size, e.target.workgroup_bytes)]
+    assert fitting
+    u = np.sign(rng.standard_normal(E))              # scores along u: q . k_t grows (or shrinks) with t
+    grow = np.linspace(0.0, 6.0, T)[:, None, None] * u       # scores from 0 to about 100
+    cases = [((q, k, v), fitting), (((2 * u + 0.1 * q).astype(np.float16), (grow + 0.1 * k).astype(np.float16), v),
+             fitting[:2] + [replace(fitting[0], vec4=True)]),
+             (((2 * u + 0.1 * q).astype(np.float16), (grow[::-1] + 0.1 * k).astype(np.float16), v), fitting[:1])]
+    for (qq, kk, vv), tiles in cases:
+        want = reference(qq, kk, vv, np.zeros_like(qq))
+        args = {n: e.tensor(x) for n, x in (("q", qq), ("k", kk), ("v", vv))}
+        for t in tiles:
+            out = e.run(fwd16, bucket=16, tiles=t, **args)
+            assert rel_err(out["o"].numpy(), want[0]) < TOL, t
+            assert rel_err(out["lse"].numpy(), want[1]) < TOL, t
+    B, S = 3, 48                                      # packed sequences: each row sees its own only
+    seqs = [_inputs(rng, S, G, E, np.float16) for _ in range(B)]
+    qp, kp, vp, _ = (np.stack(x) for x in zip(*seqs))
+    out = e.run(library.get("attention").variant("f16"), bucket=16, tiles=fitting[0],
+                q=e.tensor(qp), k=e.tensor(kp), v=e.tensor(vp))
+    for b in range(B):
+        o, lse = reference(*seqs[b])[:2]
+        assert rel_err(out["o"].numpy()[b], o) < TOL and rel_err(out["lse"].numpy()[b], lse) < TOL
+
+
 def test_packed_sequences(matrix_engine, rng):
     fwd = library.get("attention").variant("f16")
     B, S, G, E = 3, 48, 2, 64
@@ -132,6 +167,9 @@ def test_tiles_that_do_not_fit_are_refused_by_name(matrix_engine, fwd16):
         fwd16.specialize(dims, 16, frozenset(), MatrixAttentionTiles(64, 256), target)
     with pytest.raises(IntrinsicError, match="need a device with f16 subgroup matrices"):
         fwd16.specialize(dims, 16, frozenset(), MatrixAttentionTiles(32, 32))
+    dq = grad(fwd16, cotangents=["o"]).kernels[0]
+    with pytest.raises(IntrinsicError, match="o_frags .* is the forward's"):
+        dq.specialize(dims, 16, frozenset(), MatrixAttentionTiles(32, 16, o_frags=True), target)
 
 
 @pytest.mark.parametrize("E", [16, 64, 128])
@@ -144,10 +182,13 @@ def test_declared_workgroup_memory_is_what_the_planner_counts(E):
     for emulated in (False, True):
         target = Target(EMULATED_MATRIX_CONFIGS, 32, 1 << 20, emulated=emulated, storage_buffers=16)
         for mode, kernel in kernels.items():
-            for tiles in (*MATRIX_ATTENTION_CANDIDATES, replace(MATRIX_ATTENTION_CANDIDATES[0], vec4=True)):
+            o_frags = (replace(MATRIX_ATTENTION_CANDIDATES[1], o_frags=True),) if mode == "fwd" else ()
+            for tiles in (*MATRIX_ATTENTION_CANDIDATES, replace(MATRIX_ATTENTION_CANDIDATES[0], vec4=True), *o_frags):
                 spec = kernel.specialize({"T": 100, "H": H, "G": 2, "E": E}, 16, frozenset(), tiles, target)
+                wgsl = render(spec)
                 declared = sum(int(n) * {"f16": 2, "f32": 4, "vec4<f16>": 8}[t] for t, n in
-                               re.findall(r"var<workgroup> \w+: array<(f16|f32|vec4<f16>), (\d+)>", render(spec)))
+                               re.findall(r"var<workgroup> \w+: array<(f16|f32|vec4<f16>), (\d+)>", wgsl))
+                declared += 4 * len(re.findall(r"var<workgroup> \w+: atomic<u32>;", wgsl))
                 assert declared == spec.params.smem_bytes, (mode, tiles, E)
 
 
@@ -168,8 +209,8 @@ def test_autotuned_matrix_attention_is_correct_and_cached(raised_ctx, matrix_eng
     _check(got, reference(q, k, v, do), TOL)
     saved = json.loads((tmp_path / "autotune.json").read_text())
     assert sorted(e["kind"] for e in saved.values()) == ["MatrixAttentionTiles"] * 3
-    tried = len(MATRIX_ATTENTION_CANDIDATES) + 1            # and the planner's pick with vec4 staging
-    assert all(len(e["seconds"]) == tried for e in saved.values())
+    tried = len(MATRIX_ATTENTION_CANDIDATES) + 1            # and the planner's pick with vec4 staging,
+    assert sorted(len(e["seconds"]) for e in saved.values()) == [tried, tried, tried + 1]   # the forward's with o kept
     again = ComputeEngine(raised_ctx)
     for a, g in zip(_run(again, fwd, bwd, q, k, v, do, bucket=16), got):
         np.testing.assert_array_equal(a, g)
