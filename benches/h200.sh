@@ -158,8 +158,8 @@ lora)
 attention)
     export LFM2JIT_WEBGPU=dawn
     python3 -m pytest -q -p no:cacheprovider -rs tests/compiler/test_attention.py tests/compiler/test_attention_matrix.py 2>&1 \
-        | tee "$OUT/h200_attention_tests_dawn.log" | tail -3
-    python3 benches/bench.py --only attention atiles --json "$OUT/h200_attention.json" 2>&1 | grep -v "^#" | tail -60
+        | tee "$OUT/${card}_attention_tests_dawn.log" | tail -3
+    python3 benches/bench.py --only attention atiles --json "$OUT/${card}_attention.json" 2>&1 | grep -v "^#" | tail -60
     ;;
 decode)
     export LFM2JIT_WEBGPU=dawn
