@@ -1,7 +1,8 @@
 """A sweep of matrix-unit tiles for LoRA's thin products (an output r = 8 wide) at LFM2-1.2B shapes,
 T = 2048, f16 activations: u = s x A^T, du = s dY B, dB += dY^T u and dA += du^T x. These move a
 few MB each and read back nothing big, so what counts is how many bytes are in flight: the sweep
-varies the tile along the long side, the k-step, split-K and the stages. Each candidate's result is
+varies the tile along the long side, the k-step and split-K, on the matrix template and on the SIMT
+one with tiles as thin as the output. Each candidate's result is
 checked against the planner's pick; times are the best of 3 rounds of 20 calls (GPU timestamps;
 tile_sweep.py).
 Usage: python benches/probes/narrow_tiles.py [IN OUT ...]   (default 2048 2048 2048 8192)"""
@@ -14,7 +15,7 @@ import numpy as np
 
 from lfm2jit import ComputeEngine, WgpuContext, grad, library
 from lfm2jit.ops import precision
-from lfm2jit.tune.tiles import MatrixTiles
+from lfm2jit.tune.tiles import MatrixTiles, TileConfig
 
 from tile_sweep import sweep
 
@@ -23,12 +24,20 @@ T = 2048
 
 
 def candidates(thin: str):
-    """Tiles one fragment (16) across the thin side: the long side 64..256 in 1..4 subgroups."""
-    for long, sgs, bk, split, stages in itertools.product((64, 128, 256), (1, 2, 4), (32, 64, 128), (1, 4, 8), (1,)):
+    """Matrix tiles one fragment (16) across the thin side, the long side 64 or 128 in 1 or 4 subgroups
+    (around the H200's best), then SIMT tiles as thin as the output (8), whose fetch reads the long
+    side's rows whole: a GEMV's access pattern, on the SIMT template."""
+    for long, sgs, bk, split in itertools.product((64, 128), (1, 4), (32, 64), (4, 8)):
         if long // sgs < 16:
             continue
         shape = (16, long, 1, sgs) if thin == "m" else (long, 16, sgs, 1)
-        yield MatrixTiles(*shape, bk, split=split, stages=stages)
+        yield MatrixTiles(*shape, bk, split=split)
+    for (long, bk, t_long, t_thin), split in itertools.product(SIMT_THIN, (1, 4, 8)):
+        yield (TileConfig(R, long, bk, t_thin, t_long, split=split) if thin == "m"
+               else TileConfig(long, R, bk, t_long, t_thin, split=split))
+
+
+SIMT_THIN = ((128, 16, 1, 8), (128, 16, 2, 4), (128, 8, 2, 8), (256, 8, 4, 8))   # (long, bk, micro-tile long, thin)
 
 
 def main(pairs):
