@@ -110,12 +110,22 @@ def sections(image: bytes) -> list[tuple[str, int, int]]:
 
 
 def inflated(blob: bytes, limit: int = 64) -> list[bytes]:
-    """Whatever zlib streams ``blob`` holds (at most ``limit`` tried): a driver may compress its entries."""
+    """Whatever zlib streams (and, where the lz4 module is installed, LZ4 frames) ``blob`` holds, at
+    most ``limit`` tried of each: a driver may compress its entries."""
     out = []
     for match in list(re.finditer(rb"\x78[\x01\x5e\x9c\xda]", blob))[:limit]:
         try:
             out.append(zlib.decompressobj().decompress(blob[match.start():]))
         except zlib.error:
+            continue
+    try:
+        import lz4.frame
+    except ImportError:
+        return out
+    for match in list(re.finditer(rb"\x04\x22\x4d\x18", blob))[:limit]:
+        try:
+            out.append(lz4.frame.decompress(blob[match.start():]))
+        except RuntimeError:
             continue
     return out
 
