@@ -8,7 +8,7 @@ from dataclasses import replace
 from ..schedule.attention import MATRIX_TEMPLATES, choose_tiles, tiles_problem
 from .heuristics import (GROUPED_TILES, JUST_OVER_A_WAVE_TILES, LARGE_MATRIX_TILES, MATRIX_ATTENTION_CANDIDATES,
                          MATRIX_TILES, NARROW, SMALL_MATRIX_SPLIT_TILES, SMALL_MATRIX_TILES, TAIL_BASE_TILES,
-                         TARGET_THREADS, WAVE_SPLIT_TILES, narrow_matrix_tiles, tail_columns)
+                         TARGET_THREADS, WAVE_SPLIT_TILES, narrow_matrix_tiles, narrow_simt_tiles, tail_columns)
 from .tiles import COLUMN_SPLITS, AttentionTiles, ColumnTiles, MatrixTiles, TileConfig
 
 MIN_THREADS = 64             # fewest invocations per workgroup an attention candidate has
@@ -68,8 +68,9 @@ K_GROUPS = tuple(replace(t, sg_k=2) for t in (
 def matrix(params) -> tuple[MatrixTiles, ...]:
     """MATRIX, VEC4_STAGED and K_GROUPS and, where the grid of 128x128 tiles ends in a partial wave, those tiles
     with K split in the tail's columns (or one more) over 2, 4 or 8; for an output at most NARROW
-    thin, tiles one fragment thin at every split, and two half as long along the other side. Last,
-    the planner's pick with the other staging (f16 or vec4), where it is not among them."""
+    thin, tiles one fragment thin at every split, two half as long along the other side, and SIMT
+    tiles 8 thin (heuristics.narrow_simt_tiles). Last, the planner's pick with the other staging (f16
+    or vec4), where it is not among them."""
     twin = (replace(params.tiles, vec4=not params.tiles.vec4),)
     if min(params.m_pad, params.n_size) > NARROW:
         tail = tail_columns(params.m_pad, params.n_size)
@@ -81,7 +82,8 @@ def matrix(params) -> tuple[MatrixTiles, ...]:
     short = tuple(MatrixTiles(16, 64, 1, 4, bk, split=s) if thin == "m" else MatrixTiles(64, 16, 4, 1, bk, split=s)
                   for bk, s in ((32, 4), (64, 8)))     # half as long: faster on LoRA's dY B and dB (h200_lora_mtiles.json)
     return tuple(dict.fromkeys(tuple(narrow_matrix_tiles(thin, s) for s in (1, 2, 4, 8)) + short
-                               + (MatrixTiles(64, 64, 2, 2, 32),) + twin))
+                               + (MatrixTiles(64, 64, 2, 2, 32),) + twin
+                               + tuple(narrow_simt_tiles(thin, s) for s in (1, 4, 8))))
 
 
 def grouped(params, matrix_units: bool) -> tuple:

@@ -79,6 +79,12 @@ def tail_columns(m: int, n: int, tiles: MatrixTiles = TAIL_BASE_TILES, wave: int
     return tail if waves and over and tail < cols else 0
 
 
+def narrow_simt_tiles(thin: str, split: int = 1) -> TileConfig:
+    """SIMT tiles 8 across the thin side ("m" or "n": a LoRA rank's), 128 along the other, each
+    invocation one row of the long side: the reads of a GEMV, not a fragment's 16 of which 8 are used."""
+    return TileConfig(8, 128, 16, 8, 1, split=split) if thin == "m" else TileConfig(128, 8, 16, 1, 8, split=split)
+
+
 def narrow_matrix_tiles(thin: str, split: int = 1) -> MatrixTiles:
     """One fragment across the thin side ("m" or "n"), 128 along the other in 4 subgroups."""
     return MatrixTiles(16, 128, 1, 4, 32, split=split) if thin == "m" else MatrixTiles(128, 16, 4, 1, 32, split=split)

@@ -22,7 +22,7 @@ from lfm2jit.codegen.render import render
 from lfm2jit.engine import target_of
 from lfm2jit.schedule import EMULATED_MATRIX_CONFIGS, EMULATED_SUBGROUP, Target
 from lfm2jit.tune.heuristics import H200_WAVE, narrow_matrix_tiles, tail_columns
-from lfm2jit.tune.tiles import MatrixTiles
+from lfm2jit.tune.tiles import MatrixTiles, TileConfig
 from lfm2jit.tune.candidates import K_GROUPS, MATRIX, VEC4_STAGED, matrix as matrix_candidates
 
 LINEAR = library.get("linear").without({"r"})
@@ -172,7 +172,9 @@ def test_tiles_picked_for_the_h200_fall_back_where_they_do_not_fit():
 def test_thin_outputs_split_k_into_slices_of_256_or_more(K, split):
     params = PRODUCTS["y"].specialize({"T": 2048, "K": K, "N": 8}, 64, target=MATRIX_UNITS).params
     assert (params.tiles.wn, params.tiles.split) == (16, split)
-    assert {c.wn for c in matrix_candidates(params)} == {16, 64}        # the autotuner tries thin tiles too
+    tried = matrix_candidates(params)                                   # the autotuner tries thin tiles too,
+    assert {c.wn for c in tried if isinstance(c, MatrixTiles)} == {16, 64}
+    assert {(c.bn, c.split) for c in tried if isinstance(c, TileConfig)} == {(8, 1), (8, 4), (8, 8)}   # and SIMT ones
 
 
 def test_thin_outputs_split_k_until_the_gpu_is_busy():
@@ -229,6 +231,33 @@ def test_tail_columns_hold_the_last_partial_wave(rng):
         full = tiles // H200_WAVE * H200_WAVE
         assert 0 < tail < cols and (cols - tail) * rows <= full < (cols - tail + 1) * rows, (m, n, tail)
     assert tail_columns(2048, 4608) == 3 and tail_columns(4608, 1024) == 1      # T = 2048: 576 and 288 tiles
+
+
+def test_autotuning_a_thin_product_tries_simt_and_matrix_tiles(raised_ctx, matrix_engine, tmp_path, monkeypatch, rng):
+    """LoRA's dB = dY^T u (an output 8 wide) tuned: the matrix candidates and the SIMT ones 8 thin are
+    all timed, the fastest of either kind is kept in autotune.json, and a second engine reads it back
+    and computes the same bits."""
+    import json
+    monkeypatch.setenv("LFM2JIT_AUTOTUNE", "1")
+    monkeypatch.setenv("LFM2JIT_CACHE_DIR", str(tmp_path))
+    if matrix_engine.target.emulated:
+        monkeypatch.setenv("LFM2JIT_MATRIX_UNITS", "emulate")
+    dw = PRODUCTS["d_w"]
+    u, b, dy = (rng.standard_normal(s).astype(np.float32) for s in ((300, 8), (96, 8), (300, 96)))
+
+    def run(eng):
+        args = {"x": eng.tensor(u, "f16"), "w": eng.tensor(b), "d_y": eng.tensor(dy, "f16")}
+        return eng.run(dw, bucket=16, **args)["d_w"].numpy()
+    tuned = ComputeEngine(raised_ctx)
+    got = run(tuned)
+    assert rel_err(got, dy.astype(np.float16).astype(np.float64).T @ u.astype(np.float16)) < 2e-3
+    (entry,) = json.loads((tmp_path / "autotune.json").read_text()).values()
+    assert entry["kind"] in ("MatrixTiles", "TileConfig") and len(entry["seconds"]) == tuned.tuner.trials
+    timed = {"'wm'" in k for k, sec in entry["seconds"].items() if sec != float("inf")}    # matrix tiles name wm
+    assert timed == {True, False}                                  # both kinds ran
+    again = ComputeEngine(raised_ctx)
+    np.testing.assert_array_equal(run(again), got)
+    assert again.tuner.trials == 0
 
 
 def test_split_tail_candidates_are_tried_where_the_grid_ends_in_a_partial_wave():
