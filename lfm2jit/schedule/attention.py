@@ -267,12 +267,12 @@ def matrix_workgroup_bytes(mode: str, t: MatrixAttentionTiles, e: int, threads: 
     backward's results leave through the scores' buffer a tile's width of columns at a time, so its
     f32 buffers are as wide as the streamed tile, whatever the head dim."""
     rs, cs, acc = matrix_strides(t, e)
-    if mode == "fwd" and t.o_frags:     # k and v twice; the f32 buffer holds scores, o in rounds; a flag word
+    if mode == "fwd" and t.double_kv:     # k and v twice; the f32 buffer holds scores, o in rounds; a flag word
         return 2 * ((t.rows + 4 * t.tile) * rs + t.tile * cs) + 4 * (t.tile * acc + threads + 1)
     if mode == "fwd":                   # the f32 buffer holds scores, then P v (head-dim wide) every step
         return 2 * ((t.rows + 2 * t.tile) * rs + t.tile * cs) + 4 * (max(t.tile, e) * acc + threads)
-    if mode == "dq":
-        return 2 * (2 * (t.rows + t.tile) * rs + t.tile * cs) + 4 * 2 * t.tile * acc
+    if mode == "dq":                    # double_kv: k and v twice
+        return 2 * (2 * (t.rows + (2 if t.double_kv else 1) * t.tile) * rs + t.tile * cs) + 4 * 2 * t.tile * acc
     return 2 * (2 * (t.rows + t.tile) * rs + 2 * t.tile * cs) + 4 * (2 * t.tile * acc + 2 * t.tile)
 
 
@@ -286,8 +286,8 @@ def matrix_tiles_problem(mode: str, t: MatrixAttentionTiles, e: int, frag, subgr
     if t.tile % frag.n or t.tile % frag.k or e % frag.n or e % frag.k or e % 4:
         return (f"the key tile ({t.tile}) and the head dim ({e}) must be multiples of the fragment's "
                 f"n = {frag.n} and k = {frag.k} (and the head dim of 4: its rows are read as vec4s)")
-    if t.o_frags and mode != "fwd":
-        return f"o_frags (o kept in fragments) is the forward's; the {mode} kernel has no o to keep"
+    if t.double_kv and mode == "dkdv":
+        return "double_kv (k and v double-buffered) is the forward's and dq's; dkdv streams queries, not keys"
     if t.vec4 and (frag.n % 4 or frag.k % 4):
         return f"vec4 staging needs fragments (n {frag.n}, k {frag.k}) that start on whole vec4s"
     threads = t.rows // frag.m * subgroup

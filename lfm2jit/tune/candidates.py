@@ -105,9 +105,9 @@ def for_spec(spec) -> tuple:
     if spec.template in ("attention_fwd", "attention_bwd"):
         return attention(spec.params.mode, spec.params.head_dim)
     if spec.template in MATRIX_TEMPLATES.values():   # the planner's pick first, last with the other staging
-        pick = spec.params.tiles                         # (one that does not fit scores inf) and, for the
-        o_frags = (replace(pick, o_frags=not pick.o_frags),) if spec.params.mode == "fwd" else ()   # forward, o kept
-        return (pick, *(t for t in MATRIX_ATTENTION_CANDIDATES if t != pick), replace(pick, vec4=not pick.vec4), *o_frags)
+        pick = spec.params.tiles                         # (one that does not fit scores inf) and, but for
+        double_kv = (replace(pick, double_kv=not pick.double_kv),) if spec.params.mode != "dkdv" else ()   # dkdv, k and v
+        return (pick, *(t for t in MATRIX_ATTENTION_CANDIDATES if t != pick), replace(pick, vec4=not pick.vec4), *double_kv)
     if spec.template == "colreduce" and spec.params.split > 1:   # only what the planner found long and narrow
         return (ColumnTiles(spec.params.split), *(ColumnTiles(s) for s in COLUMN_SPLITS if s != spec.params.split))
     return ()

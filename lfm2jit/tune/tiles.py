@@ -159,14 +159,15 @@ class MatrixAttentionTiles:
     (queries; keys for dkdv), one subgroup per fragment height of them; ``tile`` rows streamed per
     step (keys; queries for dkdv). ``vec4``: the head-dim tiles (q, k, v, dO) are typed
     array<vec4<f16>>, staged one fetched vec4 a store, fragments loaded in vec4 units (as
-    MatrixTiles.vec4); P and dS, stored a score at a time, stay f16. ``o_frags`` (the forward's):
-    o stays in fragments that P v accumulates into, rescaled through workgroup memory only in a
-    step where some row's maximum outgrew the one its sums use by RESCALE_SLACK, with k and v
-    double-buffered: a key tile takes one barrier and one f32 round trip of P v fewer."""
+    MatrixTiles.vec4); P and dS, stored a score at a time, stay f16. ``double_kv`` (the forward and dq):
+    k and v double-buffered, so a key tile takes one barrier fewer (the next tile goes to the other
+    buffer); the forward then keeps o in fragments that P v accumulates into, rescaled through
+    workgroup memory only in a step where some row's maximum outgrew the one its sums use by
+    RESCALE_SLACK (its barrier protected P v's round trip through workgroup memory)."""
     rows: int
     tile: int
     vec4: bool = False
-    o_frags: bool = False
+    double_kv: bool = False
 
 
 @dataclass(frozen=True)

@@ -112,7 +112,7 @@ def test_vec4_staging_matches_float64(matrix_engine, rng, fwd16):
 
 
 def test_o_kept_in_fragments_matches_float64(matrix_engine, rng, fwd16):
-    """MatrixAttentionTiles.o_frags (o accumulated in fragments, rescaled through workgroup memory only
+    """MatrixAttentionTiles.double_kv (o accumulated in fragments, rescaled through workgroup memory only
     where a row's maximum outgrew its sums' by RESCALE_SLACK; k and v double-buffered): every fitting
     candidate on random scores (rescales in the first key tiles only), then scores that grow along the
     keys (a rescale every key tile: P would overflow f16 without them) and that shrink (none after the
@@ -120,7 +120,7 @@ def test_o_kept_in_fragments_matches_float64(matrix_engine, rng, fwd16):
     e = matrix_engine
     T, G, E = 150, 2, 64
     q, k, v, _ = _inputs(rng, T, G, E, np.float16)
-    fitting = [replace(t, o_frags=True) for t in _fitting(e, E)]
+    fitting = [replace(t, double_kv=True) for t in _fitting(e, E)]
     fitting = [t for t in fitting if not matrix_tiles_problem("fwd", t, E, e.target.matrix("f16", "f32"),
                                                               e.target.subgroup_size, e.target.workgroup_bytes)]
     assert fitting
@@ -146,6 +146,25 @@ def test_o_kept_in_fragments_matches_float64(matrix_engine, rng, fwd16):
         assert rel_err(out["o"].numpy()[b], o) < TOL and rel_err(out["lse"].numpy()[b], lse) < TOL
 
 
+def test_dq_with_double_buffered_keys_matches_float64(matrix_engine, rng, fwd16):
+    """dq with k and v double-buffered (MatrixAttentionTiles.double_kv: no barrier after dq += dS k)
+    at every fitting candidate: a ragged length over several key tiles, grouped heads."""
+    e = matrix_engine
+    T, G, E = 150, 2, 64
+    q, k, v, do = _inputs(rng, T, G, E, np.float16)
+    want = reference(q, k, v, do)
+    args = {n: e.tensor(x) for n, x in (("q", q), ("k", k), ("v", v), ("d_o", do))}
+    out = e.run(fwd16, bucket=16, q=args["q"], k=args["k"], v=args["v"])
+    dq = grad(fwd16, cotangents=["o"]).kernels[0]
+    frag = e.target.matrix("f16", "f32")
+    fitting = [t for t in (replace(c, double_kv=True) for c in MATRIX_ATTENTION_CANDIDATES)
+               if not matrix_tiles_problem("dq", t, E, frag, e.target.subgroup_size, e.target.workgroup_bytes)]
+    assert fitting
+    for t in fitting:
+        got = e.run(dq, bucket=16, tiles=t, o=out["o"], lse=out["lse"], **args)["d_q"]
+        assert rel_err(got.numpy(), want[2]) < TOL, t
+
+
 def test_packed_sequences(matrix_engine, rng):
     fwd = library.get("attention").variant("f16")
     B, S, G, E = 3, 48, 2, 64
@@ -167,9 +186,9 @@ def test_tiles_that_do_not_fit_are_refused_by_name(matrix_engine, fwd16):
         fwd16.specialize(dims, 16, frozenset(), MatrixAttentionTiles(64, 256), target)
     with pytest.raises(IntrinsicError, match="need a device with f16 subgroup matrices"):
         fwd16.specialize(dims, 16, frozenset(), MatrixAttentionTiles(32, 32))
-    dq = grad(fwd16, cotangents=["o"]).kernels[0]
-    with pytest.raises(IntrinsicError, match="o_frags .* is the forward's"):
-        dq.specialize(dims, 16, frozenset(), MatrixAttentionTiles(32, 16, o_frags=True), target)
+    dkdv = grad(fwd16, cotangents=["o"]).kernels[2]
+    with pytest.raises(IntrinsicError, match="double_kv .* is the forward's and dq's"):
+        dkdv.specialize(dims, 16, frozenset(), MatrixAttentionTiles(32, 16, double_kv=True), target)
 
 
 @pytest.mark.parametrize("E", [16, 64, 128])
@@ -182,8 +201,8 @@ def test_declared_workgroup_memory_is_what_the_planner_counts(E):
     for emulated in (False, True):
         target = Target(EMULATED_MATRIX_CONFIGS, 32, 1 << 20, emulated=emulated, storage_buffers=16)
         for mode, kernel in kernels.items():
-            o_frags = (replace(MATRIX_ATTENTION_CANDIDATES[1], o_frags=True),) if mode == "fwd" else ()
-            for tiles in (*MATRIX_ATTENTION_CANDIDATES, replace(MATRIX_ATTENTION_CANDIDATES[0], vec4=True), *o_frags):
+            double_kv = (replace(MATRIX_ATTENTION_CANDIDATES[1], double_kv=True),) if mode != "dkdv" else ()
+            for tiles in (*MATRIX_ATTENTION_CANDIDATES, replace(MATRIX_ATTENTION_CANDIDATES[0], vec4=True), *double_kv):
                 spec = kernel.specialize({"T": 100, "H": H, "G": 2, "E": E}, 16, frozenset(), tiles, target)
                 wgsl = render(spec)
                 declared = sum(int(n) * {"f16": 2, "f32": 4, "vec4<f16>": 8}[t] for t, n in
@@ -210,7 +229,7 @@ def test_autotuned_matrix_attention_is_correct_and_cached(raised_ctx, matrix_eng
     saved = json.loads((tmp_path / "autotune.json").read_text())
     assert sorted(e["kind"] for e in saved.values()) == ["MatrixAttentionTiles"] * 3
     tried = len(MATRIX_ATTENTION_CANDIDATES) + 1            # and the planner's pick with vec4 staging,
-    assert sorted(len(e["seconds"]) for e in saved.values()) == [tried, tried, tried + 1]   # the forward's with o kept
+    assert sorted(len(e["seconds"]) for e in saved.values()) == [tried, tried + 1, tried + 1]   # fwd, dq: k, v twice too
     again = ComputeEngine(raised_ctx)
     for a, g in zip(_run(again, fwd, bwd, q, k, v, do, bucket=16), got):
         np.testing.assert_array_equal(a, g)
