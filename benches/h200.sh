@@ -52,6 +52,13 @@
 #   bash benches/h200.sh sass             on Dawn, issue 51: what the driver compiled the GEMM (planner's tiles and
 #                                         variants) and attention's forward into: registers, shared memory, spills, HMMA /
 #                                         LDSM / LDS / STS / BAR counts (benches/probes/sass_probe.py) -> $OUT/<card>_sass.log
+#   bash benches/h200.sh doublekv         on Dawn, issue 51's attention: the double_kv tests (k and v double-buffered, o in
+#                                         fragments), then the atiles group (each pick with and without it, labels /kv2)
+#                                         -> $OUT/<card>_attention_double_kv_tests_dawn.log, <card>_atiles_double_kv.json
+#   bash benches/h200.sh thin BASE        on Dawn, issue 51's LoRA: the rank-8 products at matrix and SIMT tiles 8 thin
+#                                         (benches/probes/narrow_tiles.py), then LoRA r = 8 at LFM2-1.2B, --f16, 1x2048 with
+#                                         this checkout (and PyTorch + PEFT bf16) and with BASE (git archive thin-simt: the
+#                                         planner's SIMT route) -> $OUT/<card>_narrow_simt.log, <card>_lora_1.2B_f16{,_base}.json
 #   bash benches/h200.sh moe              on Dawn: the routing, grouped-GEMM and LFM2-MoE tests, then the grouped group
 #                                         (the experts' grouped GEMMs at LFM2-8B-A1B shapes beside a dense GEMM of the
 #                                         same FLOPs) -> $OUT/<card>_moe_tests_dawn.log, $OUT/<card>_grouped.json; with
@@ -237,6 +244,23 @@ kgroups)
         512x4096x1024 --json "$OUT/${card}_mtiles_kgroups.json" > /dev/null 2>&1
     python3 benches/probes/best_tiles.py "$OUT/${card}_mtiles_kgroups.json"
     ;;
+doublekv)
+    export LFM2JIT_WEBGPU=dawn
+    timeout 120 python3 -m pytest -q -p no:cacheprovider tests/compiler/test_attention_matrix.py \
+        -k "o_kept or double_buffered or every_fitting" 2>&1 | tee "$OUT/${card}_attention_double_kv_tests_dawn.log" | tail -2
+    timeout 220 python3 benches/bench.py --only atiles --json "$OUT/${card}_atiles_double_kv.json" 2>&1 \
+        | grep -v "^#" | grep -v simt | tail -36
+    ;;
+thin)
+    export LFM2JIT_WEBGPU=dawn
+    timeout 200 python3 benches/probes/narrow_tiles.py 2048 8192 2048 2048 2>&1 | tee "$OUT/${card}_narrow_simt.log" | tail -9
+    lora="--preset 1.2B --lora 8 --lora-f16-base --shapes 1x2048 --steps 4 --ours f16"
+    timeout 170 python3 benches/side_by_side.py $lora --torch bf16 --json "$OUT/${card}_lora_1.2B_f16.json" 2>&1 | tail -6
+    if [ -n "${2:-}" ]; then
+        (cd "$2" && PYTHONPATH=$PWD:$PYTHONPATH timeout 120 python3 benches/side_by_side.py $lora --torch \
+            --json "$OUT/${card}_lora_1.2B_f16_base.json" 2>&1 | tail -4)
+    fi
+    ;;
 sass)
     # issue 51: the binaries behind the GEMM and attention timings (registers cap the workgroups an SM holds)
     export LFM2JIT_WEBGPU=dawn
@@ -385,6 +409,6 @@ mpi)
     } | tee "$OUT/h200_mpi_exchange.log"
     ;;
 *)
-    echo "usage: bash benches/h200.sh tests | matrix | speed [BASE] | startup [BASE] | lora | attention | decode | gradsync | limits | gtiles | gdw | lmchunks | kgroups | sass | moe | moelora | qlora [8B-A1B] | ckpt | packing | longctx | staging | compile | nf4 | robust [MODES] | mpi" >&2; exit 2 ;;
+    echo "usage: bash benches/h200.sh tests | matrix | speed [BASE] | startup [BASE] | lora | attention | decode | gradsync | limits | gtiles | gdw | lmchunks | kgroups | doublekv | thin [BASE] | sass | moe | moelora | qlora [8B-A1B] | ckpt | packing | longctx | staging | compile | nf4 | robust [MODES] | mpi" >&2; exit 2 ;;
 esac
 echo "took $(( $(date +%s) - start )) s"
