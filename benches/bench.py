@@ -558,13 +558,13 @@ class Bench:
                     spec = kern.kernels[0].specialize({"B": 1, "T": t, "H": h, "G": g, "E": e_}, 1, target=e.target)
                     matrix = tuple(c for c in (for_spec(spec) if spec.template in MATRIX_TEMPLATES.values() else ())
                                    if matrix_tiles_problem(mode, c, e_, spec.params.frag, e.target.subgroup_size,
-                                                           e.target.workgroup_bytes) is None)
+                                                           e.target.workgroup_bytes, e.target.subgroups) is None)
                     given = {n: args[n] for n in kern.inputs}
                     configs = dict.fromkeys((choose_tiles(mode, e_), *matrix))
                     timed = time_in_turn(e, {cfg: functools.partial(e.run, kern, tiles=cfg, **given) for cfg in configs},
                                          self.reps)
                     for cfg, (s, timer, wall, _) in timed.items():
-                        label = (f"{mode}[matrix {cfg.rows}x{cfg.tile}{'/v4' if cfg.vec4 else ''}{'/kv2' if cfg.double_kv else ''}]" if cfg in matrix
+                        label = (f"{mode}[matrix {cfg.rows}x{cfg.tile}{'/v4' if cfg.vec4 else ''}{'/kv2' if cfg.double_kv else ''}{'/sh' if cfg.shuffle else ''}]" if cfg in matrix
                                  else f"{mode}[simt {cfg.rows}x{cfg.tile}x{cfg.row_threads}]")
                         self.add(Line("atiles", label, shape, s, timer, flops, wall_seconds=wall,
                                       extra={"tiles": asdict(cfg), "default": cfg == spec.params.tiles}))

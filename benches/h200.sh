@@ -52,8 +52,9 @@
 #   bash benches/h200.sh sass             on Dawn, issue 51: what the driver compiled the GEMM (planner's tiles and
 #                                         variants) and attention's forward into: registers, shared memory, spills, HMMA /
 #                                         LDSM / LDS / STS / BAR counts (benches/probes/sass_probe.py) -> $OUT/<card>_sass.log
-#   bash benches/h200.sh doublekv         on Dawn, issue 51's attention: the double_kv tests (k and v double-buffered, o in
-#                                         fragments), then the atiles group (each pick with and without it, labels /kv2)
+#   bash benches/h200.sh doublekv         on Dawn, issue 51's attention: the double_kv and shuffle tests (k and v double-buffered,
+#                                         o in fragments; rows meeting by subgroup shuffles), then the atiles group (each pick
+#                                         with and without them, labels /kv2, /sh)
 #                                         -> $OUT/<card>_attention_double_kv_tests_dawn.log, <card>_atiles_double_kv.json
 #   bash benches/h200.sh thin BASE        on Dawn, issue 51's LoRA: the rank-8 products at matrix and SIMT tiles 8 thin
 #                                         (benches/probes/narrow_tiles.py), then LoRA r = 8 at LFM2-1.2B, --f16, 1x2048 with
@@ -247,7 +248,7 @@ kgroups)
 doublekv)
     export LFM2JIT_WEBGPU=dawn
     timeout 120 python3 -m pytest -q -p no:cacheprovider tests/compiler/test_attention_matrix.py \
-        -k "o_kept or double_buffered or every_fitting" 2>&1 | tee "$OUT/${card}_attention_double_kv_tests_dawn.log" | tail -2
+        -k "o_kept or double_buffered or shuffles or every_fitting" 2>&1 | tee "$OUT/${card}_attention_double_kv_tests_dawn.log" | tail -2
     timeout 220 python3 benches/bench.py --only atiles --json "$OUT/${card}_atiles_double_kv.json" 2>&1 \
         | grep -v "^#" | grep -v simt | tail -36
     ;;

@@ -315,11 +315,13 @@ def target_of(ctx, matrix_units: str = "auto", matrix_staging: str = "f16") -> T
                   binding_bytes=int(min(limits.get("max-storage-buffer-binding-size", 128 << 20),
                                         limits.get("max-buffer-size", 256 << 20))),
                   binding_align=int(limits.get("min-storage-buffer-offset-alignment", 256)))
+    features = {str(f) for f in getattr(ctx, "features", ())}
+    device["subgroups"] = next((f for f in ("subgroups", "subgroup") if f in features), "")
     if matrix_units == "off":
         return Target(**device)
     vec4 = matrix_staging == "vec4"
     if matrix_units == "emulate":
-        if "shader-f16" not in {str(f) for f in getattr(ctx, "features", ())}:
+        if "shader-f16" not in features:
             raise ValueError(f"LFM2JIT_MATRIX_UNITS=emulate: {ctx.name} has no shader-f16, which the matrix "
                              "templates need even when their subgroup matrices are emulated")
         return Target(EMULATED_MATRIX_CONFIGS, EMULATED_SUBGROUP, emulated=True, vec4_staging=vec4, **device)

@@ -267,18 +267,20 @@ def matrix_workgroup_bytes(mode: str, t: MatrixAttentionTiles, e: int, threads: 
     backward's results leave through the scores' buffer a tile's width of columns at a time, so its
     f32 buffers are as wide as the streamed tile, whatever the head dim."""
     rs, cs, acc = matrix_strides(t, e)
-    if mode == "fwd" and t.double_kv:     # k and v twice; the f32 buffer holds scores, o in rounds; a flag word
-        return 2 * ((t.rows + 4 * t.tile) * rs + t.tile * cs) + 4 * (t.tile * acc + threads + 1)
+    shares = 0 if t.shuffle else threads   # the row maxima's shares (shuffled instead with t.shuffle)
+    if mode == "fwd" and t.double_kv:     # k and v twice; the f32 buffer holds scores, o in rounds; two flag words
+        return 2 * ((t.rows + 4 * t.tile) * rs + t.tile * cs) + 4 * (t.tile * acc + shares + 2)
     if mode == "fwd":                   # the f32 buffer holds scores, then P v (head-dim wide) every step
-        return 2 * ((t.rows + 2 * t.tile) * rs + t.tile * cs) + 4 * (max(t.tile, e) * acc + threads)
+        return 2 * ((t.rows + 2 * t.tile) * rs + t.tile * cs) + 4 * (max(t.tile, e) * acc + shares)
     if mode == "dq":                    # double_kv: k and v twice
         return 2 * (2 * (t.rows + (2 if t.double_kv else 1) * t.tile) * rs + t.tile * cs) + 4 * 2 * t.tile * acc
     return 2 * (2 * (t.rows + t.tile) * rs + 2 * t.tile * cs) + 4 * (2 * t.tile * acc + 2 * t.tile)
 
 
 def matrix_tiles_problem(mode: str, t: MatrixAttentionTiles, e: int, frag, subgroup: int,
-                         workgroup_bytes: int) -> str | None:
-    """The first rule of the ``mode`` matrix template that ``t`` breaks (None: it keeps them all)."""
+                         workgroup_bytes: int, subgroups: str = "") -> str | None:
+    """The first rule of the ``mode`` matrix template that ``t`` breaks (None: it keeps them all);
+    ``subgroups``: the device's subgroup feature (Target.subgroups), "" for none."""
     if not all(isinstance(v, int) and v >= 1 for v in (t.rows, t.tile)):
         return "rows and tile must be positive integers"
     if t.rows % frag.m or subgroup % frag.m:
@@ -290,6 +292,12 @@ def matrix_tiles_problem(mode: str, t: MatrixAttentionTiles, e: int, frag, subgr
         return "double_kv (k and v double-buffered) is the forward's and dq's; dkdv streams queries, not keys"
     if t.vec4 and (frag.n % 4 or frag.k % 4):
         return f"vec4 staging needs fragments (n {frag.n}, k {frag.k}) that start on whole vec4s"
+    if t.shuffle and mode != "fwd":
+        return "shuffle (a row's maximum and sum by subgroup shuffles) is the forward's; dq and dkdv exchange no maxima"
+    if t.shuffle and not subgroups:
+        return "shuffle needs a device with subgroups (the feature 'subgroups' or 'subgroup')"
+    if t.shuffle and subgroup // frag.m > 4:   # WebGPU's smallest subgroup holds 4 invocations, a row's at most
+        return f"shuffle needs a row's {subgroup // frag.m} invocations within one subgroup (at most 4)"
     threads = t.rows // frag.m * subgroup
     if threads > MAX_THREADS:
         return f"{t.rows // frag.m} subgroups of {subgroup} invocations, expected at most {MAX_THREADS}"
@@ -307,6 +315,7 @@ class MatrixAttentionParams(AttentionParams):
     frag: MatrixConfig | None = None
     subgroup_size: int = 32
     emulated: bool = False
+    subgroups: str = ""            # Target.subgroups: "subgroups" puts `enable subgroups;` in the WGSL
 
     @property
     def row_threads(self) -> int:   # a subgroup's invocations over its fragment rows
@@ -354,7 +363,8 @@ def _matrix_params(call: IntrinsicCall, target, mode: str, params: tuple[str, ..
     e = _sizes(call)[4]
 
     def problem(t):
-        return matrix_tiles_problem(mode, t, e, frag, target.subgroup_size, target.workgroup_bytes)
+        return matrix_tiles_problem(mode, t, e, frag, target.subgroup_size, target.workgroup_bytes,
+                                    target.subgroups)
     if given:
         why = problem(call.tiles)
         if why:
@@ -368,7 +378,8 @@ def _matrix_params(call: IntrinsicCall, target, mode: str, params: tuple[str, ..
     simt = _params(replace(call, tiles=None), mode, params, outputs)
     fields = {f: getattr(simt, f) for f in AttentionParams.__dataclass_fields__}
     return MatrixAttentionParams(**{**fields, "tiles": tiles, **_vector_reads(simt)}, frag=frag,
-                                 subgroup_size=target.subgroup_size, emulated=target.emulated)
+                                 subgroup_size=target.subgroup_size, emulated=target.emulated,
+                                 subgroups=target.subgroups)
 
 
 def _read(p: AttentionParams) -> tuple[str, ...]:

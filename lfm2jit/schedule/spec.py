@@ -111,6 +111,8 @@ class Target:
     storage_buffers: int = 8           # maxStorageBuffersPerShaderStage: storage bindings one kernel may have
     binding_bytes: int = 128 << 20     # maxStorageBufferBindingSize: larger tensors are bound in pieces
     binding_align: int = 256           # minStorageBufferOffsetAlignment: where a piece may start
+    subgroups: str = ""                # the device's subgroup feature: "subgroups" (Dawn: WGSL enables it),
+                                       # "subgroup" (wgpu-native: naga takes the builtins as they are), "" none
 
     def matrix(self, component: str, result: str) -> MatrixConfig | None:
         """The largest config of these types (16x16x16 before 16x8x16 ...), or None."""

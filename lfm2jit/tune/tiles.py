@@ -163,11 +163,15 @@ class MatrixAttentionTiles:
     k and v double-buffered, so a key tile takes one barrier fewer (the next tile goes to the other
     buffer); the forward then keeps o in fragments that P v accumulates into, rescaled through
     workgroup memory only in a step where some row's maximum outgrew the one its sums use by
-    RESCALE_SLACK (its barrier protected P v's round trip through workgroup memory)."""
+    RESCALE_SLACK (its barrier protected P v's round trip through workgroup memory); each step stores
+    the next step's tiles after its first barrier, so none opens a step. ``shuffle`` (the forward, on a
+    device with subgroups): a row's invocations, all in one subgroup, meet on its maximum and its sum by
+    subgroup shuffles instead of through workgroup memory, one barrier fewer a key tile."""
     rows: int
     tile: int
     vec4: bool = False
     double_kv: bool = False
+    shuffle: bool = False
 
 
 @dataclass(frozen=True)

@@ -165,6 +165,45 @@ def test_dq_with_double_buffered_keys_matches_float64(matrix_engine, rng, fwd16)
         assert rel_err(got.numpy(), want[2]) < TOL, t
 
 
+def test_rows_meeting_by_subgroup_shuffles_match_float64(matrix_engine, rng, fwd16):
+    """MatrixAttentionTiles.shuffle (a row's maximum and sum met by subgroup shuffles, no tile_m and
+    its barrier), alone and with double_kv, at every fitting tile shape: ragged lengths over several key
+    tiles, grouped heads; scores growing along the keys (a rescale every tile); packed sequences."""
+    e = matrix_engine
+    if not e.target.subgroups:
+        pytest.skip(f"{e.ctx.name} has no subgroups")
+    frag = e.target.matrix("f16", "f32")
+    T, G, E = 150, 2, 64
+    q, k, v, _ = _inputs(rng, T, G, E, np.float16)
+    fitting = [t for t in (replace(c, shuffle=True, double_kv=d) for c in MATRIX_ATTENTION_CANDIDATES for d in (False, True))
+               if not matrix_tiles_problem("fwd", t, E, frag, e.target.subgroup_size, e.target.workgroup_bytes,
+                                           e.target.subgroups)]
+    assert {t.double_kv for t in fitting} == {False, True}
+    dims = {"T": T, "H": H, "G": G, "E": E}
+    wgsl = render(fwd16.specialize(dims, 16, frozenset(), fitting[0], e.target))
+    assert "subgroupShuffleXor" in wgsl and "var<workgroup> tile_m" not in wgsl
+    u = np.sign(rng.standard_normal(E))
+    grow = np.linspace(0.0, 6.0, T)[:, None, None] * u
+    cases = [((q, k, v), fitting[::2] + fitting[1::4]),     # every shape, each with or without double_kv
+             (((2 * u + 0.1 * q).astype(np.float16), (grow + 0.1 * k).astype(np.float16), v), fitting[:4])]
+    for (qq, kk, vv), tiles in cases:
+        want = reference(qq, kk, vv, np.zeros_like(qq))
+        args = {n: e.tensor(x) for n, x in (("q", qq), ("k", kk), ("v", vv))}
+        for t in tiles:
+            out = e.run(fwd16, bucket=16, tiles=t, **args)
+            assert rel_err(out["o"].numpy(), want[0]) < TOL, t
+            assert rel_err(out["lse"].numpy(), want[1]) < TOL, t
+    B, S = 3, 48
+    seqs = [_inputs(rng, S, G, E, np.float16) for _ in range(B)]
+    qp, kp, vp, _ = (np.stack(x) for x in zip(*seqs))
+    for t in fitting[:2]:
+        out = e.run(library.get("attention").variant("f16"), bucket=16, tiles=t,
+                    q=e.tensor(qp), k=e.tensor(kp), v=e.tensor(vp))
+        for b in range(B):
+            o, lse = reference(*seqs[b])[:2]
+            assert rel_err(out["o"].numpy()[b], o) < TOL and rel_err(out["lse"].numpy()[b], lse) < TOL, t
+
+
 def test_packed_sequences(matrix_engine, rng):
     fwd = library.get("attention").variant("f16")
     B, S, G, E = 3, 48, 2, 64
@@ -189,6 +228,10 @@ def test_tiles_that_do_not_fit_are_refused_by_name(matrix_engine, fwd16):
     dkdv = grad(fwd16, cotangents=["o"]).kernels[2]
     with pytest.raises(IntrinsicError, match="double_kv .* is the forward's and dq's"):
         dkdv.specialize(dims, 16, frozenset(), MatrixAttentionTiles(32, 16, double_kv=True), target)
+    with pytest.raises(IntrinsicError, match="shuffle .* is the forward's"):
+        dkdv.specialize(dims, 16, frozenset(), MatrixAttentionTiles(32, 16, shuffle=True), target)
+    with pytest.raises(IntrinsicError, match="shuffle needs a device with subgroups"):
+        fwd16.specialize(dims, 16, frozenset(), MatrixAttentionTiles(64, 32, shuffle=True), replace(target, subgroups=""))
 
 
 @pytest.mark.parametrize("E", [16, 64, 128])
@@ -199,15 +242,20 @@ def test_declared_workgroup_memory_is_what_the_planner_counts(E):
     from lfm2jit.schedule import EMULATED_MATRIX_CONFIGS, Target
     kernels = dict(zip(("fwd", "dq", "dkdv"), attention_parts(attention_kernel().variant("f16"))))
     for emulated in (False, True):
-        target = Target(EMULATED_MATRIX_CONFIGS, 32, 1 << 20, emulated=emulated, storage_buffers=16)
+        target = Target(EMULATED_MATRIX_CONFIGS, 32, 1 << 20, emulated=emulated, storage_buffers=16,
+                        subgroups="subgroups")
         for mode, kernel in kernels.items():
             double_kv = (replace(MATRIX_ATTENTION_CANDIDATES[1], double_kv=True),) if mode != "dkdv" else ()
-            for tiles in (*MATRIX_ATTENTION_CANDIDATES, replace(MATRIX_ATTENTION_CANDIDATES[0], vec4=True), *double_kv):
+            shuffle = tuple(replace(MATRIX_ATTENTION_CANDIDATES[1], shuffle=True, double_kv=d)
+                            for d in (False, True)) if mode == "fwd" else ()
+            for tiles in (*MATRIX_ATTENTION_CANDIDATES, replace(MATRIX_ATTENTION_CANDIDATES[0], vec4=True),
+                          *double_kv, *shuffle):
                 spec = kernel.specialize({"T": 100, "H": H, "G": 2, "E": E}, 16, frozenset(), tiles, target)
                 wgsl = render(spec)
                 declared = sum(int(n) * {"f16": 2, "f32": 4, "vec4<f16>": 8}[t] for t, n in
                                re.findall(r"var<workgroup> \w+: array<(f16|f32|vec4<f16>), (\d+)>", wgsl))
                 declared += 4 * len(re.findall(r"var<workgroup> \w+: atomic<u32>;", wgsl))
+                declared += 4 * sum(int(n) for n in re.findall(r"var<workgroup> \w+: array<atomic<u32>, (\d+)>", wgsl))
                 assert declared == spec.params.smem_bytes, (mode, tiles, E)
 
 
@@ -229,7 +277,8 @@ def test_autotuned_matrix_attention_is_correct_and_cached(raised_ctx, matrix_eng
     saved = json.loads((tmp_path / "autotune.json").read_text())
     assert sorted(e["kind"] for e in saved.values()) == ["MatrixAttentionTiles"] * 3
     tried = len(MATRIX_ATTENTION_CANDIDATES) + 1            # and the planner's pick with vec4 staging,
-    assert sorted(len(e["seconds"]) for e in saved.values()) == [tried, tried + 1, tried + 1]   # fwd, dq: k, v twice too
+    # dq: k and v double-buffered too; the forward also its rows meeting by subgroup shuffles, with and without
+    assert sorted(len(e["seconds"]) for e in saved.values()) == [tried, tried + 1, tried + 3]
     again = ComputeEngine(raised_ctx)
     for a, g in zip(_run(again, fwd, bwd, q, k, v, do, bucket=16), got):
         np.testing.assert_array_equal(a, g)
