@@ -52,10 +52,10 @@
 #   bash benches/h200.sh sass             on Dawn, issue 51: what the driver compiled the GEMM (planner's tiles and
 #                                         variants) and attention's forward into: registers, shared memory, spills, HMMA /
 #                                         LDSM / LDS / STS / BAR counts (benches/probes/sass_probe.py) -> $OUT/<card>_sass.log
-#   bash benches/h200.sh doublekv         on Dawn, issue 51's attention: the double_kv and shuffle tests (k and v double-buffered,
+#   bash benches/h200.sh double           on Dawn, issue 51's attention: the double and shuffle tests (streamed tiles double-buffered,
 #                                         o in fragments; rows meeting by subgroup shuffles), then the atiles group (each pick
-#                                         with and without them, labels /kv2, /sh)
-#                                         -> $OUT/<card>_attention_double_kv_tests_dawn.log, <card>_atiles_double_kv.json
+#                                         with and without them, labels /x2, /sh)
+#                                         -> $OUT/<card>_attention_double_tests_dawn.log, <card>_atiles_double.json
 #   bash benches/h200.sh thin BASE        on Dawn, issue 51's LoRA: the rank-8 products at matrix and SIMT tiles 8 thin
 #                                         (benches/probes/narrow_tiles.py), then LoRA r = 8 at LFM2-1.2B, --f16, 1x2048 with
 #                                         this checkout (and PyTorch + PEFT bf16) and with BASE (git archive thin-simt: the
@@ -245,11 +245,11 @@ kgroups)
         512x4096x1024 --json "$OUT/${card}_mtiles_kgroups.json" > /dev/null 2>&1
     python3 benches/probes/best_tiles.py "$OUT/${card}_mtiles_kgroups.json"
     ;;
-doublekv)
+double)
     export LFM2JIT_WEBGPU=dawn
     timeout 120 python3 -m pytest -q -p no:cacheprovider tests/compiler/test_attention_matrix.py \
-        -k "o_kept or double_buffered or shuffles or every_fitting" 2>&1 | tee "$OUT/${card}_attention_double_kv_tests_dawn.log" | tail -2
-    timeout 220 python3 benches/bench.py --only atiles --json "$OUT/${card}_atiles_double_kv.json" 2>&1 \
+        -k "o_kept or backward_with or shuffles or every_fitting" 2>&1 | tee "$OUT/${card}_attention_double_tests_dawn.log" | tail -2
+    timeout 220 python3 benches/bench.py --only atiles --json "$OUT/${card}_atiles_double.json" 2>&1 \
         | grep -v "^#" | grep -v simt | tail -36
     ;;
 thin)
@@ -410,6 +410,6 @@ mpi)
     } | tee "$OUT/h200_mpi_exchange.log"
     ;;
 *)
-    echo "usage: bash benches/h200.sh tests | matrix | speed [BASE] | startup [BASE] | lora | attention | decode | gradsync | limits | gtiles | gdw | lmchunks | kgroups | doublekv | thin [BASE] | sass | moe | moelora | qlora [8B-A1B] | ckpt | packing | longctx | staging | compile | nf4 | robust [MODES] | mpi" >&2; exit 2 ;;
+    echo "usage: bash benches/h200.sh tests | matrix | speed [BASE] | startup [BASE] | lora | attention | decode | gradsync | limits | gtiles | gdw | lmchunks | kgroups | double | thin [BASE] | sass | moe | moelora | qlora [8B-A1B] | ckpt | packing | longctx | staging | compile | nf4 | robust [MODES] | mpi" >&2; exit 2 ;;
 esac
 echo "took $(( $(date +%s) - start )) s"

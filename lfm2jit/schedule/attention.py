@@ -268,13 +268,14 @@ def matrix_workgroup_bytes(mode: str, t: MatrixAttentionTiles, e: int, threads: 
     f32 buffers are as wide as the streamed tile, whatever the head dim."""
     rs, cs, acc = matrix_strides(t, e)
     shares = 0 if t.shuffle else threads   # the row maxima's shares (shuffled instead with t.shuffle)
-    if mode == "fwd" and t.double_kv:     # k and v twice; the f32 buffer holds scores, o in rounds; two flag words
+    if mode == "fwd" and t.double:     # k and v twice; the f32 buffer holds scores, o in rounds; two flag words
         return 2 * ((t.rows + 4 * t.tile) * rs + t.tile * cs) + 4 * (t.tile * acc + shares + 2)
     if mode == "fwd":                   # the f32 buffer holds scores, then P v (head-dim wide) every step
         return 2 * ((t.rows + 2 * t.tile) * rs + t.tile * cs) + 4 * (max(t.tile, e) * acc + shares)
-    if mode == "dq":                    # double_kv: k and v twice
-        return 2 * (2 * (t.rows + (2 if t.double_kv else 1) * t.tile) * rs + t.tile * cs) + 4 * 2 * t.tile * acc
-    return 2 * (2 * (t.rows + t.tile) * rs + 2 * t.tile * cs) + 4 * (2 * t.tile * acc + 2 * t.tile)
+    if mode == "dq":                    # double: k and v twice
+        return 2 * (2 * (t.rows + (2 if t.double else 1) * t.tile) * rs + t.tile * cs) + 4 * 2 * t.tile * acc
+    n = 2 if t.double else 1            # dkdv: q, dO, lse and D of one query tile (double: two)
+    return 2 * (2 * (t.rows + n * t.tile) * rs + 2 * t.tile * cs) + 4 * (2 * t.tile * acc + 2 * n * t.tile)
 
 
 def matrix_tiles_problem(mode: str, t: MatrixAttentionTiles, e: int, frag, subgroup: int,
@@ -288,8 +289,6 @@ def matrix_tiles_problem(mode: str, t: MatrixAttentionTiles, e: int, frag, subgr
     if t.tile % frag.n or t.tile % frag.k or e % frag.n or e % frag.k or e % 4:
         return (f"the key tile ({t.tile}) and the head dim ({e}) must be multiples of the fragment's "
                 f"n = {frag.n} and k = {frag.k} (and the head dim of 4: its rows are read as vec4s)")
-    if t.double_kv and mode == "dkdv":
-        return "double_kv (k and v double-buffered) is the forward's and dq's; dkdv streams queries, not keys"
     if t.vec4 and (frag.n % 4 or frag.k % 4):
         return f"vec4 staging needs fragments (n {frag.n}, k {frag.k}) that start on whole vec4s"
     if t.shuffle and mode != "fwd":

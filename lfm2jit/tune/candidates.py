@@ -105,12 +105,11 @@ def for_spec(spec) -> tuple:
     if spec.template in ("attention_fwd", "attention_bwd"):
         return attention(spec.params.mode, spec.params.head_dim)
     if spec.template in MATRIX_TEMPLATES.values():   # the planner's pick first, last with the other staging
-        pick = spec.params.tiles                         # (one that does not fit scores inf) and, but for
-        mode = spec.params.mode                          # dkdv, k and v double-buffered the other way; the
-        double_kv = (replace(pick, double_kv=not pick.double_kv),) if mode != "dkdv" else ()   # forward's rows
-        shuffle = tuple(replace(pick, shuffle=not pick.shuffle, double_kv=d) for d in (False, True)) if mode == "fwd" else ()
+        pick = spec.params.tiles                         # (one that does not fit scores inf), double-buffered
+        shuffle = tuple(replace(pick, shuffle=not pick.shuffle, double=d) for d in (False, True))   # the other
         return (pick, *(t for t in MATRIX_ATTENTION_CANDIDATES if t != pick), replace(pick, vec4=not pick.vec4),
-                *double_kv, *shuffle)                    # meeting by subgroup shuffles, with and without them
+                replace(pick, double=not pick.double),   # way and, the forward's, its rows meeting by
+                *(shuffle if spec.params.mode == "fwd" else ()))   # subgroup shuffles, with and without it
     if spec.template == "colreduce" and spec.params.split > 1:   # only what the planner found long and narrow
         return (ColumnTiles(spec.params.split), *(ColumnTiles(s) for s in COLUMN_SPLITS if s != spec.params.split))
     return ()

@@ -159,18 +159,17 @@ class MatrixAttentionTiles:
     (queries; keys for dkdv), one subgroup per fragment height of them; ``tile`` rows streamed per
     step (keys; queries for dkdv). ``vec4``: the head-dim tiles (q, k, v, dO) are typed
     array<vec4<f16>>, staged one fetched vec4 a store, fragments loaded in vec4 units (as
-    MatrixTiles.vec4); P and dS, stored a score at a time, stay f16. ``double_kv`` (the forward and dq):
-    k and v double-buffered, so a key tile takes one barrier fewer (the next tile goes to the other
-    buffer); the forward then keeps o in fragments that P v accumulates into, rescaled through
-    workgroup memory only in a step where some row's maximum outgrew the one its sums use by
-    RESCALE_SLACK (its barrier protected P v's round trip through workgroup memory); each step stores
-    the next step's tiles after its first barrier, so none opens a step. ``shuffle`` (the forward, on a
-    device with subgroups): a row's invocations, all in one subgroup, meet on its maximum and its sum by
-    subgroup shuffles instead of through workgroup memory, one barrier fewer a key tile."""
+    MatrixTiles.vec4); P and dS, stored a score at a time, stay f16. ``double``: the streamed tiles
+    double-buffered (k and v; dkdv's q, dO and their lse and D): each step stores the next step's tiles
+    into the other buffer after its first barrier, so no barrier opens or closes a step; the forward then
+    keeps o in fragments that P v accumulates into, rescaled through workgroup memory only in a step
+    where some row's maximum outgrew the one its sums use by RESCALE_SLACK. ``shuffle`` (the forward,
+    on a device with subgroups): a row's invocations, all in one subgroup, meet on its maximum and its
+    sum by subgroup shuffles instead of through workgroup memory, one barrier fewer a key tile."""
     rows: int
     tile: int
     vec4: bool = False
-    double_kv: bool = False
+    double: bool = False
     shuffle: bool = False
 
 

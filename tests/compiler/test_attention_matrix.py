@@ -112,7 +112,7 @@ def test_vec4_staging_matches_float64(matrix_engine, rng, fwd16):
 
 
 def test_o_kept_in_fragments_matches_float64(matrix_engine, rng, fwd16):
-    """MatrixAttentionTiles.double_kv (o accumulated in fragments, rescaled through workgroup memory only
+    """MatrixAttentionTiles.double (o accumulated in fragments, rescaled through workgroup memory only
     where a row's maximum outgrew its sums' by RESCALE_SLACK; k and v double-buffered): every fitting
     candidate on random scores (rescales in the first key tiles only), then scores that grow along the
     keys (a rescale every key tile: P would overflow f16 without them) and that shrink (none after the
@@ -120,7 +120,7 @@ def test_o_kept_in_fragments_matches_float64(matrix_engine, rng, fwd16):
     e = matrix_engine
     T, G, E = 150, 2, 64
     q, k, v, _ = _inputs(rng, T, G, E, np.float16)
-    fitting = [replace(t, double_kv=True) for t in _fitting(e, E)]
+    fitting = [replace(t, double=True) for t in _fitting(e, E)]
     fitting = [t for t in fitting if not matrix_tiles_problem("fwd", t, E, e.target.matrix("f16", "f32"),
                                                               e.target.subgroup_size, e.target.workgroup_bytes)]
     assert fitting
@@ -146,28 +146,64 @@ def test_o_kept_in_fragments_matches_float64(matrix_engine, rng, fwd16):
         assert rel_err(out["o"].numpy()[b], o) < TOL and rel_err(out["lse"].numpy()[b], lse) < TOL
 
 
-def test_dq_with_double_buffered_keys_matches_float64(matrix_engine, rng, fwd16):
-    """dq with k and v double-buffered (MatrixAttentionTiles.double_kv: no barrier after dq += dS k)
-    at every fitting candidate: a ragged length over several key tiles, grouped heads."""
+def test_backward_with_double_buffered_tiles_matches_float64(matrix_engine, rng, fwd16):
+    """The backward with its streamed tiles double-buffered (MatrixAttentionTiles.double: dq's k and v,
+    dkdv's q, dO, lse and D; the next step's stored after a step's first barrier, no barrier closing a
+    step) at every fitting candidate: a ragged length over several tiles, grouped heads; dkdv also with
+    a group's heads walked one after another in one workgroup (split 1: the walk crosses from one head's
+    query tiles to the next's) and on packed sequences."""
+    from lfm2jit import ComputeEngine
     e = matrix_engine
+    frag = e.target.matrix("f16", "f32")
+
+    def fitting(mode):
+        tiles = [t for t in (replace(c, double=True) for c in MATRIX_ATTENTION_CANDIDATES)
+                 if not matrix_tiles_problem(mode, t, E, frag, e.target.subgroup_size, e.target.workgroup_bytes)]
+        assert tiles, mode
+        return tiles
+
+    def backward(engine, q, k, v, do, tiles_dq, tiles_dkdv, fwd=fwd16):
+        dq, stats, dkdv = grad(fwd, cotangents=["o"]).kernels
+        args = {n: engine.tensor(x) for n, x in (("q", q), ("k", k), ("v", v), ("d_o", do))}
+        out = engine.run(fwd, bucket=16, q=args["q"], k=args["k"], v=args["v"])
+        (st,) = engine.run(stats, bucket=16, o=out["o"], lse=out["lse"], d_o=args["d_o"]).values()
+        got = {}
+        for t in tiles_dq:
+            got[t, "dq"] = engine.run(dq, bucket=16, tiles=t, o=out["o"], lse=out["lse"], **args)["d_q"].numpy()
+        for t in tiles_dkdv:
+            r = engine.run(dkdv, bucket=16, tiles=t, **{stats.ir.outputs[0].name: st}, **args)
+            got[t, "dkdv"] = (r["d_k"].numpy(), r["d_v"].numpy())
+        return got
+
+    dkdv = grad(fwd16, cotangents=["o"]).kernels[2]
     T, G, E = 150, 2, 64
     q, k, v, do = _inputs(rng, T, G, E, np.float16)
     want = reference(q, k, v, do)
-    args = {n: e.tensor(x) for n, x in (("q", q), ("k", k), ("v", v), ("d_o", do))}
-    out = e.run(fwd16, bucket=16, q=args["q"], k=args["k"], v=args["v"])
-    dq = grad(fwd16, cotangents=["o"]).kernels[0]
-    frag = e.target.matrix("f16", "f32")
-    fitting = [t for t in (replace(c, double_kv=True) for c in MATRIX_ATTENTION_CANDIDATES)
-               if not matrix_tiles_problem("dq", t, E, frag, e.target.subgroup_size, e.target.workgroup_bytes)]
-    assert fitting
-    for t in fitting:
-        got = e.run(dq, bucket=16, tiles=t, o=out["o"], lse=out["lse"], **args)["d_q"]
-        assert rel_err(got.numpy(), want[2]) < TOL, t
+    for (t, mode), g in backward(e, q, k, v, do, fitting("dq"), fitting("dkdv")).items():
+        if mode == "dq":
+            assert rel_err(g, want[2]) < TOL, t
+        else:
+            assert rel_err(g[0], want[3]) < TOL and rel_err(g[1], want[4]) < TOL, t
+    walked = ComputeEngine(e.ctx)                     # too few bindings for the split's workspace
+    walked.target = replace(e.target, storage_buffers=7)
+    dims = {"T": T, "H": H, "G": 1, "E": E}
+    assert dkdv.specialize(dims, 16, frozenset(), fitting("dkdv")[0], walked.target).params.split == 1
+    q, k, v, do = _inputs(rng, T, 1, E, np.float16)
+    want = reference(q, k, v, do)
+    for (t, _), (dk, dv) in backward(walked, q, k, v, do, (), fitting("dkdv")[:2]).items():
+        assert rel_err(dk, want[3]) < TOL and rel_err(dv, want[4]) < TOL, t
+    B, S = 3, 48                                      # packed sequences: each key sees its own queries only
+    seqs = [_inputs(rng, S, G, E, np.float16) for _ in range(B)]
+    qp, kp, vp, dop = (np.stack(x) for x in zip(*seqs))
+    (dk, dv), = backward(e, qp, kp, vp, dop, (), fitting("dkdv")[:1], library.get("attention").variant("f16")).values()
+    for b in range(B):
+        want = reference(*seqs[b])
+        assert rel_err(dk[b], want[3]) < TOL and rel_err(dv[b], want[4]) < TOL
 
 
 def test_rows_meeting_by_subgroup_shuffles_match_float64(matrix_engine, rng, fwd16):
     """MatrixAttentionTiles.shuffle (a row's maximum and sum met by subgroup shuffles, no tile_m and
-    its barrier), alone and with double_kv, at every fitting tile shape: ragged lengths over several key
+    its barrier), alone and with double, at every fitting tile shape: ragged lengths over several key
     tiles, grouped heads; scores growing along the keys (a rescale every tile); packed sequences."""
     e = matrix_engine
     if not e.target.subgroups:
@@ -175,16 +211,16 @@ def test_rows_meeting_by_subgroup_shuffles_match_float64(matrix_engine, rng, fwd
     frag = e.target.matrix("f16", "f32")
     T, G, E = 150, 2, 64
     q, k, v, _ = _inputs(rng, T, G, E, np.float16)
-    fitting = [t for t in (replace(c, shuffle=True, double_kv=d) for c in MATRIX_ATTENTION_CANDIDATES for d in (False, True))
+    fitting = [t for t in (replace(c, shuffle=True, double=d) for c in MATRIX_ATTENTION_CANDIDATES for d in (False, True))
                if not matrix_tiles_problem("fwd", t, E, frag, e.target.subgroup_size, e.target.workgroup_bytes,
                                            e.target.subgroups)]
-    assert {t.double_kv for t in fitting} == {False, True}
+    assert {t.double for t in fitting} == {False, True}
     dims = {"T": T, "H": H, "G": G, "E": E}
     wgsl = render(fwd16.specialize(dims, 16, frozenset(), fitting[0], e.target))
     assert "subgroupShuffleXor" in wgsl and "var<workgroup> tile_m" not in wgsl
     u = np.sign(rng.standard_normal(E))
     grow = np.linspace(0.0, 6.0, T)[:, None, None] * u
-    cases = [((q, k, v), fitting[::2] + fitting[1::4]),     # every shape, each with or without double_kv
+    cases = [((q, k, v), fitting[::2] + fitting[1::4]),     # every shape, each with or without double
              (((2 * u + 0.1 * q).astype(np.float16), (grow + 0.1 * k).astype(np.float16), v), fitting[:4])]
     for (qq, kk, vv), tiles in cases:
         want = reference(qq, kk, vv, np.zeros_like(qq))
@@ -226,8 +262,6 @@ def test_tiles_that_do_not_fit_are_refused_by_name(matrix_engine, fwd16):
     with pytest.raises(IntrinsicError, match="need a device with f16 subgroup matrices"):
         fwd16.specialize(dims, 16, frozenset(), MatrixAttentionTiles(32, 32))
     dkdv = grad(fwd16, cotangents=["o"]).kernels[2]
-    with pytest.raises(IntrinsicError, match="double_kv .* is the forward's and dq's"):
-        dkdv.specialize(dims, 16, frozenset(), MatrixAttentionTiles(32, 16, double_kv=True), target)
     with pytest.raises(IntrinsicError, match="shuffle .* is the forward's"):
         dkdv.specialize(dims, 16, frozenset(), MatrixAttentionTiles(32, 16, shuffle=True), target)
     with pytest.raises(IntrinsicError, match="shuffle needs a device with subgroups"):
@@ -245,11 +279,11 @@ def test_declared_workgroup_memory_is_what_the_planner_counts(E):
         target = Target(EMULATED_MATRIX_CONFIGS, 32, 1 << 20, emulated=emulated, storage_buffers=16,
                         subgroups="subgroups")
         for mode, kernel in kernels.items():
-            double_kv = (replace(MATRIX_ATTENTION_CANDIDATES[1], double_kv=True),) if mode != "dkdv" else ()
-            shuffle = tuple(replace(MATRIX_ATTENTION_CANDIDATES[1], shuffle=True, double_kv=d)
+            double = (replace(MATRIX_ATTENTION_CANDIDATES[1], double=True),)
+            shuffle = tuple(replace(MATRIX_ATTENTION_CANDIDATES[1], shuffle=True, double=d)
                             for d in (False, True)) if mode == "fwd" else ()
             for tiles in (*MATRIX_ATTENTION_CANDIDATES, replace(MATRIX_ATTENTION_CANDIDATES[0], vec4=True),
-                          *double_kv, *shuffle):
+                          *double, *shuffle):
                 spec = kernel.specialize({"T": 100, "H": H, "G": 2, "E": E}, 16, frozenset(), tiles, target)
                 wgsl = render(spec)
                 declared = sum(int(n) * {"f16": 2, "f32": 4, "vec4<f16>": 8}[t] for t, n in
@@ -277,8 +311,8 @@ def test_autotuned_matrix_attention_is_correct_and_cached(raised_ctx, matrix_eng
     saved = json.loads((tmp_path / "autotune.json").read_text())
     assert sorted(e["kind"] for e in saved.values()) == ["MatrixAttentionTiles"] * 3
     tried = len(MATRIX_ATTENTION_CANDIDATES) + 1            # and the planner's pick with vec4 staging,
-    # dq: k and v double-buffered too; the forward also its rows meeting by subgroup shuffles, with and without
-    assert sorted(len(e["seconds"]) for e in saved.values()) == [tried, tried + 1, tried + 3]
+    # each double-buffered too; the forward also its rows meeting by subgroup shuffles, with and without
+    assert sorted(len(e["seconds"]) for e in saved.values()) == [tried + 1, tried + 1, tried + 3]
     again = ComputeEngine(raised_ctx)
     for a, g in zip(_run(again, fwd, bwd, q, k, v, do, bucket=16), got):
         np.testing.assert_array_equal(a, g)
