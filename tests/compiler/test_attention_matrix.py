@@ -111,24 +111,18 @@ def test_vec4_staging_matches_float64(matrix_engine, rng, fwd16):
     assert rel_err(got["d_k"].numpy(), want[3]) < TOL and rel_err(got["d_v"].numpy(), want[4]) < TOL
 
 
-def test_o_kept_in_fragments_matches_float64(matrix_engine, rng, fwd16):
-    """MatrixAttentionTiles.double (o accumulated in fragments, rescaled through workgroup memory only
-    where a row's maximum outgrew its sums' by RESCALE_SLACK; k and v double-buffered): every fitting
-    candidate on random scores (rescales in the first key tiles only), then scores that grow along the
-    keys (a rescale every key tile: P would overflow f16 without them) and that shrink (none after the
-    first), a ragged length, grouped heads, vec4 staging."""
-    e = matrix_engine
+def _forward_at(e, fwd16, rng, random, growing, shrinking=(), packed=()):
+    """The forward against float64 at each tiles of `random` on random scores, of `growing` and
+    `shrinking` on scores that grow (a rescale every key tile: P would overflow f16 without them) or
+    shrink (none after the first) by about 100 along the keys, of `packed` on packed sequences: a
+    ragged length, grouped heads."""
     T, G, E = 150, 2, 64
     q, k, v, _ = _inputs(rng, T, G, E, np.float16)
-    fitting = [replace(t, double=True) for t in _fitting(e, E)]
-    fitting = [t for t in fitting if not matrix_tiles_problem("fwd", t, E, e.target.matrix("f16", "f32"),
-                                                              e.target.subgroup_size, e.target.workgroup_bytes)]
-    assert fitting
     u = np.sign(rng.standard_normal(E))              # scores along u: q . k_t grows (or shrinks) with t
     grow = np.linspace(0.0, 6.0, T)[:, None, None] * u       # scores from 0 to about 100
-    cases = [((q, k, v), fitting), (((2 * u + 0.1 * q).astype(np.float16), (grow + 0.1 * k).astype(np.float16), v),
-             fitting[:2] + [replace(fitting[0], vec4=True)]),
-             (((2 * u + 0.1 * q).astype(np.float16), (grow[::-1] + 0.1 * k).astype(np.float16), v), fitting[:1])]
+    along = (2 * u + 0.1 * q).astype(np.float16)
+    cases = [((q, k, v), random), ((along, (grow + 0.1 * k).astype(np.float16), v), growing),
+             ((along, (grow[::-1] + 0.1 * k).astype(np.float16), v), shrinking)]
     for (qq, kk, vv), tiles in cases:
         want = reference(qq, kk, vv, np.zeros_like(qq))
         args = {n: e.tensor(x) for n, x in (("q", qq), ("k", kk), ("v", vv))}
@@ -139,11 +133,26 @@ def test_o_kept_in_fragments_matches_float64(matrix_engine, rng, fwd16):
     B, S = 3, 48                                      # packed sequences: each row sees its own only
     seqs = [_inputs(rng, S, G, E, np.float16) for _ in range(B)]
     qp, kp, vp, _ = (np.stack(x) for x in zip(*seqs))
-    out = e.run(library.get("attention").variant("f16"), bucket=16, tiles=fitting[0],
-                q=e.tensor(qp), k=e.tensor(kp), v=e.tensor(vp))
-    for b in range(B):
-        o, lse = reference(*seqs[b])[:2]
-        assert rel_err(out["o"].numpy()[b], o) < TOL and rel_err(out["lse"].numpy()[b], lse) < TOL
+    for t in packed:
+        out = e.run(library.get("attention").variant("f16"), bucket=16, tiles=t,
+                    q=e.tensor(qp), k=e.tensor(kp), v=e.tensor(vp))
+        for b in range(B):
+            o, lse = reference(*seqs[b])[:2]
+            assert rel_err(out["o"].numpy()[b], o) < TOL and rel_err(out["lse"].numpy()[b], lse) < TOL, t
+
+
+def test_o_kept_in_fragments_matches_float64(matrix_engine, rng, fwd16):
+    """MatrixAttentionTiles.double (o accumulated in fragments, rescaled through workgroup memory only
+    where a row's maximum outgrew its sums' by RESCALE_SLACK; k and v double-buffered): every fitting
+    candidate on random scores (rescales in the first key tiles only), growing and shrinking scores,
+    vec4 staging, packed sequences."""
+    e = matrix_engine
+    E = 64
+    fitting = [replace(t, double=True) for t in _fitting(e, E)]
+    fitting = [t for t in fitting if not matrix_tiles_problem("fwd", t, E, e.target.matrix("f16", "f32"),
+                                                              e.target.subgroup_size, e.target.workgroup_bytes)]
+    assert fitting
+    _forward_at(e, fwd16, rng, fitting, fitting[:2] + [replace(fitting[0], vec4=True)], fitting[:1], fitting[:1])
 
 
 def test_backward_with_double_buffered_tiles_matches_float64(matrix_engine, rng, fwd16):
@@ -203,41 +212,21 @@ def test_backward_with_double_buffered_tiles_matches_float64(matrix_engine, rng,
 
 def test_rows_meeting_by_subgroup_shuffles_match_float64(matrix_engine, rng, fwd16):
     """MatrixAttentionTiles.shuffle (a row's maximum and sum met by subgroup shuffles, no tile_m and
-    its barrier), alone and with double, at every fitting tile shape: ragged lengths over several key
-    tiles, grouped heads; scores growing along the keys (a rescale every tile); packed sequences."""
+    its barrier), alone and with double, at every fitting tile shape: random and growing scores (a
+    rescale every tile), packed sequences."""
     e = matrix_engine
     if not e.target.subgroups:
         pytest.skip(f"{e.ctx.name} has no subgroups")
+    E = 64
     frag = e.target.matrix("f16", "f32")
-    T, G, E = 150, 2, 64
-    q, k, v, _ = _inputs(rng, T, G, E, np.float16)
     fitting = [t for t in (replace(c, shuffle=True, double=d) for c in MATRIX_ATTENTION_CANDIDATES for d in (False, True))
                if not matrix_tiles_problem("fwd", t, E, frag, e.target.subgroup_size, e.target.workgroup_bytes,
                                            e.target.subgroups)]
     assert {t.double for t in fitting} == {False, True}
-    dims = {"T": T, "H": H, "G": G, "E": E}
-    wgsl = render(fwd16.specialize(dims, 16, frozenset(), fitting[0], e.target))
+    wgsl = render(fwd16.specialize({"T": 150, "H": H, "G": 2, "E": E}, 16, frozenset(), fitting[0], e.target))
     assert "subgroupShuffleXor" in wgsl and "var<workgroup> tile_m" not in wgsl
-    u = np.sign(rng.standard_normal(E))
-    grow = np.linspace(0.0, 6.0, T)[:, None, None] * u
-    cases = [((q, k, v), fitting[::2] + fitting[1::4]),     # every shape, each with or without double
-             (((2 * u + 0.1 * q).astype(np.float16), (grow + 0.1 * k).astype(np.float16), v), fitting[:4])]
-    for (qq, kk, vv), tiles in cases:
-        want = reference(qq, kk, vv, np.zeros_like(qq))
-        args = {n: e.tensor(x) for n, x in (("q", qq), ("k", kk), ("v", vv))}
-        for t in tiles:
-            out = e.run(fwd16, bucket=16, tiles=t, **args)
-            assert rel_err(out["o"].numpy(), want[0]) < TOL, t
-            assert rel_err(out["lse"].numpy(), want[1]) < TOL, t
-    B, S = 3, 48
-    seqs = [_inputs(rng, S, G, E, np.float16) for _ in range(B)]
-    qp, kp, vp, _ = (np.stack(x) for x in zip(*seqs))
-    for t in fitting[:2]:
-        out = e.run(library.get("attention").variant("f16"), bucket=16, tiles=t,
-                    q=e.tensor(qp), k=e.tensor(kp), v=e.tensor(vp))
-        for b in range(B):
-            o, lse = reference(*seqs[b])[:2]
-            assert rel_err(out["o"].numpy()[b], o) < TOL and rel_err(out["lse"].numpy()[b], lse) < TOL, t
+    # every shape, each with or without double
+    _forward_at(e, fwd16, rng, fitting[::2] + fitting[1::4], fitting[:4], packed=fitting[:2])
 
 
 def test_packed_sequences(matrix_engine, rng):
