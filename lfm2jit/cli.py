@@ -123,8 +123,9 @@ def feature_lines(ctx) -> list[str]:
     subgroups = bool({"subgroup", "subgroups"} & set(ctx.features))   # wgpu-native's and Dawn's names
     rows = [("shader-f16", ctx.has_f16, "f16 activations and f16 bases can run",
              "--f16, --lora-f16-base and f16 bases (add_lora(base_dtype='f16')) are refused with one error line"),
-            ("subgroups", subgroups, "not used outside subgroup matrices",
-             "nothing changes: no kernel uses them outside subgroup matrices"),
+            ("subgroups", subgroups, "matrix attention's forward may meet a row's maximum by shuffles "
+             "(MatrixAttentionTiles.shuffle, an autotuner candidate)",
+             "MatrixAttentionTiles.shuffle is refused; nothing else uses them outside subgroup matrices"),
             ("subgroup matrices", ctx.has_subgroup_matrix,
              f"f16 products may run on the matrix units ({len(ctx.subgroup_matrix_configs)} configs)",
              "f16 products take the portable SIMT path")]
