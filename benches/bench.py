@@ -564,7 +564,7 @@ class Bench:
                     timed = time_in_turn(e, {cfg: functools.partial(e.run, kern, tiles=cfg, **given) for cfg in configs},
                                          self.reps)
                     for cfg, (s, timer, wall, _) in timed.items():
-                        label = (f"{mode}[matrix {cfg.rows}x{cfg.tile}{'/v4' if cfg.vec4 else ''}{'/x2' if cfg.double else ''}{'/sh' if cfg.shuffle else ''}]" if cfg in matrix
+                        label = (f"{mode}[matrix {cfg.rows}x{cfg.tile}{'/v4' if cfg.vec4 else ''}{'/x2' if cfg.double else ''}{'/sh' if cfg.shuffle else ''}{'/pr' if cfg.pair else ''}]" if cfg in matrix
                                  else f"{mode}[simt {cfg.rows}x{cfg.tile}x{cfg.row_threads}]")
                         self.add(Line("atiles", label, shape, s, timer, flops, wall_seconds=wall,
                                       extra={"tiles": asdict(cfg), "default": cfg == spec.params.tiles}))

@@ -53,8 +53,8 @@
 #                                         variants) and attention's forward into: registers, shared memory, spills, HMMA /
 #                                         LDSM / LDS / STS / BAR counts (benches/probes/sass_probe.py) -> $OUT/<card>_sass.log
 #   bash benches/h200.sh double           on Dawn, issue 51's attention: the double and shuffle tests (streamed tiles double-buffered,
-#                                         o in fragments; rows meeting by subgroup shuffles), then the atiles group (each pick
-#                                         with and without them, labels /x2, /sh)
+#                                         o in fragments; rows meeting by subgroup shuffles; causal blocks paired), then the
+#                                         atiles group (each pick with and without them, labels /x2, /sh, /pr)
 #                                         -> $OUT/<card>_attention_double_tests_dawn.log, <card>_atiles_double.json
 #   bash benches/h200.sh thin BASE        on Dawn, issue 51's LoRA: the rank-8 products at matrix and SIMT tiles 8 thin
 #                                         (benches/probes/narrow_tiles.py), then LoRA r = 8 at LFM2-1.2B, --f16, 1x2048 with
@@ -248,9 +248,9 @@ kgroups)
 double)
     export LFM2JIT_WEBGPU=dawn
     timeout 120 python3 -m pytest -q -p no:cacheprovider tests/compiler/test_attention_matrix.py \
-        -k "o_kept or backward_with or shuffles or every_fitting" 2>&1 | tee "$OUT/${card}_attention_double_tests_dawn.log" | tail -2
-    timeout 220 python3 benches/bench.py --only atiles --json "$OUT/${card}_atiles_double.json" 2>&1 \
-        | grep -v "^#" | grep -v simt | tail -36
+        -k "o_kept or backward_with or shuffles or paired or every_fitting" 2>&1 | tee "$OUT/${card}_attention_double_tests_dawn.log" | tail -2
+    timeout 300 python3 benches/bench.py --only atiles --json "$OUT/${card}_atiles_double.json" 2>&1 \
+        | grep -v "^#" | grep -v simt | tail -44
     ;;
 thin)
     export LFM2JIT_WEBGPU=dawn

@@ -413,8 +413,15 @@ def _plan_rows(call: IntrinsicCall, target, mode: str, params: tuple[str, ...], 
                simt_template: str) -> Plan:
     """A kernel with a workgroup per block of query rows and head."""
     template, p = _choose(call, target, mode, params, outputs, simt_template)
-    blocks = -(-call.sizes[call.operands[0].shape[-3]] // p.tiles.rows)
+    blocks = _workgroup_blocks(call.sizes[call.operands[0].shape[-3]], p.tiles)
     return Plan(template, p, (EntryPoint("main", (blocks, p.heads, p.batch)),), vectors=_vectors(p))
+
+
+def _workgroup_blocks(t_pad: int, tiles) -> int:
+    """Workgroups along the owned rows: a block of rows each, or with paired blocks
+    (MatrixAttentionTiles.pair) one per pair."""
+    blocks = -(-t_pad // tiles.rows)
+    return -(-blocks // 2) if getattr(tiles, "pair", False) else blocks
 
 
 def plan_forward(call: IntrinsicCall, target=None) -> Plan:
@@ -433,7 +440,7 @@ def plan_dkdv(call: IntrinsicCall, target=None) -> Plan:
     budget = target.storage_buffers if target is not None else 8
     tensors = len(call.operands) + sum(o is not None for o in call.outputs)
     t_pad = call.sizes[call.operands[0].shape[-3]]
-    blocks = -(-t_pad // p.tiles.rows)
+    blocks = _workgroup_blocks(t_pad, p.tiles)
     # the heads of a group in parallel need a workspace binding; without room for it, one after another
     split = p.group if tensors + (p.group > 1) <= budget else 1
     p = replace(p, t_pad=t_pad)

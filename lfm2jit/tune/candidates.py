@@ -94,6 +94,16 @@ def grouped(params, matrix_units: bool) -> tuple:
     return tuple(dict.fromkeys((params.tiles,) + tuple(t for t in pool if t.split == 1 and not getattr(t, "vec4", False))))
 
 
+def attention_variants(pick, mode: str) -> tuple:
+    """The matrix attention pick with its other staging, double-buffered the other way, (the forward's)
+    rows meeting by subgroup shuffles with and without double buffering, and paired blocks alone and with
+    every other change."""
+    fwd = mode == "fwd"
+    shuffle = (replace(pick, shuffle=not pick.shuffle), replace(pick, shuffle=not pick.shuffle, double=True)) if fwd else ()
+    return (replace(pick, vec4=not pick.vec4), replace(pick, double=not pick.double), *shuffle,
+            replace(pick, pair=not pick.pair), replace(pick, pair=True, double=True, shuffle=fwd))
+
+
 def for_spec(spec) -> tuple:
     """The tiles worth trying for an (untuned) specialization; empty where its template has no knobs."""
     if spec.template in ("matmul", "matmul_matrix") and spec.params.group is not None:
@@ -104,12 +114,9 @@ def for_spec(spec) -> tuple:
         return matrix(spec.params)
     if spec.template in ("attention_fwd", "attention_bwd"):
         return attention(spec.params.mode, spec.params.head_dim)
-    if spec.template in MATRIX_TEMPLATES.values():   # the planner's pick first, last with the other staging
-        pick = spec.params.tiles                         # (one that does not fit scores inf), double-buffered
-        shuffle = tuple(replace(pick, shuffle=not pick.shuffle, double=d) for d in (False, True))   # the other
-        return (pick, *(t for t in MATRIX_ATTENTION_CANDIDATES if t != pick), replace(pick, vec4=not pick.vec4),
-                replace(pick, double=not pick.double),   # way and, the forward's, its rows meeting by
-                *(shuffle if spec.params.mode == "fwd" else ()))   # subgroup shuffles, with and without it
+    if spec.template in MATRIX_TEMPLATES.values():   # the planner's pick, the other candidates, then the
+        pick = spec.params.tiles                         # pick's variants (one that does not fit scores inf)
+        return (pick, *(t for t in MATRIX_ATTENTION_CANDIDATES if t != pick), *attention_variants(pick, spec.params.mode))
     if spec.template == "colreduce" and spec.params.split > 1:   # only what the planner found long and narrow
         return (ColumnTiles(spec.params.split), *(ColumnTiles(s) for s in COLUMN_SPLITS if s != spec.params.split))
     return ()

@@ -165,12 +165,15 @@ class MatrixAttentionTiles:
     keeps o in fragments that P v accumulates into, rescaled through workgroup memory only in a step
     where some row's maximum outgrew the one its sums use by RESCALE_SLACK. ``shuffle`` (the forward,
     on a device with subgroups): a row's invocations, all in one subgroup, meet on its maximum and its
-    sum by subgroup shuffles instead of through workgroup memory, one barrier fewer a key tile."""
+    sum by subgroup shuffles instead of through workgroup memory, one barrier fewer a key tile.
+    ``pair``: a workgroup takes two blocks, j and its mirror n - 1 - j, so that under the causal mask
+    each streams about the same tiles (half the workgroups, none twice as long as the average)."""
     rows: int
     tile: int
     vec4: bool = False
     double: bool = False
     shuffle: bool = False
+    pair: bool = False
 
 
 @dataclass(frozen=True)

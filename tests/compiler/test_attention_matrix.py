@@ -210,6 +210,38 @@ def test_backward_with_double_buffered_tiles_matches_float64(matrix_engine, rng,
         assert rel_err(dk[b], want[3]) < TOL and rel_err(dv[b], want[4]) < TOL
 
 
+def test_paired_blocks_give_the_same_bits(matrix_engine, rng, fwd16):
+    """MatrixAttentionTiles.pair (a workgroup takes block j and its mirror n - 1 - j) computes each block
+    as before, so the forward, dq and dk/dv equal the unpaired kernels' bit for bit: odd and even counts
+    of live blocks (the middle block of an odd count taken once), lengths off the bucket, with the tiles
+    double-buffered and not, packed sequences; and one case against float64."""
+    e = matrix_engine
+    frag = e.target.matrix("f16", "f32")
+    lib = library.get("attention").variant("f16")
+    cases = [(150, 1, fwd16, (MatrixAttentionTiles(64, 16), MatrixAttentionTiles(32, 16, double=True))),
+             (128, 1, fwd16, (MatrixAttentionTiles(32, 32),)),
+             (48, 3, lib, (MatrixAttentionTiles(16, 16, double=True),))]
+    for T, B, fwd, tiles in cases:
+        dq, stats, dkdv = grad(fwd, cotangents=["o"]).kernels
+        x = [_inputs(rng, T, 2, 32, np.float16) for _ in range(B)]
+        q, k, v, do = (np.stack(a) if B > 1 else a[0] for a in zip(*x))
+        args = {n: e.tensor(a) for n, a in (("q", q), ("k", k), ("v", v), ("d_o", do))}
+        for t in tiles:
+            assert not matrix_tiles_problem("dkdv", t, 32, frag, e.target.subgroup_size, e.target.workgroup_bytes)
+            got = []
+            for pair in (False, True):
+                tt = replace(t, pair=pair)
+                out = e.run(fwd, bucket=16, tiles=tt, q=args["q"], k=args["k"], v=args["v"])
+                (st,) = e.run(stats, bucket=16, o=out["o"], lse=out["lse"], d_o=args["d_o"]).values()
+                d_q = e.run(dq, bucket=16, tiles=tt, o=out["o"], lse=out["lse"], **args)["d_q"]
+                r = e.run(dkdv, bucket=16, tiles=tt, **{stats.ir.outputs[0].name: st}, **args)
+                got.append([a.numpy() for a in (out["o"], out["lse"], d_q, r["d_k"], r["d_v"])])
+            for name, a, b in zip(("o", "lse", "dq", "dk", "dv"), *got):
+                np.testing.assert_array_equal(a, b, err_msg=f"{name} {t} T={T}")
+            if B == 1 and t.double:
+                _check(got[1], reference(q, k, v, do), TOL)
+
+
 def test_rows_meeting_by_subgroup_shuffles_match_float64(matrix_engine, rng, fwd16):
     """MatrixAttentionTiles.shuffle (a row's maximum and sum met by subgroup shuffles, no tile_m and
     its barrier), alone and with double, at every fitting tile shape: random and growing scores (a
@@ -300,8 +332,8 @@ def test_autotuned_matrix_attention_is_correct_and_cached(raised_ctx, matrix_eng
     saved = json.loads((tmp_path / "autotune.json").read_text())
     assert sorted(e["kind"] for e in saved.values()) == ["MatrixAttentionTiles"] * 3
     tried = len(MATRIX_ATTENTION_CANDIDATES) + 1            # and the planner's pick with vec4 staging,
-    # each double-buffered too; the forward also its rows meeting by subgroup shuffles, with and without
-    assert sorted(len(e["seconds"]) for e in saved.values()) == [tried + 1, tried + 1, tried + 3]
+    # double-buffered, paired, paired and double-buffered; the forward's also with shuffles, alone and double
+    assert sorted(len(e["seconds"]) for e in saved.values()) == [tried + 3, tried + 3, tried + 5]
     again = ComputeEngine(raised_ctx)
     for a, g in zip(_run(again, fwd, bwd, q, k, v, do, bucket=16), got):
         np.testing.assert_array_equal(a, g)
