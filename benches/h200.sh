@@ -247,7 +247,7 @@ kgroups)
     ;;
 double)
     export LFM2JIT_WEBGPU=dawn
-    timeout 120 python3 -m pytest -q -p no:cacheprovider tests/compiler/test_attention_matrix.py \
+    timeout 180 python3 -m pytest -q -p no:cacheprovider tests/compiler/test_attention_matrix.py \
         -k "o_kept or backward_with or shuffles or paired or every_fitting" 2>&1 | tee "$OUT/${card}_attention_double_tests_dawn.log" | tail -2
     timeout 300 python3 benches/bench.py --only atiles --json "$OUT/${card}_atiles_double.json" 2>&1 \
         | grep -v "^#" | grep -v simt | tail -44
