@@ -56,10 +56,11 @@
 #                                         o in fragments; rows meeting by subgroup shuffles; causal blocks paired), then the
 #                                         atiles group (each pick with and without them, labels /x2, /sh, /pr)
 #                                         -> $OUT/<card>_attention_double_tests_dawn.log, <card>_atiles_double.json
-#   bash benches/h200.sh thin BASE        on Dawn, issue 51's LoRA: the rank-8 products at matrix and SIMT tiles 8 thin
+#   bash benches/h200.sh thin [BASE]      on Dawn, issue 51's LoRA: the rank-8 products at matrix and SIMT tiles 8 thin
 #                                         (benches/probes/narrow_tiles.py), then LoRA r = 8 at LFM2-1.2B, --f16, 1x2048 with
-#                                         this checkout (and PyTorch + PEFT bf16) and with BASE (git archive thin-simt: the
-#                                         planner's SIMT route) -> $OUT/<card>_narrow_simt.log, <card>_lora_1.2B_f16{,_base}.json
+#                                         this checkout (and PyTorch + PEFT bf16), then autotuned (into $OUT/tune, in the
+#                                         untimed first window), and with BASE (an older checkout)
+#                                         -> $OUT/<card>_narrow_simt.log, <card>_lora_1.2B_f16{,_tuned,_base}.json
 #   bash benches/h200.sh moe              on Dawn: the routing, grouped-GEMM and LFM2-MoE tests, then the grouped group
 #                                         (the experts' grouped GEMMs at LFM2-8B-A1B shapes beside a dense GEMM of the
 #                                         same FLOPs) -> $OUT/<card>_moe_tests_dawn.log, $OUT/<card>_grouped.json; with
@@ -257,6 +258,9 @@ thin)
     timeout 200 python3 benches/probes/narrow_tiles.py 2048 8192 2048 2048 2>&1 | tee "$OUT/${card}_narrow_simt.log" | tail -9
     lora="--preset 1.2B --lora 8 --lora-f16-base --shapes 1x2048 --steps 4 --ours f16"
     timeout 170 python3 benches/side_by_side.py $lora --torch bf16 --json "$OUT/${card}_lora_1.2B_f16.json" 2>&1 | tail -6
+    mkdir -p -m 700 "$OUT/tune"    # the tuner times its candidates in the first window, which is not timed
+    LFM2JIT_CACHE_DIR="$OUT/tune" LFM2JIT_AUTOTUNE=1 timeout 240 python3 benches/side_by_side.py $lora \
+        --json "$OUT/${card}_lora_1.2B_f16_tuned.json" 2>&1 | tail -3
     if [ -n "${2:-}" ]; then
         (cd "$2" && PYTHONPATH=$PWD:$PYTHONPATH timeout 120 python3 benches/side_by_side.py $lora --torch \
             --json "$OUT/${card}_lora_1.2B_f16_base.json" 2>&1 | tail -4)
