@@ -311,7 +311,9 @@ def test_matrix_units_setting(ctx, monkeypatch):
                                    limits={"max-compute-workgroup-storage-size": 16384})
     with pytest.raises(ValueError, match="LFM2JIT_MATRIX_UNITS=emulate: a GPU without f16 has no shader-f16"):
         target_of(no_f16, "emulate")
-    assert target_of(no_f16, "auto") == Target(workgroup_bytes=16384)
+    assert target_of(no_f16, "auto") == Target(workgroup_bytes=16384, subgroups="subgroup")
+    no_subgroups = types.SimpleNamespace(**{**vars(no_f16), "features": frozenset()})
+    assert target_of(no_subgroups, "auto") == Target(workgroup_bytes=16384)
 
 
 # ---- on the matrix units: the device's own, or emulated in plain WGSL where it has none ----
