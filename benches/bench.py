@@ -557,8 +557,7 @@ class Bench:
                                           ("dkdv", dkdv, 1.5 * fwd_flops)):
                     spec = kern.kernels[0].specialize({"B": 1, "T": t, "H": h, "G": g, "E": e_}, 1, target=e.target)
                     matrix = tuple(c for c in (for_spec(spec) if spec.template in MATRIX_TEMPLATES.values() else ())
-                                   if matrix_tiles_problem(mode, c, e_, spec.params.frag, e.target.subgroup_size,
-                                                           e.target.workgroup_bytes, e.target.subgroups) is None)
+                                   if matrix_tiles_problem(mode, c, e_, e.target) is None)
                     given = {n: args[n] for n in kern.inputs}
                     configs = dict.fromkeys((choose_tiles(mode, e_), *matrix))
                     timed = time_in_turn(e, {cfg: functools.partial(e.run, kern, tiles=cfg, **given) for cfg in configs},

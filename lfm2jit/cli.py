@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from .driver import STAGES, Kernel, compile_source, grad, stages
+from .engine import subgroup_feature
 from .safefiles import untrusted_reason, write_atomic
 from .dsl.errors import DslError
 from .ir.nodes import SEQ_AXIS
@@ -120,7 +121,7 @@ LIMIT_MODE_HELP = {"raised": "the adapter's highest limits were asked for",
 
 def feature_lines(ctx) -> list[str]:
     """One line per optional feature that decides a schedule: present or absent, and what that means."""
-    subgroups = bool({"subgroup", "subgroups"} & set(ctx.features))   # wgpu-native's and Dawn's names
+    subgroups = bool(subgroup_feature(ctx.features))
     rows = [("shader-f16", ctx.has_f16, "f16 activations and f16 bases can run",
              "--f16, --lora-f16-base and f16 bases (add_lora(base_dtype='f16')) are refused with one error line"),
             ("subgroups", subgroups, "matrix attention's forward may meet a row's maximum by shuffles "

@@ -304,6 +304,13 @@ class ComputeEngine(Recorder):
         return result
 
 
+def subgroup_feature(features) -> str:
+    """The device's subgroup feature by its implementation's name: Dawn's "subgroups" (its WGSL needs
+    `enable subgroups;`), wgpu-native's "subgroup" (naga takes the builtins as they are), "" for none."""
+    names = {str(f) for f in features}
+    return next((f for f in ("subgroups", "subgroup") if f in names), "")
+
+
 def target_of(ctx, matrix_units: str = "auto", matrix_staging: str = "f16") -> Target:
     """What the context's device offers the planners: its subgroup matrices (Dawn lists them per
     adapter), the subgroup size they run at, its workgroup memory and storage-binding limits.
@@ -316,7 +323,7 @@ def target_of(ctx, matrix_units: str = "auto", matrix_staging: str = "f16") -> T
                                         limits.get("max-buffer-size", 256 << 20))),
                   binding_align=int(limits.get("min-storage-buffer-offset-alignment", 256)))
     features = {str(f) for f in getattr(ctx, "features", ())}
-    device["subgroups"] = next((f for f in ("subgroups", "subgroup") if f in features), "")
+    device["subgroups"] = subgroup_feature(features)
     if matrix_units == "off":
         return Target(**device)
     vec4 = matrix_staging == "vec4"

@@ -278,10 +278,10 @@ def matrix_workgroup_bytes(mode: str, t: MatrixAttentionTiles, e: int, threads: 
     return 2 * (2 * (t.rows + n * t.tile) * rs + 2 * t.tile * cs) + 4 * (2 * t.tile * acc + 2 * n * t.tile)
 
 
-def matrix_tiles_problem(mode: str, t: MatrixAttentionTiles, e: int, frag, subgroup: int,
-                         workgroup_bytes: int, subgroups: str = "") -> str | None:
-    """The first rule of the ``mode`` matrix template that ``t`` breaks (None: it keeps them all);
-    ``subgroups``: the device's subgroup feature (Target.subgroups), "" for none."""
+def matrix_tiles_problem(mode: str, t: MatrixAttentionTiles, e: int, target) -> str | None:
+    """The first rule of the ``mode`` matrix template that ``t`` breaks on ``target`` (its f16 fragment,
+    subgroup size, workgroup memory, subgroup feature), None where it keeps them all."""
+    frag, subgroup = target.matrix("f16", "f32"), target.subgroup_size
     if not all(isinstance(v, int) and v >= 1 for v in (t.rows, t.tile)):
         return "rows and tile must be positive integers"
     if t.rows % frag.m or subgroup % frag.m:
@@ -293,7 +293,7 @@ def matrix_tiles_problem(mode: str, t: MatrixAttentionTiles, e: int, frag, subgr
         return f"vec4 staging needs fragments (n {frag.n}, k {frag.k}) that start on whole vec4s"
     if t.shuffle and mode != "fwd":
         return "shuffle (a row's maximum and sum by subgroup shuffles) is the forward's; dq and dkdv exchange no maxima"
-    if t.shuffle and not subgroups:
+    if t.shuffle and not target.subgroups:
         return "shuffle needs a device with subgroups (the feature 'subgroups' or 'subgroup')"
     if t.shuffle and subgroup // frag.m > 4:   # WebGPU's smallest subgroup holds 4 invocations, a row's at most
         return f"shuffle needs a row's {subgroup // frag.m} invocations within one subgroup (at most 4)"
@@ -304,8 +304,11 @@ def matrix_tiles_problem(mode: str, t: MatrixAttentionTiles, e: int, frag, subgr
         return (f"the streamed tile ({t.tile}) must be a multiple of the {subgroup // frag.m} invocations "
                 "serving each row (each takes an equal share of the scores and of the spilled results)")
     need = matrix_workgroup_bytes(mode, t, e, threads)
-    if need > workgroup_bytes:
-        return f"{need} bytes of workgroup memory, the device allows {workgroup_bytes}"
+    if need > target.workgroup_bytes:
+        return f"{need} bytes of workgroup memory, the device allows {target.workgroup_bytes}"
+    if mode == "fwd" and t.double and not target.emulated:
+        return ("double (o kept in fragments) gave wrong forward results on an H100 under Dawn "
+                "(benches/results/h100_attention_double_tests_dawn.log); only the emulated matrix units run it")
     return None
 
 
@@ -362,11 +365,7 @@ def _matrix_params(call: IntrinsicCall, target, mode: str, params: tuple[str, ..
     e = _sizes(call)[4]
 
     def problem(t):
-        if mode == "fwd" and t.double and not target.emulated:
-            return ("double (o kept in fragments) gave wrong forward results on an H100 under Dawn "
-                    "(benches/results/h100_attention_double_tests_dawn.log); only the emulated matrix units run it")
-        return matrix_tiles_problem(mode, t, e, frag, target.subgroup_size, target.workgroup_bytes,
-                                    target.subgroups)
+        return matrix_tiles_problem(mode, t, e, target)
     if given:
         why = problem(call.tiles)
         if why:

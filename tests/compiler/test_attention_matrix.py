@@ -34,8 +34,7 @@ def fwd16():
 
 def _fitting(engine, e, mode="fwd"):
     t = engine.target
-    return [c for c in MATRIX_ATTENTION_CANDIDATES if not matrix_tiles_problem(mode, c, e, t.matrix("f16", "f32"),
-                                                                        t.subgroup_size, t.workgroup_bytes)]
+    return [c for c in MATRIX_ATTENTION_CANDIDATES if not matrix_tiles_problem(mode, c, e, t)]
 
 
 def test_f16_attention_goes_to_the_matrix_units_and_f32_stays_simt(matrix_engine, engine, fwd16):
@@ -149,8 +148,7 @@ def test_o_kept_in_fragments_matches_float64(matrix_engine, rng, fwd16):
     e = matrix_engine
     E = 64
     fitting = [replace(t, double=True) for t in _fitting(e, E)]
-    fitting = [t for t in fitting if not matrix_tiles_problem("fwd", t, E, e.target.matrix("f16", "f32"),
-                                                              e.target.subgroup_size, e.target.workgroup_bytes)]
+    fitting = [t for t in fitting if not matrix_tiles_problem("fwd", t, E, e.target)]
     assert fitting
     _forward_at(e, fwd16, rng, fitting, fitting[:2] + [replace(fitting[0], vec4=True)], fitting[:1], fitting[:1])
 
@@ -163,11 +161,10 @@ def test_backward_with_double_buffered_tiles_matches_float64(matrix_engine, rng,
     query tiles to the next's) and on packed sequences."""
     from lfm2jit import ComputeEngine
     e = matrix_engine
-    frag = e.target.matrix("f16", "f32")
 
     def fitting(mode):
         tiles = [t for t in (replace(c, double=True) for c in MATRIX_ATTENTION_CANDIDATES)
-                 if not matrix_tiles_problem(mode, t, E, frag, e.target.subgroup_size, e.target.workgroup_bytes)]
+                 if not matrix_tiles_problem(mode, t, E, e.target)]
         assert tiles, mode
         return tiles
 
@@ -227,7 +224,7 @@ def test_paired_blocks_give_the_same_bits(matrix_engine, rng, fwd16):
         q, k, v, do = (np.stack(a) if B > 1 else a[0] for a in zip(*x))
         args = {n: e.tensor(a) for n, a in (("q", q), ("k", k), ("v", v), ("d_o", do))}
         for t in tiles:
-            assert not matrix_tiles_problem("dkdv", t, 32, frag, e.target.subgroup_size, e.target.workgroup_bytes)
+            assert not matrix_tiles_problem("dkdv", t, 32, e.target)
             got = []
             for pair in (False, True):
                 tt = replace(t, pair=pair)
@@ -250,10 +247,8 @@ def test_rows_meeting_by_subgroup_shuffles_match_float64(matrix_engine, rng, fwd
     if not e.target.subgroups:
         pytest.skip(f"{e.ctx.name} has no subgroups")
     E = 64
-    frag = e.target.matrix("f16", "f32")
     fitting = [t for t in (replace(c, shuffle=True, double=d) for c in MATRIX_ATTENTION_CANDIDATES for d in (False, True))
-               if not matrix_tiles_problem("fwd", t, E, frag, e.target.subgroup_size, e.target.workgroup_bytes,
-                                           e.target.subgroups)]
+               if not matrix_tiles_problem("fwd", t, E, e.target)]
     assert {t.double for t in fitting} == {False, True}
     wgsl = render(fwd16.specialize({"T": 150, "H": H, "G": 2, "E": E}, 16, frozenset(), fitting[0], e.target))
     assert "subgroupShuffleXor" in wgsl and "var<workgroup> tile_m" not in wgsl
@@ -287,6 +282,9 @@ def test_tiles_that_do_not_fit_are_refused_by_name(matrix_engine, fwd16):
         dkdv.specialize(dims, 16, frozenset(), MatrixAttentionTiles(32, 16, shuffle=True), target)
     with pytest.raises(IntrinsicError, match="shuffle needs a device with subgroups"):
         fwd16.specialize(dims, 16, frozenset(), MatrixAttentionTiles(64, 32, shuffle=True), replace(target, subgroups=""))
+    with pytest.raises(IntrinsicError, match="double .* gave wrong forward results on an H100"):
+        fwd16.specialize(dims, 16, frozenset(), MatrixAttentionTiles(32, 16, double=True), replace(target, emulated=False))
+    assert fwd16.specialize(dims, 16, frozenset(), MatrixAttentionTiles(32, 16, double=True), replace(target, emulated=True))
 
 
 @pytest.mark.parametrize("E", [16, 64, 128])
