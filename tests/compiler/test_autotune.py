@@ -104,17 +104,20 @@ def test_every_candidate_computes_the_same_product(engine, rng):
     """The autotuner may pick any candidate, so each must be right, ragged edges included, for the
     three products of a linear layer (x W^T, dY W, dY^T X), with scalar and vec4 device reads
     (vec4 needs the contiguous axis a multiple of 4: K = 36 and 8 have it, 33 and 7 do not), with
-    and without split-K, overwriting and accumulating."""
+    and without split-K, overwriting and accumulating. Each candidate on one shape of each kind of read
+    (the four shapes taken in turn: every pairing would compile twice as many pipelines)."""
     lin = library.get("linear").without({"r"})
     dx_k, dw_k = grad(lin, ["x"]).kernels[0], grad(lin, ["w"]).kernels[0]
     modes = set()
-    for T, K, N in [(70, 33, 90), (129, 7, 130), (70, 36, 92), (129, 8, 132)]:
-        x = rng.standard_normal((T, K)).astype(np.float32)
-        w = rng.standard_normal((N, K)).astype(np.float32)
-        dy = rng.standard_normal((T, N)).astype(np.float32)
-        want = {"y": x.astype(np.float64) @ w.T, "d_x": dy.astype(np.float64) @ w, "d_w": dy.T.astype(np.float64) @ x}
-        args = {"x": engine.tensor(x), "w": engine.tensor(w), "d_y": engine.tensor(dy)}
-        for tiles in CANDIDATES + TEMPLATE_ONLY:
+    scalar_reads, vec4_reads = [(70, 33, 90), (129, 7, 130)], [(70, 36, 92), (129, 8, 132)]
+    for i, tiles in enumerate(CANDIDATES + TEMPLATE_ONLY):
+        for T, K, N in (scalar_reads[i % 2], vec4_reads[i // 2 % 2]):
+            x = rng.standard_normal((T, K)).astype(np.float32)
+            w = rng.standard_normal((N, K)).astype(np.float32)
+            dy = rng.standard_normal((T, N)).astype(np.float32)
+            want = {"y": x.astype(np.float64) @ w.T, "d_x": dy.astype(np.float64) @ w,
+                    "d_w": dy.T.astype(np.float64) @ x}
+            args = {"x": engine.tensor(x), "w": engine.tensor(w), "d_y": engine.tensor(dy)}
             for kernel, out in ((lin, "y"), (dx_k, "d_x"), (dw_k, "d_w")):
                 given = {n: args[n] for n in (t.name for t in kernel.ir.inputs)}
                 got = engine.run(kernel, bucket=16, tiles=tiles, **given)[out].numpy()

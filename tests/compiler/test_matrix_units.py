@@ -334,27 +334,37 @@ def _fits(e, tiles) -> bool:
                                               e.target.workgroup_bytes)
 
 
-@pytest.mark.parametrize("T,K,N", [(129, 40, 132), (7, 8, 12), (256, 1024, 96), (300, 256, 520), (300, 1040, 8)])
-@pytest.mark.parametrize("tiles", [None, MatrixTiles(64, 64, 2, 2, 32, split=2), MatrixTiles(128, 128, 2, 2, 64),
-                                   MatrixTiles(128, 128, 2, 4, 32, group=1), MatrixTiles(128, 64, 2, 2, 32, stages=2),
-                                   MatrixTiles(64, 128, 2, 2, 32, group=3, vec4=True), narrow_matrix_tiles("n", 4),
-                                   narrow_matrix_tiles("m", 8), MatrixTiles(128, 64, 2, 4, 32, prefetch=False, vec4=True),
-                                   MatrixTiles(64, 64, 2, 2, 32, split=2, prefetch=False, vec4=True),
-                                   MatrixTiles(64, 64, 2, 2, 32, stages=2, vec4=True),
-                                   MatrixTiles(256, 128, 4, 2, 32, prefetch=False),
-                                   MatrixTiles(128, 128, 2, 2, 32, split=2, prefetch=False),
-                                   MatrixTiles(128, 64, 2, 2, 32, sg_k=2), MatrixTiles(64, 64, 1, 2, 64, sg_k=4, prefetch=False),
-                                   MatrixTiles(64, 128, 1, 2, 32, sg_k=2, stages=2, vec4=True),
-                                   MatrixTiles(64, 64, 2, 2, 32, split=2, sg_k=2)])
-def test_matrix_products_match_float64(units, rng, T, K, N, tiles):
+# ragged edges, a tile smaller than one fragment, deep K, several waves, a thin output
+PRODUCT_SHAPES = [(129, 40, 132), (7, 8, 12), (256, 1024, 96), (300, 256, 520), (300, 1040, 8)]
+PRODUCT_TILES = [None, MatrixTiles(64, 64, 2, 2, 32, split=2), MatrixTiles(128, 128, 2, 2, 64),
+                 MatrixTiles(128, 128, 2, 4, 32, group=1), MatrixTiles(128, 64, 2, 2, 32, stages=2),
+                 MatrixTiles(64, 128, 2, 2, 32, group=3, vec4=True), narrow_matrix_tiles("n", 4),
+                 narrow_matrix_tiles("m", 8), MatrixTiles(128, 64, 2, 4, 32, prefetch=False, vec4=True),
+                 MatrixTiles(64, 64, 2, 2, 32, split=2, prefetch=False, vec4=True),
+                 MatrixTiles(64, 64, 2, 2, 32, stages=2, vec4=True),
+                 MatrixTiles(256, 128, 4, 2, 32, prefetch=False),
+                 MatrixTiles(128, 128, 2, 2, 32, split=2, prefetch=False),
+                 MatrixTiles(128, 64, 2, 2, 32, sg_k=2), MatrixTiles(64, 64, 1, 2, 64, sg_k=4, prefetch=False),
+                 MatrixTiles(64, 128, 1, 2, 32, sg_k=2, stages=2, vec4=True),
+                 MatrixTiles(64, 64, 2, 2, 32, split=2, sg_k=2)]
+
+
+@pytest.mark.parametrize("tiles,shapes", [(t, (PRODUCT_SHAPES[i % 5], PRODUCT_SHAPES[(i + 2) % 5]))
+                                          for i, t in enumerate(PRODUCT_TILES)])
+def test_matrix_products_match_float64(units, rng, tiles, shapes):
     """f16 activations (x, dY), f32 weights converted as they are staged; against float64 on the same
     f16-rounded values, for all three products: ragged edges, interior tiles stored whole (f32) or
     without masks (f16), split-K,
     one and two staging buffers, bands of tile rows that do not divide the grid, k-steps
     fetched while the last is multiplied or at the top of their own step (no prefetch), and
     workgroup tiles of f16 or of vec4<f16> (its emulated fragment loads count offsets and strides
-    in vec4s, as Dawn's do), and groups of subgroups sharing each k-step (sg_k)."""
-    e = units
+    in vec4s, as Dawn's do), and groups of subgroups sharing each k-step (sg_k). Each tiles on two of the
+    shapes, every shape under several tiles (the whole cross product costs 2.5x the compiles)."""
+    for T, K, N in shapes:
+        _product_matches_float64(units, rng, T, K, N, tiles)
+
+
+def _product_matches_float64(e, rng, T, K, N, tiles):
     x, dy = _f16(rng, (T, K)), _f16(rng, (T, N))
     w = rng.standard_normal((N, K)).astype(np.float32)
     w16 = w.astype(np.float16).astype(np.float64)
