@@ -56,6 +56,9 @@
 #                                         o in fragments; rows meeting by subgroup shuffles; causal blocks paired), then the
 #                                         atiles group (each pick with and without them, labels /x2, /sh, /pr)
 #                                         -> $OUT/<card>_attention_double_tests_dawn.log, <card>_atiles_double.json
+#   bash benches/h200.sh fwddouble        on Dawn, issue 51: why the attention forward with double is wrong on NVIDIA: its template
+#                                         with one suspect at a time changed (benches/probes/attention_double.py), the
+#                                         wrong cases printed -> $OUT/<card>_attention_fwd_double.log
 #   bash benches/h200.sh thin [BASE]      on Dawn, issue 51's LoRA: the rank-8 products at matrix and SIMT tiles 8 thin
 #                                         (benches/probes/narrow_tiles.py), then LoRA r = 8 at LFM2-1.2B, --f16, 1x2048 with
 #                                         this checkout (and PyTorch + PEFT bf16), then autotuned (into $OUT/tune, in the
@@ -253,6 +256,11 @@ double)
     timeout 300 python3 benches/bench.py --only atiles --json "$OUT/${card}_atiles_double.json" 2>&1 \
         | grep -v "^#" | grep -v simt | tail -44
     ;;
+fwddouble)
+    export LFM2JIT_WEBGPU=dawn
+    timeout 240 python3 benches/probes/attention_double.py 2>&1 | tee "$OUT/${card}_attention_fwd_double.log" \
+        | awk '$5 != "-" && ($5 + 0 > 4e-3 || $5 == "nan") || /^#/' | tail -60
+    ;;
 thin)
     export LFM2JIT_WEBGPU=dawn
     timeout 200 python3 benches/probes/narrow_tiles.py 2048 8192 2048 2048 2>&1 | tee "$OUT/${card}_narrow_simt.log" | tail -9
@@ -414,6 +422,6 @@ mpi)
     } | tee "$OUT/h200_mpi_exchange.log"
     ;;
 *)
-    echo "usage: bash benches/h200.sh tests | matrix | speed [BASE] | startup [BASE] | lora | attention | decode | gradsync | limits | gtiles | gdw | lmchunks | kgroups | double | thin [BASE] | sass | moe | moelora | qlora [8B-A1B] | ckpt | packing | longctx | staging | compile | nf4 | robust [MODES] | mpi" >&2; exit 2 ;;
+    echo "usage: bash benches/h200.sh tests | matrix | speed [BASE] | startup [BASE] | lora | attention | decode | gradsync | limits | gtiles | gdw | lmchunks | kgroups | double | fwddouble | thin [BASE] | sass | moe | moelora | qlora [8B-A1B] | ckpt | packing | longctx | staging | compile | nf4 | robust [MODES] | mpi" >&2; exit 2 ;;
 esac
 echo "took $(( $(date +%s) - start )) s"
