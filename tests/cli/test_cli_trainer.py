@@ -207,15 +207,15 @@ def test_replay_and_recompute_change_nothing_but_speed_and_memory(tmp_path):
     up-projections) and --checkpoint-layers (backward reruns checkpointed layers' forwards) run the
     same kernels on the same inputs: bit-identical metrics and weights."""
     common = ["--preset", "tiny", "--steps", 4, "--eval-fraction", 0, "--no-progress", "--max-len", 64]
-    runs = {"default": [], "plain": ["--replay", 0], "recompute": ["--recompute-mlp"],
-            "checkpoint": ["--checkpoint-layers", "all"], "first": ["--checkpoint-layers", 1, "--replay", 0]}
+    runs = {"default": [], "recompute": ["--recompute-mlp"], "checkpoint": ["--checkpoint-layers", "all"],
+            "first": ["--checkpoint-layers", 1, "--replay", 0]}
     for name, flags in runs.items():
         r = cli(*common, *flags, "--out", tmp_path / name)
         assert r.returncode == 0, r.stderr
     from safetensors.numpy import load_file
     base = metrics(tmp_path / "default")
     w0 = load_file(str(tmp_path / "default" / "checkpoints" / "step-000004" / "model" / "model.safetensors"))
-    for name in ("plain", "recompute", "checkpoint", "first"):
+    for name in ("recompute", "checkpoint", "first"):
         got = metrics(tmp_path / name)
         assert [(m["loss"], m["grad_norm"]) for m in got] == [(m["loss"], m["grad_norm"]) for m in base], name
         w = load_file(str(tmp_path / name / "checkpoints" / "step-000004" / "model" / "model.safetensors"))

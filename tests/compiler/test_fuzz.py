@@ -23,7 +23,7 @@ from tests.fuzz.generate import Case, features
 from tests.fuzz.shrink import failure_of, shrink
 
 BATCH_SEED = 0
-BATCH_SIZE = 400
+BATCH_SIZE = 200      # each kernel compiles new pipelines; long runs: python -m tests.fuzz N --seed S
 
 @pytest.fixture(scope="module")
 def runner(ctx) -> Runner:
