@@ -213,7 +213,6 @@ def test_paired_blocks_give_the_same_bits(matrix_engine, rng, fwd16):
     of live blocks (the middle block of an odd count taken once), lengths off the bucket, with the tiles
     double-buffered and not, packed sequences; and one case against float64."""
     e = matrix_engine
-    frag = e.target.matrix("f16", "f32")
     lib = library.get("attention").variant("f16")
     cases = [(150, 1, fwd16, (MatrixAttentionTiles(64, 16), MatrixAttentionTiles(32, 16, double=True))),
              (128, 1, fwd16, (MatrixAttentionTiles(32, 32),)),
